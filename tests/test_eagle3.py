@@ -1,0 +1,231 @@
+"""EAGLE-3 drafter: TTT/inference consistency, label shift, metrics, formats, lossless generation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculators.data.dataset import collate
+from speculators.drafters import DraftVocab, Drafter, registry
+from speculators.generate import NGramProposer, Sampling, plain_decode, speculative_decode
+from speculators.target import build_tiny_target
+
+V = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+
+
+def make_drafter(target, ttt_steps=3, vocab_size=None, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = registry.get("eagle3").config_class(algorithm="eagle3", ttt_steps=ttt_steps,
+                                              draft_vocab_size=vocab_size, **kw)
+    counts = torch.arange(V, 0, -1)  # lower ids more frequent
+    d = registry.get("eagle3").from_target(cfg, target, DraftVocab.from_counts(counts, vocab_size))
+    # random (non-zero) weights everywhere so that every input matters
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.requires_grad and "norm" not in name:
+                p.normal_(0, 0.2)
+    return d
+
+
+def batch_for(target, ids: torch.Tensor, loss_mask: torch.Tensor | None = None):
+    f = target.features(ids, with_logits=True)
+    rows = []
+    for i in range(ids.shape[0]):
+        rows.append({"input_ids": ids[i], "loss_mask": torch.ones(ids.shape[1], dtype=torch.bool)
+                     if loss_mask is None else loss_mask[i], "argmax": f.logits[i].argmax(-1),
+                     "aux": f.aux[i], "top": f.top[i]})
+    return collate(rows), f
+
+
+def capture_step_logits(drafter, batch):
+    """Run drafter.loss and capture the lm_head output of every TTT step."""
+    seen = []
+    h = drafter.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().float()))
+    try:
+        loss, metrics = drafter.loss(batch)
+    finally:
+        h.remove()
+    return loss, metrics, seen
+
+
+def test_ttt_steps_match_inference_chain(target):
+    """Step j of training at index t must compute exactly what inference computes for draft j+1.
+
+    Fails if the token shift, the position ids, the fed-back hidden state or the diagonal mask of
+    the TTT attention differ from the drafter's autoregressive inference with its KV cache.
+    """
+    d = make_drafter(target, ttt_steps=3).eval()
+    g = torch.Generator().manual_seed(0)
+    n = 9  # prompt x_0..x_{n-1}, first target token x_n
+    prefix = torch.randint(0, V, (n + 1,), generator=g)
+    feats = target.features(prefix[None])
+    state = d.start(prefix, feats.slice(0, n))
+    prop = d.propose(state, 3, temperature=1.0, generator=g)  # sampled: probs = softmax(logits)
+    seq = torch.cat([prefix, prop.token_ids, torch.randint(0, V, (3,), generator=g)])
+    batch, _ = batch_for(target, seq[None])
+    _, _, step_logits = capture_step_logits(d, batch)
+    t = n - 1  # index whose input is (g[n-1], x_n)
+    for j in range(3):
+        train_p = torch.softmax(step_logits[j][0, t], -1)
+        infer_p = prop.probs[j][d.draft_ids]
+        torch.testing.assert_close(train_p, infer_p, atol=2e-5, rtol=1e-4)
+
+
+def test_loss_compares_step_j_with_target_at_t_plus_1_plus_j(target):
+    """Recompute every TTT step's loss by hand with the documented shift and mask."""
+    d = make_drafter(target, ttt_steps=3, vocab_size=48)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (2, 14), generator=g)
+    mask = torch.rand(2, 14, generator=g) > 0.3
+    batch, f = batch_for(target, ids, mask)
+    loss, metrics, step_logits = capture_step_logits(d, batch)
+    draft_ids = d.draft_ids
+    teacher = torch.softmax(f.logits[..., draft_ids], -1)
+    in_vocab = d.t2d[f.logits.argmax(-1)]
+    T = ids.shape[1]
+    total = 0.0
+    for j in range(3):
+        num, den, correct = 0.0, 0, 0
+        for b in range(2):
+            for t in range(T - 2 - j):
+                if not (mask[b, t + 2 + j] and in_vocab[b, t + 1 + j]):
+                    continue
+                lp = torch.log_softmax(step_logits[j][b, t], -1)
+                num += float(-(teacher[b, t + 1 + j] * lp).sum())
+                den += 1
+        manual = num / max(den, 1)
+        assert metrics[f"loss_{j}"] == pytest.approx(manual, rel=1e-4, abs=1e-5)
+        total += 0.8 ** j * manual
+    assert float(loss) == pytest.approx(total, rel=1e-4)
+
+
+def test_metrics_full_and_conditional_accuracy(target):
+    d = make_drafter(target, ttt_steps=3)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(5))
+    batch, f = batch_for(target, ids)
+    _, m, step_logits = capture_step_logits(d, batch)
+    argmax = f.logits.argmax(-1)
+    T = 16
+    full = None
+    tau = 1.0
+    for j in range(3):
+        pred = d.draft_ids[step_logits[j].argmax(-1)]
+        correct = torch.zeros(2, T, dtype=torch.bool)
+        correct[:, :T - 1 - j] = pred[:, :T - 1 - j] == argmax[:, 1 + j:]
+        valid = torch.zeros(2, T, dtype=torch.bool)
+        valid[:, :T - 2 - j] = True
+        new_full = correct if full is None else full & correct
+        acc = float((new_full & valid).sum() / valid.sum())
+        assert m[f"full_acc_{j}"] == pytest.approx(acc)
+        if full is not None:
+            den = (full & valid).sum()
+            assert m[f"cond_acc_{j}"] == pytest.approx(float((new_full & valid).sum() / den) if den else 0.0)
+        full = new_full
+        tau += acc
+    assert m["sim_tau"] == pytest.approx(tau)
+
+
+def test_training_reduces_loss_and_improves_acceptance(target):
+    d = make_drafter(target, ttt_steps=2)
+    ids = torch.randint(0, V, (4, 24), generator=torch.Generator().manual_seed(7))
+    batch, _ = batch_for(target, ids)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    first, m0 = d.loss(batch)
+    for _ in range(60):
+        loss, m = d.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.5 * float(first)
+    assert m["full_acc_0"] > m0["full_acc_0"] + 0.2
+
+
+def test_draft_vocab_from_counts():
+    counts = torch.tensor([5, 9, 9, 0, 7, 1])
+    v = DraftVocab.from_counts(counts, 3)
+    assert v.target_ids.tolist() == [1, 2, 4]  # ties (9, 9) keep both; lower id first among equal counts
+    assert (torch.arange(3) + v.d2t).tolist() == [1, 2, 4]  # vLLM: target = i + d2t[i]
+    assert v.t2d.tolist() == [False, True, True, False, True, False]
+    tie = DraftVocab.from_counts(torch.tensor([1, 3, 3, 3]), 2)
+    assert tie.target_ids.tolist() == [1, 2]
+    assert DraftVocab.from_counts(counts, None).size == 6
+
+
+def test_save_load_round_trip_and_vllm_format(target, tmp_path):
+    d = make_drafter(target, vocab_size=40)
+    path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["architectures"] == ["Eagle3DraftModel"]
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "eagle3"
+    assert sc["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 4
+    assert sc["verifier"]["name_or_path"] == target.name_or_path
+    assert isinstance(cfg["transformer_layer_config"], dict)
+    assert cfg["transformer_layer_config"]["rope_theta" if "rope_theta" in cfg["transformer_layer_config"]
+                                          else "rope_parameters"] is not None
+    assert cfg["draft_vocab_size"] == 40
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
+    from safetensors.torch import load_file
+
+    w = load_file(str(path / "model.safetensors"))
+    H = target.hidden_size
+    assert w["fc.weight"].shape == (H, 3 * H)
+    assert w["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * H
+    for name in ("layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
+                 "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_proj.weight", "norm.weight"):
+        assert name in w
+    assert w["lm_head.weight"].shape == (40, H)
+    assert w["embed_tokens.weight"].shape == (V, H)
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 40
+    loaded = Drafter.from_pretrained(path)
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_speculative_equals_plain(target, seed):
+    d = make_drafter(target, vocab_size=None).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, V, (10,), generator=g).tolist()
+    plain = plain_decode(target, prompt, 30)
+    for k in (1, 3, 5):
+        spec = speculative_decode(target, d, prompt, k, 30)
+        assert spec.tokens == plain.tokens
+        ng = speculative_decode(target, NGramProposer(), prompt, k, 30)
+        assert ng.tokens == plain.tokens
+        assert len(spec.accepted) == spec.target_forwards
+
+
+def test_greedy_accepts_everything_when_drafter_is_the_target_chain(target):
+    """A proposer that returns the target's own greedy continuation gets tau = K + 1."""
+    prompt = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(9)).tolist()
+    plain = plain_decode(target, prompt, 25, eos_ids=set())
+
+    class Oracle(NGramProposer):
+        def propose(self, state, k, *a, **kw):
+            n_gen = len(state.tokens) - len(prompt)
+            from speculators.drafters.base import Proposal
+            return Proposal(torch.tensor(plain.tokens[n_gen:n_gen + k], dtype=torch.int64))
+
+    spec = speculative_decode(target, Oracle(), prompt, 4, 25, eos_ids=set())
+    assert spec.tokens == plain.tokens
+    assert all(a == n for a, n in zip(spec.accepted[:-1], spec.drafted[:-1]))
+    assert spec.accepted[0] == 4
+
+
+def test_sampled_speculative_decoding_runs_and_is_seeded(target):
+    d = make_drafter(target).eval()
+    prompt = list(range(8))
+    a = speculative_decode(target, d, prompt, 3, 20, Sampling(0.8, 0, 0.9), seed=11)
+    b = speculative_decode(target, d, prompt, 3, 20, Sampling(0.8, 0, 0.9), seed=11)
+    assert a.tokens == b.tokens and len(a.tokens) == 20
