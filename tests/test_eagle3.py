@@ -92,7 +92,7 @@ def test_loss_compares_step_j_with_target_at_t_plus_1_plus_j(target):
     T = ids.shape[1]
     total = 0.0
     for j in range(3):
-        num, den, correct = 0.0, 0, 0
+        num, den = 0.0, 0
         for b in range(2):
             for t in range(T - 2 - j):
                 if not (mask[b, t + 2 + j] and in_vocab[b, t + 1 + j]):
