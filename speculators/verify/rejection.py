@@ -1,0 +1,474 @@
+"""Lossless speculative-decoding verification (rejection sampling), a pure function of tensors.
+
+Algorithm: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding" (arXiv 2211.17192)
+and Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling" (arXiv 2302.01318).
+Engine semantics (ragged batch layout, greedy rule, point-mass drafts when no draft probs, -1 padding,
+"argmax(p / Exp(1))" sampling): vLLM ``vllm/v1/sample/rejection_sampler.py``.
+
+For one request with drafts ``d_1..d_n`` (drawn from ``q_1..q_n``) and target distributions
+``p_1..p_{n+1}`` (both through :func:`~speculators.verify.sampling.apply_sampling`):
+
+* greedy (temperature 0): accept while ``d_i == argmax p_i``; at the first mismatch emit ``argmax p_i``;
+  if all are accepted emit the bonus ``argmax p_{n+1}``.
+* stochastic: accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection
+  emit a *recovered* token ``~ normalise(max(p_i - q_i, 0))`` and stop; if all are accepted emit a
+  *bonus* token ``~ p_{n+1}``. Without draft probs ``q_i`` is a point mass on ``d_i``: accept with
+  probability ``p_i(d_i)``, recover from ``p_i`` with ``d_i`` removed.
+
+Random numbers are drawn once, in torch (:func:`draw_randoms`), and shared by every implementation.
+The target side (logits -> probabilities, :mod:`speculators.verify.target_side`) is shared torch code
+too, so the torch and Triton backends return identical tokens; the per-request reference recomputes
+the probabilities itself and agrees with them up to floating-point ties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import target_side
+from .sampling import SamplingParams, _shape, apply_sampling
+
+__all__ = [
+    "PLACEHOLDER_TOKEN_ID",
+    "RejectionOutput",
+    "RejectionRandoms",
+    "draw_randoms",
+    "rejection_sample",
+    "rejection_sample_reference",
+]
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class RejectionOutput:
+    """Result of :func:`rejection_sample`.
+
+    Attributes:
+        output_token_ids: ``[B, max_num_drafts + 1]`` int64. Row ``i`` holds the accepted drafts of
+            request ``i`` followed by one recovered or bonus token, then ``-1`` padding.
+        num_accepted: ``[B]`` int64, accepted drafts per request (tokens emitted = ``num_accepted + 1``).
+    """
+
+    output_token_ids: Tensor
+    num_accepted: Tensor
+
+    @property
+    def num_emitted(self) -> Tensor:
+        """``[B]`` int64, tokens emitted per request (accepted + recovered/bonus)."""
+        return self.num_accepted + 1
+
+    def tolist(self) -> list[list[int]]:
+        """Emitted token ids per request, padding removed."""
+        return [
+            row[: int(n) + 1]
+            for row, n in zip(self.output_token_ids.tolist(), self.num_accepted.tolist())
+        ]
+
+
+@dataclass
+class RejectionRandoms:
+    """The random numbers one verification consumes (shared by all implementations).
+
+    Attributes:
+        uniform: ``[num_draft_tokens_total]`` float32 in ``[0, 1)``, one accept-test uniform per draft
+            position (``0`` for greedy requests, which makes the stochastic rule reduce to greedy).
+        inv_exponential: ``[B, V]`` float32 ``1 / E`` with ``E = -log(U) ~ Exp(1)``, one row per request, used for its single recovered *or* bonus token as
+            ``argmax(r * inv_exponential)`` (= ``argmax(r / E)``, which is a sample from
+            ``r / sum(r)``). Rows of greedy requests are ``1``. ``None`` when every request is greedy.
+    """
+
+    uniform: Tensor
+    inv_exponential: Tensor | None
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout + validation
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layout:
+    batch: int
+    vocab: int
+    num_drafts: list[int]  # host copy
+    max_drafts: int  # K
+    total_drafts: int  # T
+    n: Tensor  # [B] int64 (device)
+    draft_start: Tensor  # [B] int64, index of request i's first draft in the flat draft arrays
+    row_start: Tensor  # [B] int64, index of request i's first target_logits row (= draft_start + i)
+    is_greedy: Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+
+
+def _as_num_drafts(num_draft_tokens: Tensor | Sequence[int]) -> list[int]:
+    if isinstance(num_draft_tokens, Tensor):
+        if num_draft_tokens.dim() != 1 or num_draft_tokens.is_floating_point():
+            raise ValueError(
+                f"num_draft_tokens: expected a 1-D integer tensor [B], got {num_draft_tokens.dtype} "
+                f"{list(num_draft_tokens.shape)}"
+            )
+        return [int(v) for v in num_draft_tokens.tolist()]
+    try:
+        return [int(v) for v in num_draft_tokens]
+    except (TypeError, ValueError):
+        raise ValueError(f"num_draft_tokens: expected a list of ints or a 1-D tensor, got {num_draft_tokens!r}")
+
+
+def _prepare(
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor | Sequence[int],
+    draft_probs: Tensor | None,
+    target_logits: Tensor,
+    sampling: SamplingParams,
+    validate: bool,
+) -> _Layout:
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(target_logits, Tensor) or target_logits.dim() != 2 or not target_logits.is_floating_point():
+        raise ValueError(
+            f"target_logits: expected a 2-D float tensor [num_draft_tokens_total + batch_size, vocab], "
+            f"got {_shape(target_logits)}"
+        )
+    if not isinstance(draft_token_ids, Tensor) or draft_token_ids.dim() != 1:
+        raise ValueError(f"draft_token_ids: expected a 1-D int64 tensor [num_draft_tokens_total], got {_shape(draft_token_ids)}")
+    if draft_token_ids.is_floating_point() or draft_token_ids.dtype == torch.bool:
+        raise ValueError(f"draft_token_ids: expected an integer tensor, got {draft_token_ids.dtype}")
+    nums = _as_num_drafts(num_draft_tokens)
+    batch = len(nums)
+    device = target_logits.device
+    vocab = int(target_logits.shape[1])
+    if vocab == 0:
+        raise ValueError("target_logits: vocabulary dimension is empty")
+    if any(v < 0 for v in nums):
+        raise ValueError(f"num_draft_tokens: every entry must be >= 0, got {nums}")
+    total = sum(nums)
+    if draft_token_ids.shape[0] != total:
+        raise ValueError(
+            f"draft_token_ids: length {draft_token_ids.shape[0]} != sum(num_draft_tokens) = {total}"
+        )
+    if target_logits.shape[0] != total + batch:
+        raise ValueError(
+            f"target_logits: expected {total + batch} rows (sum(num_draft_tokens)={total} draft positions "
+            f"+ {batch} bonus positions), got {target_logits.shape[0]}"
+        )
+    if draft_probs is not None:
+        if not isinstance(draft_probs, Tensor) or draft_probs.dim() != 2 or not draft_probs.is_floating_point():
+            raise ValueError(f"draft_probs: expected a 2-D float tensor [{total}, {vocab}] or None, got {_shape(draft_probs)}")
+        if tuple(draft_probs.shape) != (total, vocab):
+            raise ValueError(f"draft_probs: expected shape [{total}, {vocab}], got {list(draft_probs.shape)}")
+        if draft_probs.device != device:
+            raise ValueError(f"draft_probs: on {draft_probs.device}, expected target_logits' device {device}")
+    if draft_token_ids.device != device:
+        raise ValueError(f"draft_token_ids: on {draft_token_ids.device}, expected target_logits' device {device}")
+    for name in ("temperature", "top_k", "top_p"):
+        t = getattr(sampling, name)
+        if isinstance(t, Tensor) and t.device != device:
+            raise ValueError(f"sampling.{name}: on {t.device}, expected target_logits' device {device}")
+    sampling.validate(batch, values=validate)
+
+    if validate:
+        # Cheap vectorised checks, one host sync: per-row max catches NaN (propagates), +inf and
+        # all -inf rows; -inf entries (masked tokens) are allowed.
+        row_max = target_logits.amax(dim=-1) if target_logits.shape[0] else target_logits.new_zeros(1)
+        flags = [~torch.isfinite(row_max).all()]
+        if total:
+            flags += [(draft_token_ids < 0).any() | (draft_token_ids >= vocab).any()]
+        if draft_probs is not None and total:
+            sums = draft_probs.sum(dim=-1, dtype=torch.float32)
+            flags += [((sums - 1).abs() > 1e-3).any() | ~torch.isfinite(sums).all(), (draft_probs.amin() < 0)]
+        bad = torch.stack(flags).tolist()
+        if bad[0]:
+            r = int((~torch.isfinite(row_max)).nonzero()[0, 0])
+            raise ValueError(
+                f"target_logits: row {r} contains NaN or +inf (or is entirely -inf); logits must be finite "
+                f"(-inf entries are allowed for masked tokens)"
+            )
+        if total and bad[1]:
+            raise ValueError(
+                f"draft_token_ids: ids must lie in [0, {vocab}), got min {int(draft_token_ids.min())} "
+                f"max {int(draft_token_ids.max())}"
+            )
+        if draft_probs is not None and total:
+            if bad[2]:
+                r = int(((sums - 1).abs() > 1e-3).logical_or(~torch.isfinite(sums)).nonzero()[0, 0])
+                raise ValueError(
+                    f"draft_probs: every row must sum to 1 within 1e-3 (the distribution the draft was sampled "
+                    f"from, after apply_sampling); row {r} sums to {float(sums[r])}"
+                )
+            if bad[3]:
+                raise ValueError("draft_probs: entries must be >= 0")
+
+    n = torch.tensor(nums, dtype=torch.int64, device=device)
+    draft_start = torch.cumsum(n, 0) - n
+    row_start = draft_start + torch.arange(batch, device=device)
+    is_greedy = sampling.temperature == 0
+    n_greedy = int(is_greedy.sum()) if batch else 0
+    return _Layout(
+        batch=batch,
+        vocab=vocab,
+        num_drafts=nums,
+        max_drafts=max(nums, default=0),
+        total_drafts=total,
+        n=n,
+        draft_start=draft_start,
+        row_start=row_start,
+        is_greedy=is_greedy,
+        all_greedy=n_greedy == batch,
+        any_greedy=n_greedy > 0,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Random numbers
+# --------------------------------------------------------------------------------------------------
+
+
+def _fill_inv_exponential_(t: Tensor, generator: torch.Generator | None) -> Tensor:
+    """In place: ``t <- 1 / E`` with ``E = -log(U) ~ Exp(1)``, ``U ~ U[0, 1)`` (``U == 0`` gives ``0``)."""
+    return t.uniform_(generator=generator).log_().reciprocal_().neg_()
+
+
+def draw_randoms(
+    num_draft_tokens: Tensor | Sequence[int],
+    vocab_size: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+    device: str | torch.device | None = None,
+) -> RejectionRandoms:
+    """Draw the random numbers of one verification step.
+
+    Requests without their own generator draw from ``generator`` (or torch's global RNG) in one bulk
+    call each for the uniforms and the noise; a request with ``sampling.generators[i]`` draws its
+    ``n_i`` uniforms and then its ``V`` noise values from that generator only (so its result does
+    not depend on the rest of the batch). Greedy requests consume no random numbers.
+
+    Returns:
+        :class:`RejectionRandoms` on ``device`` (default: ``sampling.temperature.device``).
+    """
+    nums = _as_num_drafts(num_draft_tokens)
+    device = torch.device(device) if device is not None else sampling.temperature.device
+    batch, total = len(nums), sum(nums)
+    greedy = (sampling.temperature == 0).to(device)
+    gens = sampling.generators or [None] * batch
+    greedy_list = greedy.tolist()
+    if all(greedy_list):
+        return RejectionRandoms(torch.zeros(total, dtype=torch.float32, device=device), None)
+    seeded = [i for i, g in enumerate(gens) if g is not None and not greedy_list[i]]
+    uniform = torch.rand(total, generator=generator, device=device)
+    inv_exp = _fill_inv_exponential_(torch.empty(batch, vocab_size, device=device), generator)
+    if seeded:
+        starts = [0] * batch
+        acc = 0
+        for i, v in enumerate(nums):
+            starts[i] = acc
+            acc += v
+        for i in seeded:
+            g = gens[i]
+            if nums[i]:
+                uniform[starts[i] : starts[i] + nums[i]] = torch.rand(nums[i], generator=g, device=device)
+            _fill_inv_exponential_(inv_exp[i], g)
+    if any(greedy_list):
+        n = torch.tensor(nums, device=device)
+        uniform.masked_fill_(torch.repeat_interleave(greedy, n, output_size=total), 0.0)
+        inv_exp.masked_fill_(greedy.unsqueeze(1), 1.0)
+    return RejectionRandoms(uniform, inv_exp)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except (ImportError, RuntimeError, OSError):  # absent or broken install (no driver / compiler)
+        return False
+    return True
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in ("auto", "torch", "triton", "reference"):
+        raise ValueError(f"impl: expected 'auto', 'torch', 'triton' or 'reference', got {impl!r}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if impl == "triton" and not _triton_available():
+        raise ValueError("impl='triton' requested but triton is not importable (pip install triton)")
+    return impl
+
+
+def rejection_sample(
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor | Sequence[int],
+    draft_probs: Tensor | None,
+    target_logits: Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    impl: str = "auto",
+    validate: bool = True,
+    randoms: RejectionRandoms | None = None,
+) -> RejectionOutput:
+    """Verify a batch of drafts against the target model's logits (lossless rejection sampling).
+
+    Follows Leviathan et al. (arXiv 2211.17192) / Chen et al. (arXiv 2302.01318) with vLLM's
+    ``RejectionSampler`` semantics. The emitted tokens have exactly the distribution of sampling the
+    target token by token with the same ``sampling`` parameters.
+
+    Args:
+        draft_token_ids: ``[T]`` int64, ``T = sum(num_draft_tokens)``: request 0's drafts, then request 1's, ...
+        num_draft_tokens: ``[B]`` ints (list or tensor), each ``>= 0``; 0 drafts = plain sampling.
+        draft_probs: ``[T, V]`` float32 draft distributions the drafts were sampled from (already
+            through :func:`apply_sampling`), or ``None`` = point-mass draft (model-free / argmax drafters).
+        target_logits: ``[T + B, V]`` float raw target logits: per request its ``n_i`` draft positions
+            then one bonus position, requests in order.
+        sampling: :class:`SamplingParams` with ``B`` requests (temperature 0 = greedy per request).
+        generator: RNG for requests without their own generator (default: torch's global RNG).
+        impl: ``"auto"`` (Triton for CUDA tensors when triton imports, else torch), ``"torch"``
+            (vectorised), ``"triton"`` (compiled on CUDA; interpreted on CPU tensors, e.g. under
+            ``TRITON_INTERPRET=1``), or ``"reference"`` (per-request Python loop).
+        validate: run the value checks below (a few vectorised reductions and one host sync);
+            shape checks always run. Pass ``False`` in hot loops with trusted inputs.
+        randoms: pre-drawn random numbers (see :func:`draw_randoms`); drawn here when ``None``.
+
+    Returns:
+        :class:`RejectionOutput` (``output_token_ids [B, max(num_draft_tokens) + 1]`` int64 padded with
+        ``-1``; ``num_accepted [B]`` int64).
+
+    Raises:
+        ValueError: mismatched shapes or ragged sums (naming the argument), negative
+            ``num_draft_tokens``, draft ids outside ``[0, V)``, NaN / +inf (or all -inf rows) in
+            ``target_logits``, ``draft_probs`` rows not summing to 1 within 1e-3 or negative,
+            ``temperature < 0``, ``top_k < 0``, ``top_p`` outside ``(0, 1]``, unknown ``impl``.
+    """
+    layout = _prepare(draft_token_ids, num_draft_tokens, draft_probs, target_logits, sampling, validate)
+    impl = _resolve_impl(impl, target_logits.device)
+    draft_token_ids = draft_token_ids.long()
+    if draft_probs is not None:
+        draft_probs = draft_probs.float()
+    if layout.batch == 0:
+        empty = torch.empty(0, 1, dtype=torch.int64, device=target_logits.device)
+        return RejectionOutput(empty, torch.empty(0, dtype=torch.int64, device=target_logits.device))
+    if randoms is None:
+        randoms = draw_randoms(layout.num_drafts, layout.vocab, sampling, generator, target_logits.device)
+    elif randoms.uniform.shape != (layout.total_drafts,) or (
+        not layout.all_greedy
+        and (randoms.inv_exponential is None or randoms.inv_exponential.shape != (layout.batch, layout.vocab))
+    ):
+        raise ValueError("randoms: shapes do not match this batch (use draw_randoms with the same arguments)")
+    if impl == "reference":
+        return _reference(layout, draft_token_ids, draft_probs, target_logits, sampling, randoms)
+    if impl == "torch":
+        from . import torch_impl as backend
+    else:
+        from . import triton_impl as backend
+    # The target side (logits -> probabilities) is shared torch code, so every backend sees bit-identical
+    # inputs; on CPU (large inputs) it is evaluated lazily (see speculators.verify.target_side).
+    lazy = target_side.use_lazy(target_logits)
+    if layout.all_greedy:
+        target_argmax = target_side.target_argmax(layout, target_logits, draft_token_ids, lazy=lazy)
+        return backend.greedy(layout, draft_token_ids, target_argmax)
+    cache: dict = {}
+    p_draft = target_side.probs_at_drafts(
+        layout, target_logits, sampling, draft_token_ids, draft_probs, randoms.uniform, lazy=lazy, cache=cache
+    )
+    out, num_acc = backend.scan(layout, draft_token_ids, draft_probs, p_draft, randoms.uniform)
+    p_final = target_side.final_probs(layout, target_logits, sampling, num_acc, lazy=lazy, cache=cache)
+    del cache
+    backend.sample_final(layout, out, num_acc, draft_token_ids, draft_probs, p_final, randoms.inv_exponential)
+    return RejectionOutput(out, num_acc)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference: per-request Python loop (obviously correct, slow)
+# --------------------------------------------------------------------------------------------------
+
+
+def rejection_sample_reference(
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor | Sequence[int],
+    draft_probs: Tensor | None,
+    target_logits: Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    validate: bool = True,
+    randoms: RejectionRandoms | None = None,
+) -> RejectionOutput:
+    """Same contract as :func:`rejection_sample`, written as a plain per-request, per-position loop.
+
+    This is the "naive" engine code the vectorised implementations are tested and benchmarked against;
+    it consumes the same :class:`RejectionRandoms`, so its output is identical to theirs.
+    """
+    return rejection_sample(
+        draft_token_ids, num_draft_tokens, draft_probs, target_logits, sampling, generator,
+        impl="reference", validate=validate, randoms=randoms,
+    )
+
+
+def _reference(
+    layout: _Layout,
+    draft_token_ids: Tensor,
+    draft_probs: Tensor | None,
+    target_logits: Tensor,
+    sampling: SamplingParams,
+    randoms: RejectionRandoms,
+) -> RejectionOutput:
+    device = target_logits.device
+    out = torch.full((layout.batch, layout.max_drafts + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    num_acc = torch.zeros(layout.batch, dtype=torch.int64, device=device)
+    temps = sampling.temperature.tolist()
+    start = 0
+    for i, n in enumerate(layout.num_drafts):
+        rows = target_logits[start + i : start + i + n + 1]
+        drafts = draft_token_ids[start : start + n].tolist()
+        if temps[i] == 0.0:  # greedy
+            target = rows.argmax(dim=-1).tolist()
+            j = 0
+            while j < n and drafts[j] == target[j]:
+                out[i, j] = drafts[j]
+                j += 1
+            out[i, j] = target[j]
+            num_acc[i] = j
+            start += n
+            continue
+        top_k = None if sampling.top_k is None else sampling.top_k[i : i + 1].expand(n + 1)
+        top_p = None if sampling.top_p is None else sampling.top_p[i : i + 1].expand(n + 1)
+        p = apply_sampling(rows, sampling.temperature[i : i + 1].expand(n + 1), top_k, top_p, validate=False)
+        token = None
+        j = 0
+        for j in range(n):
+            d = drafts[j]
+            q_d = 1.0 if draft_probs is None else draft_probs[start + j, d]
+            u = randoms.uniform[start + j]
+            if bool(u * q_d < p[j, d]):  # accept with probability min(1, p(d) / q(d))
+                out[i, j] = d
+                continue
+            if draft_probs is None:  # point-mass q: p with d removed
+                r = p[j].clone()
+                r[d] = 0.0
+            else:
+                r = (p[j] - draft_probs[start + j]).clamp_min(0.0)
+            token = _sample_row(r, p[j], randoms.inv_exponential[i])
+            break
+        else:
+            j = n
+            token = _sample_row(p[n], p[n], randoms.inv_exponential[i])
+        out[i, j] = token
+        num_acc[i] = j
+        start += n
+    return RejectionOutput(out, num_acc)
+
+
+def _sample_row(r: Tensor, p: Tensor, inv_exp: Tensor) -> int:
+    """Sample from ``r / sum(r)`` as ``argmax(r / E)``; falls back to ``p`` if ``r`` vanished numerically."""
+    score = r * inv_exp
+    if float(score.max()) > 0:
+        return int(score.argmax())
+    return int((p * inv_exp).argmax())

@@ -1,0 +1,484 @@
+"""Tests of the rejection-sampling verifier (torch + reference implementations).
+
+Statistical checks use Pearson chi-square against the exact target distribution with a one-sided
+tail of 1e-6 (Wilson-Hilferty threshold), fixed seeds and 1e5 samples (a batch of 1e5 identical
+requests in one call), so a correct sampler essentially never fails and a broken rule (see
+``test_statistic_catches_broken_recovery``) fails by a wide margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculators.verify import (
+    RejectionOutput,
+    SamplingParams,
+    apply_sampling,
+    draw_randoms,
+    rejection_sample,
+    rejection_sample_reference,
+    target_side,
+    torch_impl,
+)
+from speculators.verify.testing import assert_distribution, chi2_check, random_batch
+
+N_SAMPLES = 100_000
+V_SMALL = 12
+
+
+# --------------------------------------------------------------------------------------------------
+# apply_sampling
+# --------------------------------------------------------------------------------------------------
+
+
+def test_apply_sampling_temperature_and_greedy():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [0.5, -1.0, 2.0, 0.0]])
+    probs = apply_sampling(logits, torch.tensor([0.0, 0.5]))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]  # argmax, ties -> lowest id
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1] / 0.5, -1))
+
+
+def test_apply_sampling_top_k_keeps_ties_and_off_values():
+    logits = torch.tensor([[1.0, 2.0, 4.0, 3.0, 4.0]] * 4)
+    top_k = torch.tensor([2, 3, 0, 5])
+    probs = apply_sampling(logits, torch.ones(4), top_k)
+    assert (probs[0] > 0).tolist() == [False, False, True, False, True]
+    assert (probs[1] > 0).tolist() == [False, False, True, True, True]
+    torch.testing.assert_close(probs[2], torch.softmax(logits[2], -1))  # 0 = off
+    torch.testing.assert_close(probs[3], torch.softmax(logits[3], -1))  # >= V = off
+    torch.testing.assert_close(probs[0, [2, 4]], torch.tensor([0.5, 0.5]))
+
+
+def test_apply_sampling_top_p():
+    base = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    logits = base.repeat(3, 1)
+    probs = apply_sampling(logits, torch.ones(3), None, torch.tensor([0.75, 0.9, 1.0]))
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    torch.testing.assert_close(probs[2], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    # top-k then top-p, and a tiny p keeps the most likely token only
+    probs = apply_sampling(base.repeat(2, 1), torch.ones(2), torch.tensor([3, 0]), torch.tensor([0.8, 1e-6]))
+    torch.testing.assert_close(probs[0], torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+    assert probs[1].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy
+# --------------------------------------------------------------------------------------------------
+
+
+def _greedy_chain(ids, nums, target_logits):
+    """Expected greedy emission per request, written out directly."""
+    res, start = [], 0
+    for i, n in enumerate(nums):
+        rows = target_logits[start + i : start + i + n + 1]
+        emitted = []
+        for j in range(n + 1):
+            a = int(rows[j].argmax())
+            emitted.append(a)
+            if j == n or int(ids[start + j]) != a:
+                break
+        res.append(emitted)
+        start += n
+    return res
+
+
+def _greedy_batch(gen, nums, vocab, match=0.7):
+    batch, total = len(nums), sum(nums)
+    target = torch.randn(total + batch, vocab, generator=gen)
+    req_of_pos = torch.repeat_interleave(torch.arange(batch), torch.tensor(nums))
+    argmax = target[torch.arange(total) + req_of_pos].argmax(-1)
+    rand = torch.randint(0, vocab, (total,), generator=gen)
+    ids = torch.where(torch.rand(total, generator=gen) < match, argmax, rand)
+    return ids, target
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_equals_argmax_chain(impl, seed, evaluation_order):
+    gen = torch.Generator().manual_seed(seed)
+    nums = torch.randint(0, 7, (24,), generator=gen).tolist()
+    nums[0], nums[5] = 0, 6
+    ids, target = _greedy_batch(gen, nums, 50)
+    draft_probs = torch.softmax(torch.randn(sum(nums), 50, generator=gen), -1)
+    out = rejection_sample(ids, nums, draft_probs, target, SamplingParams.uniform(len(nums)), impl=impl)
+    expected = _greedy_chain(ids, nums, target)
+    assert out.tolist() == expected
+    assert out.num_accepted.tolist() == [len(e) - 1 for e in expected]
+    assert out.output_token_ids.shape == (len(nums), max(nums) + 1)
+    for row, e in zip(out.output_token_ids.tolist(), expected):
+        assert row[len(e) :] == [-1] * (len(row) - len(e))
+    # Draft probs are irrelevant for greedy requests.
+    out2 = rejection_sample(ids, nums, None, target, SamplingParams.uniform(len(nums)), impl=impl)
+    assert torch.equal(out.output_token_ids, out2.output_token_ids)
+
+
+def test_greedy_requests_in_mixed_batch_follow_argmax_chain():
+    gen = torch.Generator().manual_seed(3)
+    nums = [3, 0, 5, 2, 4, 1, 5, 3]
+    ids, target = _greedy_batch(gen, nums, 40)
+    temps = [0.0, 1.0, 0.0, 0.8, 0.0, 1.0, 0.0, 1.3]
+    q = torch.softmax(torch.randn(sum(nums), 40, generator=gen), -1)
+    sp = SamplingParams(torch.tensor(temps))
+    expected = _greedy_chain(ids, nums, target)
+    for impl in ["torch", "reference"]:
+        for dp in [q, None]:
+            got = rejection_sample(ids, nums, dp, target, sp, torch.Generator().manual_seed(0), impl=impl).tolist()
+            for i, t in enumerate(temps):
+                if t == 0:
+                    assert got[i] == expected[i]
+
+
+# --------------------------------------------------------------------------------------------------
+# Vectorised torch == per-request reference (same random numbers)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["lazy", "eager"])
+def evaluation_order(request, monkeypatch):
+    """Run a test with the lazy (CPU default) and the eager (CUDA default) target-side order."""
+    monkeypatch.setattr(target_side, "LAZY_ON_CPU", "always" if request.param == "lazy" else False)
+    return request.param
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(),
+        dict(top_k=[0, 3, 7, 100, 1, 5, 0, 2, 4, 0]),
+        dict(top_p=[1.0, 0.5, 0.9, 0.3, 1.0, 0.99, 0.7, 0.8, 1.0, 0.6]),
+        dict(top_k=[0, 3, 7, 100, 1, 5, 0, 2, 4, 0], top_p=[1.0, 0.5, 0.9, 0.3, 1.0, 0.99, 0.7, 0.8, 1.0, 0.6]),
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torch_matches_reference(with_q, params, seed, evaluation_order):
+    gen = torch.Generator().manual_seed(seed)
+    nums = [4, 0, 2, 6, 1, 3, 0, 5, 6, 2]
+    temps = [1.0, 0.0, 0.7, 1.0, 0.0, 1.5, 1.0, 0.9, 1.0, 0.0]
+    batch = random_batch(gen, nums, 97, temps, with_q=with_q, **params)
+    randoms = draw_randoms(nums, 97, batch[-1], torch.Generator().manual_seed(seed + 100))
+    ref = rejection_sample_reference(*batch, randoms=randoms)
+    vec = rejection_sample(*batch, impl="torch", randoms=randoms)
+    auto = rejection_sample(*batch, impl="auto", randoms=randoms)
+    assert torch.equal(vec.output_token_ids, ref.output_token_ids)
+    assert torch.equal(vec.num_accepted, ref.num_accepted)
+    assert torch.equal(auto.output_token_ids, ref.output_token_ids)
+    assert ref.num_accepted.sum() > 0  # the batch exercises acceptance
+
+
+def test_zero_drafts_everywhere_is_plain_sampling():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 30, generator=gen)
+    sp = SamplingParams(torch.tensor([1.0, 0.0, 1.0, 0.5, 0.0, 2.0]))
+    empty = torch.zeros(0, dtype=torch.int64)
+    out = rejection_sample(empty, [0] * 6, None, logits, sp, torch.Generator().manual_seed(1))
+    ref = rejection_sample_reference(empty, [0] * 6, None, logits, sp, torch.Generator().manual_seed(1))
+    assert out.output_token_ids.shape == (6, 1)
+    assert torch.equal(out.output_token_ids, ref.output_token_ids)
+    assert out.num_accepted.tolist() == [0] * 6
+    assert out.output_token_ids[1, 0] == logits[1].argmax() and out.output_token_ids[4, 0] == logits[4].argmax()
+
+
+def test_empty_batch():
+    out = rejection_sample(torch.zeros(0, dtype=torch.int64), [], None, torch.zeros(0, 8), SamplingParams.uniform(0))
+    assert out.output_token_ids.shape == (0, 1) and out.num_accepted.shape == (0,)
+
+
+def test_residual_vanishing_falls_back_to_target():
+    """p <= q everywhere (rounding) but p(d) < q(d): the recovered token falls back to sampling p."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 16, generator=gen)
+    p = torch.softmax(logits, -1)
+    q = p[:1] * (1 + 5e-4)  # sums to 1.0005: valid within 1e-3, and p - q < 0 everywhere
+    d = torch.tensor([int(p[0].argmax())])
+    sp = SamplingParams.uniform(1, temperature=1.0)
+    randoms = draw_randoms([1], 16, sp, torch.Generator().manual_seed(1))
+    randoms.uniform.fill_(0.9999)  # > p(d) / q(d) = 0.9995: reject
+    for impl in ["torch", "reference"]:
+        out = rejection_sample(d, [1], q, logits, sp, impl=impl, randoms=randoms)
+        assert out.num_accepted.tolist() == [0]
+        assert int(out.output_token_ids[0, 0]) == int((p[0] * randoms.inv_exponential[0]).argmax())
+
+
+# --------------------------------------------------------------------------------------------------
+# Statistical losslessness
+# --------------------------------------------------------------------------------------------------
+
+
+def _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed, n=N_SAMPLES, impl="torch"):
+    """n identical requests with K = len(draft_dist) drafts d_j ~ draft_dist[j] (independent).
+
+    Returns (output, x2_completed): x2_completed is the second token of the generated sequence, taken
+    from this step when a draft was accepted, else from a following plain-sampling step (zero drafts).
+    """
+    k = draft_dist.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.multinomial(draft_dist[j], n, replacement=True, generator=gen) for j in range(k)], 1)
+    target_logits = target_rows.repeat(n, 1)
+    draft_probs = draft_dist.repeat(n, 1) if use_q else None
+    sp = SamplingParams.uniform(n, **sp_kwargs)
+    out = rejection_sample(ids.reshape(-1), [k] * n, draft_probs, target_logits, sp, gen, impl=impl)
+    x2 = out.output_token_ids[:, 1].clone()
+    rej = (out.num_accepted == 0).nonzero().squeeze(1)
+    m = rej.numel()
+    nxt = rejection_sample(
+        torch.zeros(0, dtype=torch.int64), [0] * m, None, target_rows[1:2].repeat(m, 1),
+        SamplingParams.uniform(m, **sp_kwargs), gen, impl=impl,
+    )
+    x2[rej] = nxt.output_token_ids[:, 0]
+    return out, x2
+
+
+def _check_lossless(target_rows, draft_dist, use_q, sp_kwargs, seed, label):
+    k = draft_dist.shape[0]
+    vocab = target_rows.shape[1]
+    temp = torch.full((k + 1,), float(sp_kwargs.get("temperature", 1.0)))
+    tk = torch.full((k + 1,), sp_kwargs["top_k"]) if sp_kwargs.get("top_k") else None
+    tp = torch.full((k + 1,), sp_kwargs["top_p"]) if sp_kwargs.get("top_p", 1.0) < 1.0 else None
+    p = apply_sampling(target_rows, temp, tk, tp).double()
+    out, x2 = _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed)
+    toks, acc = out.output_token_ids, out.num_accepted
+    assert_distribution(toks[:, 0], p[0], f"{label}: first token")
+    assert_distribution(x2, p[1], f"{label}: second token (completed sequence)")
+    assert_distribution(toks[:, 0] * vocab + x2, torch.outer(p[0], p[1]).flatten(), f"{label}: joint (x1, x2)")
+    if int((acc >= 1).sum()) >= 2000:  # emitted at position 2 in this step
+        assert_distribution(toks[acc >= 1, 1], p[1], f"{label}: position-2 token given emitted")
+    if int((acc == k).sum()) >= 2000:
+        assert_distribution(toks[acc == k, k], p[k], f"{label}: bonus token")
+    return out
+
+
+def _rand_rows(seed, rows, vocab=V_SMALL, scale=1.5):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _q_from(logits, **kw):
+    k = logits.shape[0]
+    temp = torch.full((k,), float(kw.get("temperature", 1.0)))
+    tk = torch.full((k,), kw["top_k"]) if kw.get("top_k") else None
+    tp = torch.full((k,), kw["top_p"]) if kw.get("top_p", 1.0) < 1.0 else None
+    return apply_sampling(logits, temp, tk, tp)
+
+
+@pytest.mark.parametrize("use_q", [True, False], ids=["draft_probs", "point_mass"])
+def test_lossless_random_distributions(use_q, evaluation_order):
+    target = _rand_rows(1, 3)
+    q = _q_from(_rand_rows(2, 2))
+    out = _check_lossless(target, q, use_q, dict(temperature=1.0), seed=10 + use_q, label=f"random use_q={use_q}")
+    assert 0 < out.num_accepted.float().mean() < 2  # mixes accepted, recovered and bonus tokens
+
+
+@pytest.mark.parametrize("use_q", [True, False], ids=["draft_probs", "point_mass"])
+def test_lossless_disjoint_support(use_q):
+    target = _rand_rows(3, 3)
+    target[:, V_SMALL // 2 :] = float("-inf")  # p on the first half (masked logits are allowed)
+    draft = _rand_rows(4, 2)
+    draft[:, : V_SMALL // 2] = -1e4  # q on the second half
+    out = _check_lossless(target, _q_from(draft), use_q, dict(temperature=1.0), seed=20, label="disjoint")
+    assert out.num_accepted.sum() == 0
+
+
+def test_lossless_q_equals_p():
+    target = _rand_rows(5, 3)
+    out = _check_lossless(target, _q_from(target[:2]), True, dict(temperature=1.0), seed=30, label="q == p")
+    assert bool((out.num_accepted == 2).all())  # min(1, p/q) = 1: always accepted
+
+
+@pytest.mark.parametrize("use_q", [True, False], ids=["draft_probs", "point_mass"])
+def test_lossless_q_point_mass(use_q):
+    target = _rand_rows(6, 3)
+    q = torch.zeros(2, V_SMALL)
+    q[0, 3] = q[1, 7] = 1.0
+    _check_lossless(target, q, use_q, dict(temperature=1.0), seed=40, label="q point mass")
+
+
+def test_lossless_p_point_mass():
+    target = _rand_rows(7, 3)
+    target[0, 5] = 1e4  # p_1 is a point mass on token 5
+    q = _q_from(_rand_rows(8, 2))
+    out = _check_lossless(target, q, True, dict(temperature=1.0), seed=50, label="p point mass")
+    assert bool((out.output_token_ids[:, 0] == 5).all())
+
+
+@pytest.mark.parametrize("use_q", [True, False], ids=["draft_probs", "point_mass"])
+@pytest.mark.parametrize(
+    "sp_kwargs",
+    [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=0.9, top_p=0.8),
+     dict(temperature=1.0, top_k=7, top_p=0.7)],
+    ids=["temp", "top_k", "top_p", "top_k_top_p"],
+)
+def test_lossless_with_sampling_params(use_q, sp_kwargs):
+    target = _rand_rows(9, 3)
+    q = _q_from(target[:2] + _rand_rows(10, 2, scale=1.0), **sp_kwargs)  # drafter uses the same processing
+    _check_lossless(target, q, use_q, sp_kwargs, seed=60, label=f"{sp_kwargs} use_q={use_q}")
+
+
+def test_statistic_catches_broken_recovery(monkeypatch):
+    """Recovered token drawn from p instead of max(p - q, 0): the first-token check must reject it."""
+    target = _rand_rows(1, 3)
+    q = _q_from(_rand_rows(2, 2))
+    p1 = torch.softmax(target[0], -1)
+    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11)
+    stat_ok, thr, _, _ = chi2_check(out.output_token_ids[:, 0], p1)
+    assert stat_ok <= thr
+
+    orig = torch_impl.sample_final
+
+    def broken(layout, out, num_acc, ids, draft_probs, p_final, inv_exp):
+        zeros = None if draft_probs is None else torch.zeros_like(draft_probs)  # max(p - 0, 0) = p
+        return orig(layout, out, num_acc, ids, zeros, p_final, inv_exp)
+
+    monkeypatch.setattr(torch_impl, "sample_final", broken)
+    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11)
+    stat, thr, tv, _ = chi2_check(out.output_token_ids[:, 0], p1)
+    assert stat > 10 * thr, f"broken rule not detected: chi2={stat:.1f}, threshold {thr:.1f}, TV={tv:.4f}"
+
+
+def test_statistic_catches_always_accept(monkeypatch):
+    """Accepting every draft emits q, not p: the first-token check must reject it."""
+    target = _rand_rows(1, 3)
+    q = _q_from(_rand_rows(2, 2))
+    p1 = torch.softmax(target[0], -1)
+    orig = torch_impl.scan
+
+    def broken(layout, ids, draft_probs, p_draft, uniform):
+        return orig(layout, ids, draft_probs, torch.ones_like(p_draft), uniform)
+
+    monkeypatch.setattr(torch_impl, "scan", broken)
+    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=12)
+    stat, thr, _, _ = chi2_check(out.output_token_ids[:, 0], p1)
+    assert stat > 10 * thr
+
+
+# --------------------------------------------------------------------------------------------------
+# Seeds / reproducibility
+# --------------------------------------------------------------------------------------------------
+
+
+def test_per_request_seeds_reproducible_and_batch_independent():
+    gen = torch.Generator().manual_seed(0)
+    nums = [3, 2, 4, 1]
+    ids, nums, q, target, _ = random_batch(gen, nums, 64, [1.0] * 4)
+
+    def run(seeds, global_seed):
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        sp = SamplingParams(torch.ones(len(seeds)), generators=gens)
+        return rejection_sample(ids, nums, q, target, sp, torch.Generator().manual_seed(global_seed))
+
+    a = run([11, None, 13, None], 1)
+    b = run([11, None, 13, None], 2)  # other requests use a different global stream
+    assert a.tolist()[0] == b.tolist()[0] and a.tolist()[2] == b.tolist()[2]
+    c = run([11, None, 13, None], 1)
+    assert torch.equal(a.output_token_ids, c.output_token_ids)
+    # Request 2 alone (same seed) gives the same tokens as inside the batch.
+    s, e = sum(nums[:2]), sum(nums[:3])
+    alone = rejection_sample(
+        ids[s:e], [nums[2]], q[s:e], target[s + 2 : e + 3],
+        SamplingParams(torch.ones(1), generators=[torch.Generator().manual_seed(13)]),
+    )
+    assert alone.tolist()[0] == a.tolist()[2]
+    # Different seeds give different streams (over many requests).
+    sp1 = SamplingParams.uniform(200, temperature=1.0, seed=0)
+    sp2 = SamplingParams.uniform(200, temperature=1.0, seed=1000)
+    logits = torch.randn(200, 64, generator=gen)
+    empty = torch.zeros(0, dtype=torch.int64)
+    t1 = rejection_sample(empty, [0] * 200, None, logits, sp1).output_token_ids
+    t2 = rejection_sample(empty, [0] * 200, None, logits, sp2).output_token_ids
+    t1b = rejection_sample(empty, [0] * 200, None, logits, SamplingParams.uniform(200, temperature=1.0, seed=0))
+    assert torch.equal(t1, t1b.output_token_ids) and not torch.equal(t1, t2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _base():
+    gen = torch.Generator().manual_seed(0)
+    ids, nums, q, target, sp = random_batch(gen, [2, 0, 3], 10, [1.0, 0.0, 1.0])
+    return dict(draft_token_ids=ids, num_draft_tokens=nums, draft_probs=q, target_logits=target, sampling=sp)
+
+
+def _set(key, fn):
+    def mutate(kw):
+        kw[key] = fn(kw[key])
+        return kw
+
+    return mutate
+
+
+def _nan(t):
+    t = t.clone()
+    t[1, 3] = float("nan")
+    return t
+
+
+def _inf(t):
+    t = t.clone()
+    t[4, 0] = float("inf")
+    return t
+
+
+def _sp(**kw):
+    def f(sp):
+        return SamplingParams(**{**sp.__dict__, **kw})
+
+    return f
+
+
+BAD_INPUTS = {
+    "ids_length": (_set("draft_token_ids", lambda t: t[:-1]), "draft_token_ids"),
+    "ids_dtype": (_set("draft_token_ids", lambda t: t.float()), "draft_token_ids"),
+    "ids_too_large": (_set("draft_token_ids", lambda t: t.clone().fill_(10)), r"draft_token_ids.*\[0, 10\)"),
+    "ids_negative": (_set("draft_token_ids", lambda t: t.clone().fill_(-1)), "draft_token_ids"),
+    "nums_sum": (_set("num_draft_tokens", lambda n: [2, 1, 3]), "draft_token_ids"),
+    "nums_negative": (_set("num_draft_tokens", lambda n: [3, -1, 3]), "num_draft_tokens"),
+    "logits_rows": (_set("target_logits", lambda t: t[:-1]), "target_logits"),
+    "logits_1d": (_set("target_logits", lambda t: t[0]), "target_logits"),
+    "logits_nan": (_set("target_logits", _nan), "target_logits.*NaN"),
+    "logits_inf": (_set("target_logits", _inf), "target_logits.*inf"),
+    "probs_shape": (_set("draft_probs", lambda t: t[:, :-1]), "draft_probs"),
+    "probs_rows": (_set("draft_probs", lambda t: t[:-1]), "draft_probs"),
+    "probs_sum": (_set("draft_probs", lambda t: t * 1.01), "draft_probs.*sum to 1"),
+    "probs_nan": (_set("draft_probs", _nan), "draft_probs"),
+    "temperature_negative": (_set("sampling", _sp(temperature=torch.tensor([1.0, -0.5, 1.0]))), "temperature"),
+    "temperature_nan": (_set("sampling", _sp(temperature=torch.tensor([1.0, float("nan"), 1.0]))), "temperature"),
+    "temperature_shape": (_set("sampling", _sp(temperature=torch.ones(2))), "temperature"),
+    "top_p_zero": (_set("sampling", _sp(top_p=torch.tensor([1.0, 0.0, 0.5]))), "top_p"),
+    "top_p_above_one": (_set("sampling", _sp(top_p=torch.tensor([1.0, 1.5, 0.5]))), "top_p"),
+    "top_k_negative": (_set("sampling", _sp(top_k=torch.tensor([1, -2, 0]))), "top_k"),
+    "top_k_float": (_set("sampling", _sp(top_k=torch.tensor([1.0, 2.0, 0.0]))), "top_k"),
+    "generators_len": (_set("sampling", _sp(generators=[None])), "generators"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_inputs_raise(name):
+    mutate, match = BAD_INPUTS[name]
+    kw = mutate(_base())
+    with pytest.raises(ValueError, match=match):
+        rejection_sample(**kw)
+    with pytest.raises(ValueError, match=match):
+        rejection_sample_reference(**kw)
+
+
+def test_bad_impl_and_apply_sampling_errors():
+    with pytest.raises(ValueError, match="impl"):
+        rejection_sample(**_base(), impl="cuda")
+    with pytest.raises(ValueError, match="temperature"):
+        apply_sampling(torch.zeros(2, 4), torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="top_p"):
+        apply_sampling(torch.zeros(2, 4), torch.ones(2), None, torch.tensor([0.5, 2.0]))
+    with pytest.raises(ValueError, match="logits"):
+        apply_sampling(torch.zeros(4), torch.ones(4))
+
+
+def test_validate_false_skips_value_checks():
+    kw = _base()
+    kw["draft_probs"] = kw["draft_probs"] * 1.01  # bad sums, only caught by value checks
+    out = rejection_sample(**kw, validate=False)
+    assert isinstance(out, RejectionOutput)
+    with pytest.raises(ValueError, match="draft_token_ids"):  # shape checks always run
+        rejection_sample(**{**kw, "draft_token_ids": kw["draft_token_ids"][:-1]}, validate=False)

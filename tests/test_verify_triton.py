@@ -1,0 +1,119 @@
+"""Triton kernels vs the vectorised torch implementation: identical outputs on identical random numbers.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors, which needs
+``TRITON_INTERPRET=1`` in the environment before triton is first imported. This module sets it at import
+(pytest imports test modules before running any test). If triton was already imported without it by
+something else in this process, the tests here are skipped and one test reruns this file in a fresh
+Python process with the variable set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+
+pytest.importorskip("triton")
+
+from speculators.verify import (  # noqa: E402
+    SamplingParams,
+    draw_randoms,
+    rejection_sample,
+    rejection_sample_reference,
+    target_side,
+    triton_impl,
+)
+from speculators.verify.testing import random_batch  # noqa: E402
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+READY = ON_CUDA or triton_impl.interpreter_active()
+needs_ready = pytest.mark.skipif(not READY, reason="triton imported without TRITON_INTERPRET=1; see subprocess test")
+
+
+@pytest.mark.skipif(READY, reason="kernels run in this process")
+def test_triton_suite_in_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+@pytest.fixture(params=["lazy", "eager"])
+def evaluation_order(request, monkeypatch):
+    monkeypatch.setattr(target_side, "LAZY_ON_CPU", "always" if request.param == "lazy" else False)
+    return request.param
+
+
+def _compare(batch, seed):
+    ids, nums, q, target, sp = batch
+    vocab = target.shape[1]
+    randoms = draw_randoms(nums, vocab, sp, torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE)
+    ref = rejection_sample(ids, nums, q, target, sp, impl="torch", randoms=randoms)
+    tri = rejection_sample(ids, nums, q, target, sp, impl="triton", randoms=randoms)
+    assert torch.equal(tri.output_token_ids, ref.output_token_ids), (tri.tolist(), ref.tolist())
+    assert torch.equal(tri.num_accepted, ref.num_accepted)
+    return ref
+
+
+@needs_ready
+@pytest.mark.parametrize("vocab", [37, 256, 512, 1000])  # interpreter BLOCK = 256: tail / exact / 2 / 4 blocks
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft_probs", "point_mass"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_matches_torch_mixed(vocab, with_q, seed, evaluation_order):
+    gen = torch.Generator().manual_seed(seed)
+    nums = [3, 0, 5, 1, 4, 2, 0, 6]
+    temps = [1.0, 0.0, 0.8, 0.0, 1.0, 1.5, 1.0, 0.0]
+    top_k = [0, 0, 10, 0, 3, 0, 0, 0] if seed else None
+    top_p = [1.0, 1.0, 0.9, 1.0, 1.0, 0.7, 1.0, 1.0] if seed else None
+    batch = random_batch(gen, nums, vocab, temps, with_q=with_q, top_k=top_k, top_p=top_p, device=DEVICE)
+    out = _compare(batch, seed)
+    assert out.num_accepted.sum() > 0
+
+
+@needs_ready
+@pytest.mark.parametrize("vocab", [37, 256, 1000])
+def test_triton_matches_torch_greedy(vocab, evaluation_order):
+    gen = torch.Generator().manual_seed(7)
+    nums = [2, 0, 4, 3, 1]
+    ids, nums, q, target, sp = random_batch(gen, nums, vocab, [0.0] * 5, device=DEVICE)
+    ids = ids.clone()
+    ids[:2] = target[:2].argmax(-1)  # request 0 accepts everything -> bonus
+    _compare((ids, nums, q, target, sp), 0)
+    _compare((ids, nums, None, target, sp), 0)
+
+
+@needs_ready
+def test_triton_zero_drafts_and_reference():
+    gen = torch.Generator().manual_seed(3)
+    batch = random_batch(gen, [0, 0, 0, 0], 300, [1.0, 0.0, 0.5, 1.0], device=DEVICE)
+    _compare(batch, 5)
+    batch = random_batch(gen, [4, 4, 4], 300, [1.0, 1.0, 1.0], device=DEVICE)
+    _, nums, _, _, sp = batch
+    randoms = draw_randoms(nums, 300, sp, torch.Generator(device=DEVICE).manual_seed(9), device=DEVICE)
+    tri = rejection_sample(*batch, impl="triton", randoms=randoms)
+    ref = rejection_sample_reference(*batch, randoms=randoms)
+    assert torch.equal(tri.output_token_ids, ref.output_token_ids)
+
+
+@needs_ready
+def test_triton_residual_fallback():
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    p = torch.softmax(logits, -1)
+    q = p[:1] * (1 + 5e-4)  # p - q < 0 everywhere: the residual vanishes
+    d = p[0].argmax().view(1)
+    sp = SamplingParams.uniform(1, temperature=1.0, device=DEVICE)
+    randoms = draw_randoms([1], 300, sp, torch.Generator(device=DEVICE).manual_seed(1), device=DEVICE)
+    randoms.uniform.fill_(0.9999)
+    for impl in ["torch", "triton"]:
+        out = rejection_sample(d, [1], q, logits, sp, impl=impl, randoms=randoms)
+        assert out.num_accepted.tolist() == [0]
+        assert int(out.output_token_ids[0, 0]) == int((p[0] * randoms.inv_exponential[0]).argmax())
