@@ -70,11 +70,11 @@ def train(
     from .drafters import registry
     from .recipe import load_recipe
     from .target import Target
-    from .train import Trainer, prepare_output_dir
+    from .train import Trainer, check_output_dir, prepare_output_dir
 
     rec = load_recipe(recipe, overrides or [])
     out = Path(output_dir or rec.output_dir or Path("outputs") / recipe.stem)
-    prepare_output_dir(out, resume, overwrite)
+    check_output_dir(out, resume, overwrite)
     log(f"recipe {recipe} -> {out} (drafter {rec.drafter['algorithm']})")
     import torch
 
@@ -83,7 +83,9 @@ def train(
     with _progress() as make:
         data = prepare_data(rec, target, log=log, progress=make)
     family = registry.get(rec.drafter["algorithm"])
+    torch.manual_seed(rec.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(rec.drafter_config(), target, data.vocab)
+    prepare_output_dir(out, resume, overwrite)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
     final = Trainer(rec, drafter, data, out, log=log, console=console).train(resume=resume)
@@ -157,16 +159,17 @@ def eval_cmd(
     k = k if k is not None else (ev.k if ev else 4)
     for name, val, ok in (("-k", k, k is not None and k >= 1), ("--temperature", temperature, temperature is None or temperature >= 0),
                           ("--top-p", top_p, top_p is None or 0 < top_p <= 1), ("--top-k", top_k, top_k is None or top_k >= 0),
-                          ("--max-new-tokens", max_new_tokens, max_new_tokens is None or max_new_tokens > 0)):
+                          ("--max-new-tokens", max_new_tokens, max_new_tokens is None or max_new_tokens > 0),
+                          ("--num-prompts", num_prompts, num_prompts is None or num_prompts > 0)):
         if not ok:
             raise SpeculatorsError(f"{name} {val} is out of range")
     sampling = Sampling(temperature if temperature is not None else (ev.temperature if ev else 0.0),
                         top_k if top_k is not None else (ev.top_k if ev else 0),
                         top_p if top_p is not None else (ev.top_p if ev else 1.0))
-    max_new = max_new_tokens or (ev.max_new_tokens if ev else 128)
-    n_prompts = num_prompts or (ev.num_prompts if ev else 16)
+    max_new = max_new_tokens if max_new_tokens is not None else (ev.max_new_tokens if ev else 128)
+    n_prompts = num_prompts if num_prompts is not None else (ev.num_prompts if ev else 16)
     target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32", log=log)
-    drafter.check_target(target)
+    drafter.check_target(target, warn=log)
     template = rec.data.chat_template if rec else None
     if prompts is not None:
         convs = load_source(prompts)

@@ -149,7 +149,11 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in o:
             raise SpeculatorsError(f"override {o!r} must look like key.path=value (e.g. train.lr=1e-4)")
         k, v = o.split("=", 1)
-        out.append((k.strip(), yaml.safe_load(v)))
+        try:
+            value = yaml.safe_load(v)
+        except yaml.YAMLError:
+            value = v  # not a YAML scalar (e.g. a Jinja template): keep the raw string
+        out.append((k.strip(), value))
     return out
 
 
@@ -165,7 +169,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise SpeculatorsError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpeculatorsError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(raw, dict):
         raise SpeculatorsError(f"{path}: a recipe is a mapping with keys target, data, drafter, train, eval")
     for k, v in parse_overrides(overrides or []):

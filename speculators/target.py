@@ -273,9 +273,91 @@ class Target:
         top = out.last_hidden_state
         return TargetFeatures(aux, top, self.lm_head(top) if with_logits else None)
 
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
+                       temperature: float = 0.0, top_p: float = 1.0,
+                       generator: torch.Generator | None = None, pad_token_id: int = 0) -> list[list[int]]:
+        """Batched generation with batch compaction: finished rows leave the batch (and the KV cache).
+
+        Prompts are left-padded; each step runs only the rows still generating, so the cost follows
+        the number of generated tokens rather than ``batch x longest response`` (what a static batch
+        in ``model.generate`` pays).
+
+        Args:
+            prompts: token ids per prompt.
+            max_new_tokens: cap per response.
+            eos_token_id: stop token (kept out of the returned ids), or None.
+            temperature: 0 = greedy; otherwise sampling with ``top_p`` (vLLM semantics through
+                :func:`speculators.verify.apply_sampling`).
+        Returns:
+            Generated ids per prompt (without the prompt and without EOS).
+        """
+        from transformers import DynamicCache
+
+        B = len(prompts)
+        T = max(len(p) for p in prompts)
+        ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+        att = torch.zeros(B, T, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, T - len(p):] = torch.tensor(p)
+            att[r, T - len(p):] = 1
+        dev = self.device
+        ids, att = ids.to(dev), att.to(dev)
+        pos = (att.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{_CACHE_KW: cache})
+        logits = out.logits[:, -1].float()
+        rows = torch.arange(B, device=dev)  # original index of each active row
+        last_pos = pos[:, -1]
+        results: list[list[int]] = [[] for _ in range(B)]
+        for step in range(max_new_tokens):
+            if temperature > 0:
+                from .verify import apply_sampling
+
+                n = logits.shape[0]
+                probs = apply_sampling(logits, torch.full((n,), temperature), None,
+                                       torch.full((n,), top_p) if top_p < 1 else None)
+                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            done = torch.zeros_like(nxt, dtype=torch.bool)
+            for i, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist())):
+                if eos_token_id is not None and t == eos_token_id:
+                    done[i] = True
+                else:
+                    results[r].append(t)
+            if step + 1 == max_new_tokens:
+                break
+            keep = (~done).nonzero()[:, 0]
+            if keep.numel() == 0:
+                break
+            if keep.numel() < rows.numel():
+                cache.batch_select_indices(keep)
+                rows, nxt, att, last_pos = rows[keep], nxt[keep], att[keep], last_pos[keep]
+            att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(input_ids=nxt[:, None], attention_mask=att, position_ids=last_pos[:, None],
+                             use_cache=True, **{_CACHE_KW: cache})
+            logits = out.logits[:, -1].float()
+        return results
+
     def session(self) -> "DecodeSession":
         """A fresh batch-1 incremental decoding session with its own KV cache."""
         return DecodeSession(self)
+
+
+def _cache_kwarg() -> str:
+    """Name of the KV-cache argument of HF model forwards (``cache`` in transformers >= 5.2x,
+    ``past_key_values`` before; the old name is deprecated)."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+_CACHE_KW = _cache_kwarg()
 
 
 def _crop_takes_count() -> bool:
@@ -314,7 +396,7 @@ class DecodeSession:
         ids = ids.reshape(1, -1).to(self.target.device)
         m = ids.shape[1]
         pos = torch.arange(self.length, self.length + m, device=ids.device)
-        out = self.target.model.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+        out = self.target.model.model(input_ids=ids, use_cache=True, **{_CACHE_KW: self.cache},
                                       output_hidden_states=True, cache_position=pos,
                                       position_ids=pos.unsqueeze(0))
         self.length += m

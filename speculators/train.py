@@ -45,20 +45,28 @@ def checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
 
 
-def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Apply the ``--resume`` / ``--overwrite`` rules to the run directory.
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Check the ``--resume`` / ``--overwrite`` rules before any work starts (nothing is written).
 
     Raises:
-        SpeculatorsError: the directory exists and neither flag is given, or both are given.
+        SpeculatorsError: the path exists and is not a directory; the directory exists (non-empty)
+            and neither flag is given; both flags are given.
     """
     if resume and overwrite:
         raise SpeculatorsError("--resume and --overwrite are mutually exclusive")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if overwrite:
-            shutil.rmtree(output_dir)
-        elif not resume:
-            raise SpeculatorsError(f"output directory {str(output_dir)!r} already exists; "
-                                   "pass --resume to continue it or --overwrite to replace it")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise SpeculatorsError(f"output directory {str(output_dir)!r} exists and is not a directory")
+    if output_dir.exists() and any(output_dir.iterdir()) and not (resume or overwrite):
+        raise SpeculatorsError(f"output directory {str(output_dir)!r} already exists; "
+                               "pass --resume to continue it or --overwrite to replace it")
+
+
+def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Apply the rules of :func:`check_output_dir`, then create the run directory (deleting an
+    existing one with ``overwrite``). Called once the run is about to start training."""
+    check_output_dir(output_dir, resume, overwrite)
+    if overwrite and output_dir.exists():
+        shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
 

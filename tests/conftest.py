@@ -16,6 +16,12 @@ os.environ.setdefault("SPECULATORS_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Tiny-model tests are dominated by per-op overhead: one thread is faster, and it keeps the suite
+# from oversubscribing the 2 cores when other processes run. Slow real-model tests raise it.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 TOKENIZER_CACHE = Path.home() / ".cache" / "speculators" / "test-tokenizer"
 
 

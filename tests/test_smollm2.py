@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,7 +17,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol():
-    return Target.load("smollm2-135m-instruct", log=lambda *_: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    yield Target.load("smollm2-135m-instruct", log=lambda *_: None)
+    torch.set_num_threads(threads)
 
 
 def test_smollm2_loads_with_expected_shape_and_taps(smol):

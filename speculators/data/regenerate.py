@@ -68,23 +68,10 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         with path.open("a") as f:
             for bi in range(0, len(order), batch_size):
                 chunk = order[bi:bi + batch_size]
-                T = max(len(prompts[c.id]) for c in chunk)
-                ids = torch.full((len(chunk), T), pad, dtype=torch.long)
-                att = torch.zeros(len(chunk), T, dtype=torch.long)
-                for r, c in enumerate(chunk):
-                    p = prompts[c.id]
-                    ids[r, T - len(p):] = torch.tensor(p)
-                    att[r, T - len(p):] = 1
-                torch.manual_seed(seed + bi)
-                kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
-                    dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-                out = target.model.generate(input_ids=ids.to(target.device), attention_mask=att.to(target.device),
-                                            max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                            eos_token_id=tok.eos_token_id, **kw)
-                for r, c in enumerate(chunk):
-                    new = out[r, T:].tolist()
-                    if tok.eos_token_id in new:
-                        new = new[:new.index(tok.eos_token_id)]
+                gen = torch.Generator().manual_seed(seed + bi)
+                outs = target.generate_batch([prompts[c.id] for c in chunk], max_new_tokens, tok.eos_token_id,
+                                             temperature, top_p, generator=gen, pad_token_id=pad)
+                for c, new in zip(chunk, outs):
                     n_new += len(new)
                     text = tok.decode(new, skip_special_tokens=True)
                     done[c.id] = text

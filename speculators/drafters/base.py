@@ -170,8 +170,9 @@ class Drafter(nn.Module):
         """Give the drafter the frozen target head it needs for teacher distributions in training."""
         self._teacher_head = target.lm_head_weight.detach()
 
-    def check_target(self, target) -> None:
-        """Raise SpeculatorsError if ``target`` is not the one this drafter was trained for."""
+    def check_target(self, target, warn=None) -> None:
+        """Raise SpeculatorsError if ``target`` cannot serve this drafter (vocab or hidden size differ);
+        call ``warn(message)`` when the shapes fit but the weights differ from the training target's."""
         m = self.meta
         problems = []
         if m.get("vocab_size") != target.vocab_size:
@@ -182,6 +183,9 @@ class Drafter(nn.Module):
             raise SpeculatorsError(
                 f"checkpoint was trained for {m.get('name_or_path')!r}, not {target.name_or_path!r}: "
                 + "; ".join(problems))
+        if warn is not None and m.get("fingerprint") not in (None, target.fingerprint):
+            warn(f"warning: {target.name_or_path!r} is not the target this drafter was trained for "
+                 f"({m.get('name_or_path')!r}, fingerprint {m.get('fingerprint')}); acceptance may suffer")
         if list(m.get("aux_layer_ids", target.aux_layer_ids)) != list(target.aux_layer_ids):
             target.aux_layer_ids = list(m["aux_layer_ids"])
 

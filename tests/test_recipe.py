@@ -1,0 +1,277 @@
+"""Recipe validation: YAML in, validated objects out; every bad input is one SpeculatorsError line
+that names the field path (and what is allowed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from speculators.drafters import registry
+from speculators.errors import SpeculatorsError
+from speculators.recipe import (
+    Recipe,
+    SourceSpec,
+    dump_recipe,
+    load_recipe,
+    parse_overrides,
+    recipe_from_dict,
+)
+
+TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
+
+
+def tiny_raw() -> dict:
+    raw = yaml.safe_load(TINY.read_text())
+    raw["target"]["model"] = "/some/target/dir"
+    return raw
+
+
+def write_recipe(tmp_path: Path, raw, name: str = "recipe.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw, sort_keys=False))
+    return p
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(SpeculatorsError) as ei:
+        fn(*args, **kwargs)
+    msg = str(ei.value)
+    assert msg.strip(), "empty error message"
+    assert "\n" not in msg, f"error message is not one line: {msg!r}"
+    return msg
+
+
+# ----------------------------------------------------------------------------- valid recipes
+
+
+def test_tiny_recipe_parses_with_defaults_filled():
+    rec = load_recipe(TINY, ["target.model=/some/target/dir"])
+    assert isinstance(rec, Recipe)
+    assert rec.target.model == "/some/target/dir"
+    assert rec.target.dtype == "float32"
+    assert [s.source for s in rec.data.sources] == ["chatterbot", "humaneval"]
+    assert all(isinstance(s, SourceSpec) for s in rec.data.sources)
+    assert rec.data.sources[0].regenerate is True and rec.data.sources[1].regenerate is False
+    assert rec.data.sources[0].max_examples == 24
+    assert rec.data.regeneration.max_new_tokens == 12 and rec.data.regeneration.batch_size == 8
+    assert rec.data.regeneration.temperature == 0.0  # default
+    assert rec.train.steps == 6 and rec.train.checkpoint_every == 2
+    assert rec.train.lr == pytest.approx(1e-3)
+    assert rec.train.epochs is None  # steps given: no epoch default
+    assert rec.eval.k == 3 and rec.eval.num_prompts == 3
+    # the drafter section is resolved by the family's config: every hyper-parameter is present
+    cfg = rec.drafter_config()
+    assert rec.drafter["algorithm"] == "eagle3" == cfg.algorithm
+    assert rec.drafter["ttt_steps"] == 2 == cfg.ttt_steps
+    assert rec.drafter["draft_vocab_size"] == 512
+    assert set(type(cfg).model_fields) == set(rec.drafter)
+
+
+def test_epochs_default_when_no_length_given():
+    raw = tiny_raw()
+    del raw["train"]["steps"]
+    rec = recipe_from_dict(raw)
+    assert rec.train.epochs == 1.0 and rec.train.steps is None
+
+
+def test_string_sources_become_specs():
+    raw = tiny_raw()
+    raw["data"]["sources"] = ["humaneval", {"source": "chatterbot", "max_examples": 3}]
+    rec = recipe_from_dict(raw)
+    assert [(s.source, s.max_examples) for s in rec.data.sources] == [("humaneval", None), ("chatterbot", 3)]
+
+
+def test_overrides_dotted_paths_yaml_typed():
+    rec = load_recipe(TINY, [
+        "target.model=/other/dir",
+        "train.lr=1e-4",                 # PyYAML reads this as a string; pydantic makes it a float
+        "train.lr=2.5e-4",               # later overrides win
+        "eval.k=8",
+        "data.regenerate=false",
+        "data.held_out.fraction=0.5",
+        "drafter.ttt_steps=5",
+        "target.aux_layer_ids=[0, 2]",
+        "data.chat_template=a=b",        # only the first '=' separates key and value
+        "output_dir=null",
+        "train.schedule=linear",
+    ])
+    assert rec.target.model == "/other/dir"
+    assert rec.train.lr == pytest.approx(2.5e-4) and isinstance(rec.train.lr, float)
+    assert rec.eval.k == 8 and isinstance(rec.eval.k, int)
+    assert rec.data.regenerate is False
+    assert rec.data.held_out.fraction == 0.5
+    assert rec.data.held_out.seed == 0  # untouched sibling of an overridden key
+    assert rec.drafter["ttt_steps"] == 5
+    assert rec.target.aux_layer_ids == [0, 2]
+    assert rec.data.chat_template == "a=b"
+    assert rec.output_dir is None
+    assert rec.train.schedule == "linear"
+    # untouched keys keep the file's values
+    assert rec.train.steps == 6 and rec.drafter["draft_vocab_size"] == 512
+
+
+def test_parse_overrides_types():
+    assert parse_overrides(["a.b=3", "c=true", "d=x y", "e=[1, 2]", "f=1.5"]) == [
+        ("a.b", 3), ("c", True), ("d", "x y"), ("e", [1, 2]), ("f", 1.5)]
+
+
+@pytest.mark.parametrize("override", ["data.chat_template={{ bos_token }}{% for m in messages %}",
+                                      "target.model=[unclosed"])
+def test_override_value_that_is_not_yaml(override):
+    key, value = override.split("=", 1)
+    try:
+        rec = load_recipe(TINY, ["target.model=/x", override])
+    except SpeculatorsError as e:  # acceptable: a one-line error naming the key
+        assert key in str(e) and "\n" not in str(e)
+    else:  # also acceptable: the raw string is used
+        assert getattr(getattr(rec, key.split(".")[0]), key.split(".")[1]) == value
+
+
+def test_override_without_equals_is_an_error():
+    msg = error_of(load_recipe, TINY, ["train.lr"])
+    assert "train.lr" in msg and "=" in msg
+
+
+# ----------------------------------------------------------------------------- bad recipes
+
+
+def test_unknown_algorithm_lists_allowed(tmp_path):
+    raw = tiny_raw()
+    raw["drafter"]["algorithm"] = "eagle9"
+    msg = error_of(load_recipe, write_recipe(tmp_path, raw))
+    assert "drafter.algorithm" in msg and "eagle9" in msg
+    assert registry.names(), "no drafter family registered"
+    for name in registry.names():
+        assert name in msg
+    assert "allowed" in msg
+
+
+def test_missing_algorithm_names_the_field():
+    raw = tiny_raw()
+    del raw["drafter"]["algorithm"]
+    msg = error_of(recipe_from_dict, raw)
+    assert "drafter.algorithm" in msg
+
+
+def test_misspelled_section_names_the_key(tmp_path):
+    text = TINY.read_text().replace("REPLACE_WITH_TINY_TARGET_DIR", "/x").replace("\ntrain:", "\ntrian:")
+    assert "trian:" in text
+    p = write_recipe(tmp_path, text)
+    msg = error_of(load_recipe, p)
+    assert "trian" in msg and "unknown key" in msg
+    assert str(p) in msg  # the file is named too
+
+
+def test_misspelled_nested_key_names_the_path():
+    msg = error_of(load_recipe, TINY, ["target.model=/x", "train.lrr=1e-3"])
+    assert "train.lrr" in msg and "unknown key" in msg
+
+
+def test_misspelled_drafter_key_names_the_path():
+    msg = error_of(load_recipe, TINY, ["target.model=/x", "drafter.ttt_stepz=2"])
+    assert "drafter.ttt_stepz" in msg
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "0"])
+def test_non_positive_lr(value):
+    msg = error_of(load_recipe, TINY, ["target.model=/x", f"train.lr={value}"])
+    assert "train.lr" in msg and "greater than 0" in msg
+
+
+def test_bad_drafter_hyper_parameter_names_the_path():
+    msg = error_of(load_recipe, TINY, ["target.model=/x", "drafter.ttt_steps=0"])
+    assert "drafter.ttt_steps" in msg
+
+
+@pytest.mark.parametrize("override, path", [
+    ("train.schedule=cosinus", "train.schedule"),
+    ("target.dtype=int8", "target.dtype"),
+    ("eval.top_p=1.5", "eval.top_p"),
+    ("data.held_out.fraction=1.0", "data.held_out.fraction"),
+    ("data.sources=[]", "data.sources"),
+    ("train.steps=abc", "train.steps"),
+])
+def test_bad_values_name_the_path(override, path):
+    msg = error_of(load_recipe, TINY, ["target.model=/x", override])
+    assert path in msg
+
+
+def test_bad_enum_lists_allowed_values():
+    msg = error_of(load_recipe, TINY, ["target.model=/x", "train.schedule=cosinus"])
+    for allowed in ("cosine", "linear", "constant"):
+        assert allowed in msg
+
+
+def test_several_errors_in_one_line():
+    msg = error_of(load_recipe, TINY, ["target.model=/x", "train.lr=-1", "eval.k=0"])
+    assert "train.lr" in msg and "eval.k" in msg
+
+
+@pytest.mark.parametrize("section", ["target", "data", "drafter"])
+def test_missing_required_section(section):
+    raw = tiny_raw()
+    del raw[section]
+    msg = error_of(recipe_from_dict, raw, "my.yaml")
+    assert section in msg and "missing" in msg and "my.yaml" in msg
+
+
+def test_missing_target_model():
+    raw = tiny_raw()
+    del raw["target"]["model"]
+    msg = error_of(recipe_from_dict, raw)
+    assert "target.model" in msg and "missing" in msg
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n", ""])
+def test_non_mapping_yaml(tmp_path, text):
+    p = write_recipe(tmp_path, text)
+    msg = error_of(load_recipe, p)
+    assert str(p) in msg and "mapping" in msg
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    p = write_recipe(tmp_path, "target: {model: [unclosed\n")
+    with pytest.raises(SpeculatorsError) as ei:
+        load_recipe(p)
+    assert str(p) in str(ei.value) and "YAML" in str(ei.value)
+
+
+def test_invalid_yaml_syntax_is_one_line(tmp_path):
+    p = write_recipe(tmp_path, "target: {model: [unclosed\n")
+    msg = error_of(load_recipe, p)
+    assert "line 1" in msg  # still says where
+
+
+def test_missing_recipe_file(tmp_path):
+    p = tmp_path / "nope.yaml"
+    msg = error_of(load_recipe, p)
+    assert str(p) in msg and "does not exist" in msg
+
+
+def test_recipe_path_that_is_a_directory(tmp_path):
+    msg = error_of(load_recipe, tmp_path)
+    assert str(tmp_path) in msg
+
+
+# ----------------------------------------------------------------------------- resolved dump
+
+
+def test_dump_round_trips():
+    rec = load_recipe(TINY, ["target.model=/some/target/dir", "train.lr=2e-4", "eval.temperature=0.5"])
+    text = dump_recipe(rec)
+    raw = yaml.safe_load(text)
+    # the dump is resolved: defaults are written out
+    assert raw["train"]["schedule"] == "cosine" and raw["data"]["max_length"] == 256
+    assert set(rec.drafter) <= set(raw["drafter"])
+    rec2 = recipe_from_dict(raw, "dump")
+    assert rec2 == rec
+    assert rec2.model_dump() == rec.model_dump()
+    assert dump_recipe(rec2) == text
+
+
+def test_dump_round_trips_through_load_recipe(tmp_path):
+    rec = load_recipe(TINY, ["target.model=/some/target/dir"])
+    p = write_recipe(tmp_path, dump_recipe(rec), "resolved.yaml")
+    assert load_recipe(p) == rec
