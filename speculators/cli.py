@@ -48,10 +48,12 @@ def _progress():
                     console=console)
     with prog:
         def make(description: str):
-            task = prog.add_task(description, total=None)
+            task = []  # created on the first update, so cache hits show no empty bar
 
             def update(done: int, total: int) -> None:
-                prog.update(task, completed=done, total=total)
+                if not task:
+                    task.append(prog.add_task(description, total=total))
+                prog.update(task[0], completed=done, total=total)
             return update
         yield make
 

@@ -237,7 +237,7 @@ class Trainer:
                                 "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
                                 **{f"train/{k}": v for k, v in metrics.items()}}
                         self._log_scalars(scal)
-                        progress.update(task, info=f"loss {float(loss):.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
+                        progress.update(task, info=f"loss {float(loss.detach()):.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
                                                    f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
                     progress.update(task, completed=self.step)
                     if self.step % spec.eval_every == 0 or self.step == self.total_steps:
