@@ -169,8 +169,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        if where and ctx is not None:
+            where += f"; {getattr(e, 'context', None) or 'started'} at line {ctx.line + 1}, column {ctx.column + 1}"
+        where += ")" if where else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpeculatorsError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(raw, dict):

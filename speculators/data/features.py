@@ -5,8 +5,10 @@ the final post-norm hidden state ``top [H]`` (teacher logits are recomputed from
 ``lm_head``: 1 KiB per token instead of 96 KiB of logits) and the target's argmax next token
 ``argmax`` (full-vocab greedy prediction at t, used for metrics and for the draft-vocab loss mask).
 
-The cache directory is keyed by the target fingerprint, the aux layer ids and the tokenised data,
-so a second epoch or a second run with the same recipe reads it back instead of recomputing.
+One cache directory per (target fingerprint, aux layer ids, storage dtype); inside it every
+example is keyed by the hash of its token ids, so a second epoch, a second run, or another recipe
+(another drafter family) over overlapping data reads the features back instead of recomputing them,
+and only new examples are extracted. Concurrent writers to one cache directory are not supported.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..utils import atomic_write_text, cache_root, stable_hash
@@ -67,12 +70,15 @@ class FeatureStore:
         return int(self.loss_mask.sum())
 
 
-def feature_cache_dir(target, examples: list[TokenizedExample]) -> Path:
-    """Cache location for these examples' features under this target and its aux layer ids."""
-    data_key = stable_hash([(e.id, e.input_ids, e.loss_mask) for e in examples])
-    key = stable_hash({"target": target.fingerprint, "aux": target.aux_layer_ids,
-                       "dtype": str(STORE_DTYPE), "data": data_key})
+def feature_cache_dir(target) -> Path:
+    """Cache location of this target's features (its fingerprint, aux layer ids, storage dtype)."""
+    key = stable_hash({"target": target.fingerprint, "aux": target.aux_layer_ids, "dtype": str(STORE_DTYPE)})
     return cache_root() / "features" / key
+
+
+def example_key(input_ids: list[int]) -> str:
+    """Content key of an example's features: the hash of its token ids."""
+    return stable_hash(input_ids, n=24)
 
 
 def _batches_by_length(examples: list[TokenizedExample], batch_tokens: int) -> list[list[int]]:
@@ -102,12 +108,16 @@ def extract_features(target, examples: list[TokenizedExample], batch_tokens: int
         batch_tokens: padded tokens per forward (memory knob).
         progress: optional callable ``(done_tokens, total_tokens)`` for progress display.
     """
-    d = feature_cache_dir(target, examples)
+    d = feature_cache_dir(target)
     d.mkdir(parents=True, exist_ok=True)
     index_file = d / "index.json"
-    index = json.loads(index_file.read_text()) if index_file.exists() else {"shards": [], "done": []}
-    done = set(index["done"])
-    todo = [e for e in examples if e.id not in done]
+    index = json.loads(index_file.read_text()) if index_file.exists() else {"shards": [], "keys": {}}
+    keys = [example_key(e.input_ids) for e in examples]
+    todo, seen = [], set(index["keys"])
+    for e, k in zip(examples, keys):
+        if k not in seen:
+            seen.add(k)
+            todo.append(e)
     total = sum(len(e.input_ids) for e in examples)
     if not todo:
         log(f"features: cache hit {d} ({len(examples)} examples, {total} tokens)")
@@ -123,10 +133,11 @@ def extract_features(target, examples: list[TokenizedExample], batch_tokens: int
             name = f"shard-{len(index['shards']):05d}.safetensors"
             tensors = _pack([(e, f) for e, f in pending])
             tmp = d / f".{name}.tmp"
-            save_file(tensors, str(tmp), metadata={"ids": json.dumps([e.id for e, _ in pending])})
+            shard_keys = [example_key(e.input_ids) for e, _ in pending]
+            save_file(tensors, str(tmp), metadata={"keys": json.dumps(shard_keys)})
             tmp.replace(d / name)
             index["shards"].append(name)
-            index["done"].extend(e.id for e, _ in pending)
+            index["keys"].update({k: name for k in shard_keys})
             atomic_write_text(index_file, json.dumps(index))
             pending.clear()
 
@@ -153,7 +164,7 @@ def extract_features(target, examples: list[TokenizedExample], batch_tokens: int
         flush()
         dt = time.time() - t0
         log(f"features: {n_tok} tokens in {dt:.1f}s ({n_tok / max(dt, 1e-9):.0f} target tokens/s)")
-    return _load(d, index, [e.id for e in examples])
+    return _load(d, index, examples, keys)
 
 
 @torch.no_grad()
@@ -176,21 +187,27 @@ def _pack(items) -> dict[str, torch.Tensor]:
             "top": torch.cat([f["top"] for _, f in items])}
 
 
-def _load(d: Path, index: dict, wanted: list[str]) -> FeatureStore:
-    per_id: dict[str, dict[str, torch.Tensor]] = {}
-    from safetensors import safe_open
+def _load(d: Path, index: dict, examples: list[TokenizedExample], keys: list[str]) -> FeatureStore:
+    """Assemble the store of ``examples`` from the shards that hold their keys (each read once).
 
-    for name in index["shards"]:
-        with safe_open(str(d / name), "pt") as f:
-            ids = json.loads(f.metadata()["ids"])
+    ``input_ids`` and ``loss_mask`` come from the examples; features from the cache.
+    """
+    per_key: dict[str, dict[str, torch.Tensor]] = {}
+    wanted = set(keys)
+    for name in sorted({index["keys"][k] for k in wanted}):
         t = load_file(str(d / name))
+        with safe_open(str(d / name), "pt") as f:
+            shard_keys = json.loads(f.metadata()["keys"])
         off = t["offsets"]
-        for i, ex_id in enumerate(ids):
-            a, b = int(off[i]), int(off[i + 1])
-            per_id[ex_id] = {k: t[k][a:b] for k in ("input_ids", "loss_mask", "argmax", "aux", "top")}
-    rows = [per_id[i] for i in wanted]
-    lens = [r["input_ids"].numel() for r in rows]
+        for i, k in enumerate(shard_keys):
+            if k in wanted:
+                a, b = int(off[i]), int(off[i + 1])
+                per_key[k] = {n: t[n][a:b].clone() for n in ("argmax", "aux", "top")}
+    rows = [per_key[k] for k in keys]
+    lens = [len(e.input_ids) for e in examples]
     offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-    cat = {k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "loss_mask", "argmax", "aux", "top")}
-    return FeatureStore(list(wanted), offsets, cat["input_ids"], cat["loss_mask"], cat["argmax"],
+    cat = {n: torch.cat([r[n] for r in rows]) for n in ("argmax", "aux", "top")}
+    input_ids = torch.cat([torch.tensor(e.input_ids, dtype=torch.int64) for e in examples])
+    loss_mask = torch.cat([torch.tensor(e.loss_mask, dtype=torch.bool) for e in examples])
+    return FeatureStore([e.id for e in examples], offsets, input_ids, loss_mask, cat["argmax"],
                         cat["aux"], cat["top"])
