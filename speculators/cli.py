@@ -172,6 +172,7 @@ def eval_cmd(
     n_prompts = num_prompts if num_prompts is not None else (ev.num_prompts if ev else 16)
     target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32", log=log)
     drafter.check_target(target, warn=log)
+    drafter.attach_target(target)  # families that draft through the target's frozen head need it
     template = rec.data.chat_template if rec else None
     if prompts is not None:
         convs = load_source(prompts)
