@@ -328,3 +328,27 @@ def test_cold_and_warm_cache_train_the_same_drafter(trained, warm_run):
     (regeneration used to reseed the global torch RNG on a cache miss, between the seed and
     ``Drafter.from_target``)."""
     assert_same_weights(weights(trained.dir / "final"), weights(warm_run.dir / "final"))
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
+        tmp_path, isolated_cache, tiny_target_dir, monkeypatch):
+    from speculators.drafters import registry
+
+    family = registry.get("eagle3")
+    original = family.loss
+    calls = {"n": 0}
+
+    def poisoned(self, batch):
+        loss, metrics = original(self, batch)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] >= 3 else loss), metrics
+
+    monkeypatch.setattr(family, "loss", poisoned)
+    out = tmp_path / "run"
+    r = invoke("train", TINY, f"target.model={tiny_target_dir}", "train.eval_every=100", "-o", out)
+    line = assert_user_error(r, "nan", "step 3", "step-000002")
+    assert "train.lr" in line
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step-000002"]
+    assert not (out / "final").exists()
+    assert (out / "checkpoints" / "step-000002" / "model.safetensors").is_file()
