@@ -167,8 +167,28 @@ class Drafter(nn.Module):
                 "target_config": target.layer_config_dict()}
 
     def attach_target(self, target) -> None:
-        """Give the drafter the frozen target head it needs for teacher distributions in training."""
+        """Give the drafter the frozen target pieces it may use: the output head (teacher
+        distributions in training; drafting through the target's head for EAGLE-1/MTP-style
+        families) and the final norm. Kept outside the module tree: never trained, never saved."""
         self._teacher_head = target.lm_head_weight.detach()
+        object.__setattr__(self, "_target_norm", target.model.model.norm)
+
+    def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen target output head: ``[..., H]`` post-norm hidden -> ``[..., V]`` logits.
+
+        Raises:
+            RuntimeError: ``attach_target`` was not called.
+        """
+        if self._teacher_head is None:
+            raise RuntimeError("attach_target(target) first: the target's output head is missing")
+        return torch.nn.functional.linear(h, self._teacher_head.to(device=h.device, dtype=h.dtype))
+
+    def target_final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's frozen final RMSNorm (``[..., H]`` -> ``[..., H]``)."""
+        norm = getattr(self, "_target_norm", None)
+        if norm is None:
+            raise RuntimeError("attach_target(target) first: the target's final norm is missing")
+        return norm(h)
 
     def check_target(self, target, warn=None) -> None:
         """Raise SpeculatorsError if ``target`` cannot serve this drafter (vocab or hidden size differ);
