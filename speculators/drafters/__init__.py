@@ -1,4 +1,4 @@
 """Drafter families. Importing this package registers every family (one file each)."""
 
 from .base import DraftVocab, Drafter, DrafterConfig, Proposal, registry  # noqa: F401
-from . import eagle3  # noqa: F401  (registers "eagle3")
+from . import eagle, eagle3, medusa, mtp  # noqa: F401  (each registers itself)

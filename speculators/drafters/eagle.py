@@ -1,0 +1,372 @@
+"""EAGLE-1 (Li et al., arXiv 2401.15077): feature-level autoregressive drafting with a feature loss.
+
+Architecture (SafeAILab/EAGLE ``eagle/model/cnets1.py``; weight names as vLLM's ``EagleLlamaForCausalLM``,
+``vllm/model_executor/models/llama_eagle.py``, loads them):
+
+* ``fc: Linear(2H -> H)`` on ``concat(embed(x_{t+1}), h[t])`` -- the embedding half FIRST, as EAGLE's
+  ``cnets1.Model.forward`` and vLLM's ``LlamaModel.forward`` concatenate (``fc.weight[:, :H]`` multiplies
+  the embedding, ``fc.weight[:, H:]`` the feature);
+* Llama decoder layers; layer 0 has NO ``input_layernorm`` (EAGLE's ``index != 0`` rule; vLLM replaces
+  it with ``nn.Identity``); layers 1.. are plain Llama layers; no final norm;
+* the output feature ``f`` is read by the TARGET's frozen ``lm_head`` (``Drafter.target_lm_head``; the
+  target's ``h_top`` is post-norm, so no extra norm); ``embed_tokens`` is copied from the target, frozen.
+
+Indexing (the label shift). The drafter input at index t is ``(h_top[t], x_{t+1})`` at position id
+``t + 1``; it outputs ``f[t+1]``, the predicted target feature of position ``t + 1``, whose head gives
+the draft of ``x_{t+2}``. Training targets at index t: feature ``h_top[t+1]`` and distribution
+``p_{t+1} = softmax(lm_head(h_top[t+1]))``; a position counts when ``x_{t+2}`` is a real assistant token.
+
+Inference: step 0 drafts from the feature predicted by the newest real input; draft step j > 0 feeds
+``(f, d)`` = its own previous predicted feature and the token it just drafted, at the next position,
+with its own KV cache (rolled back after ``propose``). ``advance`` runs the verified positions with the
+target's REAL features.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, field_validator
+from torch import nn
+
+from ..errors import SpeculatorsError
+from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from .layers import (
+    MLP,
+    Attention,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    cached_attend,
+    causal_mask_with_cache,
+    layer_config,
+    ttt_attention,
+)
+
+# EAGLE's AddUniformNoise (eagle/train/main.py): noise = (U[0,1) - 0.5) * std * 512 / seq_len
+NOISE_REFERENCE_LENGTH = 512
+
+
+class EagleConfig(DrafterConfig):
+    """``drafter:`` section of an EAGLE-1 recipe."""
+
+    algorithm: Literal["eagle"] = "eagle"
+    num_layers: int = Field(default=1, ge=1, le=8, description="decoder layers in the drafter (EAGLE-1: 1)")
+    w_feat: float = Field(default=1.0, ge=0.0, description="weight of the smooth-L1 feature loss (EAGLE v_w)")
+    w_tok: float = Field(default=0.1, ge=0.0, description="weight of the soft-CE token loss (EAGLE p_w)")
+    noise: float = Field(default=0.2, ge=0.0, description="uniform noise amplitude on the input features "
+                         "(training only; scaled by 512/seq_len as EAGLE does); 0 disables it")
+    fc_bias: bool = Field(default=True, description="bias on fc (EAGLE-1: true; vLLM's V1 EagleLlamaForCausalLM "
+                          "builds fc without bias: set false to serve there)")
+    sim_steps: int = Field(default=3, ge=1, le=8, description="draft steps simulated (no grad) for the "
+                           "full_acc_j / sim_tau metrics; step j>0 feeds back the drafter's own feature and argmax")
+    intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
+    num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K written to the vLLM config")
+
+    @field_validator("draft_vocab_size")
+    @classmethod
+    def _full_vocab_only(cls, v):
+        if v is not None:
+            raise ValueError(f"must be null for EAGLE-1, got {v}: it drafts through the target's own lm_head "
+                             "over the full vocabulary (no d2t/t2d)")
+        return v
+
+
+class _Layer(nn.Module):
+    """Llama decoder layer; ``input_layernorm`` only when ``with_input_norm`` (EAGLE: not on layer 0)."""
+
+    def __init__(self, cfg, with_input_norm: bool):
+        super().__init__()
+        H = cfg.hidden_size
+        if with_input_norm:
+            self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+@dataclass
+class EagleState:
+    """Per-request inference state: drafter KV cache, newest predicted feature and its logits."""
+
+    cache: KVCache
+    num_positions: int          # real-feature inputs in the cache (position ids 1..n)
+    last_feature: torch.Tensor  # [1, 1, H] feature f predicted by the newest real input
+    last_logits: torch.Tensor   # [V] target-head logits of last_feature
+
+
+def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``out[:, t] = x[:, t + s]`` (zero past the end)."""
+    if s == 0:
+        return x
+    pad = torch.zeros((x.shape[0], s) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, s:], pad], dim=1)
+
+
+@register
+class EagleDrafter(Drafter):
+    """EAGLE-1 drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden, ``V`` vocab."""
+
+    algorithm = "eagle"
+    config_class = EagleConfig
+
+    def __init__(self, cfg: EagleConfig, meta: dict[str, Any]):
+        super().__init__(cfg, meta)
+        over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
+        self.layer_cfg = layer_config(meta["target_config"], num_hidden_layers=cfg.num_layers, **over)
+        H, V = self.layer_cfg.hidden_size, meta["vocab_size"]
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList([_Layer(self.layer_cfg, with_input_norm=i > 0) for i in range(cfg.num_layers)])
+        self.rotary = Rotary(self.layer_cfg)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(cls, cfg: EagleConfig, target, vocab: DraftVocab) -> EagleDrafter:
+        """Fresh drafter: embedding copied from the target (frozen), target head attached.
+
+        Raises:
+            SpeculatorsError: ``vocab`` is a reduced draft vocabulary (EAGLE-1 uses the full one).
+        """
+        if vocab.size != target.vocab_size:
+            raise SpeculatorsError(f"drafter.draft_vocab_size: EAGLE-1 needs the full target vocabulary "
+                                   f"({target.vocab_size}), got a draft vocab of {vocab.size}")
+        d = cls(cfg, cls.target_meta(target))
+        with torch.no_grad():
+            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+        d.attach_target(target)
+        return d
+
+    @classmethod
+    def _build(cls, cfg, meta, weights):
+        return cls(cfg, meta)
+
+    # ------------------------------------------------------------------ the network
+    def _run_layers(self, emb: torch.Tensor, feat: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """``emb, feat [B, T, H]`` -> predicted features ``f [B, T, H]``.
+
+        ``attend(layer_idx, q, k, v) -> o [B, nh, T, hd]`` supplies the attention pattern.
+        """
+        h = self.fc(torch.cat([emb.to(feat.dtype), feat], dim=-1))
+        for i, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h) if i > 0 else h
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            h = residual + layer.self_attn.out(attend(i, q, k, v))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _unroll(self, tokens: torch.Tensor, feats: torch.Tensor, key_valid: torch.Tensor, steps: int,
+                rows_fn) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Step 0 over the real features (with grad) and ``steps - 1`` greedy draft steps (no grad).
+
+        Step j at index t has position id ``t + 1 + j``; its input is ``(f_{j-1}[t], argmax of step j-1
+        at t)`` for j > 0; it attends to step-0 keys ``<= t`` and to its own chain's keys at index t
+        (``ttt_attention``): exactly the drafter's KV cache when it proposes draft j at inference.
+
+        Args:
+            tokens: ``[B, T]`` step-0 tokens ``x_{t+1}``.
+            feats: ``[B, T, H]`` step-0 features ``h_top[t]`` (possibly noised).
+            key_valid: ``[B, T]`` bool, False on padding.
+            rows_fn: ``rows_fn(j, prev_rows, prev_pred) -> [B, T] bool``: indices whose logits step j
+                computes (``prev_*`` are None for j = 0; ``prev_pred [n_prev]`` target ids).
+        Returns:
+            per step ``(f_j [B, T, H], rows_j [B, T] bool, logits_j [rows_j.sum(), V] float32)``.
+        """
+        B, T = tokens.shape
+        ks: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        vs: list[list[torch.Tensor]] = [[] for _ in self.layers]
+
+        def attend(i, q, k, v):
+            ks[i].append(k)
+            vs[i].append(v)
+            return ttt_attention(q, ks[i], vs[i], key_valid)
+
+        rows = rows_fn(0, None, None)
+        hidden, out = feats, []
+        for j in range(steps):
+            with contextlib.nullcontext() if j == 0 else torch.no_grad():
+                pos = (torch.arange(T, device=tokens.device) + 1 + j).unsqueeze(0).expand(B, T)
+                cos, sin = self.rotary(hidden, pos)
+                hidden = self._run_layers(self.embed_tokens(tokens), hidden, cos, sin, attend)
+                logits = self.target_lm_head(hidden[rows]).float()
+            out.append((hidden, rows, logits))
+            if j + 1 == steps:
+                break
+            with torch.no_grad():
+                pred = logits.argmax(-1)
+                next_rows = rows_fn(j + 1, rows, pred)
+                tokens = torch.zeros_like(tokens)
+                tokens[rows] = pred
+                hidden = hidden.detach()
+                rows = next_rows
+        return out
+
+    def add_noise(self, feats: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """EAGLE's uniform feature noise (``AddUniformNoise`` in SafeAILab/EAGLE ``eagle/train/main.py``).
+
+        ``feats + (U[0,1) - 0.5) * noise * 512 / L_b``, drawn from torch's global RNG in float32,
+        where ``L_b`` is example b's own (unpadded) length, as EAGLE applies it per example before
+        padding: amplitude ``noise`` at 512 tokens, larger on shorter sequences.
+        Args: ``feats [B, T, H]``, ``attention_mask [B, T]`` bool. Returns ``[B, T, H]``.
+        """
+        a = self.cfg.noise
+        if a == 0:
+            return feats
+        L = attention_mask.sum(1).clamp(min=1).to(torch.float32)
+        scale = (a * NOISE_REFERENCE_LENGTH / L).view(-1, 1, 1)
+        u = torch.rand(feats.shape, device=feats.device, dtype=torch.float32)
+        return feats + ((u - 0.5) * scale).to(feats.dtype)
+
+    # ------------------------------------------------------------------ training
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``w_feat * SmoothL1(f[t+1], h_top[t+1]) + w_tok * softCE(lm_head(f[t+1]), p_{t+1})``.
+
+        Index t (input ``(h_top[t], x_{t+1})``) is valid when ``x_{t+2}`` is an assistant token inside
+        the sequence. SmoothL1 (beta 1) is averaged over the H features of a position, as EAGLE does;
+        both terms are summed over valid positions and divided by their number. Input features are
+        noised in training mode only (:meth:`add_noise`); the targets are always clean.
+
+        Returns:
+            loss (scalar) and metrics ``loss_feat, loss_tok, full_acc_j, cond_acc_j`` (j < sim_steps)
+            and ``sim_tau = 1 + sum_j full_acc_j``. ``full_acc_0`` is the top-1 agreement of the draft
+            with the target's greedy token at t+1; step j > 0 replays inference (own feature and
+            argmax fed back) and counts index t when steps 0..j are all valid and correct.
+        """
+        cfg: EagleConfig = self.cfg
+        w = self._teacher_head
+        if w is None:
+            raise RuntimeError("attach_target(target) before training: the target's head is missing")
+        lm = batch.loss_mask & batch.attention_mask
+        valid = [_shift(lm, 2 + j) for j in range(cfg.sim_steps)]
+        goal = [_shift(batch.argmax, 1 + j) for j in range(cfg.sim_steps)]
+        feats = batch.top
+        if self.training:
+            feats = self.add_noise(feats, batch.attention_mask)
+        metrics: dict[str, float] = {}
+        tau = [1.0]
+
+        def rows_fn(j, prev_rows, prev_pred):
+            if j == 0:
+                return valid[0]
+            full = torch.zeros_like(prev_rows)
+            full[prev_rows] = prev_pred == goal[j - 1][prev_rows]
+            n_den = valid[j - 1].sum().clamp(min=1)
+            metrics[f"full_acc_{j - 1}"] = float(full.sum() / n_den)
+            metrics[f"cond_acc_{j - 1}"] = float(full.sum() / prev_rows.sum().clamp(min=1))
+            tau[0] += metrics[f"full_acc_{j - 1}"]
+            return full & valid[j] if j < len(valid) else None
+
+        steps = self._unroll(_shift(batch.input_ids, 1), feats, _shift(batch.attention_mask, 1),
+                             cfg.sim_steps, rows_fn)
+        f0, rows0, logits0 = steps[0]
+        n_valid = valid[0].sum().clamp(min=1)
+        with torch.no_grad():
+            target_feat = _shift(batch.top, 1)[rows0]
+            teacher_p = torch.softmax(self.target_lm_head(target_feat).float(), dim=-1)
+        feat_err = F.smooth_l1_loss(f0[rows0].float(), target_feat.float(), reduction="none", beta=1.0).mean(-1)
+        loss_feat = feat_err.sum() / n_valid
+        loss_tok = -(teacher_p * torch.log_softmax(logits0, dim=-1)).sum() / n_valid
+        total = cfg.w_feat * loss_feat + cfg.w_tok * loss_tok
+        with torch.no_grad():  # the last step's accuracy (earlier ones were recorded by rows_fn)
+            _, rows, logits = steps[-1]
+            rows_fn(cfg.sim_steps, rows, logits.argmax(-1))
+        metrics["loss_feat"] = float(loss_feat.detach())
+        metrics["loss_tok"] = float(loss_tok.detach())
+        metrics["sim_tau"] = tau[0]
+        return total, metrics
+
+    # ------------------------------------------------------------------ inference
+    def _forward_cached(self, cache: KVCache, emb, feat, start_pos: int):
+        m = emb.shape[1]
+        pos = torch.arange(start_pos, start_pos + m, device=emb.device).unsqueeze(0)
+        cos, sin = self.rotary(feat, pos)
+        mask = causal_mask_with_cache(m, cache.length, device=emb.device)
+        h = self._run_layers(emb, feat, cos, sin, lambda i, q, k, v: cached_attend(cache, i, q, k, v, mask))
+        last = h[:, -1:]
+        return last, self.target_lm_head(last).float()[0, 0]
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor, features) -> EagleState:
+        """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
+        state = EagleState(KVCache(), 0, None, None)
+        self.advance(state, input_ids.reshape(-1)[1:], features)
+        return state
+
+    @torch.no_grad()
+    def advance(self, state: EagleState, new_ids: torch.Tensor, features) -> None:
+        """Append inputs ``(h_top[t], x_{t+1})`` for the ``m`` newly verified positions (real features)."""
+        dt = self.fc.weight.dtype
+        top = features.top.reshape(1, -1, features.top.shape[-1]).to(device=self.fc.weight.device, dtype=dt)
+        ids = new_ids.reshape(1, -1).to(self.fc.weight.device)
+        state.cache.crop(state.num_positions)  # drop the chain entries of the last proposal
+        f, logits = self._forward_cached(state.cache, self.embed_tokens(ids), top,
+                                         start_pos=state.num_positions + 1)
+        state.num_positions += ids.shape[1]
+        state.last_feature, state.last_logits = f, logits
+
+    @torch.no_grad()
+    def propose(self, state: EagleState, k: int, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+        """Autoregressive chain of ``k`` drafts; draft i > 0 feeds back ``(f, d_{i-1})``.
+
+        Greedy when ``temperature == 0`` (probs None); otherwise each draft is sampled from
+        ``apply_sampling`` of the draft logits (same temperature/top-k/top-p as the target) and the
+        ``[k, V]`` float32 distributions are returned for the verifier. The KV cache is rolled back.
+        """
+        from ..verify import apply_sampling
+
+        feat, logits = state.last_feature, state.last_logits
+        toks, probs = [], []
+        for i in range(k):
+            if temperature == 0.0:
+                d = int(logits.argmax())
+            else:
+                q = apply_sampling(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                                   torch.tensor([top_p]))[0]
+                d = int(torch.multinomial(q, 1, generator=generator))
+                probs.append(q.float().cpu())
+            toks.append(d)
+            if i + 1 < k:
+                emb = self.embed_tokens(torch.tensor([[d]], device=self.fc.weight.device))
+                feat, logits = self._forward_cached(state.cache, emb, feat, start_pos=state.num_positions + 1 + i)
+        state.cache.crop(state.num_positions)
+        return Proposal(torch.tensor(toks, dtype=torch.int64), torch.stack(probs) if probs else None)
+
+    # ------------------------------------------------------------------ formats
+    def export_config(self) -> dict[str, Any]:
+        """Speculators-style ``eagle`` config (keys of vllm-project/speculators' EagleSpeculatorConfig).
+
+        Weights (``export_state_dict``) use vLLM's native EAGLE-1 names: ``fc.weight [H, 2H]``
+        (``fc.bias [H]`` when ``fc_bias``), ``layers.{i}.*`` (layer 0 without ``input_layernorm``),
+        ``embed_tokens.weight [V, H]`` (vLLM skips it and shares the target's); no lm_head, no norm.
+        """
+        m, cfg = self.meta, self.cfg
+        layer = self.layer_cfg.to_dict()
+        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+            layer.pop(key, None)
+        layer["model_type"] = "llama"
+        layer["architectures"] = ["LlamaForCausalLM"]
+        return {
+            "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+            "speculators_model_type": "eagle",
+            "speculators_config": {
+                "algorithm": "eagle",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": cfg.num_speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
+            },
+            "transformer_layer_architecture": "LlamaDecoderLayer",
+            "transformer_layer_config": layer,
+            "layernorms": False,
+            "fusion_bias": cfg.fc_bias,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }

@@ -1,0 +1,378 @@
+"""Medusa (Cai et al., arXiv 2401.10774): K parallel decoding heads on the target's top hidden state.
+
+Architecture (ALGORITHMS.md; weight names as vLLM's ``Medusa`` model loads them):
+
+* head k (k = 1..K) is ``num_layers`` residual blocks ``x <- x + SiLU(W x + b)`` (``blocks.{k-1}.layers.{j}``,
+  one ``nn.Linear(H, H)`` per block, never shared) followed by its own ``lm_heads.{k-1}: Linear(H -> N_draft)``;
+* W and b start at zero (every block starts as the identity; the reference code zeroes W, the
+  vllm-project/speculators trainer zeroes both) and each ``lm_heads`` row starts as the target's
+  lm_head row of that draft-vocabulary token, so at initialisation every head reproduces the target's
+  own next-token distribution;
+* optional draft vocabulary (``d2t`` / ``t2d``, :class:`~speculators.drafters.base.DraftVocab`).
+
+Label convention. All heads read ``h_top[t]`` (the target's final post-norm hidden state, ``Batch.top``).
+The target's own head predicts ``x_{t+1}`` from it; Medusa head k predicts ``x_{t+k+1}`` (head 1 ->
+``x_{t+2}``). Hard-label loss (``distill: false``): CE of head k at ``t`` against the data token
+``input_ids[t+k+1]``, valid where ``t+k+1`` is inside the sequence, ``loss_mask[t+k+1]`` (assistant token)
+and that token is in the draft vocabulary. Self-distillation (``distill: true``): soft CE to the target's
+distribution at position ``t+k`` (``softmax(lm_head(top[t+k]))`` restricted to the draft vocab and
+renormalised; it predicts ``x_{t+k+1}``), valid where ``loss_mask[t+k+1]`` and the target's argmax at
+``t+k`` lies in the draft vocabulary. Each head's loss is averaged over its own valid positions;
+total = ``sum_k head_decay^(k-1) * loss_k`` (Medusa-1, lambda = 0.8).
+
+Inference. After ``start``/``advance`` the newest feature is ``h_top[n-1]`` and the newest token ``x_n``;
+head k drafts ``x_{n+k}`` (= ``x_{(n-1)+k+1}``). One pass of the K heads gives K drafts (top-1 chain);
+``propose(k)`` uses the first ``min(k, K)`` heads. Medusa-2 (``joint: true``, LoRA on the target) needs a
+trainer that trains the target and is rejected for now.
+
+Formats. ``export: speculators`` (default) writes the vllm-project/speculators ``medusa`` config (which
+vLLM maps to its ``MedusaModel``) with ``lm_heads`` over the draft vocabulary, ``d2t``/``t2d`` and, for a
+truncated vocabulary, vLLM's ``token_map`` + ``truncated_vocab_size``. ``export: vllm-medusa`` writes
+vLLM's native Medusa config and full-vocabulary ``lm_heads`` (see :meth:`MedusaDrafter.export_state_dict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, field_validator
+from torch import nn
+
+from ..errors import SpeculatorsError
+from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from .layers import layer_config
+
+
+class MedusaConfig(DrafterConfig):
+    """``drafter:`` section of a Medusa recipe."""
+
+    algorithm: Literal["medusa"] = "medusa"
+    num_heads: int = Field(default=4, ge=1, le=64, description="K: number of Medusa heads = drafts per step")
+    num_layers: int = Field(default=1, ge=1, le=8, description="residual blocks per head")
+    head_decay: float = Field(default=0.8, gt=0.0, le=1.0,
+                              description="lambda: head k's loss weight is lambda^(k-1)")
+    distill: bool = Field(default=False, description="soft CE to the target distribution at t+k "
+                                                     "instead of hard CE to the data token x_{t+k+1}")
+    joint: bool = Field(default=False, description="Medusa-2: also train the target (not supported yet)")
+    export: Literal["speculators", "vllm-medusa"] = Field(
+        default="speculators", description="checkpoint layout: vllm-project/speculators config, or vLLM's "
+                                           "native Medusa config with full-vocabulary lm_heads")
+
+    @field_validator("joint")
+    @classmethod
+    def _no_joint(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("drafter.joint: true (Medusa-2: train the target with LoRA together with the "
+                             "heads) needs a trainer that updates the target, which speculators' trainer "
+                             "cannot do yet; use joint: false (Medusa-1, frozen target)")
+        return v
+
+
+class _ResBlocks(nn.Module):
+    """One head's residual stack: ``x <- x + SiLU(layers[j](x))`` for j = 0..n-1 (vLLM ``ResidualBlock``)."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+@dataclass
+class MedusaState:
+    """Per-request inference state: the K heads' logits on the newest target feature ``h_top[n-1]``."""
+
+    logits: torch.Tensor  # [K, N_draft] float32; row k-1 predicts x_{n+k}
+
+
+@register
+class MedusaDrafter(Drafter):
+    """Medusa drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden,
+    ``V`` target vocab, ``N`` draft vocab, ``K`` heads."""
+
+    algorithm = "medusa"
+    config_class = MedusaConfig
+
+    def __init__(self, cfg: MedusaConfig, meta: dict[str, Any], draft_vocab_size: int):
+        super().__init__(cfg, meta)
+        H, V = int(meta["hidden_size"]), int(meta["vocab_size"])
+        self.blocks = nn.ModuleList([_ResBlocks(H, cfg.num_layers) for _ in range(cfg.num_heads)])
+        self.lm_heads = nn.ModuleList([nn.Linear(H, draft_vocab_size, bias=False) for _ in range(cfg.num_heads)])
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(cls, cfg: MedusaConfig, target, vocab: DraftVocab) -> MedusaDrafter:
+        """Fresh drafter: zero residual blocks (W and b), each head's lm_head = the target's rows of the
+        draft vocabulary (so every head starts as the target's own next-token head)."""
+        d = cls(cfg, cls.target_meta(target), vocab.size)
+        with torch.no_grad():
+            rows = target.lm_head_weight.detach().float()[vocab.target_ids]
+            for head in d.lm_heads:
+                head.weight.copy_(rows)
+            for block in d.blocks:
+                for layer in block.layers:
+                    layer.weight.zero_()
+                    layer.bias.zero_()
+            d.d2t.copy_(vocab.d2t)
+            d.t2d.copy_(vocab.t2d)
+        d.attach_target(target)
+        return d
+
+    @classmethod
+    def _build(cls, cfg: MedusaConfig, meta: dict[str, Any], weights: dict[str, torch.Tensor]) -> MedusaDrafter:
+        """Empty module for either layout: the draft vocab size is ``d2t``'s length (speculators layout),
+        else ``token_map``'s (vLLM layout with a truncated vocab), else the full target vocab."""
+        if "d2t" in weights:
+            n = weights["d2t"].numel()
+        elif "token_map" in weights:
+            n = weights["token_map"].numel()
+        else:
+            n = int(meta["vocab_size"])
+        return cls(cfg, meta, n)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.lm_heads)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """``[N]`` int64 target ids of the draft vocabulary (sorted)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @property
+    def full_vocab(self) -> bool:
+        return self.d2t.numel() == self.t2d.numel()
+
+    def head_logits(self, top: torch.Tensor, heads: int | None = None) -> list[torch.Tensor]:
+        """``[..., H]`` target top hidden states -> list of ``[..., N]`` draft-vocab logits, one per head
+        (the first ``heads`` heads; default all). Head k's logits at ``t`` predict ``x_{t+k+1}``."""
+        n = self.num_heads if heads is None else heads
+        return [self.lm_heads[i](self.blocks[i](top)) for i in range(n)]
+
+    def _teacher_logits(self, top: torch.Tensor) -> torch.Tensor:
+        """The frozen target head on ``top [..., H]``, restricted to the draft vocabulary: ``[..., N]``.
+
+        Raises:
+            RuntimeError: ``attach_target`` was not called.
+        """
+        if self.full_vocab:
+            return self.target_lm_head(top)
+        if self._teacher_head is None:
+            raise RuntimeError("attach_target(target) first: the target's output head is missing")
+        head = self._teacher_head
+        rows = head[self.draft_ids.to(head.device)].to(device=top.device, dtype=top.dtype)  # [N, H]
+        return F.linear(top, rows)
+
+    # ------------------------------------------------------------------ training
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Medusa-1 loss ``sum_k head_decay^(k-1) * loss_k`` (see the module docstring for the labels).
+
+        Args:
+            batch: :class:`speculators.data.dataset.Batch` (uses ``top``, ``input_ids``, ``loss_mask``,
+                ``attention_mask``, ``argmax``).
+        Returns:
+            loss (scalar) and metrics, with ``j = k - 1`` (0-based draft position):
+            ``loss_j``; ``full_acc_j`` = fraction of assistant positions ``t+k+1`` where heads 1..k all
+            predict the target's greedy token (``argmax[t+i]`` for head i, target-id space; a token
+            outside the draft vocab counts as a miss); ``cond_acc_j`` = the same given heads 1..k-1 were
+            right; ``sim_tau = 1 + sum_j full_acc_j`` (simulated greedy acceptance length).
+        Raises:
+            RuntimeError: ``distill`` without ``attach_target``.
+        """
+        cfg: MedusaConfig = self.cfg
+        T = batch.input_ids.shape[1]
+        dev = batch.input_ids.device
+        draft_ids = self.draft_ids
+        assistant = batch.loss_mask & batch.attention_mask  # [B, T]: token at this index is to be predicted
+        if cfg.distill:
+            with torch.no_grad():
+                teacher_p = torch.softmax(self._teacher_logits(batch.top).float(), dim=-1)  # [B, T, N]
+                teacher_ok = self.t2d[batch.argmax]  # [B, T]: target argmax at t in the draft vocab
+        # data token -> draft index (only meaningful where the token is in the draft vocab)
+        tok_in_vocab = self.t2d[batch.input_ids]
+        tok_draft = torch.searchsorted(draft_ids, batch.input_ids.clamp(max=int(draft_ids[-1])))
+
+        total = torch.zeros((), device=dev)
+        metrics: dict[str, float] = {}
+        sim_tau = 1.0
+        prev_full = None
+        for k in range(1, self.num_heads + 1):
+            L = max(T - k - 1, 0)  # positions t = 0..L-1 have a label at t+k+1 < T (empty when T is short)
+            logits = self.lm_heads[k - 1](self.blocks[k - 1](batch.top[:, :L])).float()  # [B, L, N]
+            logp = torch.log_softmax(logits, dim=-1)
+            lbl_mask = assistant[:, k + 1:]  # [B, L]: x_{t+k+1} is an assistant token
+            if cfg.distill:
+                valid = lbl_mask & teacher_ok[:, k:T - 1]
+                ce = -(teacher_p[:, k:T - 1] * logp).sum(-1)
+            else:
+                valid = lbl_mask & tok_in_vocab[:, k + 1:]
+                ce = -logp.gather(-1, tok_draft[:, k + 1:].unsqueeze(-1)).squeeze(-1)
+            n_valid = valid.sum()
+            loss_k = (ce * valid).sum() / n_valid.clamp(min=1)
+            total = total + cfg.head_decay ** (k - 1) * loss_k
+            with torch.no_grad():
+                correct = draft_ids[logits.argmax(-1)] == batch.argmax[:, k:T - 1]  # [B, L]
+                full = correct if prev_full is None else prev_full[:, :L] & correct
+                n_lbl = lbl_mask.sum()
+                full_acc = float((full & lbl_mask).sum() / n_lbl.clamp(min=1))
+                cond_den = n_lbl if prev_full is None else (prev_full[:, :L] & lbl_mask).sum()
+                j = k - 1
+                metrics[f"loss_{j}"] = float(loss_k)
+                metrics[f"full_acc_{j}"] = full_acc
+                metrics[f"cond_acc_{j}"] = float((full & lbl_mask).sum() / cond_den.clamp(min=1))
+                sim_tau += full_acc
+                prev_full = full
+        metrics["sim_tau"] = sim_tau
+        return total, metrics
+
+    # ------------------------------------------------------------------ inference
+    def _run_heads(self, features) -> torch.Tensor:
+        top = features.top.reshape(-1, features.top.shape[-1])
+        if top.shape[0] == 0:
+            raise SpeculatorsError("medusa: no target features given (need the features of position n-1)")
+        w = self.lm_heads[0].weight
+        h = top[-1:].to(device=w.device, dtype=w.dtype)  # newest feature h_top[n-1]
+        return torch.cat(self.head_logits(h), dim=0).float()  # [K, N]
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor, features) -> MedusaState:
+        """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``.
+        Only the newest feature ``top[n-1]`` is used: Medusa heads see no tokens and keep no cache."""
+        return MedusaState(self._run_heads(features))
+
+    @torch.no_grad()
+    def advance(self, state: MedusaState, new_ids: torch.Tensor, features) -> None:
+        """Append ``m`` verified tokens; features of positions ``n..n+m-1`` (only the last is used)."""
+        state.logits = self._run_heads(features)
+
+    @torch.no_grad()
+    def propose(self, state: MedusaState, k: int, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+        """Drafts ``x_{n+1}..x_{n+k'}`` from heads ``1..k'``, ``k' = min(k, num_heads)`` (one pass).
+
+        Greedy when ``temperature == 0`` (each head's top-1, probs None); otherwise draft i is sampled
+        from head i's distribution processed with the same temperature/top-k/top-p as the target and
+        returned as full-vocabulary ``[k', V]`` float32 probabilities (zero outside the draft vocab).
+        The state is not modified.
+        """
+        from ..verify import apply_sampling
+
+        kk = max(0, min(int(k), self.num_heads))
+        draft_ids = self.draft_ids.cpu()
+        logits = state.logits[:kk]
+        if kk == 0:
+            return Proposal(torch.empty(0, dtype=torch.int64))
+        if temperature == 0.0:
+            return Proposal(draft_ids[logits.argmax(-1).cpu()])
+        q = apply_sampling(logits, torch.full((kk,), float(temperature)), torch.full((kk,), int(top_k)),
+                           torch.full((kk,), float(top_p))).float().cpu()
+        idx = torch.multinomial(q, 1, generator=generator).reshape(-1)
+        probs = torch.zeros(kk, self.t2d.numel(), dtype=torch.float32)
+        probs[:, draft_ids] = q
+        return Proposal(draft_ids[idx], probs)
+
+    # ------------------------------------------------------------------ formats
+    def export_config(self) -> dict[str, Any]:
+        """``config.json``: vllm-project/speculators ``medusa`` (default) or vLLM's native Medusa config.
+
+        Both carry what vLLM's ``MedusaConfig``/``Medusa`` read: ``num_heads``, ``num_hidden_layers``
+        (residual blocks per head), hidden/vocab sizes, ``medusa_fc_bias: true`` (our blocks have a bias;
+        vLLM's default is no bias) and, for a draft vocabulary of N < V tokens, ``truncated_vocab_size: N``
+        (vLLM then reads the ``token_map`` weight and scatters each head's N logits into the full vocab,
+        -inf elsewhere).
+        """
+        m, cfg = self.meta, self.cfg
+        H, V, N = int(m["hidden_size"]), int(m["vocab_size"]), int(self.d2t.numel())
+        # vLLM builds its ResidualBlock linears with a bias only when medusa_fc_bias is true
+        heads = {"num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+                 "medusa_fc_bias": True, "original_lm_head": False}
+        if cfg.export == "vllm-medusa":
+            out = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": H,
+                   "vocab_size": V, **heads}
+            if N < V:
+                out["truncated_vocab_size"] = N
+            return out
+        layer = layer_config(m["target_config"], num_hidden_layers=cfg.num_layers).to_dict()
+        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+            layer.pop(key, None)
+        layer["model_type"] = "llama"
+        layer["architectures"] = ["LlamaForCausalLM"]
+        return {
+            "architectures": ["MedusaModel"],
+            "speculators_model_type": "medusa",
+            "speculators_config": {
+                "algorithm": "medusa",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_heads,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
+            },
+            "transformer_layer_config": layer,
+            "draft_vocab_size": N,
+            "medusa_hidden_size": H,
+            "medusa_vocab_size": V,
+            **heads,
+            "truncated_vocab_size": N if N < V else 0,  # speculators' convention: 0 = full vocab
+            "head_weight_decay": cfg.head_decay,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights of the configured layout.
+
+        speculators: ``blocks.{k}.layers.{j}.weight|bias``, ``lm_heads.{k}.weight [N, H]``, ``d2t [N]``,
+        ``t2d [V]`` and, when N < V, ``token_map [N]`` int64 (target ids; what vLLM reads).
+        vllm-medusa: ``blocks.*``, ``lm_heads.{k}.weight [V, H]`` over the full vocabulary (rows outside the
+        draft vocab are zero; vLLM keeps only the ``token_map`` rows when ``truncated_vocab_size < V``)
+        and ``token_map`` when N < V; no d2t/t2d.
+        """
+        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if not self.full_vocab:
+            sd["token_map"] = self.draft_ids.detach().clone()
+        if self.cfg.export == "vllm-medusa":
+            del sd["d2t"], sd["t2d"]
+            if not self.full_vocab:
+                V, ids = self.t2d.numel(), self.draft_ids
+                for i in range(self.num_heads):
+                    w = sd[f"lm_heads.{i}.weight"]
+                    full = torch.zeros(V, w.shape[1], dtype=w.dtype, device=w.device)
+                    full[ids] = w
+                    sd[f"lm_heads.{i}.weight"] = full
+        return sd
+
+    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load either layout (see :meth:`export_state_dict`) into the module.
+
+        Raises:
+            SpeculatorsError: the draft vocabulary or weight names/shapes do not match this module.
+        """
+        sd = dict(sd)
+        token_map = sd.pop("token_map", None)
+        if "d2t" not in sd:  # vLLM layout: rebuild d2t/t2d from token_map, gather the lm_head rows
+            V, N = self.t2d.numel(), self.d2t.numel()
+            ids = token_map.to(torch.int64) if token_map is not None else torch.arange(V)
+            if ids.numel() != N:
+                raise SpeculatorsError(f"medusa checkpoint: token_map has {ids.numel()} ids, expected {N}")
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[ids] = True
+            sd["d2t"], sd["t2d"] = ids - torch.arange(N), t2d
+            for i in range(self.num_heads):
+                w = sd.get(f"lm_heads.{i}.weight")
+                if w is not None and w.shape[0] == V and N < V:
+                    sd[f"lm_heads.{i}.weight"] = w[ids]
+        try:
+            missing, unexpected = self.load_state_dict(sd, strict=False)
+        except RuntimeError as e:  # shape mismatch
+            raise SpeculatorsError(f"checkpoint weights do not match medusa: {e}") from None
+        if missing or unexpected:
+            raise SpeculatorsError(f"checkpoint weights do not match medusa: "
+                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -1,0 +1,437 @@
+"""MTP: DeepSeek-V3's multi-token prediction modules (arXiv 2412.19437, section 2.2), frozen-target mode.
+
+Architecture (ALGORITHMS.md "MTP"; module layout as vLLM's ``deepseek_mtp.py`` loads DeepSeek-V3):
+
+* D sequential modules. Module k (1..D) at index t::
+
+      h'_k[t] = eh_proj(concat(enorm(embed(x_{t+k})), hnorm(h_{k-1}[t])))     # embedding FIRST
+      h_k[t]  = Block_k(h'_k[0..t])                                            # one Llama decoder layer
+      logits_k[t] = target_lm_head(target_final_norm(h_k[t]))                  # shared output head
+
+  The concat order (embedding first, then the previous hidden state) follows vLLM's
+  ``DeepSeekMultiTokenPredictorLayer.forward`` (``torch.cat([inputs_embeds, previous_hidden_states])``);
+  ALGORITHMS.md writes the pair the other way round, the public code is what we follow.
+  ``eh_proj: Linear(2H -> H, bias=False)``; the block is a plain Llama decoder layer (RMSNorm, GQA
+  attention with RoPE, SwiGLU MLP; sizes and RoPE from the target's config) with causal attention;
+  ``h_k`` is the block's pre-norm output (what the next module's ``hnorm`` receives, as in vLLM).
+* ``h_0`` is the target's top hidden state :attr:`Batch.top` / ``TargetFeatures.top``, i.e. AFTER the
+  target's final norm. DeepSeek feeds the main model's pre-norm last hidden state; our feature pipeline
+  stores the post-norm one (``hnorm`` re-normalises it either way).
+* Output head. DeepSeek's per-module ``shared_head`` has its OWN RMSNorm (``shared_head.norm``) in
+  front of the shared ``shared_head.head`` (= the main model's lm_head). In frozen mode we share the
+  target's final norm AND lm_head (:meth:`Drafter.target_final_norm`, :meth:`Drafter.target_lm_head`):
+  both frozen, never saved. Drafts are always over the full target vocabulary (no d2t/t2d).
+* Token embedding: copied from the target, frozen (``embed_tokens``).
+
+Indexing and labels. Module k at index t takes token ``x_{t+k}`` and position id ``t + k`` and predicts
+``x_{t+k+1}``. Hard CE (default) is taken against the data token ``x_{t+k+1}``; ``distill: true`` uses
+soft CE to the target's distribution at position ``t + k`` (``softmax(lm_head(top[t+k]))``, the
+target's prediction of ``x_{t+k+1}``). A (t, k) pair is supervised iff ``t + k + 1 < T`` and token
+``t + k + 1`` is a real assistant token (``loss_mask & attention_mask``).
+vLLM starts the first MTP step at the position of the hidden state (t) rather than t + 1: a constant
+offset of every query and key of one module's attention, which RoPE does not see.
+
+Inference (see :meth:`MTPDrafter.propose`). After ``start``/``advance`` the drafter has seen tokens
+``x_0..x_n`` and target features of positions ``0..n-1``. Module k's KV cache holds its committed
+entries: indices ``0..n-k`` (those whose token ``x_{t+k}`` is verified), computed from real target
+features (module 1) or the committed outputs of module k-1, and real tokens. Drafting chains through
+the modules at index ``n-1``: module 1 uses ``h_top[n-1]`` and ``x_n`` (committed) to draft
+``x_{n+1}``; module j>1 first fills its missing indices ``n-j+1..n-1`` with the drafted tokens and
+module j-1's outputs, then drafts ``x_{n+j}`` from index ``n-1``. Beyond D drafts the last module is
+reused autoregressively (its own output hidden state and its last draft, next index and position);
+vLLM's DeepSeekMTP instead cycles ``spec_step_idx % num_nextn_predict_layers`` (the same when D = 1).
+Speculative cache entries are rolled back after every proposal.
+
+Export (``speculators_model_type: mtp``): ``transformer_layer_config`` = the target's config,
+``num_nextn_predict_layers`` = D; weights ``embed_tokens.weight`` and, per module i = 0..D-1 (module
+k = i + 1), ``layers.{i}.{enorm,hnorm}.weight``, ``layers.{i}.eh_proj.weight`` [H, 2H] and the block's
+weights flat under ``layers.{i}.`` (``self_attn.{q,k,v,o}_proj``, ``input_layernorm``,
+``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``), which is the DeepSeek-V3 checkpoint layout
+(vLLM inserts ``.mtp_block`` itself). Differences from a DeepSeek checkpoint, by choice: module i is
+``layers.{i}`` rather than ``model.layers.{num_hidden_layers + i}``, and ``shared_head.norm`` /
+``shared_head.head`` are not written (they are the verifier's ``model.norm`` and ``lm_head``; a
+converter copies them). vLLM's speculators-format loader does not register ``mtp`` yet, and its
+DeepSeekMTP expects a DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, ValidationInfo, field_validator
+from torch import nn
+
+from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from .layers import (
+    MLP,
+    Attention,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    cached_attend,
+    causal_mask_with_cache,
+    layer_config,
+)
+
+
+class MTPConfig(DrafterConfig):
+    """``drafter:`` section of an MTP recipe.
+
+    Keys:
+        num_modules: D, the number of sequential MTP modules (DeepSeek-V3 uses 1).
+        loss_lambda: lambda in ``loss = lambda * (1/D) * sum_k w_k * CE_k`` (DeepSeek-V3: 0.3 then
+            0.1, relative to its LM loss; in frozen mode the MTP loss is the only loss, so 1.0).
+        module_weights: w_k per module (length D); default all 1.
+        distill: soft CE to the target's distribution at ``t + k`` instead of hard CE to ``x_{t+k+1}``.
+        joint: train the target together with the modules (DeepSeek's setting). Not supported yet: the
+            trainer keeps the target frozen, so ``true`` is rejected.
+        num_speculative_tokens: K written to the vLLM config (default D). At inference any K works:
+            drafts beyond D reuse the last module autoregressively (see the module docstring).
+        draft_vocab_size: must stay unset: MTP drafts through the target's full-vocabulary head.
+    """
+
+    algorithm: Literal["mtp"] = "mtp"
+    num_modules: int = Field(default=3, ge=1, le=8, description="D sequential MTP modules")
+    loss_lambda: float = Field(default=1.0, gt=0.0, description="lambda: weight of the MTP loss")
+    module_weights: list[float] | None = Field(
+        default=None, description="per-module loss weights w_k (length num_modules); default all 1")
+    distill: bool = Field(default=False, description="soft CE to the target distribution instead of hard CE")
+    joint: bool = Field(default=False, description="also train the target (not supported yet)")
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, le=64, description="K written to the vLLM config; default num_modules")
+
+    @field_validator("draft_vocab_size")
+    @classmethod
+    def _full_vocab(cls, v):
+        if v is not None:
+            raise ValueError("MTP drafts through the target's shared lm_head over the full vocabulary; "
+                             "leave drafter.draft_vocab_size unset")
+        return v
+
+    @field_validator("joint")
+    @classmethod
+    def _no_joint(cls, v):
+        if v:
+            raise ValueError("drafter.joint: true (train the target together with the MTP modules) is not "
+                             "supported: the trainer keeps the target frozen; use drafter.joint: false")
+        return v
+
+    @field_validator("module_weights")
+    @classmethod
+    def _weights(cls, v, info: ValidationInfo):
+        if v is None:
+            return v
+        d = info.data.get("num_modules")
+        if d is not None and len(v) != d:
+            raise ValueError(f"drafter.module_weights has {len(v)} entries; drafter.num_modules is {d}")
+        if any(w < 0 for w in v) or not any(w > 0 for w in v):
+            raise ValueError("drafter.module_weights must be >= 0 with at least one > 0")
+        return v
+
+
+class _MTPModule(nn.Module):
+    """One MTP module: ``enorm``, ``hnorm``, ``eh_proj`` and a Llama decoder block (flat names)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(H, eps=eps)
+        self.hnorm = RMSNorm(H, eps=eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.input_layernorm = RMSNorm(H, eps=eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """``emb, hidden [B, m, H]`` -> ``[B, m, H]`` pre-norm output; ``attend(q, k, v) -> o``."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn.out(attend(q, k, v))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``out[:, t] = x[:, t + s]``, zero-padded past the end."""
+    if s == 0:
+        return x
+    pad = torch.zeros((x.shape[0], min(s, x.shape[1])) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, s:], pad], dim=1)
+
+
+def _causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@dataclass
+class MTPState:
+    """Per-request inference state.
+
+    Attributes:
+        ids: ``[n+1]`` int64 tokens ``x_0..x_n`` seen so far.
+        caches: per module, its KV cache; module k (1-based) holds ``committed(n, k)`` entries.
+        outs: per module, ``[1, committed(n, k), H]`` its output hidden states at the committed indices.
+    """
+
+    ids: torch.Tensor
+    caches: list[KVCache] = field(default_factory=list)
+    outs: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return self.ids.numel() - 1
+
+
+def committed(n: int, k: int) -> int:
+    """Number of committed entries of module k (1-based) once ``x_0..x_n`` are known: indices
+    ``0..n-k`` (module k at index t needs the verified token ``x_{t+k}``)."""
+    return max(0, n - k + 1)
+
+
+@register
+class MTPDrafter(Drafter):
+    """MTP drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden, ``V`` vocab."""
+
+    algorithm = "mtp"
+    config_class = MTPConfig
+
+    def __init__(self, cfg: MTPConfig, meta: dict[str, Any]):
+        super().__init__(cfg, meta)
+        self.layer_cfg = layer_config(meta["target_config"], num_hidden_layers=1)
+        H, V = self.layer_cfg.hidden_size, meta["vocab_size"]
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([_MTPModule(self.layer_cfg) for _ in range(cfg.num_modules)])
+        self.rotary = Rotary(self.layer_cfg)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(cls, cfg: MTPConfig, target, vocab: DraftVocab) -> MTPDrafter:
+        """Fresh modules; embedding copied from the target (frozen); target head and norm attached.
+
+        Raises:
+            ValueError: ``vocab`` is not the full target vocabulary.
+        """
+        if vocab.size != target.vocab_size:
+            raise ValueError(f"MTP drafts over the full target vocabulary ({target.vocab_size}); "
+                             f"got a draft vocabulary of {vocab.size}")
+        d = cls(cfg, cls.target_meta(target))
+        with torch.no_grad():
+            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+        d.attach_target(target)
+        return d
+
+    @classmethod
+    def _build(cls, cfg, meta, weights):
+        return cls(cfg, meta)
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.layers)
+
+    @property
+    def module_weights(self) -> list[float]:
+        return list(self.cfg.module_weights or [1.0] * self.num_modules)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Shared output head: ``[..., H]`` module output -> ``[..., V]`` logits (target final norm + lm_head)."""
+        return self.target_lm_head(self.target_final_norm(h))
+
+    # ------------------------------------------------------------------ training
+    def module_hiddens(self, input_ids: torch.Tensor, top: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced forward of every module over whole sequences.
+
+        Args:
+            input_ids: ``[B, T]`` int64 tokens (right-padded).
+            top: ``[B, T, H]`` target top (post-norm) hidden states, ``h_0``.
+        Returns:
+            D tensors ``[B, T, H]``: ``h_k[t]`` for k = 1..D, computed from ``x_{t+k}`` (zero id past
+            the end), ``h_{k-1}[t]`` and position id ``t + k``; causal attention. Padding needs no
+            key mask: right padding is never attended by a real query under the causal mask.
+        """
+        B, T = input_ids.shape
+        hidden = top
+        outs = []
+        for i, module in enumerate(self.layers):
+            k = i + 1
+            emb = self.embed_tokens(_shift(input_ids, k))
+            pos = (torch.arange(T, device=input_ids.device) + k).unsqueeze(0).expand(B, T)
+            cos, sin = self.rotary(hidden, pos)
+            hidden = module(emb, hidden, cos, sin, _causal)
+            outs.append(hidden)
+        return outs
+
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``lambda * (1/D) * sum_k w_k * CE_k`` (DeepSeek-V3 eq. 24-25 with per-module weights).
+
+        CE_k averages over the valid indices t of module k (token ``t + k + 1`` in the sequence and
+        an assistant token) the cross entropy of ``logits_k[t]`` against ``x_{t+k+1}`` (or, with
+        ``distill``, against ``softmax(target_lm_head(top[t+k]))``). Logits are computed only at the
+        indices some metric or loss needs (the full-vocabulary head is the dominant cost).
+
+        Returns:
+            loss (scalar) and metrics, for module k = j + 1: ``loss_j``; ``full_acc_j`` = fraction of
+            module k's valid indices t where EVERY module i <= k has top-1 ``== Batch.argmax[t + i]``
+            (the target's greedy token after ``x_{<=t+i}``, i.e. greedy acceptance of the chain of
+            drafts i = 1..k, teacher-forced on the data tokens); ``cond_acc_j`` = the same among indices
+            whose modules < k were all correct; ``sim_tau = 1 + sum_j full_acc_j``.
+        """
+        cfg: MTPConfig = self.cfg
+        D = self.num_modules
+        ids = batch.input_ids
+        hs = self.module_hiddens(ids, batch.top)
+        real = batch.loss_mask & batch.attention_mask
+        valid = [_shift(real, k + 1) for k in range(1, D + 1)]  # valid[k-1][t] = real[t+k+1]
+        need = list(valid)
+        for i in range(D - 2, -1, -1):  # chained metrics need module i's correctness wherever k > i is valid
+            need[i] = need[i] | need[i + 1]
+        total = torch.zeros((), device=ids.device)
+        metrics: dict[str, float] = {}
+        prev_full = None
+        sim_tau = 1.0
+        for i, w in enumerate(self.module_weights):
+            k = i + 1
+            sel = need[i]
+            logits = self.head(hs[i][sel]).float()  # [N, V]
+            v = valid[i][sel]
+            n_valid = v.sum().clamp(min=1)
+            if cfg.distill:
+                with torch.no_grad():
+                    teacher = torch.softmax(self.target_lm_head(_shift(batch.top, k)[sel]).float(), dim=-1)
+                ce = F.cross_entropy(logits, teacher, reduction="none")
+            else:
+                ce = F.cross_entropy(logits, _shift(ids, k + 1)[sel], reduction="none")
+            loss_k = (ce * v).sum() / n_valid
+            total = total + w * loss_k
+            with torch.no_grad():
+                correct = torch.zeros_like(real)
+                correct[sel] = logits.argmax(-1) == _shift(batch.argmax, k)[sel]
+                full = correct if prev_full is None else prev_full & correct
+                full_acc = float((full & valid[i]).sum() / n_valid)
+                cond_den = valid[i].sum() if prev_full is None else (prev_full & valid[i]).sum()
+                metrics[f"loss_{i}"] = float(loss_k)
+                metrics[f"full_acc_{i}"] = full_acc
+                metrics[f"cond_acc_{i}"] = float((full & valid[i]).sum() / cond_den.clamp(min=1))
+                sim_tau += full_acc
+                prev_full = full
+        metrics["sim_tau"] = sim_tau
+        return cfg.loss_lambda * total / D, metrics
+
+    # ------------------------------------------------------------------ inference
+    def _run(self, i: int, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Module ``i`` (0-based) on indices ``start..start+m-1`` appended to its cache.
+
+        ``tokens [m]`` are ``x_{t+k}``, ``hidden [1, m, H]`` are ``h_{k-1}[t]``; returns ``[1, m, H]``.
+        """
+        if cache.length != start:
+            raise RuntimeError(f"MTP module {i + 1}: cache holds {cache.length} entries, expected {start}")
+        m = tokens.numel()
+        emb = self.embed_tokens(tokens.reshape(1, m).to(self.embed_tokens.weight.device))
+        pos = torch.arange(start + i + 1, start + i + 1 + m, device=emb.device).unsqueeze(0)
+        cos, sin = self.rotary(hidden, pos)
+        mask = causal_mask_with_cache(m, cache.length, device=emb.device)
+        return self.layers[i](emb, hidden, cos, sin, lambda q, k, v: cached_attend(cache, 0, q, k, v, mask))
+
+    def _rollback(self, state: MTPState) -> None:
+        for i, cache in enumerate(state.caches):
+            cache.crop(committed(state.n, i + 1))
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor, features) -> MTPState:
+        """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
+        ids = input_ids.reshape(-1).to(torch.int64).cpu()
+        state = MTPState(ids[:1], [KVCache() for _ in self.layers], [None] * self.num_modules)
+        self.advance(state, ids[1:], features)
+        return state
+
+    @torch.no_grad()
+    def advance(self, state: MTPState, new_ids: torch.Tensor, features) -> None:
+        """Append verified tokens ``x_{n+1}..x_{n+m}`` and target features of positions ``n..n+m-1``;
+        every module computes its newly committed indices (module k: ``n-k+1 .. n+m-k``)."""
+        self._rollback(state)
+        dt = self.embed_tokens.weight.dtype
+        top = features.top.reshape(1, -1, features.top.shape[-1]).to(device=self.embed_tokens.weight.device,
+                                                                      dtype=dt)
+        n_old = state.n
+        state.ids = torch.cat([state.ids, new_ids.reshape(-1).to(torch.int64).cpu()])
+        n_new = state.n
+        if top.shape[1] != n_new - n_old:
+            raise ValueError(f"advance: {n_new - n_old} new tokens but features of {top.shape[1]} positions")
+        for i in range(self.num_modules):
+            k = i + 1
+            lo, hi = committed(n_old, k), committed(n_new, k)
+            if hi <= lo:
+                continue
+            hidden = top if i == 0 else state.outs[i - 1][:, lo:hi]
+            out = self._run(i, state.caches[i], state.ids[lo + k:hi + k], hidden, lo)
+            state.outs[i] = out if state.outs[i] is None else torch.cat([state.outs[i], out], dim=1)
+
+    @torch.no_grad()
+    def propose(self, state: MTPState, k: int, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+        """Chain of ``k`` drafts through the modules at index ``n - 1`` (see module docstring).
+
+        Greedy when ``temperature == 0`` (probs None); otherwise draft j is sampled from
+        :func:`speculators.verify.apply_sampling` of module j's logits (same temperature/top-k/top-p
+        as the target) and the ``[k, V]`` float32 distributions are returned for the verifier.
+        The committed cache content is unchanged on return (speculative entries are cropped).
+        """
+        from ..verify import apply_sampling
+
+        n, D = state.n, self.num_modules
+        drafts: list[int] = []
+        probs = []
+        last = state.outs[0][:, n - 1:n]  # h_1[n-1]: module 1 on (h_top[n-1], x_n), committed
+        prev_full = state.outs[0]  # module j-1's outputs at indices 0..n-1 (committed + speculative)
+        try:
+            for j in range(1, k + 1):
+                if 2 <= j <= D:
+                    i = j - 1
+                    lo = committed(n, j)
+                    seq = torch.cat([state.ids, torch.tensor(drafts, dtype=torch.int64)])
+                    out = self._run(i, state.caches[i], seq[lo + j:n + j], prev_full[:, lo:n], lo)
+                    prev_full = out if state.outs[i] is None else torch.cat([state.outs[i], out], dim=1)
+                    last = out[:, -1:]
+                elif j > D:  # reuse the last module autoregressively: next index, its own output hidden
+                    last = self._run(D - 1, state.caches[D - 1], torch.tensor([drafts[-1]]), last,
+                                     n - 1 + j - D)
+                logits = self.head(last).float()[0, 0]
+                if temperature == 0.0:
+                    d = int(logits.argmax())
+                else:
+                    q = apply_sampling(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                                       torch.tensor([top_p]))[0]
+                    d = int(torch.multinomial(q, 1, generator=generator))
+                    probs.append(q.float().cpu())
+                drafts.append(d)
+        finally:
+            self._rollback(state)
+        return Proposal(torch.tensor(drafts, dtype=torch.int64), torch.stack(probs) if probs else None)
+
+    # ------------------------------------------------------------------ formats
+    def export_config(self) -> dict[str, Any]:
+        """vllm-project/speculators-style ``mtp`` config (FORMATS.md)."""
+        m, cfg = self.meta, self.cfg
+        layer = {k: v for k, v in m["target_config"].items()
+                 if k not in ("transformers_version", "dtype", "torch_dtype", "_name_or_path",
+                              "quantization_config", "auto_map")}
+        return {
+            "architectures": ["MTPDraftModel"],
+            "speculators_model_type": "mtp",
+            "speculators_config": {
+                "algorithm": "mtp",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": cfg.num_speculative_tokens or cfg.num_modules,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
+            },
+            "transformer_layer_config": layer,
+            "num_nextn_predict_layers": cfg.num_modules,
+            "draft_vocab_size": m["vocab_size"],
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
