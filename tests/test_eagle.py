@@ -24,7 +24,7 @@ from speculators.generate import (
 from speculators.target import build_tiny_target
 
 V = 96
-TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle.yaml"
+TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle1.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from speculators.verify import (
     target_side,
     torch_impl,
 )
-from speculators.verify.testing import assert_distribution, chi2_check, random_batch
+from speculators.verify.testing import assert_distribution, chi2_check, inverse_cdf_token, random_batch
 
 N_SAMPLES = 100_000
 V_SMALL = 12
@@ -199,7 +199,7 @@ def test_residual_vanishing_falls_back_to_target():
     for impl in ["torch", "reference"]:
         out = rejection_sample(d, [1], q, logits, sp, impl=impl, randoms=randoms)
         assert out.num_accepted.tolist() == [0]
-        assert int(out.output_token_ids[0, 0]) == int((p[0] * randoms.inv_exponential[0]).argmax())
+        assert int(out.output_token_ids[0, 0]) == inverse_cdf_token(p[0], float(randoms.sample_uniform[0]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_lossless_with_sampling_params(use_q, sp_kwargs):
     _check_lossless(target, q, use_q, sp_kwargs, seed=60, label=f"{sp_kwargs} use_q={use_q}")
 
 
-def test_statistic_catches_broken_recovery(monkeypatch):
+def test_statistic_catches_broken_recovery(monkeypatch, evaluation_order):
     """Recovered token drawn from p instead of max(p - q, 0): the first-token check must reject it."""
     target = _rand_rows(1, 3)
     q = _q_from(_rand_rows(2, 2))
@@ -324,19 +324,19 @@ def test_statistic_catches_broken_recovery(monkeypatch):
     stat_ok, thr, _, _ = chi2_check(out.output_token_ids[:, 0], p1)
     assert stat_ok <= thr
 
-    orig = torch_impl.sample_final
+    orig = torch_impl.sample_rows
 
-    def broken(layout, out, num_acc, ids, draft_probs, p_final, inv_exp):
+    def broken(p, sel, draft_probs, pos, ids, u):
         zeros = None if draft_probs is None else torch.zeros_like(draft_probs)  # max(p - 0, 0) = p
-        return orig(layout, out, num_acc, ids, zeros, p_final, inv_exp)
+        return orig(p, sel, zeros, pos, ids, u)
 
-    monkeypatch.setattr(torch_impl, "sample_final", broken)
+    monkeypatch.setattr(torch_impl, "sample_rows", broken)
     out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11)
     stat, thr, tv, _ = chi2_check(out.output_token_ids[:, 0], p1)
     assert stat > 10 * thr, f"broken rule not detected: chi2={stat:.1f}, threshold {thr:.1f}, TV={tv:.4f}"
 
 
-def test_statistic_catches_always_accept(monkeypatch):
+def test_statistic_catches_always_accept(monkeypatch, evaluation_order):
     """Accepting every draft emits q, not p: the first-token check must reject it."""
     target = _rand_rows(1, 3)
     q = _q_from(_rand_rows(2, 2))

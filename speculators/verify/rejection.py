@@ -2,8 +2,8 @@
 
 Algorithm: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding" (arXiv 2211.17192)
 and Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling" (arXiv 2302.01318).
-Engine semantics (ragged batch layout, greedy rule, point-mass drafts when no draft probs, -1 padding,
-"argmax(p / Exp(1))" sampling): vLLM ``vllm/v1/sample/rejection_sampler.py``.
+Engine semantics (ragged batch layout, greedy rule, point-mass drafts when no draft probs, -1 padding):
+vLLM ``vllm/v1/sample/rejection_sampler.py``.
 
 For one request with drafts ``d_1..d_n`` (drawn from ``q_1..q_n``) and target distributions
 ``p_1..p_{n+1}`` (both through :func:`~speculators.verify.sampling.apply_sampling`):
@@ -15,14 +15,27 @@ For one request with drafts ``d_1..d_n`` (drawn from ``q_1..q_n``) and target di
   *bonus* token ``~ p_{n+1}``. Without draft probs ``q_i`` is a point mass on ``d_i``: accept with
   probability ``p_i(d_i)``, recover from ``p_i`` with ``d_i`` removed.
 
-Random numbers are drawn once, in torch (:func:`draw_randoms`), and shared by every implementation.
-The target side (logits -> probabilities, :mod:`speculators.verify.target_side`) is shared torch code
-too, so the torch and Triton backends return identical tokens; the per-request reference recomputes
-the probabilities itself and agrees with them up to floating-point ties.
+Sampling the recovered / bonus token (inverse CDF, one uniform per request). The row to sample,
+``r = max(p - q, 0)`` (point-mass q: ``p`` with ``d`` zeroed; bonus: ``p``), is quantised to integer
+weights ``w_t = floor(r_t * 2**52)`` (float32 ops: exact scaling by a power of two, then floor), and the
+token is the smallest ``t`` whose inclusive prefix sum ``W_t = w_0 + ... + w_t`` exceeds
+``x = min(floor(u * W_{V-1}), W_{V-1} - 1)`` with ``u ~ U[0, 1)`` in float64. Every ``w_t`` and every
+prefix sum is an integer below ``2**53`` (``sum r <= sum p ~ 1``), so float64 sums are *exact* in any
+order: a full ``cumsum`` + ``searchsorted`` (the reference), block sums then one block's cumsum (torch),
+and a Triton kernel's block-by-block scan all pick the same token. The quantisation changes each
+token's probability by less than ``2**-52`` relative to the row's mass. If the residual vanished
+numerically (``W = 0``) the token is sampled the same way from ``p``.
+
+Random numbers are drawn once, in torch (:func:`draw_randoms`), and shared by every implementation:
+one float32 uniform per draft (accept test) and one float64 uniform per request (its single recovered
+or bonus token). The target side (logits -> probabilities, :mod:`speculators.verify.target_side`) is
+shared torch code too, so the torch and Triton backends return identical tokens; the per-request
+reference recomputes the probabilities itself (the same float32 softmax per row) and agrees with them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,13 +90,13 @@ class RejectionRandoms:
     Attributes:
         uniform: ``[num_draft_tokens_total]`` float32 in ``[0, 1)``, one accept-test uniform per draft
             position (``0`` for greedy requests, which makes the stochastic rule reduce to greedy).
-        inv_exponential: ``[B, V]`` float32 ``1 / E`` with ``E = -log(U) ~ Exp(1)``, one row per request, used for its single recovered *or* bonus token as
-            ``argmax(r * inv_exponential)`` (= ``argmax(r / E)``, which is a sample from
-            ``r / sum(r)``). Rows of greedy requests are ``1``. ``None`` when every request is greedy.
+        sample_uniform: ``[B]`` float64 in ``[0, 1)``, one per request, for its single recovered *or*
+            bonus token by inverse CDF (see the module docstring). ``0`` for greedy requests (their rows
+            are one-hot, so any uniform gives the argmax). ``None`` when every request is greedy.
     """
 
     uniform: Tensor
-    inv_exponential: Tensor | None
+    sample_uniform: Tensor | None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,11 +242,6 @@ def _prepare(
 # --------------------------------------------------------------------------------------------------
 
 
-def _fill_inv_exponential_(t: Tensor, generator: torch.Generator | None) -> Tensor:
-    """In place: ``t <- 1 / E`` with ``E = -log(U) ~ Exp(1)``, ``U ~ U[0, 1)`` (``U == 0`` gives ``0``)."""
-    return t.uniform_(generator=generator).log_().reciprocal_().neg_()
-
-
 def draw_randoms(
     num_draft_tokens: Tensor | Sequence[int],
     vocab_size: int,
@@ -241,16 +249,18 @@ def draw_randoms(
     generator: torch.Generator | None = None,
     device: str | torch.device | None = None,
 ) -> RejectionRandoms:
-    """Draw the random numbers of one verification step.
+    """Draw the random numbers of one verification step: ``sum(n_i)`` float32 + ``B`` float64 uniforms.
 
     Requests without their own generator draw from ``generator`` (or torch's global RNG) in one bulk
-    call each for the uniforms and the noise; a request with ``sampling.generators[i]`` draws its
-    ``n_i`` uniforms and then its ``V`` noise values from that generator only (so its result does
-    not depend on the rest of the batch). Greedy requests consume no random numbers.
+    call each for the accept-test uniforms and the per-request sampling uniforms; a request with
+    ``sampling.generators[i]`` draws its ``n_i`` accept uniforms and then its sampling uniform from
+    that generator only (so its result does not depend on the rest of the batch). Greedy requests
+    consume no random numbers. ``vocab_size`` is accepted for API stability (no per-token noise is drawn).
 
     Returns:
         :class:`RejectionRandoms` on ``device`` (default: ``sampling.temperature.device``).
     """
+    del vocab_size  # inverse-CDF sampling needs one uniform per request, not per token
     nums = _as_num_drafts(num_draft_tokens)
     device = torch.device(device) if device is not None else sampling.temperature.device
     batch, total = len(nums), sum(nums)
@@ -261,7 +271,7 @@ def draw_randoms(
         return RejectionRandoms(torch.zeros(total, dtype=torch.float32, device=device), None)
     seeded = [i for i, g in enumerate(gens) if g is not None and not greedy_list[i]]
     uniform = torch.rand(total, generator=generator, device=device)
-    inv_exp = _fill_inv_exponential_(torch.empty(batch, vocab_size, device=device), generator)
+    sample_u = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
     if seeded:
         starts = [0] * batch
         acc = 0
@@ -272,12 +282,12 @@ def draw_randoms(
             g = gens[i]
             if nums[i]:
                 uniform[starts[i] : starts[i] + nums[i]] = torch.rand(nums[i], generator=g, device=device)
-            _fill_inv_exponential_(inv_exp[i], g)
+            sample_u[i] = torch.rand(1, generator=g, device=device, dtype=torch.float64)[0]
     if any(greedy_list):
         n = torch.tensor(nums, device=device)
         uniform.masked_fill_(torch.repeat_interleave(greedy, n, output_size=total), 0.0)
-        inv_exp.masked_fill_(greedy.unsqueeze(1), 1.0)
-    return RejectionRandoms(uniform, inv_exp)
+        sample_u.masked_fill_(greedy, 0.0)
+    return RejectionRandoms(uniform, sample_u)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,7 +369,7 @@ def rejection_sample(
         randoms = draw_randoms(layout.num_drafts, layout.vocab, sampling, generator, target_logits.device)
     elif randoms.uniform.shape != (layout.total_drafts,) or (
         not layout.all_greedy
-        and (randoms.inv_exponential is None or randoms.inv_exponential.shape != (layout.batch, layout.vocab))
+        and (randoms.sample_uniform is None or randoms.sample_uniform.shape != (layout.batch,))
     ):
         raise ValueError("randoms: shapes do not match this batch (use draw_randoms with the same arguments)")
     if impl == "reference":
@@ -375,13 +385,15 @@ def rejection_sample(
         target_argmax = target_side.target_argmax(layout, target_logits, draft_token_ids, lazy=lazy)
         return backend.greedy(layout, draft_token_ids, target_argmax)
     cache: dict = {}
+    sampler = target_side.Sampler(backend, draft_token_ids, draft_probs, randoms.sample_uniform)
     p_draft = target_side.probs_at_drafts(
-        layout, target_logits, sampling, draft_token_ids, draft_probs, randoms.uniform, lazy=lazy, cache=cache
+        layout, target_logits, sampling, draft_token_ids, draft_probs, randoms.uniform,
+        lazy=lazy, cache=cache, sampler=sampler,
     )
     out, num_acc = backend.scan(layout, draft_token_ids, draft_probs, p_draft, randoms.uniform)
-    p_final = target_side.final_probs(layout, target_logits, sampling, num_acc, lazy=lazy, cache=cache)
+    tokens = target_side.final_tokens(layout, target_logits, sampling, num_acc, sampler, lazy=lazy, cache=cache)
     del cache
-    backend.sample_final(layout, out, num_acc, draft_token_ids, draft_probs, p_final, randoms.inv_exponential)
+    out.scatter_(1, num_acc.unsqueeze(1), tokens.unsqueeze(1))
     return RejectionOutput(out, num_acc)
 
 
@@ -455,20 +467,29 @@ def _reference(
                 r[d] = 0.0
             else:
                 r = (p[j] - draft_probs[start + j]).clamp_min(0.0)
-            token = _sample_row(r, p[j], randoms.inv_exponential[i])
+            token = _sample_row(r, p[j], float(randoms.sample_uniform[i]))
             break
         else:
             j = n
-            token = _sample_row(p[n], p[n], randoms.inv_exponential[i])
+            token = _sample_row(p[n], p[n], float(randoms.sample_uniform[i]))
         out[i, j] = token
         num_acc[i] = j
         start += n
     return RejectionOutput(out, num_acc)
 
 
-def _sample_row(r: Tensor, p: Tensor, inv_exp: Tensor) -> int:
-    """Sample from ``r / sum(r)`` as ``argmax(r / E)``; falls back to ``p`` if ``r`` vanished numerically."""
-    score = r * inv_exp
-    if float(score.max()) > 0:
-        return int(score.argmax())
-    return int((p * inv_exp).argmax())
+SAMPLE_SCALE = 2.0**52  # weights floor(r * 2**52): integers, so float64 prefix sums are exact
+
+
+def _sample_row(r: Tensor, p: Tensor, u: float) -> int:
+    """Inverse-CDF sample from ``r / sum(r)`` with one uniform ``u``; falls back to ``p`` if ``r`` vanished.
+
+    ``w = floor(r * 2**52)`` (float32), ``W = cumsum(w)`` (float64, exact), token = first ``t`` with
+    ``W_t > min(floor(u * W_last), W_last - 1)``.
+    """
+    cum = torch.floor(r * SAMPLE_SCALE).double().cumsum_(0)
+    total = float(cum[-1])
+    if total <= 0:
+        return _sample_row(p, p, u)
+    x = min(math.floor(u * total), total - 1.0)
+    return int(torch.searchsorted(cum, x, right=True))

@@ -4,8 +4,10 @@ Shared torch code used in front of every backend (torch and Triton), so both see
 probabilities and return identical tokens.
 
 * ``probs_at_drafts`` -> ``[T]`` ``p_i(d_i)`` at every draft position the scan will read.
-* ``final_probs`` -> ``[B, V]`` the full target distribution of the one row each request still samples
-  (first rejected position, or the bonus position).
+* ``final_tokens`` -> ``[B]`` the recovered or bonus token of each request, sampled by the backend's
+  ``sample_rows`` (inverse CDF, one float64 uniform per request; see :mod:`speculators.verify.rejection`)
+  from the full target distribution of the one row each request still samples (first rejected
+  position, or the bonus position).
 * ``target_argmax`` -> ``[T + B]`` argmax rows for all-greedy batches.
 
 Two evaluation orders (same values up to floating-point rounding; within one call every backend sees
@@ -15,11 +17,14 @@ the same tensors):
 * lazy (CPU inputs above ``2 * CHUNK_BYTES``): position by position, only for requests whose earlier
   drafts were all accepted (a position after a rejection is never read by any scan), in row chunks of
   about ``CHUNK_BYTES`` so intermediates stay in cache. Positions never evaluated hold 0 (``-1`` for
-  argmax) and are not read.
+  argmax) and are not read. A row whose draft is rejected is sampled right away, while its
+  probabilities are still in cache (``final_tokens`` then only evaluates the bonus rows, and any row
+  the scan's verdict moved elsewhere).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,15 +50,38 @@ def _chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab))
 
 
+_LOCAL = threading.local()
+
+
+def cpu_buffer(name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A ``[rows, cols]`` CPU buffer kept between calls (per thread, grow-only).
+
+    Reusing the pages avoids the page faults of fresh multi-MB allocations, which on CPU cost as much
+    as the arithmetic. Callers must not hold a buffer across another call with the same ``name``.
+    """
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None:
+        bufs = _LOCAL.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or buf.dtype != dtype or buf.shape[1] != cols or buf.shape[0] < rows:
+        old_rows = 0 if buf is None or buf.dtype != dtype or buf.shape[1] != cols else buf.shape[0]
+        buf = bufs[name] = torch.empty(max(rows, old_rows), cols, dtype=dtype)
+    return buf[:rows]
+
+
 class _Scratch:
-    """Two ``[chunk, V]`` float32 buffers reused by every chunk of one call (no allocator churn on CPU)."""
+    """Two ``[chunk, V]`` float32 buffers reused by every chunk (and every call, on CPU)."""
 
     def __init__(self, target_logits: Tensor):
         self.rows = _chunk_rows(target_logits.shape[1])
-        shape = (self.rows, target_logits.shape[1])
+        vocab = target_logits.shape[1]
         self.direct = target_logits.dtype == torch.float32
-        self.logits = torch.empty(shape, dtype=torch.float32, device=target_logits.device)
-        self.probs = torch.empty(shape, dtype=torch.float32, device=target_logits.device)
+        if target_logits.device.type == "cpu":
+            self.logits = cpu_buffer("scratch.logits", self.rows, vocab)
+            self.probs = cpu_buffer("scratch.probs", self.rows, vocab)
+        else:
+            self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=target_logits.device)
+            self.probs = torch.empty(self.rows, vocab, dtype=torch.float32, device=target_logits.device)
 
     def gather_rows(self, target_logits: Tensor, rows: Tensor) -> Tensor:
         if not self.direct:
@@ -61,43 +89,110 @@ class _Scratch:
         return torch.index_select(target_logits, 0, rows, out=self.logits[: rows.numel()])
 
 
-def _row_probs(
-    target_logits: Tensor,
-    rows: Tensor,
-    reqs: Tensor,
-    sampling: SamplingParams,
-    tokens: Tensor | None,
-    scratch: _Scratch,
-) -> Tensor:
-    """``apply_sampling(target_logits[rows])`` with request ``reqs[i]``'s parameters for row ``i``.
+class Sampler:
+    """Samples recovered / bonus tokens through ``backend.sample_rows`` (looked up at call time).
 
-    Returns ``[R]`` probabilities at ``tokens`` when given, else the ``[R, V]`` distributions; rows are
-    processed in cache-sized chunks through ``scratch``.
+    ``backend.sample_rows(p, sel, draft_probs, pos, draft_token_ids, u) -> [S] int64`` samples row
+    ``p[sel[i]]`` (``sel=None``: row ``i``) of the ``[R, V]`` target probabilities ``p`` with the float64
+    uniform ``u[i]``: ``max(p - draft_probs[pos[i]], 0)`` when ``pos[i] >= 0`` (point-mass q, i.e.
+    ``draft_probs is None``: ``p`` without ``draft_token_ids[pos[i]]``), else ``p`` (bonus).
     """
-    temp = sampling.temperature.index_select(0, reqs).float()
-    top_k = None if sampling.top_k is None else sampling.top_k.index_select(0, reqs)
-    top_p = None if sampling.top_p is None else sampling.top_p.index_select(0, reqs)
-    n_rows, vocab = rows.numel(), target_logits.shape[1]
-    if tokens is None:
-        res = torch.empty(n_rows, vocab, dtype=torch.float32, device=target_logits.device)
-    else:
-        res = torch.empty(n_rows, dtype=torch.float32, device=target_logits.device)
-    step = scratch.rows
-    for s in range(0, n_rows, step):
-        sl = slice(s, s + step)
-        x = scratch.gather_rows(target_logits, rows[sl])
-        out = res[sl] if tokens is None else scratch.probs[: x.shape[0]]
+
+    def __init__(self, backend, draft_token_ids: Tensor, draft_probs: Tensor | None, sample_uniform: Tensor):
+        self.backend = backend
+        self.draft_token_ids = draft_token_ids
+        self.draft_probs = draft_probs
+        self.sample_uniform = sample_uniform
+        self._u_list: list[float] | None = None
+
+    def __call__(self, p: Tensor, sel: Tensor | None, reqs: Tensor | list[int], pos: Tensor | list[int]) -> Tensor:
+        device = p.device
+        if isinstance(reqs, list):  # lazy CPU path: small host lists
+            if self._u_list is None:
+                self._u_list = self.sample_uniform.tolist()
+            u = torch.tensor([self._u_list[b] for b in reqs], dtype=torch.float64, device=device)
+            pos = torch.tensor(pos, dtype=torch.int64, device=device)
+        else:
+            u = self.sample_uniform.index_select(0, reqs)
+        return self.backend.sample_rows(p, sel, self.draft_probs, pos, self.draft_token_ids, u)
+
+
+LOG2E = 1.4426950408889634
+
+
+def _plain_requests(sampling: SamplingParams, vocab: int) -> Tensor:
+    """``[B]`` bool: stochastic without top-k / top-p (these rows take the exp2 fast path)."""
+    plain = sampling.temperature > 0
+    if sampling.top_k is not None:
+        plain &= (sampling.top_k <= 0) | (sampling.top_k >= vocab)
+    if sampling.top_p is not None:
+        plain &= sampling.top_p >= 1.0
+    return plain
+
+
+class _RowEvaluator:
+    """Target distributions of arbitrary rows of ``target_logits``, a cache-sized chunk at a time.
+
+    :meth:`rows` returns ``(e, z)`` with ``e / z[:, None] == apply_sampling(rows)`` up to rounding:
+
+    * plain rows (temperature > 0, no top-k / top-p; the common case) skip softmax's normalisation
+      pass and its slower exp: ``e = 2**((x - m) * c)`` with ``m`` the row max and ``c = log2(e) / T``,
+      ``z = sum(e)`` (a second-row accept test only needs ``p(d) = e_d / z``);
+    * other rows go through :func:`apply_sampling`'s code (``z = 1``).
+
+    Rows at a constant stride (e.g. position ``j`` of consecutive equal-length requests) are read in
+    place through a strided view instead of being gathered first.
+    """
+
+    def __init__(self, target_logits: Tensor, sampling: SamplingParams):
+        self.logits = target_logits
+        self.sampling = sampling
+        self.scratch = _Scratch(target_logits)
+        self.vocab = target_logits.shape[1]
+        self.temps = sampling.temperature.tolist()
+        self.viewable = target_logits.dtype == torch.float32 and target_logits.is_contiguous()
+
+    def _view(self, rows: list[int]) -> Tensor | None:
+        if not self.viewable:
+            return None
+        r0 = rows[0]
+        if len(rows) == 1:
+            return self.logits[r0 : r0 + 1]
+        step = rows[1] - r0
+        if step <= 0 or any(rows[i + 1] - rows[i] != step for i in range(1, len(rows) - 1)):
+            return None
+        v = self.vocab
+        return self.logits.as_strided((len(rows), v), (step * v, 1), self.logits.storage_offset() + r0 * v)
+
+    def rows(self, rows: list[int], reqs: list[int], plain: bool) -> tuple[Tensor, Tensor | None]:
+        """``(e [R, V], z [R] or None for z = 1)`` for ``rows`` (request ``reqs[i]``'s parameters)."""
+        n = len(rows)
+        scratch = self.scratch
+        x = self._view(rows) if plain else None
+        owned = x is None
+        if owned:
+            x = scratch.gather_rows(self.logits, torch.tensor(rows, dtype=torch.int64, device=self.logits.device))
+        if plain:
+            temps = [self.temps[b] for b in reqs]
+            e = x if owned else scratch.probs[:n]
+            torch.sub(x, x.amax(dim=-1, keepdim=True), out=e)
+            if all(t == temps[0] for t in temps):
+                e.mul_(LOG2E / temps[0])
+            else:
+                e.mul_(torch.tensor(temps, dtype=torch.float32, device=x.device).reciprocal_().mul_(LOG2E).unsqueeze(1))
+            e.exp2_()
+            return e, e.sum(dim=-1)
+        idx = torch.tensor(reqs, dtype=torch.int64, device=self.logits.device)
+        sp = self.sampling
         p = _sampling_probs(
             x,
-            temp[sl],
-            None if top_k is None else top_k[sl],
-            None if top_p is None else top_p[sl],
+            sp.temperature.index_select(0, idx).float(),
+            None if sp.top_k is None else sp.top_k.index_select(0, idx),
+            None if sp.top_p is None else sp.top_p.index_select(0, idx),
             owned=True,
-            out=out,
+            out=scratch.probs[:n],
         )
-        if tokens is not None:
-            res[sl] = p.gather(1, tokens[sl].unsqueeze(1)).squeeze(1)
-    return res
+        return p, None
 
 
 def probs_at_drafts(
@@ -110,13 +205,15 @@ def probs_at_drafts(
     *,
     lazy: bool,
     cache: dict | None = None,
+    sampler: Sampler | None = None,
 ) -> Tensor:
     """``[T]`` float32 ``p_i(d_i)`` (processed target probability of each draft token).
 
-    With ``lazy=True`` the accept test ``u * q(d) < p(d)`` (the scan's exact rule) decides which
-    requests need their next position; positions after a rejection are left at 0. With
-    ``lazy=False`` all ``T + B`` rows go through one :func:`apply_sampling`, kept in ``cache`` for
-    :func:`final_probs`.
+    With ``lazy=True`` the accept test ``u * q(d) < p(d)`` (the scan's exact rule, in float32) decides
+    which requests need their next position; positions after a rejection are left at 0, and (with
+    ``sampler`` and ``cache``) each rejected row is sampled at once, while its probabilities are in
+    cache, and recorded in ``cache`` for :func:`final_tokens`. With ``lazy=False`` all ``T + B`` rows go
+    through one :func:`apply_sampling`, kept in ``cache``.
     """
     total, batch = layout.total_drafts, layout.batch
     device = target_logits.device
@@ -128,22 +225,62 @@ def probs_at_drafts(
         return probs[torch.arange(total, device=device) + req_of_pos, draft_token_ids]
     if total == 0:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    scratch = _Scratch(target_logits)
-    p_draft = torch.zeros(total, dtype=torch.float32, device=device)
-    alive = layout.n > 0
+    # Host-side bookkeeping (lazy is CPU only): B and T are small, tensor ops on them cost more than lists.
+    lhs = uniform if draft_probs is None else uniform * draft_probs[torch.arange(total, device=device), draft_token_ids]
+    lhs_l = lhs.tolist()  # float32 values: comparing them as Python floats is the scan's float32 test
+    ids_l = draft_token_ids.tolist()
+    nums = layout.num_drafts
+    starts = [0] * batch
+    acc = 0
+    for b, n in enumerate(nums):
+        starts[b] = acc
+        acc += n
+    plain_l = _plain_requests(sampling, layout.vocab).tolist()
+    ev = _RowEvaluator(target_logits, sampling)
+    step = ev.scratch.rows
+    presample = sampler is not None and cache is not None
+    sampled_row = [-1] * batch
+    sampled_tok = [-1] * batch
+    p_draft = [0.0] * total
+    alive = [b for b in range(batch) if nums[b] > 0]
     for j in range(layout.max_drafts):
-        req = alive.nonzero().squeeze(1)
-        if req.numel() == 0:
+        if not alive:
             break
-        pos = layout.draft_start.index_select(0, req) + j
-        d = draft_token_ids.index_select(0, pos)
-        p_d = _row_probs(target_logits, pos + req, req, sampling, d, scratch)
-        p_draft[pos] = p_d
-        lhs = uniform.index_select(0, pos)
-        if draft_probs is not None:
-            lhs = lhs * draft_probs[pos, d]
-        alive[req] = (lhs < p_d) & (layout.n.index_select(0, req) > j + 1)
-    return p_draft
+        nxt = []
+        for plain in (True, False):
+            group = [b for b in alive if plain_l[b] == plain]
+            for s in range(0, len(group), step):
+                reqs = group[s : s + step]
+                pos = [starts[b] + j for b in reqs]
+                rows = [p + b for p, b in zip(pos, reqs)]
+                e, z = ev.rows(rows, reqs, plain)
+                d = torch.tensor([ids_l[p] for p in pos], dtype=torch.int64, device=device)
+                p_d = e.gather(1, d.unsqueeze(1)).squeeze(1)
+                if z is not None:
+                    p_d.div_(z)
+                rej = []
+                for i, (b, p, v) in enumerate(zip(reqs, pos, p_d.tolist())):
+                    p_draft[p] = v
+                    if lhs_l[p] < v:  # accept with probability min(1, p(d) / q(d))
+                        if j + 1 < nums[b]:
+                            nxt.append(b)
+                    else:
+                        rej.append(i)
+                if presample and rej:
+                    if z is not None:
+                        e.div_(z.unsqueeze(1))  # normalise in place: p
+                    sel = None if len(rej) == len(reqs) else torch.tensor(rej, dtype=torch.int64, device=device)
+                    r_reqs = [reqs[i] for i in rej]
+                    toks = sampler(e, sel, r_reqs, [pos[i] for i in rej]).tolist()
+                    for i, b, t in zip(rej, r_reqs, toks):
+                        sampled_row[b] = rows[i]
+                        sampled_tok[b] = t
+        alive = sorted(nxt)
+    if presample:
+        cache["sampled_row"] = torch.tensor(sampled_row, dtype=torch.int64, device=device)
+        cache["sampled_token"] = torch.tensor(sampled_tok, dtype=torch.int64, device=device)
+        cache["evaluator"] = ev
+    return torch.tensor(p_draft, dtype=torch.float32, device=device)
 
 
 def _all_probs(layout: _Layout, target_logits: Tensor, sampling: SamplingParams, cache: dict | None) -> Tensor:
@@ -162,21 +299,53 @@ def _all_probs(layout: _Layout, target_logits: Tensor, sampling: SamplingParams,
     return probs
 
 
-def final_probs(
+def final_tokens(
     layout: _Layout,
     target_logits: Tensor,
     sampling: SamplingParams,
     num_accepted: Tensor,
+    sampler: Sampler,
     *,
     lazy: bool,
     cache: dict | None = None,
 ) -> Tensor:
-    """``[B, V]`` float32 target distribution at each request's first rejected (or bonus) position."""
+    """``[B]`` int64 recovered (first rejected position) or bonus token of each request.
+
+    Rows already sampled by the lazy :func:`probs_at_drafts` (recorded in ``cache``) are reused when
+    they are the row the scan's ``num_accepted`` points at; the others are evaluated here.
+    """
+    device = target_logits.device
     rows = layout.row_start + num_accepted
+    pos = torch.where(num_accepted < layout.n, layout.draft_start + num_accepted, -1)
+    if cache is not None and "sampled_row" in cache:
+        tokens = cache["sampled_token"]
+        todo = (cache["sampled_row"] != rows).nonzero().squeeze(1)
+    else:
+        tokens = torch.empty(layout.batch, dtype=torch.int64, device=device)
+        todo = torch.arange(layout.batch, device=device)
+    if todo.numel() == 0:
+        return tokens
+    t_rows, t_pos = rows.index_select(0, todo), pos.index_select(0, todo)
     if not lazy:
-        return _all_probs(layout, target_logits, sampling, cache).index_select(0, rows)
-    reqs = torch.arange(layout.batch, device=target_logits.device)
-    return _row_probs(target_logits, rows, reqs, sampling, None, _Scratch(target_logits))
+        probs = _all_probs(layout, target_logits, sampling, cache)
+        tokens[todo] = sampler(probs, t_rows, todo, t_pos)
+        return tokens
+    ev = cache.get("evaluator") if cache is not None else None
+    ev = ev if ev is not None else _RowEvaluator(target_logits, sampling)
+    plain_l = _plain_requests(sampling, layout.vocab).tolist()
+    todo_l, rows_l, pos_l = todo.tolist(), t_rows.tolist(), t_pos.tolist()
+    step = ev.scratch.rows
+    for plain in (True, False):
+        idx = [i for i, b in enumerate(todo_l) if plain_l[b] == plain]
+        for s in range(0, len(idx), step):
+            part = idx[s : s + step]
+            reqs = [todo_l[i] for i in part]
+            e, z = ev.rows([rows_l[i] for i in part], reqs, plain)
+            if z is not None:
+                e.div_(z.unsqueeze(1))
+            toks = sampler(e, None, reqs, [pos_l[i] for i in part])
+            tokens[torch.tensor(reqs, dtype=torch.int64, device=device)] = toks
+    return tokens
 
 
 def _argmax_rows(target_logits: Tensor, rows: Tensor, scratch: _Scratch) -> Tensor:

@@ -53,6 +53,18 @@ def assert_distribution(samples: torch.Tensor, probs: torch.Tensor, label: str) 
     assert stat <= thr, f"{label}: chi2={stat:.1f} > {thr:.1f} (p<1e-6), TV={tv:.4f}, n={n}"
 
 
+def inverse_cdf_token(r: torch.Tensor, u: float) -> int:
+    """The verifier's sampling rule written out for one row ``r`` [V] (float32, >= 0) and a uniform ``u``.
+
+    Weights ``floor(r * 2**52)``; the token is the first whose float64 prefix sum (exact: integers below
+    ``2**53``) exceeds ``min(floor(u * total), total - 1)``.
+    """
+    cum = torch.floor(r.float() * 2.0**52).double().cumsum(0)
+    total = float(cum[-1])
+    x = min(math.floor(u * total), total - 1.0)
+    return int((cum <= x).sum())
+
+
 def random_batch(
     gen: torch.Generator,
     nums: list[int],

@@ -3,7 +3,9 @@
 The ragged layout (request ``i`` owns draft positions ``draft_start[i] .. draft_start[i] + n_i - 1`` and
 target rows ``row_start[i] .. row_start[i] + n_i``) is padded to ``[B, K]`` index tensors; accept tests
 are one gather, the first rejection is found with a cumulative product, and exactly one row per
-request (the first rejected position or the bonus position) is sampled with ``argmax(r / Exp(1))``.
+request (the first rejected position or the bonus position) is sampled by inverse CDF with the
+request's float64 uniform (:func:`sample_rows`; the exact integer-weight scheme is described in
+:mod:`speculators.verify.rejection`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, _Layout
-from .target_side import CHUNK_BYTES
+from .rejection import PLACEHOLDER_TOKEN_ID, SAMPLE_SCALE, RejectionOutput, _Layout
+from .target_side import CHUNK_BYTES, cpu_buffer
+
+SAMPLE_BLOCK = 1024  # block width of the two-level search (any width gives the same token)
 
 
 def _padded_indices(layout: _Layout) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,46 +71,99 @@ def scan(
     return out, num_acc
 
 
-def sample_final(
-    layout: _Layout,
-    out: Tensor,
-    num_accepted: Tensor,
-    draft_token_ids: Tensor,
-    draft_probs: Tensor | None,
-    p_final: Tensor,
-    inv_exponential: Tensor,
-) -> None:
-    """Write each request's recovered or bonus token at ``out[b, num_accepted[b]]``.
+def _buffer(name: str, rows: int, cols: int, like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A ``[rows, cols]`` scratch buffer: reused between calls on CPU, fresh on other devices."""
+    if like.device.type == "cpu":
+        return cpu_buffer(name, rows, cols, dtype)
+    return torch.empty(rows, cols, dtype=dtype, device=like.device)
 
-    Recovered: ``argmax(max(p - q, 0) * inv_exp)`` (point-mass q: ``p`` with the draft zeroed); bonus:
-    ``argmax(p * inv_exp)``; if the residual vanished numerically, fall back to the bonus rule. On CPU
-    the rows are processed in cache-sized chunks through one scratch buffer.
+
+def _search(w: Tensor, u: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """Inverse-CDF search on non-negative float32 rows ``w`` ``[R, nb * block]`` (modified in place).
+
+    ``w <- floor(w)`` (``w`` holds ``r * 2**52``: integers after the floor), then the token is the first ``t`` whose prefix sum exceeds
+    ``x = min(floor(u * total), total - 1)``: exact float64 block sums pick the block, one block's
+    cumsum the token. Returns ``(token [R] int64, total [R] float64)``.
     """
-    batch, vocab = p_final.shape
-    is_bonus = num_accepted == layout.n
-    total = layout.total_drafts
-    rej = torch.where(is_bonus, 0, layout.draft_start + num_accepted).clamp_max(max(total - 1, 0))
-    rej_draft = draft_token_ids[rej] if total else rej
-    step = max(1, CHUNK_BYTES // (4 * vocab)) if p_final.device.type == "cpu" else batch
-    scratch = torch.empty(min(step, batch), vocab, dtype=torch.float32, device=p_final.device)
-    best = torch.empty(batch, dtype=torch.int64, device=p_final.device)
-    for s in range(0, batch, step):
+    rows, width = w.shape
+    nb = width // block
+    w.floor_()
+    w64 = _buffer("sample.w64", rows, width, w, torch.float64).view(rows, nb, block)
+    w64.view(rows, width).copy_(w)  # exact: integers below 2**53
+    cum_blocks = w64.sum(dim=-1).cumsum_(dim=-1)
+    total = cum_blocks[:, -1]
+    x = torch.minimum((u * total).floor_(), total - 1).unsqueeze(1)
+    blk = (cum_blocks <= x).sum(dim=-1)
+    before = torch.where(blk > 0, cum_blocks.gather(1, (blk - 1).clamp_min(0).unsqueeze(1)).squeeze(1), 0.0)
+    inner = w64[torch.arange(rows, device=w.device), blk].cumsum_(dim=-1).add_(before.unsqueeze(1))
+    return blk * block + (inner <= x).sum(dim=-1), total
+
+
+def sample_rows(
+    p: Tensor,
+    sel: Tensor | None,
+    draft_probs: Tensor | None,
+    pos: Tensor,
+    draft_token_ids: Tensor,
+    u: Tensor,
+) -> Tensor:
+    """Sample one token for each row ``p[sel[i]]`` (``sel=None``: ``p[i]``) by inverse CDF with ``u[i]`` (float64).
+
+    Row ``i`` samples ``r = max(p - draft_probs[pos_i], 0)`` when ``pos_i >= 0`` (recovered token;
+    point-mass q, ``draft_probs is None``: ``p`` with ``draft_token_ids[pos_i]`` zeroed), else ``r = p``
+    (bonus token); a residual that vanished numerically falls back to ``p``. Weights are
+    ``floor(r * 2**52)`` and the search is exact (float64 block sums, then one block's cumsum), so the
+    token equals the reference's ``searchsorted(cumsum(w), x)`` (see :mod:`speculators.verify.rejection`).
+    On CPU the rows go through reused cache-sized buffers, a chunk at a time.
+    """
+    count, vocab = (p.shape[0] if sel is None else sel.numel()), p.shape[1]
+    step = max(1, CHUNK_BYTES // (4 * vocab)) if p.device.type == "cpu" else max(count, 1)
+    if count <= step:
+        return _sample_chunk(p, sel, draft_probs, pos, draft_token_ids, u)
+    if sel is None:
+        sel = torch.arange(count, device=p.device)
+    tokens = torch.empty(count, dtype=torch.int64, device=p.device)
+    for s in range(0, count, step):
         sl = slice(s, s + step)
-        p, inv_e = p_final[sl], inv_exponential[sl]
-        score = scratch[: p.shape[0]]
-        bonus = is_bonus[sl]
-        if total and draft_probs is not None:
-            torch.index_select(draft_probs, 0, rej[sl], out=score)
-            score.index_fill_(0, bonus.nonzero().squeeze(1), 0.0)  # bonus rows: r = p - 0 = p
-            torch.sub(p, score, out=score).clamp_min_(0.0).mul_(inv_e)
+        tokens[sl] = _sample_chunk(p, sel[sl], draft_probs, pos[sl], draft_token_ids, u[sl])
+    return tokens
+
+
+def _sample_chunk(
+    p: Tensor, sel: Tensor | None, draft_probs: Tensor | None, pos: Tensor, draft_token_ids: Tensor, u: Tensor
+) -> Tensor:
+    rows, vocab = pos.numel(), p.shape[1]
+    block = min(SAMPLE_BLOCK, vocab)
+    width = -(-vocab // block) * block
+    w_full = _buffer("sample.w", rows, width, p)
+    if width > vocab:
+        w_full[:, vocab:] = 0.0
+    w = w_full[:, :vocab]
+    lo, hi = pos.aminmax() if rows else (pos.new_zeros(()), pos.new_zeros(()))
+    lo, hi = int(lo), int(hi)
+    p_rows = p if sel is None else None
+    if draft_probs is not None and hi >= 0:
+        # w = q - p = -(p - q) exactly; max(p - q, 0) * 2**52 = min(q - p, 0) * -2**52 (exact scaling).
+        torch.index_select(draft_probs, 0, pos.clamp_min(0), out=w)
+        if lo < 0:
+            w.index_fill_(0, (pos < 0).nonzero().squeeze(1), 0.0)  # bonus rows: r = p - 0
+        if p_rows is None:
+            p_rows = torch.index_select(p, 0, sel, out=_buffer("sample.p", rows, vocab, p))
+        w.sub_(p_rows).clamp_max_(0.0).mul_(-SAMPLE_SCALE)
+    else:
+        if p_rows is None:
+            torch.index_select(p, 0, sel, out=w)
         else:
-            torch.mul(p, inv_e, out=score)
-            if total:  # point-mass q: the rejected draft gets r = 0
-                nb = (~bonus).nonzero().squeeze(1)
-                score[nb, rej_draft[sl][nb]] = 0.0
-        b = score.argmax(dim=-1)
-        need = (score.gather(1, b.unsqueeze(1)).squeeze(1) <= 0).nonzero().squeeze(1)
-        if need.numel():
-            b[need] = (p[need] * inv_e[need]).argmax(dim=-1)
-        best[sl] = b
-    out.scatter_(1, num_accepted.unsqueeze(1), best.unsqueeze(1))
+            w.copy_(p_rows)
+        w.mul_(SAMPLE_SCALE)
+        if hi >= 0:  # point-mass q: the rejected draft gets r = 0
+            idx = (pos >= 0).nonzero().squeeze(1) if lo < 0 else torch.arange(rows, device=p.device)
+            w[idx, draft_token_ids[pos[idx]]] = 0.0
+    tokens, total = _search(w_full, u, block)
+    empty = (total <= 0).nonzero().squeeze(1)
+    if empty.numel():  # the residual vanished numerically: sample p instead
+        src = p.index_select(0, empty if sel is None else sel[empty])
+        wp = torch.zeros(empty.numel(), width, dtype=torch.float32, device=p.device)
+        wp[:, :vocab] = src * SAMPLE_SCALE
+        tokens[empty] = _search(wp, u.index_select(0, empty), block)[0]
+    return tokens

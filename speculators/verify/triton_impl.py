@@ -6,10 +6,15 @@ Kernels (one program per request):
   mismatch or the bonus argmax (the whole greedy step in one kernel).
 * ``_stochastic_scan_kernel``: accept ``d_i`` while ``u_i * q_i(d_i) < p_i(d_i)``; writes the accepted
   drafts and the number accepted.
-* ``_recovered_bonus_kernel``: for the one row each request still needs (first rejected position or bonus
-  position) computes ``argmax(r * inv_exp)`` with ``r = max(p - q, 0)`` (point-mass q: ``p`` with the
-  draft removed; bonus: ``r = p``), looping over the vocabulary in ``BLOCK_SIZE`` blocks (masked tail, so
-  any vocabulary size works), and places the token after the accepted drafts.
+* ``_sample_rows_kernel`` (one program per row): for the one row each request still needs (first
+  rejected position or bonus position) samples ``r = max(p - q, 0)`` (point-mass q: ``p`` with the draft
+  removed; bonus: ``r = p``) by inverse CDF with the request's float64 uniform ``u``: weights
+  ``w = floor(r * 2**52)`` (float32), a first pass over the vocabulary in ``BLOCK_SIZE`` blocks (masked
+  tail, so any vocabulary size works) sums them in float64 (``total``; also the fallback total of ``p``
+  when the residual vanished), and a second pass carries the running sum from block to block and, in
+  the block where it passes ``x = min(floor(u * total), total - 1)``, counts the in-block prefix sums
+  ``<= x``. The weights are integers and every sum stays below ``2**53``, so all float64 additions are
+  exact: the token is the same as torch's (``torch_impl.sample_rows``) whatever the reduction order.
 
 Compiled with ``triton.jit`` for CUDA tensors. With ``TRITON_INTERPRET=1`` set before triton is first
 imported, the same kernels run in Triton's interpreter on CPU tensors (used by the tests).
@@ -22,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, _Layout
+from .rejection import PLACEHOLDER_TOKEN_ID, SAMPLE_SCALE, RejectionOutput, _Layout
 
 BLOCK_SIZE = 1024
 _INTERPRET_BLOCK_SIZE = 256
@@ -98,57 +103,68 @@ def _stochastic_scan_kernel(
 
 
 @triton.jit
-def _recovered_bonus_kernel(
-    out_ptr,  # [B, K + 1] int64
-    num_acc_ptr,  # [B] int64
-    draft_ids_ptr,  # [T] int64
+def _sample_rows_kernel(
+    tok_ptr,  # [S] int64 out
+    p_ptr,  # [R, V] float32 target distributions
+    sel_ptr,  # [S] int64 row of p to sample (unused when not HAS_SEL: row = program id)
     draft_probs_ptr,  # [T, V] float32 (unused when NO_DRAFT_PROBS)
-    p_final_ptr,  # [B, V] float32, target distribution at the first rejected / bonus position
-    inv_exp_ptr,  # [B, V] float32, 1 / Exp(1)
-    draft_start_ptr,  # [B] int64
-    n_ptr,  # [B] int64
-    out_stride,
+    pos_ptr,  # [R] int64, draft position of the rejected draft, -1 = bonus row
+    draft_ids_ptr,  # [T] int64
+    u_ptr,  # [S] float64 uniforms
     vocab_size,
+    SCALE: tl.constexpr,
+    HAS_SEL: tl.constexpr,
     NO_DRAFT_PROBS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    start = tl.load(draft_start_ptr + b)
-    n = tl.load(n_ptr + b)
-    acc = tl.load(num_acc_ptr + b)
-    is_recovered = acc < n  # else: bonus position
-    p_row = p_final_ptr + b.to(tl.int64) * vocab_size
-    e_row = inv_exp_ptr + b.to(tl.int64) * vocab_size
-    q_row = draft_probs_ptr + (start + acc) * vocab_size
+    r = tl.program_id(0)
+    if HAS_SEL:
+        row = tl.load(sel_ptr + r)
+    else:
+        row = r.to(tl.int64)
+    pos = tl.load(pos_ptr + r)
+    is_recovered = pos >= 0
+    safe_pos = tl.where(is_recovered, pos, 0)
     # Rejected draft (point-mass q) and the q row's length; both void at the bonus position.
-    d = tl.where(is_recovered, tl.load(draft_ids_ptr + tl.where(is_recovered, start + acc, 0)), -1)
+    d = tl.where(is_recovered, tl.load(draft_ids_ptr + safe_pos), -1)
     q_len = tl.where(is_recovered, vocab_size, 0)
-    best_val = tl.full((), -1.0, tl.float32)
-    best_idx = tl.full((), 0, tl.int32)
-    fb_val = tl.full((), -1.0, tl.float32)
-    fb_idx = tl.full((), 0, tl.int32)
+    p_row = p_ptr + row * vocab_size
+    q_row = draft_probs_ptr + safe_pos.to(tl.int64) * vocab_size
+    total = tl.full((), 0.0, tl.float64)
+    total_p = tl.full((), 0.0, tl.float64)
     for off in range(0, vocab_size, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < vocab_size
         p = tl.load(p_row + offs, mask=mask, other=0.0)
-        ie = tl.load(e_row + offs, mask=mask, other=0.0)
         if NO_DRAFT_PROBS:
-            r = tl.where(offs == d, 0.0, p)
+            res = tl.where(offs == d, 0.0, p)
         else:
             q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
-            r = tl.maximum(p - q, 0.0)
-        score = tl.where(mask, r * ie, -1.0)
-        m, i = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        upd = m > best_val
-        best_idx = tl.where(upd, i + off, best_idx)
-        best_val = tl.where(upd, m, best_val)
-        fscore = tl.where(mask, p * ie, -1.0)
-        fm, fi = tl.max(fscore, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        fupd = fm > fb_val
-        fb_idx = tl.where(fupd, fi + off, fb_idx)
-        fb_val = tl.where(fupd, fm, fb_val)
-    tok = tl.where(best_val > 0.0, best_idx, fb_idx)
-    tl.store(out_ptr + b.to(tl.int64) * out_stride + acc, tok.to(tl.int64))
+            res = tl.maximum(p - q, 0.0)
+        total += tl.sum(tl.floor(res * SCALE).to(tl.float64), axis=0)
+        total_p += tl.sum(tl.floor(p * SCALE).to(tl.float64), axis=0)
+    use_p = total <= 0.0  # the residual vanished numerically: sample p instead
+    tot = tl.where(use_p, total_p, total)
+    x = tl.minimum(tl.floor(tl.load(u_ptr + r) * tot), tot - 1.0)
+    run = tl.full((), 0.0, tl.float64)
+    tok = tl.full((), 0, tl.int32)
+    for off in range(0, vocab_size, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < vocab_size
+        p = tl.load(p_row + offs, mask=mask, other=0.0)
+        if NO_DRAFT_PROBS:
+            res = tl.where(offs == d, 0.0, p)
+        else:
+            q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
+            res = tl.maximum(p - q, 0.0)
+        w = tl.floor(tl.where(use_p, p, res) * SCALE).to(tl.float64)
+        block_sum = tl.sum(w, axis=0)
+        cum = tl.cumsum(w, axis=0) + run
+        count = tl.sum((cum <= x).to(tl.int32), axis=0)  # masked tail: w = 0, cum = run + block_sum > x
+        hit = (run <= x) & (x < run + block_sum)
+        tok = tl.where(hit, off + count, tok)
+        run += block_sum
+    tl.store(tok_ptr + r, tok.to(tl.int64))
 
 
 def interpreter_active() -> bool:
@@ -206,24 +222,28 @@ def scan(
     return out, num_acc
 
 
-def sample_final(
-    layout: _Layout,
-    out: Tensor,
-    num_accepted: Tensor,
-    draft_token_ids: Tensor,
+def sample_rows(
+    p: Tensor,
+    sel: Tensor | None,
     draft_probs: Tensor | None,
-    p_final: Tensor,
-    inv_exponential: Tensor,
-) -> None:
-    """Triton twin of :func:`speculators.verify.torch_impl.sample_final` (writes into ``out``)."""
-    device = p_final.device
+    pos: Tensor,
+    draft_token_ids: Tensor,
+    u: Tensor,
+) -> Tensor:
+    """Triton twin of :func:`speculators.verify.torch_impl.sample_rows` (same tokens, same uniforms)."""
+    device = p.device
     _check_device(device)
-    no_q = draft_probs is None or layout.total_drafts == 0
+    count, vocab = pos.numel(), p.shape[1]
+    tokens = torch.empty(count, dtype=torch.int64, device=device)
+    if count == 0:
+        return tokens
+    no_q = draft_probs is None or draft_token_ids.numel() == 0
     block = _INTERPRET_BLOCK_SIZE if interpreter_active() else BLOCK_SIZE
-    block = min(block, triton.next_power_of_2(layout.vocab))
-    p_final = p_final.contiguous()
-    _recovered_bonus_kernel[(layout.batch,)](
-        out, num_accepted, _ids(draft_token_ids, device), p_final if no_q else draft_probs.contiguous(), p_final,
-        inv_exponential.contiguous(), layout.draft_start, layout.n, out.stride(0), layout.vocab,
-        NO_DRAFT_PROBS=no_q, BLOCK=block,
+    block = min(block, triton.next_power_of_2(vocab))
+    p = p.contiguous()
+    _sample_rows_kernel[(count,)](
+        tokens, p, tokens if sel is None else sel.contiguous(), p if no_q else draft_probs.contiguous(),
+        pos.contiguous(), _ids(draft_token_ids, device), u.to(torch.float64).contiguous(), vocab,
+        SCALE=SAMPLE_SCALE, HAS_SEL=sel is not None, NO_DRAFT_PROBS=no_q, BLOCK=block,
     )
+    return tokens
