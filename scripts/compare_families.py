@@ -1,0 +1,82 @@
+"""Train (if needed) and evaluate several drafter recipes on the same held-out prompts; print a table.
+
+Usage:
+    python scripts/compare_families.py                      # every recipes/smollm2-*.yaml except -large
+    python scripts/compare_families.py recipes/smollm2-eagle3.yaml recipes/smollm2-medusa.yaml
+    python scripts/compare_families.py --no-train           # only evaluate runs that exist
+
+For each recipe the run directory is ``outputs/<recipe name>``; an existing ``final/`` is reused
+(delete it or pass ``--retrain`` to train again). Every recipe of one target shares the held-out
+split (same sources, fraction and seed), so the rows are comparable. The Markdown table (tau,
+per-position acceptance, speedup over plain decoding, n-gram tau, training time) is printed and
+written to ``outputs/families.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(cmd: list[str]) -> float:
+    t0 = time.time()
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return time.time() - t0
+
+
+def train_seconds(run_dir: Path) -> float | None:
+    """Wall time of `speculators train` (data pipeline included) recorded by this script, if any."""
+    meta = run_dir / "train_seconds.json"
+    return json.loads(meta.read_text())["seconds"] if meta.is_file() else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipes", nargs="*", type=Path)
+    ap.add_argument("--no-train", action="store_true", help="only evaluate existing runs")
+    ap.add_argument("--retrain", action="store_true", help="train again even if final/ exists")
+    ap.add_argument("-k", type=int, default=4)
+    args = ap.parse_args()
+    recipes = args.recipes or sorted(p for p in (ROOT / "recipes").glob("smollm2-*.yaml") if "large" not in p.name)
+    exe = str(Path(sys.executable).parent / "speculators")
+    rows = []
+    for recipe in recipes:
+        run_dir = ROOT / "outputs" / recipe.stem
+        if args.retrain or not (run_dir / "final").is_dir():
+            if args.no_train:
+                print(f"skip {recipe}: no trained run in {run_dir}")
+                continue
+            secs = run([exe, "train", str(recipe), "--output-dir", str(run_dir), "--overwrite"])
+            (run_dir / "train_seconds.json").write_text(json.dumps({"seconds": secs}))
+        out = run_dir / f"compare-k{args.k}"
+        run([exe, "eval", str(run_dir), "-k", str(args.k), "--output", str(out)])
+        rep = json.loads((out / "report.json").read_text())
+        rows.append((recipe.stem, rep, train_seconds(run_dir)))
+    if not rows:
+        print("nothing to compare")
+        return 1
+    k = args.k
+    lines = ["| recipe | tau | acc. rate | " + " | ".join(f"acc_{i + 1}" for i in range(k)) +
+             " | speedup | n-gram tau | train time |", "|---" * (k + 6) + "|"]
+    for name, rep, secs in rows:
+        d = rep["drafter"]
+        lines.append(f"| {name} | {d['tau']:.3f} | {d['acceptance_rate']:.3f} | " +
+                     " | ".join(f"{x:.3f}" for x in d["per_position"]) +
+                     f" | {rep['speedup']:.2f}x | {rep['ngram']['tau']:.3f} | "
+                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    (ROOT / "outputs").mkdir(exist_ok=True)
+    (ROOT / "outputs" / "families.md").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
