@@ -30,6 +30,7 @@ from .utils import atomic_dir, cache_root, stable_hash
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -204,16 +205,34 @@ class Target:
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the target for cache keys: name, config and a checksum of the weights."""
+        """Identity of the target for cache keys: its config, a checksum of every weight tensor
+        (sum and absolute sum, 7 significant digits) and its chat template. A fine-tune of the same
+        base therefore never reads the base's cached regenerations or features."""
         if self._fingerprint is None:
-            emb = self.model.get_input_embeddings().weight
-            norm = self.model.model.norm.weight
-            summary = [float(emb.double().sum()), float(emb.double().abs().sum()), float(norm.double().sum())]
+            with torch.no_grad():
+                sums = [f"{float(p.double().sum()):.7e}/{float(p.double().abs().sum()):.7e}"
+                        for _, p in sorted(self.model.state_dict().items())]
             cfg = {k: v for k, v in self.config.to_dict().items()
                    if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype",
                                 "quantization_config", "_model_name_or_path")}
-            self._fingerprint = stable_hash({"cfg": cfg, "w": [round(x, 3) for x in summary]})
+            template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+            self._fingerprint = stable_hash({"cfg": cfg, "w": sums, "template": template})
         return self._fingerprint
+
+    @property
+    def verifier_name(self) -> str:
+        """Name recorded as ``verifier.name_or_path`` in exported configs: the hub id for the alias."""
+        return SMOLLM2_HUB_ID if self.name_or_path == SMOLLM2_ALIAS else self.name_or_path
+
+    @property
+    def architecture(self) -> str:
+        """The model class name (e.g. ``LlamaForCausalLM``), recorded as the verifier architecture."""
+        return type(self.model).__name__
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        """The target's frozen final norm (input of ``lm_head``)."""
+        return self.model.model.norm
 
     @property
     def device(self) -> torch.device:

@@ -156,9 +156,9 @@ class Drafter(nn.Module):
     @staticmethod
     def target_meta(target) -> dict[str, Any]:
         """What a checkpoint records about its target, and checks at eval time."""
-        return {"name_or_path": target.name_or_path,
+        return {"name_or_path": target.verifier_name, "reference": target.name_or_path,
                 "architectures": list(getattr(target.config, "architectures", None) or
-                                      [type(target.model).__name__]),
+                                      [target.architecture]),
                 "fingerprint": target.fingerprint, "vocab_size": target.vocab_size,
                 "hidden_size": target.hidden_size, "num_layers": target.num_layers,
                 "aux_layer_ids": list(target.aux_layer_ids),
@@ -171,7 +171,8 @@ class Drafter(nn.Module):
         distributions in training; drafting through the target's head for EAGLE-1/MTP-style
         families) and the final norm. Kept outside the module tree: never trained, never saved."""
         self._teacher_head = target.lm_head_weight.detach()
-        object.__setattr__(self, "_target_norm", target.model.model.norm)
+        object.__setattr__(self, "_target_norm", target.final_norm)
+        self._head_on_device: torch.Tensor | None = None
 
     def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen target output head: ``[..., H]`` post-norm hidden -> ``[..., V]`` logits.
@@ -181,7 +182,11 @@ class Drafter(nn.Module):
         """
         if self._teacher_head is None:
             raise RuntimeError("attach_target(target) first: the target's output head is missing")
-        return torch.nn.functional.linear(h, self._teacher_head.to(device=h.device, dtype=h.dtype))
+        head = getattr(self, "_head_on_device", None)
+        if head is None or head.device != h.device or head.dtype != h.dtype:
+            head = self._teacher_head.to(device=h.device, dtype=h.dtype)  # copied once, not per call
+            self._head_on_device = head
+        return torch.nn.functional.linear(h, head)
 
     def target_final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The target's frozen final RMSNorm (``[..., H]`` -> ``[..., H]``)."""
@@ -228,12 +233,51 @@ class Drafter(nn.Module):
         """``config.json`` in the format vLLM loads (FORMATS.md)."""
         raise NotImplementedError
 
+    def speculators_config(self, num_speculative_tokens: int) -> dict[str, Any]:
+        """The ``speculators_config`` block of the vllm-project/speculators format (FORMATS.md):
+        algorithm, greedy proposal method with ``speculative_tokens`` (vLLM's
+        ``num_speculative_tokens``) and the verifier (hub id or path, architectures)."""
+        m = self.meta
+        return {"algorithm": self.algorithm, "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]}}
+
+    @staticmethod
+    def transformer_layer_config(layer_cfg) -> dict[str, Any]:
+        """A drafter's decoder config as the plain HF Llama dict vLLM expects in
+        ``transformer_layer_config``: RoPE written explicitly as ``rope_theta`` / ``rope_scaling``
+        (older readers ignore transformers 5's ``rope_parameters`` and would silently fall back to
+        the default theta), bookkeeping keys dropped."""
+        d = layer_cfg.to_dict() if hasattr(layer_cfg, "to_dict") else dict(layer_cfg)
+        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+                    "_model_name_or_path", "quantization_config", "tie_word_embeddings"):
+            d.pop(key, None)
+        rp = d.get("rope_parameters") or {}
+        if "rope_theta" not in d and "rope_theta" in rp:
+            d["rope_theta"] = rp["rope_theta"]
+        if "rope_scaling" not in d:
+            d["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else \
+                {k: v for k, v in rp.items() if k != "rope_theta"}
+        d["model_type"] = "llama"
+        d["architectures"] = ["LlamaForCausalLM"]
+        return d
+
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the names vLLM expects (default: the module's own state dict)."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
 
     def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.load_state_dict(sd, strict=False)
+        """Load weights written by :meth:`export_state_dict`.
+
+        Raises:
+            SpeculatorsError: missing/unexpected names or shapes that do not match this config.
+        """
+        try:
+            missing, unexpected = self.load_state_dict(sd, strict=False)
+        except RuntimeError as e:
+            raise SpeculatorsError(f"checkpoint weights do not match this {self.algorithm} config: "
+                                   f"{str(e).splitlines()[-1].strip()}") from None
         if missing or unexpected:
             raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -275,12 +319,21 @@ class Drafter(nn.Module):
         cfg_file = path / CONFIG_NAME
         if not cfg_file.is_file() or not (path / WEIGHTS_NAME).is_file():
             raise SpeculatorsError(f"{path} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        raw = json.loads(cfg_file.read_text())
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise SpeculatorsError(f"{cfg_file}: not valid JSON ({e})") from None
         if TRAINING_KEY not in raw:
             raise SpeculatorsError(f"{cfg_file}: no {TRAINING_KEY!r} block; not written by speculators")
-        cls = registry.get(raw[TRAINING_KEY]["drafter"]["algorithm"])
-        cfg = cls.config_class.model_validate(raw[TRAINING_KEY]["drafter"])
-        weights = load_file(str(path / WEIGHTS_NAME))
+        cls = registry.get(raw[TRAINING_KEY].get("drafter", {}).get("algorithm"))
+        try:
+            cfg = cls.config_class.model_validate(raw[TRAINING_KEY]["drafter"])
+        except ValueError as e:  # pydantic ValidationError
+            raise SpeculatorsError(f"{cfg_file}: invalid drafter config: {e}".splitlines()[0]) from None
+        try:
+            weights = load_file(str(path / WEIGHTS_NAME))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise SpeculatorsError(f"{path / WEIGHTS_NAME}: cannot read weights ({e})") from None
         drafter = cls._build(cfg, raw[TRAINING_KEY]["target"], weights)
         drafter.load_export_state_dict(weights)
         return drafter.eval()

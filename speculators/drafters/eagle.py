@@ -346,23 +346,12 @@ class EagleDrafter(Drafter):
         (``fc.bias [H]`` when ``fc_bias``), ``layers.{i}.*`` (layer 0 without ``input_layernorm``),
         ``embed_tokens.weight [V, H]`` (vLLM skips it and shares the target's); no lm_head, no norm.
         """
-        m, cfg = self.meta, self.cfg
-        layer = self.layer_cfg.to_dict()
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
-            layer.pop(key, None)
-        layer["model_type"] = "llama"
-        layer["architectures"] = ["LlamaForCausalLM"]
+        cfg = self.cfg
+        layer = self.transformer_layer_config(self.layer_cfg)
         return {
             "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
             "speculators_model_type": "eagle",
-            "speculators_config": {
-                "algorithm": "eagle",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy",
-                                      "speculative_tokens": cfg.num_speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
-            },
+            "speculators_config": self.speculators_config(cfg.num_speculative_tokens),
             "transformer_layer_architecture": "LlamaDecoderLayer",
             "transformer_layer_config": layer,
             "layernorms": False,

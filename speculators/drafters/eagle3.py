@@ -308,22 +308,11 @@ class Eagle3Drafter(Drafter):
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
         m, cfg = self.meta, self.cfg
-        layer = self.layer_cfg.to_dict()
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
-            layer.pop(key, None)
-        layer["model_type"] = "llama"
-        layer["architectures"] = ["LlamaForCausalLM"]
+        layer = self.transformer_layer_config(self.layer_cfg)
         return {
             "architectures": ["Eagle3DraftModel"],
             "speculators_model_type": "eagle3",
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy",
-                                      "speculative_tokens": cfg.num_speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
-            },
+            "speculators_config": self.speculators_config(cfg.num_speculative_tokens),
             "transformer_layer_config": layer,
             "draft_vocab_size": int(self.d2t.numel()),
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in m["aux_layer_ids"]],

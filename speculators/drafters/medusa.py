@@ -300,21 +300,11 @@ class MedusaDrafter(Drafter):
             if N < V:
                 out["truncated_vocab_size"] = N
             return out
-        layer = layer_config(m["target_config"], num_hidden_layers=cfg.num_layers).to_dict()
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
-            layer.pop(key, None)
-        layer["model_type"] = "llama"
-        layer["architectures"] = ["LlamaForCausalLM"]
+        layer = self.transformer_layer_config(layer_config(m["target_config"], num_hidden_layers=cfg.num_layers))
         return {
             "architectures": ["MedusaModel"],
             "speculators_model_type": "medusa",
-            "speculators_config": {
-                "algorithm": "medusa",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_heads,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
-            },
+            "speculators_config": self.speculators_config(cfg.num_heads),
             "transformer_layer_config": layer,
             "draft_vocab_size": N,
             "medusa_hidden_size": H,

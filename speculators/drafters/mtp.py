@@ -415,20 +415,11 @@ class MTPDrafter(Drafter):
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators-style ``mtp`` config (FORMATS.md)."""
         m, cfg = self.meta, self.cfg
-        layer = {k: v for k, v in m["target_config"].items()
-                 if k not in ("transformers_version", "dtype", "torch_dtype", "_name_or_path",
-                              "quantization_config", "auto_map")}
+        layer = self.transformer_layer_config(m["target_config"])
         return {
             "architectures": ["MTPDraftModel"],
             "speculators_model_type": "mtp",
-            "speculators_config": {
-                "algorithm": "mtp",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy",
-                                      "speculative_tokens": cfg.num_speculative_tokens or cfg.num_modules,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]},
-            },
+            "speculators_config": self.speculators_config(cfg.num_speculative_tokens or cfg.num_modules),
             "transformer_layer_config": layer,
             "num_nextn_predict_layers": cfg.num_modules,
             "draft_vocab_size": m["vocab_size"],

@@ -15,26 +15,38 @@ For one request with drafts ``d_1..d_n`` (drawn from ``q_1..q_n``) and target di
   *bonus* token ``~ p_{n+1}``. Without draft probs ``q_i`` is a point mass on ``d_i``: accept with
   probability ``p_i(d_i)``, recover from ``p_i`` with ``d_i`` removed.
 
-Sampling the recovered / bonus token (inverse CDF, one uniform per request). The row to sample,
-``r = max(p - q, 0)`` (point-mass q: ``p`` with ``d`` zeroed; bonus: ``p``), is quantised to integer
-weights ``w_t = floor(r_t * 2**52)`` (float32 ops: exact scaling by a power of two, then floor), and the
-token is the smallest ``t`` whose inclusive prefix sum ``W_t = w_0 + ... + w_t`` exceeds
-``x = min(floor(u * W_{V-1}), W_{V-1} - 1)`` with ``u ~ U[0, 1)`` in float64. Every ``w_t`` and every
-prefix sum is an integer below ``2**53`` (``sum r <= sum p ~ 1``), so float64 sums are *exact* in any
-order: a full ``cumsum`` + ``searchsorted`` (the reference), block sums then one block's cumsum (torch),
-and a Triton kernel's block-by-block scan all pick the same token. The quantisation changes each
-token's probability by less than ``2**-52`` relative to the row's mass. If the residual vanished
-numerically (``W = 0``) the token is sampled the same way from ``p``.
+Sampling the recovered / bonus token: two-level inverse CDF with ONE float64 uniform ``u`` per request.
+The row to sample, ``r = max(p - q, 0)`` (point-mass q: ``p`` with ``d`` zeroed; bonus: ``p``), float32,
+is cut into blocks of ``B = min(1024, next_power_of_2(V))`` tokens (zero padded):
+
+1. block sums ``S_b`` by a fixed pairwise tree in float32 (element ``i`` of a block's first half plus
+   element ``i`` of its second half, repeated ``log2(B)`` times), so every implementation rounds alike;
+2. block weights ``Q_b = floor(S_b * 2**52)`` and ``T = sum(Q_b)`` (float64 integers below ``2**53``:
+   exact in any order); ``x = min(floor(u * T), T - 1)`` picks the first block whose cumulative weight
+   exceeds ``x``, with offset ``k = x - (cumulative weight before it)``;
+3. in that block only, token weights ``w_t = floor(r_t * 2**52)`` (exact integers), ``W = sum(w_t)``,
+   ``y = min(floor(k / Q_b * W), W - 1)`` and the token is the first whose in-block prefix sum of
+   ``w`` exceeds ``y`` (the first maximum of ``r`` in the block if ``W == 0``).
+
+Token ``t`` in block ``b`` thus has probability ``(Q_b / T) * (w_t / W_b)``, i.e. ``r_t / sum(r)`` up to
+the float32 rounding of the block sums (relative ``~1e-6``, the precision of ``p`` itself) and a
+``2**-52`` grid. All float64 operations are single IEEE operations on identical inputs, so the
+per-request reference, the vectorised torch code and the Triton kernel pick the same token for the
+same ``r`` and ``u``; only a row's ``B`` block sums and one block are touched beyond the float32 pass
+over the row. If the residual vanished numerically (``T == 0``) the token is sampled the same way from
+``p``.
 
 Random numbers are drawn once, in torch (:func:`draw_randoms`), and shared by every implementation:
 one float32 uniform per draft (accept test) and one float64 uniform per request (its single recovered
 or bonus token). The target side (logits -> probabilities, :mod:`speculators.verify.target_side`) is
 shared torch code too, so the torch and Triton backends return identical tokens; the per-request
-reference recomputes the probabilities itself (the same float32 softmax per row) and agrees with them.
+reference recomputes the probabilities itself (softmax per request; the vectorised CPU path normalises
+with exp2 instead, so values can differ in the last bits) and agrees with them up to floating-point ties.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -478,18 +490,44 @@ def _reference(
     return RejectionOutput(out, num_acc)
 
 
-SAMPLE_SCALE = 2.0**52  # weights floor(r * 2**52): integers, so float64 prefix sums are exact
+SAMPLE_SCALE = 2.0**52  # weights floor(r * 2**52): integers, so float64 sums of them are exact
+SAMPLE_BLOCK = 1024  # tokens per block of the two-level inverse CDF (a power of two)
+
+
+def sample_block(vocab: int) -> int:
+    """Block width of the two-level inverse CDF for a vocabulary of ``vocab`` tokens."""
+    return min(SAMPLE_BLOCK, 1 << max(vocab - 1, 0).bit_length())
 
 
 def _sample_row(r: Tensor, p: Tensor, u: float) -> int:
-    """Inverse-CDF sample from ``r / sum(r)`` with one uniform ``u``; falls back to ``p`` if ``r`` vanished.
+    """Two-level inverse-CDF sample from ``r / sum(r)`` with one uniform ``u``; ``p`` if ``r`` vanished."""
+    token = _two_level(r, u)
+    return _two_level(p, u) if token is None else token
 
-    ``w = floor(r * 2**52)`` (float32), ``W = cumsum(w)`` (float64, exact), token = first ``t`` with
-    ``W_t > min(floor(u * W_last), W_last - 1)``.
-    """
-    cum = torch.floor(r * SAMPLE_SCALE).double().cumsum_(0)
-    total = float(cum[-1])
+
+def _two_level(r: Tensor, u: float) -> int | None:
+    vocab = r.numel()
+    block = sample_block(vocab)
+    nb = -(-vocab // block)
+    w = r.contiguous()
+    if nb * block != vocab:
+        w = torch.zeros(nb * block, dtype=torch.float32, device=r.device)
+        w[:vocab] = r
+    s = w.view(nb, block)
+    while s.shape[1] > 1:  # fixed pairwise tree: first half + second half
+        h = s.shape[1] // 2
+        s = s[:, :h] + s[:, h:]
+    q_cum = s.view(nb).double().mul_(SAMPLE_SCALE).floor_().cumsum_(0).tolist()
+    total = q_cum[-1]
     if total <= 0:
-        return _sample_row(p, p, u)
+        return None
     x = min(math.floor(u * total), total - 1.0)
-    return int(torch.searchsorted(cum, x, right=True))
+    b = bisect.bisect_right(q_cum, x)  # first block whose cumulative weight exceeds x
+    before = q_cum[b - 1] if b else 0.0
+    blk = w[b * block : (b + 1) * block]
+    cum = blk.double().mul_(SAMPLE_SCALE).floor_().cumsum_(0)
+    big_w = float(cum[-1])
+    if big_w <= 0:
+        return b * block + int(blk.argmax())
+    y = min(math.floor((x - before) / (q_cum[b] - before) * big_w), big_w - 1.0)
+    return b * block + int(torch.searchsorted(cum, y, right=True))

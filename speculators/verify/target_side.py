@@ -17,9 +17,11 @@ the same tensors):
 * lazy (CPU inputs above ``2 * CHUNK_BYTES``): position by position, only for requests whose earlier
   drafts were all accepted (a position after a rejection is never read by any scan), in row chunks of
   about ``CHUNK_BYTES`` so intermediates stay in cache. Positions never evaluated hold 0 (``-1`` for
-  argmax) and are not read. A row whose draft is rejected is sampled right away, while its
-  probabilities are still in cache (``final_tokens`` then only evaluates the bonus rows, and any row
-  the scan's verdict moved elsewhere).
+  argmax) and are not read. Rows without top-k / top-p are evaluated as ``e = 2**((x - max) / T *
+  log2(e))`` read in place from the logits, and only ``p(d) = e_d / sum(e)`` is formed for an accept
+  test; a row whose draft is rejected is normalised and sampled right away, while it is still in
+  cache (``final_tokens`` then only evaluates the bonus rows, and any row the scan's verdict moved
+  elsewhere). No ``[T + B, V]`` probability tensor is materialised.
 """
 
 from __future__ import annotations
@@ -120,6 +122,14 @@ class Sampler:
 LOG2E = 1.4426950408889634
 
 
+def _balanced_chunks(items: list[int], step: int) -> list[list[int]]:
+    """``items`` in the fewest chunks of at most ``step``, of (nearly) equal sizes."""
+    if not items:
+        return []
+    size = -(-len(items) // -(-len(items) // step))
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
 def _plain_requests(sampling: SamplingParams, vocab: int) -> Tensor:
     """``[B]`` bool: stochastic without top-k / top-p (these rows take the exp2 fast path)."""
     plain = sampling.temperature > 0
@@ -137,11 +147,11 @@ class _RowEvaluator:
 
     * plain rows (temperature > 0, no top-k / top-p; the common case) skip softmax's normalisation
       pass and its slower exp: ``e = 2**((x - m) * c)`` with ``m`` the row max and ``c = log2(e) / T``,
-      ``z = sum(e)`` (a second-row accept test only needs ``p(d) = e_d / z``);
+      ``z = sum(e)`` (an accept test only needs ``p(d) = e_d / z``);
     * other rows go through :func:`apply_sampling`'s code (``z = 1``).
 
-    Rows at a constant stride (e.g. position ``j`` of consecutive equal-length requests) are read in
-    place through a strided view instead of being gathered first.
+    Plain rows are read in place (strided views over runs of rows at a constant stride, e.g. position
+    ``j`` of consecutive equal-length requests) instead of being gathered into a buffer first.
     """
 
     def __init__(self, target_logits: Tensor, sampling: SamplingParams):
@@ -152,36 +162,44 @@ class _RowEvaluator:
         self.temps = sampling.temperature.tolist()
         self.viewable = target_logits.dtype == torch.float32 and target_logits.is_contiguous()
 
-    def _view(self, rows: list[int]) -> Tensor | None:
-        if not self.viewable:
-            return None
-        r0 = rows[0]
-        if len(rows) == 1:
-            return self.logits[r0 : r0 + 1]
-        step = rows[1] - r0
-        if step <= 0 or any(rows[i + 1] - rows[i] != step for i in range(1, len(rows) - 1)):
-            return None
-        v = self.vocab
-        return self.logits.as_strided((len(rows), v), (step * v, 1), self.logits.storage_offset() + r0 * v)
+    def _runs(self, rows: list[int]) -> list[tuple[int, int, Tensor]]:
+        """Split ``rows`` into maximal runs at a constant stride: ``(start, length, strided view)``."""
+        v, base = self.vocab, self.logits.storage_offset()
+        runs, i, n = [], 0, len(rows)
+        while i < n:
+            j = i + 1
+            if j < n and rows[j] > rows[i]:
+                step = rows[j] - rows[i]
+                while j + 1 < n and rows[j + 1] - rows[j] == step:
+                    j += 1
+                j += 1
+            else:
+                step = 1
+            runs.append((i, j - i, self.logits.as_strided((j - i, v), (step * v, 1), base + rows[i] * v)))
+            i = j
+        return runs
 
     def rows(self, rows: list[int], reqs: list[int], plain: bool) -> tuple[Tensor, Tensor | None]:
         """``(e [R, V], z [R] or None for z = 1)`` for ``rows`` (request ``reqs[i]``'s parameters)."""
         n = len(rows)
         scratch = self.scratch
-        x = self._view(rows) if plain else None
-        owned = x is None
-        if owned:
-            x = scratch.gather_rows(self.logits, torch.tensor(rows, dtype=torch.int64, device=self.logits.device))
         if plain:
             temps = [self.temps[b] for b in reqs]
-            e = x if owned else scratch.probs[:n]
-            torch.sub(x, x.amax(dim=-1, keepdim=True), out=e)
+            if self.viewable:  # read the rows in place, run by run: e = x - max(x)
+                e = scratch.probs[:n]
+                for start, length, x in self._runs(rows):
+                    torch.sub(x, x.amax(dim=-1, keepdim=True), out=e[start : start + length])
+            else:
+                idx = torch.tensor(rows, dtype=torch.int64, device=self.logits.device)
+                x = scratch.gather_rows(self.logits, idx)
+                e = x.sub_(x.amax(dim=-1, keepdim=True))
             if all(t == temps[0] for t in temps):
                 e.mul_(LOG2E / temps[0])
             else:
-                e.mul_(torch.tensor(temps, dtype=torch.float32, device=x.device).reciprocal_().mul_(LOG2E).unsqueeze(1))
+                e.mul_(torch.tensor(temps, dtype=torch.float32, device=e.device).reciprocal_().mul_(LOG2E).unsqueeze(1))
             e.exp2_()
             return e, e.sum(dim=-1)
+        x = scratch.gather_rows(self.logits, torch.tensor(rows, dtype=torch.int64, device=self.logits.device))
         idx = torch.tensor(reqs, dtype=torch.int64, device=self.logits.device)
         sp = self.sampling
         p = _sampling_probs(
@@ -249,8 +267,7 @@ def probs_at_drafts(
         nxt = []
         for plain in (True, False):
             group = [b for b in alive if plain_l[b] == plain]
-            for s in range(0, len(group), step):
-                reqs = group[s : s + step]
+            for reqs in _balanced_chunks(group, step):
                 pos = [starts[b] + j for b in reqs]
                 rows = [p + b for p, b in zip(pos, reqs)]
                 e, z = ev.rows(rows, reqs, plain)
@@ -337,8 +354,7 @@ def final_tokens(
     step = ev.scratch.rows
     for plain in (True, False):
         idx = [i for i, b in enumerate(todo_l) if plain_l[b] == plain]
-        for s in range(0, len(idx), step):
-            part = idx[s : s + step]
+        for part in _balanced_chunks(idx, step):
             reqs = [todo_l[i] for i in part]
             e, z = ev.rows([rows_l[i] for i in part], reqs, plain)
             if z is not None:

@@ -53,16 +53,45 @@ def assert_distribution(samples: torch.Tensor, probs: torch.Tensor, label: str) 
     assert stat <= thr, f"{label}: chi2={stat:.1f} > {thr:.1f} (p<1e-6), TV={tv:.4f}, n={n}"
 
 
-def inverse_cdf_token(r: torch.Tensor, u: float) -> int:
-    """The verifier's sampling rule written out for one row ``r`` [V] (float32, >= 0) and a uniform ``u``.
+def inverse_cdf_token(r: torch.Tensor, u: float, block: int | None = None) -> int:
+    """The verifier's two-level inverse-CDF rule written out for one row ``r`` [V] (>= 0) and uniform ``u``.
 
-    Weights ``floor(r * 2**52)``; the token is the first whose float64 prefix sum (exact: integers below
-    ``2**53``) exceeds ``min(floor(u * total), total - 1)``.
+    See :mod:`speculators.verify.rejection`: pairwise-tree float32 block sums, block weights
+    ``floor(S_b * 2**52)``, then exact integer weights inside the chosen block.
     """
-    cum = torch.floor(r.float() * 2.0**52).double().cumsum(0)
-    total = float(cum[-1])
+    r = r.float().flatten()
+    vocab = r.numel()
+    if block is None:
+        block = min(1024, 1 << max(vocab - 1, 0).bit_length())
+    nb = -(-vocab // block)
+    padded = torch.zeros(nb * block)
+    padded[:vocab] = r
+    sums = []
+    for b in range(nb):
+        level = padded[b * block : (b + 1) * block]
+        while level.numel() > 1:
+            half = level.numel() // 2
+            level = level[:half] + level[half:]
+        sums.append(math.floor(float(level) * 2.0**52))
+    total = float(sum(sums))
+    assert total > 0, "empty row"
     x = min(math.floor(u * total), total - 1.0)
-    return int((cum <= x).sum())
+    acc = 0.0
+    for b, q_b in enumerate(sums):
+        if acc + q_b > x:
+            break
+        acc += q_b
+    weights = [math.floor(v * 2.0**52) for v in padded[b * block : (b + 1) * block].tolist()]
+    big_w = float(sum(weights))
+    if big_w == 0:
+        return b * block + int(padded[b * block : (b + 1) * block].argmax())
+    y = min(math.floor((x - acc) / q_b * big_w), big_w - 1.0)
+    run = 0.0
+    for t, w in enumerate(weights):
+        run += w
+        if run > y:
+            return b * block + t
+    raise AssertionError("unreachable")
 
 
 def random_batch(

@@ -3,20 +3,26 @@
 The ragged layout (request ``i`` owns draft positions ``draft_start[i] .. draft_start[i] + n_i - 1`` and
 target rows ``row_start[i] .. row_start[i] + n_i``) is padded to ``[B, K]`` index tensors; accept tests
 are one gather, the first rejection is found with a cumulative product, and exactly one row per
-request (the first rejected position or the bonus position) is sampled by inverse CDF with the
-request's float64 uniform (:func:`sample_rows`; the exact integer-weight scheme is described in
-:mod:`speculators.verify.rejection`).
+request (the first rejected position or the bonus position) is sampled with the request's float64
+uniform by the two-level inverse CDF of :mod:`speculators.verify.rejection` (:func:`sample_rows`).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import torch
 from torch import Tensor
 
-from .rejection import PLACEHOLDER_TOKEN_ID, SAMPLE_SCALE, RejectionOutput, _Layout
+from .rejection import (
+    PLACEHOLDER_TOKEN_ID,
+    SAMPLE_SCALE,
+    RejectionOutput,
+    _Layout,
+    sample_block,
+)
 from .target_side import CHUNK_BYTES, cpu_buffer
-
-SAMPLE_BLOCK = 1024  # block width of the two-level search (any width gives the same token)
 
 
 def _padded_indices(layout: _Layout) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,25 +84,61 @@ def _buffer(name: str, rows: int, cols: int, like: Tensor, dtype: torch.dtype = 
     return torch.empty(rows, cols, dtype=dtype, device=like.device)
 
 
-def _search(w: Tensor, u: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """Inverse-CDF search on non-negative float32 rows ``w`` ``[R, nb * block]`` (modified in place).
+def _tree_block_sums(w: Tensor, block: int) -> Tensor:
+    """``[S, nb]`` float32 block sums of ``w`` ``[S, nb * block]`` by the fixed pairwise tree.
 
-    ``w <- floor(w)`` (``w`` holds ``r * 2**52``: integers after the floor), then the token is the first ``t`` whose prefix sum exceeds
-    ``x = min(floor(u * total), total - 1)``: exact float64 block sums pick the block, one block's
-    cumsum the token. Returns ``(token [R] int64, total [R] float64)``.
+    Level by level, element ``i`` of the first half plus element ``i`` of the second half (the Triton
+    kernel and the reference add the same pairs, so the float32 sums are identical).
     """
-    rows, width = w.shape
-    nb = width // block
-    w.floor_()
-    w64 = _buffer("sample.w64", rows, width, w, torch.float64).view(rows, nb, block)
-    w64.view(rows, width).copy_(w)  # exact: integers below 2**53
-    cum_blocks = w64.sum(dim=-1).cumsum_(dim=-1)
-    total = cum_blocks[:, -1]
-    x = torch.minimum((u * total).floor_(), total - 1).unsqueeze(1)
-    blk = (cum_blocks <= x).sum(dim=-1)
-    before = torch.where(blk > 0, cum_blocks.gather(1, (blk - 1).clamp_min(0).unsqueeze(1)).squeeze(1), 0.0)
-    inner = w64[torch.arange(rows, device=w.device), blk].cumsum_(dim=-1).add_(before.unsqueeze(1))
-    return blk * block + (inner <= x).sum(dim=-1), total
+    rows = w.shape[0]
+    v = w.view(rows, -1, block)
+    h = block // 2
+    if h == 0:
+        return v[..., 0]
+    buf = _buffer("sample.tree", rows, v.shape[1] * h, w).view(rows, -1, h)
+    torch.add(v[..., :h], v[..., h:], out=buf)
+    while h > 1:
+        h //= 2
+        buf[..., :h].add_(buf[..., h : 2 * h])
+    return buf[..., 0]
+
+
+def _search(w: Tensor, scale: float, u: list[float], block: int) -> list[int | None]:
+    """Two-level inverse CDF (module docstring of :mod:`speculators.verify.rejection`) on ``r = w * scale / 2**52``.
+
+    ``w`` ``[S, nb * block]`` float32 holds ``r`` (``scale = 2**52``) or ``-r`` (``scale = -2**52``; the
+    tree sums of ``-r`` are exactly the negated sums of ``r``). The block choice runs on the host
+    (``S * nb`` numbers); only the chosen blocks are quantised to float64. ``None`` where ``T == 0``.
+    """
+    rows = w.shape[0]
+    q_cum = _tree_block_sums(w, block).double().mul_(scale).floor_().cumsum_(dim=-1).tolist()
+    blk, ks, qbs = [], [], []
+    for cum, ui in zip(q_cum, u):
+        total = cum[-1]
+        if total <= 0:
+            blk.append(0), ks.append(0.0), qbs.append(1.0)
+            continue
+        x = min(math.floor(ui * total), total - 1.0)  # IEEE float64, as in every implementation
+        b = bisect.bisect_right(cum, x)  # first block whose cumulative weight exceeds x
+        before = cum[b - 1] if b else 0.0
+        blk.append(b), ks.append(x - before), qbs.append(cum[b] - before)
+    idx = torch.tensor(blk, dtype=torch.int64, device=w.device)
+    chosen = w.view(rows, -1, block)[torch.arange(rows, device=w.device), idx]  # [S, block] float32
+    cum_in = chosen.double().mul_(scale).floor_().cumsum_(dim=-1)  # exact integers
+    big_w = cum_in[:, -1].tolist()
+    ys = [min(math.floor(k / qb * wb), wb - 1.0) if wb > 0 else -1.0 for k, qb, wb in zip(ks, qbs, big_w)]
+    t_in = torch.searchsorted(cum_in, torch.tensor(ys, dtype=torch.float64, device=w.device).unsqueeze(1), right=True)
+    t_in = t_in.view(rows).tolist()
+    tokens: list[int | None] = []
+    for i, (cum, b, wb) in enumerate(zip(q_cum, blk, big_w)):
+        if cum[-1] <= 0:
+            tokens.append(None)
+        elif wb > 0:
+            tokens.append(b * block + t_in[i])
+        else:  # every weight of the chosen block rounded to 0: its first largest entry
+            r = chosen[i] if scale > 0 else -chosen[i]
+            tokens.append(b * block + int(r.argmax()))
+    return tokens
 
 
 def sample_rows(
@@ -107,16 +149,17 @@ def sample_rows(
     draft_token_ids: Tensor,
     u: Tensor,
 ) -> Tensor:
-    """Sample one token for each row ``p[sel[i]]`` (``sel=None``: ``p[i]``) by inverse CDF with ``u[i]`` (float64).
+    """Sample one token for each row ``p[sel[i]]`` (``sel=None``: ``p[i]``) with the float64 uniform ``u[i]``.
 
     Row ``i`` samples ``r = max(p - draft_probs[pos_i], 0)`` when ``pos_i >= 0`` (recovered token;
     point-mass q, ``draft_probs is None``: ``p`` with ``draft_token_ids[pos_i]`` zeroed), else ``r = p``
-    (bonus token); a residual that vanished numerically falls back to ``p``. Weights are
-    ``floor(r * 2**52)`` and the search is exact (float64 block sums, then one block's cumsum), so the
-    token equals the reference's ``searchsorted(cumsum(w), x)`` (see :mod:`speculators.verify.rejection`).
-    On CPU the rows go through reused cache-sized buffers, a chunk at a time.
+    (bonus token); a residual that vanished numerically falls back to ``p``. The two-level inverse CDF
+    of :mod:`speculators.verify.rejection` (pairwise-tree float32 block sums, exact integer weights in the
+    chosen block) gives the reference's token. Passes over the rows: the residual (gather q, subtract,
+    clamp) and the tree; on CPU a cache-sized chunk of rows at a time through reused buffers. With
+    ``sel=None`` and no draft probs, ``p``'s draft entries are zeroed in place (and restored).
     """
-    count, vocab = (p.shape[0] if sel is None else sel.numel()), p.shape[1]
+    count, vocab = pos.numel(), p.shape[1]
     step = max(1, CHUNK_BYTES // (4 * vocab)) if p.device.type == "cpu" else max(count, 1)
     if count <= step:
         return _sample_chunk(p, sel, draft_probs, pos, draft_token_ids, u)
@@ -133,37 +176,50 @@ def _sample_chunk(
     p: Tensor, sel: Tensor | None, draft_probs: Tensor | None, pos: Tensor, draft_token_ids: Tensor, u: Tensor
 ) -> Tensor:
     rows, vocab = pos.numel(), p.shape[1]
-    block = min(SAMPLE_BLOCK, vocab)
+    if sel is None:
+        p = p[:rows]
+    block = sample_block(vocab)
     width = -(-vocab // block) * block
-    w_full = _buffer("sample.w", rows, width, p)
-    if width > vocab:
-        w_full[:, vocab:] = 0.0
-    w = w_full[:, :vocab]
-    lo, hi = pos.aminmax() if rows else (pos.new_zeros(()), pos.new_zeros(()))
-    lo, hi = int(lo), int(hi)
-    p_rows = p if sel is None else None
+    pos_l = pos.tolist()
+    lo, hi = min(pos_l), max(pos_l)
+    restore = None
     if draft_probs is not None and hi >= 0:
-        # w = q - p = -(p - q) exactly; max(p - q, 0) * 2**52 = min(q - p, 0) * -2**52 (exact scaling).
-        torch.index_select(draft_probs, 0, pos.clamp_min(0), out=w)
+        # w = q - p = -(p - q) exactly; clamped at 0 it is -r.
+        w_full = _buffer("sample.w", rows, width, p)
+        if width > vocab:
+            w_full[:, vocab:] = 0.0
+        w = w_full[:, :vocab]
+        torch.index_select(draft_probs, 0, pos.clamp_min(0) if lo < 0 else pos, out=w)
         if lo < 0:
             w.index_fill_(0, (pos < 0).nonzero().squeeze(1), 0.0)  # bonus rows: r = p - 0
-        if p_rows is None:
-            p_rows = torch.index_select(p, 0, sel, out=_buffer("sample.p", rows, vocab, p))
-        w.sub_(p_rows).clamp_max_(0.0).mul_(-SAMPLE_SCALE)
+        p_rows = p if sel is None else torch.index_select(p, 0, sel, out=_buffer("sample.p", rows, vocab, p))
+        w.sub_(p_rows).clamp_max_(0.0)
+        scale = -SAMPLE_SCALE
     else:
-        if p_rows is None:
-            torch.index_select(p, 0, sel, out=w)
+        scale = SAMPLE_SCALE
+        if sel is None and width == vocab and p.is_contiguous():
+            w_full = w = p  # zero the drafts in place below, restored afterwards
         else:
-            w.copy_(p_rows)
-        w.mul_(SAMPLE_SCALE)
+            w_full = _buffer("sample.w", rows, width, p)
+            if width > vocab:
+                w_full[:, vocab:] = 0.0
+            w = w_full[:, :vocab]
+            torch.index_select(p, 0, sel, out=w) if sel is not None else w.copy_(p)
         if hi >= 0:  # point-mass q: the rejected draft gets r = 0
             idx = (pos >= 0).nonzero().squeeze(1) if lo < 0 else torch.arange(rows, device=p.device)
-            w[idx, draft_token_ids[pos[idx]]] = 0.0
-    tokens, total = _search(w_full, u, block)
-    empty = (total <= 0).nonzero().squeeze(1)
-    if empty.numel():  # the residual vanished numerically: sample p instead
-        src = p.index_select(0, empty if sel is None else sel[empty])
-        wp = torch.zeros(empty.numel(), width, dtype=torch.float32, device=p.device)
-        wp[:, :vocab] = src * SAMPLE_SCALE
-        tokens[empty] = _search(wp, u.index_select(0, empty), block)[0]
-    return tokens
+            d = draft_token_ids[pos[idx]]
+            if w is p:
+                restore = (idx, d, p[idx, d].clone())
+            w[idx, d] = 0.0
+    u_l = u.tolist()
+    tokens = _search(w_full, scale, u_l, block)
+    if restore is not None:
+        p[restore[0], restore[1]] = restore[2]
+    empty = [i for i, t in enumerate(tokens) if t is None]
+    if empty:  # the residual vanished numerically: sample p instead
+        e_idx = torch.tensor(empty, dtype=torch.int64, device=p.device)
+        wp = torch.zeros(len(empty), width, dtype=torch.float32, device=p.device)
+        wp[:, :vocab] = p.index_select(0, e_idx if sel is None else sel[e_idx])
+        for i, t in zip(empty, _search(wp, SAMPLE_SCALE, [u_l[i] for i in empty], block)):
+            tokens[i] = t
+    return torch.tensor(tokens, dtype=torch.int64, device=p.device)

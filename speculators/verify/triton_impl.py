@@ -6,15 +6,15 @@ Kernels (one program per request):
   mismatch or the bonus argmax (the whole greedy step in one kernel).
 * ``_stochastic_scan_kernel``: accept ``d_i`` while ``u_i * q_i(d_i) < p_i(d_i)``; writes the accepted
   drafts and the number accepted.
-* ``_sample_rows_kernel`` (one program per row): for the one row each request still needs (first
-  rejected position or bonus position) samples ``r = max(p - q, 0)`` (point-mass q: ``p`` with the draft
-  removed; bonus: ``r = p``) by inverse CDF with the request's float64 uniform ``u``: weights
-  ``w = floor(r * 2**52)`` (float32), a first pass over the vocabulary in ``BLOCK_SIZE`` blocks (masked
-  tail, so any vocabulary size works) sums them in float64 (``total``; also the fallback total of ``p``
-  when the residual vanished), and a second pass carries the running sum from block to block and, in
-  the block where it passes ``x = min(floor(u * total), total - 1)``, counts the in-block prefix sums
-  ``<= x``. The weights are integers and every sum stays below ``2**53``, so all float64 additions are
-  exact: the token is the same as torch's (``torch_impl.sample_rows``) whatever the reduction order.
+* ``_sample_rows_kernel`` (one program per row to sample): the recovered / bonus token by the two-level
+  inverse CDF of :mod:`speculators.verify.rejection` with the request's float64 uniform. The row
+  ``r = max(p - q, 0)`` (point-mass q: ``p`` with the draft removed; bonus: ``r = p``) is walked in blocks
+  of ``B = sample_block(V)`` tokens (masked tail, so any vocabulary size works): pass 1 sums the block
+  weights ``floor(S_b * 2**52)`` (``S_b``: float32 pairwise-tree block sum, the same pairs as torch) into
+  ``T`` (and the fallback total of ``p``, used when the residual vanished), pass 2 finds the block where
+  the running weight passes ``x = min(floor(u * T), T - 1)``, pass 3 quantises that block to exact
+  integer weights and counts the in-block prefix sums ``<= y``. Every float64 quantity is an integer
+  below ``2**53`` or one IEEE operation on identical inputs, so the token equals torch's.
 
 Compiled with ``triton.jit`` for CUDA tensors. With ``TRITON_INTERPRET=1`` set before triton is first
 imported, the same kernels run in Triton's interpreter on CPU tensors (used by the tests).
@@ -27,10 +27,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rejection import PLACEHOLDER_TOKEN_ID, SAMPLE_SCALE, RejectionOutput, _Layout
-
-BLOCK_SIZE = 1024
-_INTERPRET_BLOCK_SIZE = 256
+from .rejection import (
+    PLACEHOLDER_TOKEN_ID,
+    SAMPLE_SCALE,
+    RejectionOutput,
+    _Layout,
+    sample_block,
+)
 
 
 @triton.jit
@@ -103,12 +106,20 @@ def _stochastic_scan_kernel(
 
 
 @triton.jit
+def _tree_sum(x, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """float32 sum of ``x`` [BLOCK] by the fixed pairwise tree: first half + second half, repeatedly."""
+    for i in tl.static_range(LOG2_BLOCK):
+        x = tl.sum(tl.reshape(x, (2, BLOCK >> (i + 1))), axis=0)  # a size-2 reduction is one exact add
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
 def _sample_rows_kernel(
     tok_ptr,  # [S] int64 out
     p_ptr,  # [R, V] float32 target distributions
     sel_ptr,  # [S] int64 row of p to sample (unused when not HAS_SEL: row = program id)
     draft_probs_ptr,  # [T, V] float32 (unused when NO_DRAFT_PROBS)
-    pos_ptr,  # [R] int64, draft position of the rejected draft, -1 = bonus row
+    pos_ptr,  # [S] int64, draft position of the rejected draft, -1 = bonus row
     draft_ids_ptr,  # [T] int64
     u_ptr,  # [S] float64 uniforms
     vocab_size,
@@ -116,6 +127,7 @@ def _sample_rows_kernel(
     HAS_SEL: tl.constexpr,
     NO_DRAFT_PROBS: tl.constexpr,
     BLOCK: tl.constexpr,
+    LOG2_BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HAS_SEL:
@@ -130,40 +142,57 @@ def _sample_rows_kernel(
     q_len = tl.where(is_recovered, vocab_size, 0)
     p_row = p_ptr + row * vocab_size
     q_row = draft_probs_ptr + safe_pos.to(tl.int64) * vocab_size
+    # Pass 1: total block weight of r (and of p, the fallback).
     total = tl.full((), 0.0, tl.float64)
     total_p = tl.full((), 0.0, tl.float64)
     for off in range(0, vocab_size, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        mask = offs < vocab_size
-        p = tl.load(p_row + offs, mask=mask, other=0.0)
+        p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
         if NO_DRAFT_PROBS:
             res = tl.where(offs == d, 0.0, p)
         else:
             q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
             res = tl.maximum(p - q, 0.0)
-        total += tl.sum(tl.floor(res * SCALE).to(tl.float64), axis=0)
-        total_p += tl.sum(tl.floor(p * SCALE).to(tl.float64), axis=0)
+        total += tl.floor(_tree_sum(res, BLOCK, LOG2_BLOCK).to(tl.float64) * SCALE)
+        total_p += tl.floor(_tree_sum(p, BLOCK, LOG2_BLOCK).to(tl.float64) * SCALE)
     use_p = total <= 0.0  # the residual vanished numerically: sample p instead
     tot = tl.where(use_p, total_p, total)
     x = tl.minimum(tl.floor(tl.load(u_ptr + r) * tot), tot - 1.0)
+    # Pass 2: the block where the running block weight passes x.
     run = tl.full((), 0.0, tl.float64)
-    tok = tl.full((), 0, tl.int32)
+    blk_off = tl.full((), 0, tl.int32)
+    k = tl.full((), 0.0, tl.float64)
+    q_b = tl.full((), 1.0, tl.float64)
     for off in range(0, vocab_size, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        mask = offs < vocab_size
-        p = tl.load(p_row + offs, mask=mask, other=0.0)
+        p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
         if NO_DRAFT_PROBS:
             res = tl.where(offs == d, 0.0, p)
         else:
             q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
             res = tl.maximum(p - q, 0.0)
-        w = tl.floor(tl.where(use_p, p, res) * SCALE).to(tl.float64)
-        block_sum = tl.sum(w, axis=0)
-        cum = tl.cumsum(w, axis=0) + run
-        count = tl.sum((cum <= x).to(tl.int32), axis=0)  # masked tail: w = 0, cum = run + block_sum > x
-        hit = (run <= x) & (x < run + block_sum)
-        tok = tl.where(hit, off + count, tok)
-        run += block_sum
+        weight = tl.floor(_tree_sum(tl.where(use_p, p, res), BLOCK, LOG2_BLOCK).to(tl.float64) * SCALE)
+        hit = (run <= x) & (x < run + weight)
+        blk_off = tl.where(hit, off, blk_off)
+        k = tl.where(hit, x - run, k)
+        q_b = tl.where(hit, weight, q_b)
+        run += weight
+    # Pass 3: exact integer weights inside the chosen block.
+    offs = blk_off + tl.arange(0, BLOCK)
+    p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
+    if NO_DRAFT_PROBS:
+        res = tl.where(offs == d, 0.0, p)
+    else:
+        q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
+        res = tl.maximum(p - q, 0.0)
+    res = tl.where(use_p, p, res)
+    w = tl.floor(res.to(tl.float64) * SCALE)
+    cum = tl.cumsum(w, axis=0)  # exact: integers below 2**53
+    big_w = tl.sum(w, axis=0)
+    y = tl.minimum(tl.floor(k / q_b * big_w), big_w - 1.0)
+    count = tl.sum((cum <= y).to(tl.int32), axis=0)  # masked tail: w = 0, cum = big_w > y
+    first_max = tl.argmax(res, axis=0, tie_break_left=True)  # every weight rounded to 0 (W == 0)
+    tok = blk_off + tl.where(big_w > 0.0, count, first_max)
     tl.store(tok_ptr + r, tok.to(tl.int64))
 
 
@@ -238,12 +267,12 @@ def sample_rows(
     if count == 0:
         return tokens
     no_q = draft_probs is None or draft_token_ids.numel() == 0
-    block = _INTERPRET_BLOCK_SIZE if interpreter_active() else BLOCK_SIZE
-    block = min(block, triton.next_power_of_2(vocab))
+    block = sample_block(vocab)  # the tree's block width is part of the sampling rule
     p = p.contiguous()
     _sample_rows_kernel[(count,)](
         tokens, p, tokens if sel is None else sel.contiguous(), p if no_q else draft_probs.contiguous(),
         pos.contiguous(), _ids(draft_token_ids, device), u.to(torch.float64).contiguous(), vocab,
         SCALE=SAMPLE_SCALE, HAS_SEL=sel is not None, NO_DRAFT_PROBS=no_q, BLOCK=block,
+        LOG2_BLOCK=block.bit_length() - 1,
     )
     return tokens
