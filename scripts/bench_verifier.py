@@ -1,28 +1,36 @@
 #!/usr/bin/env python
 """Benchmark the rejection-sampling verifier (speculators.verify.rejection_sample).
 
-For each (batch, K, vocab) it times one verification call of
+For each (batch, K, vocab), temperature and draft-probs mode it times one verification call of
   * torch  - the vectorised torch implementation (impl="torch"),
   * triton - the Triton kernels (CUDA only),
-  * loop   - the per-request Python-loop reference (naive vLLM-style torch code),
+  * loop   - the per-request Python-loop reference (naive vLLM-style torch code, same algorithm and
+             same sampling rule per request),
 and prints the speedup of the vectorised implementation(s) over the loop and the effective bandwidth:
-bytes of the inputs the verifier must read (target logits [T+B, V] + draft probs [T, V], float32)
-divided by the call time, as a fraction of the measured memory-copy bandwidth (best of a large
-``clone`` and a ``copy_`` into a preallocated buffer, counting read + write bytes). The byte count is
-nominal: on CPU the verifier skips rows after each request's first rejection, so the fraction can
-exceed 1 (greedy especially).
+bytes of the inputs the verifier must read (target logits [T+B, V], plus draft probs [T, V] for sampled
+rows with draft probs; float32) divided by the call time, as a fraction of the measured memory-copy
+bandwidth (best of a large ``clone`` and a ``copy_`` into a preallocated buffer, counting read + write
+bytes). The byte count is nominal: on CPU the verifier skips rows after each request's first rejection,
+so the fraction can exceed 1 (greedy especially).
 
-All implementations consume the same random numbers (``draw_randoms``: B x V exponential noise plus one
-uniform per draft), so their generation is timed once ("rng ms") and added to every call time;
-"speedup ex-rng" compares the implementations without that shared part.
+Rows: greedy (temperature 0; draft probs are irrelevant), and sampled with draft probs ("q") and with
+point-mass drafts ("pm", draft_probs=None). All implementations consume the same random numbers
+(``draw_randoms``: one float32 uniform per draft for the accept tests, one float64 uniform per request
+for its recovered / bonus token, sampled by inverse CDF); drawing them is timed once ("rng ms") and
+added to every call time.
 
 Every request drafts K tokens sampled from a draft distribution close to the target's (the accepted
 count per request is shown as ``acc``). Calls use validate=False (hot-loop mode) unless --validate.
+Times are the best of --repeats calls (the loop: of --loop-repeats), which filters out most preemption
+on a busy machine; ``--clock cpu`` times this process's CPU time instead of wall time (CPU, one thread).
 
     python scripts/bench_verifier.py                 # full grid (CPU: configs above --max-gb skipped)
     python scripts/bench_verifier.py --quick
+    python scripts/bench_verifier.py --batch 64 --k 8 --vocab 49152      # the acceptance configuration
+    python scripts/bench_verifier.py --batch 64 --k 8 --vocab 49152 --clock cpu   # on a shared machine
     python scripts/bench_verifier.py --device cuda --temperature 0.7 --top-p 0.9
 """
+
 
 from __future__ import annotations
 
@@ -49,21 +57,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU time)
+
+
 def _time(fn, device: torch.device, repeats: int, budget_s: float) -> float:
-    """Best wall time of ``fn`` over up to ``repeats`` runs (after one warm-up), in seconds."""
+    """Best time of ``fn`` (``CLOCK``) over up to ``repeats`` runs (after one warm-up), in seconds."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
     _sync(device)
-    first = time.perf_counter() - t0
+    first = CLOCK() - t0
     best = first
     for _ in range(repeats):
         if first > budget_s:
             break
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return best
 
 
@@ -101,23 +112,40 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 49152, 152064])
     ap.add_argument("--quick", action="store_true", help="batch {1, 64}, K {1, 8}, vocab {32000, 49152}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0, 0.0], help="0 = greedy")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--no-draft-probs", action="store_true", help="point-mass drafts (draft_probs=None)")
+    ap.add_argument(
+        "--draft-probs", choices=["both", "yes", "no"], default="both",
+        help="sampled rows with draft probs (yes), with point-mass drafts / draft_probs=None (no), or both",
+    )
+    ap.add_argument("--no-draft-probs", action="store_true", help="same as --draft-probs no")
     ap.add_argument("--draft-noise", type=float, default=1.0, help="std of noise added to target logits for q")
     ap.add_argument("--validate", action="store_true", help="include input validation in the timed calls")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20, help="timed calls per vectorised implementation (best)")
+    ap.add_argument("--loop-repeats", type=int, default=8, help="timed calls of the loop (best, within ~1 s)")
     ap.add_argument(
         "--max-gb", type=float, default=None,
         help="skip configs whose inputs exceed this many GB (default: 1.5 on CPU, unlimited on CUDA)",
     )
     ap.add_argument("--no-loop", action="store_true", help="skip the per-request loop reference")
     ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="wall time, or this process's CPU time (CPU device only: on a busy machine it excludes the time "
+        "other processes hold the core; use with one thread)",
+    )
+    ap.add_argument(
         "--threads", type=int, default=None,
         help="torch.set_num_threads (CPU; default: torch's, or 1 when other processes keep the cores busy)",
     )
     args = ap.parse_args(argv)
+    global CLOCK
+    if args.clock == "cpu":
+        if args.device != "cpu":
+            ap.error("--clock cpu needs --device cpu")
+        CLOCK = time.process_time
+    if args.no_draft_probs:
+        args.draft_probs = "no"
     note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,11 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     max_gb = args.max_gb if args.max_gb is not None else (1.5 if device.type == "cpu" else float("inf"))
     impls = ["torch"] + (["triton"] if device.type == "cuda" else [])
+    modes = {"both": ["q", "pm"], "yes": ["q"], "no": ["pm"]}[args.draft_probs]
 
     bw = copy_bandwidth(device, (256 << 20) if device.type == "cpu" else (2 << 30))
     header = (
         f"device={device} threads={torch.get_num_threads()} top_k={args.top_k} top_p={args.top_p} "
-        f"draft_probs={'no' if args.no_draft_probs else 'yes'} validate={args.validate} | "
+        f"validate={args.validate} clock={args.clock} | q: draft probs, pm: point-mass drafts (draft_probs=None) | "
         f"copy bandwidth {bw / 1e9:.1f} GB/s (read+write)" + note
     )
     rows = []
@@ -144,26 +173,28 @@ def main(argv: list[str] | None = None) -> None:
         for k in args.k:
             for batch in args.batch:
                 total = batch * k
-                nbytes = ((total + batch) * vocab + (0 if args.no_draft_probs else total * vocab)) * 4
-                if nbytes / 1e9 > max_gb:
-                    rows += [(t, batch, k, vocab, nbytes, None) for t in args.temperature]
+                cases = [(t, "-" if t == 0 else m) for t in args.temperature for m in (["-"] if t == 0 else modes)]
+                full_bytes = ((total + batch) * vocab + total * vocab) * 4
+                if full_bytes / 1e9 > max_gb:
+                    rows += [(t, m, batch, k, vocab, None, None) for t, m in cases]
                     continue
                 ids, nums, q, logits = make_inputs(batch, k, vocab, device, args.draft_noise)
-                if args.no_draft_probs:
-                    q = None
-                for temp in args.temperature:
-                    res = _bench_one(args, device, impls, ids, nums, q, logits, temp)
-                    rows.append((temp, batch, k, vocab, nbytes, res))
+                for temp, mode in cases:
+                    dp = q if mode == "q" else None
+                    nbytes = ((total + batch) * vocab + (total * vocab if dp is not None else 0)) * 4
+                    res = _bench_one(args, device, impls, ids, nums, dp, logits, temp)
+                    rows.append((temp, mode, batch, k, vocab, nbytes, res))
                     print("  ".join(_cells(rows[-1], impls, bw, args.no_loop)), file=sys.stderr, flush=True)
                 del ids, q, logits
     _print_table(header, rows, impls, bw, args.no_loop)
-    for temp, batch, k, vocab, _, res in rows:
+    for temp, mode, batch, k, vocab, nbytes, res in rows:
         if (batch, k, vocab) == (64, 8, 49152) and res is not None and "loop" in res:
-            s = res["loop"] / res["torch"]
-            ex = (res["loop"] - res["rng"]) / (res["torch"] - res["rng"])
-            print(f"batch 64, K 8, vocab 49152, temperature {temp}: vectorised torch {res['torch'] * 1e3:.1f} ms "
-                  f"vs loop {res['loop'] * 1e3:.1f} ms -> {s:.1f}x faster ({ex:.1f}x without the shared "
-                  f"{res['rng'] * 1e3:.1f} ms of random-number generation)")
+            kind = "greedy" if temp == 0 else f"temperature {temp:g}, " + (
+                "draft probs" if mode == "q" else "point-mass drafts"
+            )
+            print(f"batch 64, K 8, vocab 49152, {kind}: vectorised torch {res['torch'] * 1e3:.2f} ms vs loop "
+                  f"{res['loop'] * 1e3:.2f} ms -> {res['loop'] / res['torch']:.1f}x faster; effective bandwidth "
+                  f"{nbytes / res['torch'] / bw:.2f} x copy bandwidth (acc {res['acc']:.2f})")
 
 
 def _bench_one(args, device, impls, ids, nums, q, logits, temp) -> dict:
@@ -182,35 +213,31 @@ def _bench_one(args, device, impls, ids, nums, q, logits, temp) -> dict:
         fn = lambda: rejection_sample_reference(  # noqa: E731
             ids, nums, q, logits, sp, validate=args.validate, randoms=randoms
         )
-        res["loop"] = _time(fn, device, min(args.repeats, 2), 1.0) + res["rng"]
+        res["loop"] = _time(fn, device, args.loop_repeats, 1.0) + res["rng"]
     return res
 
 
 def _cells(row, impls, bw, no_loop):
-    temp, batch, k, vocab, nbytes, res = row
-    head = [f"{temp:g}", str(batch), str(k), str(vocab), f"{nbytes / 1e6:.0f}"]
+    temp, mode, batch, k, vocab, nbytes, res = row
+    head = [f"{temp:g}", mode, str(batch), str(k), str(vocab)]
     if res is None:
         return head + ["skipped (--max-gb)"] + [""] * (len(_columns(impls, no_loop)) - 6)
-    cells = head + [f"{res['acc']:.2f}", f"{res['rng'] * 1e3:.2f}"]
+    cells = head + [f"{nbytes / 1e6:.0f}", f"{res['acc']:.2f}", f"{res['rng'] * 1e3:.2f}"]
     for impl in impls:
         cells.append(f"{res[impl] * 1e3:.2f}")
     if not no_loop:
         cells.append(f"{res['loop'] * 1e3:.2f}")
         for impl in impls:
             cells.append(f"{res['loop'] / res[impl]:.1f}x")
-            ex = (res["loop"] - res["rng"]) / max(res[impl] - res["rng"], 1e-9)
-            cells.append(f"{ex:.1f}x")
     for impl in impls:
         cells.append(f"{nbytes / res[impl] / bw:.2f}")
     return cells
 
 
 def _columns(impls, no_loop):
-    cols = ["temp", "batch", "K", "vocab", "MB in", "acc", "rng ms"] + [f"{i} ms" for i in impls]
+    cols = ["temp", "draft", "batch", "K", "vocab", "MB in", "acc", "rng ms"] + [f"{i} ms" for i in impls]
     if not no_loop:
-        cols += ["loop ms"]
-        for i in impls:
-            cols += [f"{i} speedup", f"{i} speedup ex-rng"]
+        cols += ["loop ms"] + [f"{i} speedup" for i in impls]
     cols += [f"{i} bw/copy" for i in impls]
     return cols
 

@@ -21,7 +21,13 @@ from speculators.verify import (
     target_side,
     torch_impl,
 )
-from speculators.verify.testing import assert_distribution, chi2_check, inverse_cdf_token, random_batch
+from speculators.verify.rejection import _sample_row
+from speculators.verify.testing import (
+    assert_distribution,
+    chi2_check,
+    inverse_cdf_token,
+    random_batch,
+)
 
 N_SAMPLES = 100_000
 V_SMALL = 12
@@ -200,6 +206,111 @@ def test_residual_vanishing_falls_back_to_target():
         out = rejection_sample(d, [1], q, logits, sp, impl=impl, randoms=randoms)
         assert out.num_accepted.tolist() == [0]
         assert int(out.output_token_ids[0, 0]) == inverse_cdf_token(p[0], float(randoms.sample_uniform[0]))
+
+
+# --------------------------------------------------------------------------------------------------
+# The recovered / bonus sampling rule (two-level inverse CDF, one float64 uniform per request)
+# --------------------------------------------------------------------------------------------------
+
+
+def _rule_rows(vocab, seed):
+    """Target rows (one with zeros inside blocks) and draft rows."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(4, vocab, generator=gen) * 3, -1)
+    if vocab >= 3:
+        p[1, ::3] = 0.0  # zeros inside blocks
+        p[1] /= p[1].sum()
+    q = torch.softmax(torch.randn(6, vocab, generator=gen) * 3, -1)
+    return p, q
+
+
+U_EDGES = [0.0, 0.5, 1.0 - 2.0**-53, 2.0**-40]
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 97, 1024, 1500, 3000])
+def test_sample_rows_matches_written_out_rule(vocab):
+    """torch sample_rows == the rule written out per row (testing.inverse_cdf_token) == the reference."""
+    p, q = _rule_rows(vocab, vocab)
+    ids = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(1))
+    u = torch.tensor(U_EDGES + torch.rand(4, generator=torch.Generator().manual_seed(2), dtype=torch.float64).tolist(),
+                     dtype=torch.float64)
+    sel = torch.tensor([0, 1, 2, 3, 1, 0, 2, 3])
+    pos = torch.tensor([0, 5, -1, 2, -1, 3, 4, 1])  # recovered rows and bonus rows (-1) mixed
+    for draft_probs in (q, None):
+        got = torch_impl.sample_rows(p, sel, draft_probs, pos, ids, u).tolist()
+        for i in range(sel.numel()):
+            row = p[sel[i]]
+            if pos[i] < 0:
+                r = row
+            elif draft_probs is None:
+                r = row.clone()
+                r[ids[pos[i]]] = 0.0
+            else:
+                r = (row - q[pos[i]]).clamp_min(0.0)
+            want = _sample_row(r, row, float(u[i]))
+            if float(r.sum()) > 0:
+                assert want == inverse_cdf_token(r, float(u[i]))
+            assert got[i] == want, (i, draft_probs is None)
+    # sel=None (rows in order) gives the same tokens as an explicit identity selection.
+    pos4, u4 = pos[:4], u[:4]
+    for draft_probs in (q, None):
+        a = torch_impl.sample_rows(p, None, draft_probs, pos4, ids, u4)
+        b = torch_impl.sample_rows(p, torch.arange(4), draft_probs, pos4, ids, u4)
+        assert torch.equal(a, b)
+    assert torch.equal(p, _rule_rows(vocab, vocab)[0])  # p is left unchanged
+
+
+def test_sampling_rule_all_zero_block_and_exact_probabilities():
+    """A block whose weights all round to 0 yields its first largest entry; the rule's exact token
+    probabilities (Q_b / T) * (w_t / W_b) equal r / sum(r) to float32 precision."""
+    r = torch.zeros(2048)
+    r[:1024] = 1e-17  # block 0: sum ~1e-14 >= 2**-52 but every floor(r * 2**52) == 0
+    r[5] = 2e-17
+    r[1024:] = torch.rand(1024, generator=torch.Generator().manual_seed(0))
+    r[1024:] /= r[1024:].sum()
+    u = torch.tensor([0.0], dtype=torch.float64)
+    tok = torch_impl.sample_rows(r.unsqueeze(0), None, None, torch.tensor([-1]), torch.zeros(1, dtype=torch.int64), u)
+    assert int(tok) == 5 == inverse_cdf_token(r, 0.0) == _sample_row(r, r, 0.0)
+    # Exact probabilities of the rule for a generic row.
+    gen = torch.Generator().manual_seed(3)
+    r = torch.softmax(torch.randn(3000, generator=gen) * 4, -1)
+    block = 1024
+    padded = torch.zeros(3 * block)
+    padded[:3000] = r
+    blocks = padded.view(3, block)
+    s = blocks
+    while s.shape[1] > 1:
+        s = s[:, : s.shape[1] // 2] + s[:, s.shape[1] // 2 :]
+    q_b = torch.floor(s.view(3).double() * 2.0**52)
+    w = torch.floor(blocks.double() * 2.0**52)
+    prob = (q_b / q_b.sum()).unsqueeze(1) * w / w.sum(dim=1, keepdim=True)
+    target = padded.double().view(3, block) / padded.double().sum()
+    big = target > 1e-9
+    assert float(((prob - target).abs()[big] / target[big]).max()) < 1e-5
+    assert float((prob - target).abs().sum()) < 1e-6
+
+
+def test_sample_rows_statistics_multi_block():
+    """Tokens sampled with fresh uniforms follow r / sum(r) across several blocks (chi-square)."""
+    vocab, n = 2500, 60_000
+    gen = torch.Generator().manual_seed(4)
+    p = torch.zeros(vocab)
+    support = torch.randperm(vocab, generator=gen)[:40]
+    p[support] = torch.rand(40, generator=gen) + 0.2
+    p[:5] += 1e-7  # tiny but nonzero entries
+    p /= p.sum()
+    q = torch.zeros(1, vocab)
+    q[0, support[:10]] = p[support[:10]] * 1.5  # residual: max(p - q, 0) differs from p
+    q[0, support[-1]] = 1.0
+    q /= q.sum()
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    sel = torch.zeros(n, dtype=torch.int64)
+    for draft_probs, pos in ((None, -1), (q, 0)):
+        toks = torch_impl.sample_rows(
+            p.unsqueeze(0), sel, draft_probs, torch.full((n,), pos), torch.zeros(1, dtype=torch.int64), u
+        )
+        r = p if draft_probs is None else (p - q[0]).clamp_min(0.0)
+        assert_distribution(toks, (r / r.sum()).double(), f"two-level sampler, residual={draft_probs is not None}")
 
 
 # --------------------------------------------------------------------------------------------------

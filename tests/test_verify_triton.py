@@ -28,6 +28,7 @@ from speculators.verify import (  # noqa: E402
     rejection_sample,
     rejection_sample_reference,
     target_side,
+    torch_impl,
     triton_impl,
 )
 from speculators.verify.testing import inverse_cdf_token, random_batch  # noqa: E402
@@ -65,7 +66,7 @@ def _compare(batch, seed):
 
 
 @needs_ready
-@pytest.mark.parametrize("vocab", [37, 256, 512, 1000])  # interpreter BLOCK = 256: tail / exact / 2 / 4 blocks
+@pytest.mark.parametrize("vocab", [37, 256, 1000, 1500])  # sampling blocks: min(1024, next pow2): 1 block / 2 with a tail
 @pytest.mark.parametrize("with_q", [True, False], ids=["draft_probs", "point_mass"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_matches_torch_mixed(vocab, with_q, seed, evaluation_order):
@@ -117,3 +118,42 @@ def test_triton_residual_fallback():
         out = rejection_sample(d, [1], q, logits, sp, impl=impl, randoms=randoms)
         assert out.num_accepted.tolist() == [0]
         assert int(out.output_token_ids[0, 0]) == inverse_cdf_token(p[0], float(randoms.sample_uniform[0]))
+
+
+@needs_ready
+@pytest.mark.parametrize("vocab", [1, 97, 1024, 2500])
+def test_triton_sample_rows_matches_torch(vocab):
+    """The sampling kernel alone: recovered (draft probs / point mass), bonus, row selection, edge uniforms."""
+    gen = torch.Generator().manual_seed(vocab)
+    p = torch.softmax(torch.randn(4, vocab, generator=gen) * 3, -1)
+    if vocab >= 3:
+        p[1, ::3] = 0.0
+        p[1] /= p[1].sum()
+    q = torch.softmax(torch.randn(6, vocab, generator=gen) * 3, -1)
+    q[5] = p[3] * (1 + 5e-4)  # residual of row 3 against q[5] vanishes: falls back to p
+    ids = torch.randint(0, vocab, (6,), generator=gen)
+    u = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53, 2.0**-40, 0.25, 0.75, 0.9, 0.1, 0.3], dtype=torch.float64)
+    sel = torch.tensor([0, 1, 2, 3, 1, 0, 2, 3, 3])
+    pos = torch.tensor([0, 5, -1, 2, -1, 3, 4, 1, 5])
+    args = [t.to(DEVICE) for t in (p, sel, q, pos, ids, u)]
+    for with_q in (True, False):
+        a = list(args)
+        if not with_q:
+            a[2] = None
+        ref = torch_impl.sample_rows(*a)
+        tri = triton_impl.sample_rows(*a)
+        assert torch.equal(tri, ref), (with_q, tri.tolist(), ref.tolist())
+        a[1] = None  # rows in order
+        a[3], a[5] = a[3][:4], a[5][:4]
+        assert torch.equal(triton_impl.sample_rows(*a), torch_impl.sample_rows(*a))
+
+
+@needs_ready
+def test_triton_sample_rows_all_zero_block():
+    r = torch.zeros(2048)
+    r[:1024] = 1e-17  # every weight of block 0 rounds to 0: its first largest entry (token 5)
+    r[5] = 2e-17
+    r[1024:] = 1.0 / 1024
+    args = (r.unsqueeze(0).to(DEVICE), None, None, torch.tensor([-1], device=DEVICE),
+            torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.float64, device=DEVICE))
+    assert int(triton_impl.sample_rows(*args)) == int(torch_impl.sample_rows(*args)) == 5
