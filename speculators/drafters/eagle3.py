@@ -30,14 +30,15 @@ from torch import nn
 
 from .base import DraftVocab, Drafter, DrafterConfig, Proposal, register
 from .layers import (
-    MLP,
     Attention,
     KVCache,
+    MLP,
     RMSNorm,
     Rotary,
     cached_attend,
     causal_mask_with_cache,
     layer_config,
+    shift_left,
     ttt_attention,
 )
 
@@ -183,14 +184,8 @@ class Eagle3Drafter(Drafter):
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
             in_vocab = self.t2d[batch.argmax]  # [B, T]
 
-        def shift(x, s):
-            if s == 0:
-                return x
-            pad = torch.zeros((x.shape[0], s) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-            return torch.cat([x[:, s:], pad], dim=1)
-
         g = self.fuse(batch.aux)
-        key_valid = shift(batch.attention_mask, 1)
+        key_valid = shift_left(batch.attention_mask, 1)
         hidden = g
         ks: list[list[torch.Tensor]] = [[] for _ in self.layers]
         vs: list[list[torch.Tensor]] = [[] for _ in self.layers]
@@ -198,7 +193,7 @@ class Eagle3Drafter(Drafter):
         metrics: dict[str, float] = {}
         prev_full = None
         sim_tau = 1.0
-        tokens = shift(batch.input_ids, 1)
+        tokens = shift_left(batch.input_ids, 1)
         for j in range(cfg.ttt_steps):
             pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
             emb = self.embed_tokens(tokens)
@@ -211,19 +206,19 @@ class Eagle3Drafter(Drafter):
 
             hidden = self._run_layers(emb, hidden, cos, sin, attend)
             logits = self.lm_head(self.norm(hidden)).float()  # [B, T, N]
-            valid = shift(batch.loss_mask & batch.attention_mask, 2 + j) & shift(in_vocab, 1 + j)
+            valid = shift_left(batch.loss_mask & batch.attention_mask, 2 + j) & shift_left(in_vocab, 1 + j)
             n_valid = valid.sum().clamp(min=1)
             logp = torch.log_softmax(logits, dim=-1)
             if cfg.loss == "kl":
-                ce = -(shift(teacher_p, 1 + j) * logp).sum(-1)
+                ce = -(shift_left(teacher_p, 1 + j) * logp).sum(-1)
             else:
-                tgt = torch.searchsorted(draft_ids, shift(batch.argmax, 1 + j).clamp(max=draft_ids[-1]))
+                tgt = torch.searchsorted(draft_ids, shift_left(batch.argmax, 1 + j).clamp(max=draft_ids[-1]))
                 ce = F.nll_loss(logp.transpose(1, 2), tgt, reduction="none")
             loss_j = (ce * valid).sum() / n_valid
             total = total + (cfg.ttt_decay ** j) * loss_j
             with torch.no_grad():
                 pred = draft_ids[logits.argmax(-1)]
-                correct = pred == shift(batch.argmax, 1 + j)
+                correct = pred == shift_left(batch.argmax, 1 + j)
                 full = correct if prev_full is None else (prev_full & correct)
                 full_acc = float((full & valid).sum() / n_valid)
                 cond_den = valid.sum() if prev_full is None else (prev_full & valid).sum()
@@ -235,7 +230,7 @@ class Eagle3Drafter(Drafter):
             if cfg.ttt_input == "draft":
                 tokens = pred.detach()
             else:
-                tokens = shift(batch.input_ids, 2 + j)
+                tokens = shift_left(batch.input_ids, 2 + j)
         metrics["sim_tau"] = sim_tau
         return total, metrics
 

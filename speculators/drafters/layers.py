@@ -39,6 +39,17 @@ def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -
     return LlamaConfig(**d)
 
 
+def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Shift along the sequence dim: ``out[:, t] = x[:, t + s]``, zero past the end (same shape as ``x``).
+
+    The label/input shift of every family (``x`` is ``[B, T, ...]``; ``s >= 0``; ``s >= T`` gives zeros).
+    """
+    if s == 0:
+        return x
+    pad = torch.zeros((x.shape[0], min(s, x.shape[1])) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, s:], pad], dim=1)
+
+
 def head_dim(cfg: LlamaConfig) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 

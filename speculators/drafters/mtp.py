@@ -66,14 +66,15 @@ from torch import nn
 
 from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
 from .layers import (
-    MLP,
     Attention,
     KVCache,
+    MLP,
     RMSNorm,
     Rotary,
     cached_attend,
     causal_mask_with_cache,
     layer_config,
+    shift_left,
 )
 
 
@@ -152,14 +153,6 @@ class _MTPModule(nn.Module):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         x = x + self.self_attn.out(attend(q, k, v))
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """``out[:, t] = x[:, t + s]``, zero-padded past the end."""
-    if s == 0:
-        return x
-    pad = torch.zeros((x.shape[0], min(s, x.shape[1])) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, s:], pad], dim=1)
 
 
 def _causal(q, k, v):
@@ -257,7 +250,7 @@ class MTPDrafter(Drafter):
         outs = []
         for i, module in enumerate(self.layers):
             k = i + 1
-            emb = self.embed_tokens(_shift(input_ids, k))
+            emb = self.embed_tokens(shift_left(input_ids, k))
             pos = (torch.arange(T, device=input_ids.device) + k).unsqueeze(0).expand(B, T)
             cos, sin = self.rotary(hidden, pos)
             hidden = module(emb, hidden, cos, sin, _causal)
@@ -284,7 +277,7 @@ class MTPDrafter(Drafter):
         ids = batch.input_ids
         hs = self.module_hiddens(ids, batch.top)
         real = batch.loss_mask & batch.attention_mask
-        valid = [_shift(real, k + 1) for k in range(1, D + 1)]  # valid[k-1][t] = real[t+k+1]
+        valid = [shift_left(real, k + 1) for k in range(1, D + 1)]  # valid[k-1][t] = real[t+k+1]
         need = list(valid)
         for i in range(D - 2, -1, -1):  # chained metrics need module i's correctness wherever k > i is valid
             need[i] = need[i] | need[i + 1]
@@ -300,15 +293,15 @@ class MTPDrafter(Drafter):
             n_valid = v.sum().clamp(min=1)
             if cfg.distill:
                 with torch.no_grad():
-                    teacher = torch.softmax(self.target_lm_head(_shift(batch.top, k)[sel]).float(), dim=-1)
+                    teacher = torch.softmax(self.target_lm_head(shift_left(batch.top, k)[sel]).float(), dim=-1)
                 ce = F.cross_entropy(logits, teacher, reduction="none")
             else:
-                ce = F.cross_entropy(logits, _shift(ids, k + 1)[sel], reduction="none")
+                ce = F.cross_entropy(logits, shift_left(ids, k + 1)[sel], reduction="none")
             loss_k = (ce * v).sum() / n_valid
             total = total + w * loss_k
             with torch.no_grad():
                 correct = torch.zeros_like(real)
-                correct[sel] = logits.argmax(-1) == _shift(batch.argmax, k)[sel]
+                correct[sel] = logits.argmax(-1) == shift_left(batch.argmax, k)[sel]
                 full = correct if prev_full is None else prev_full & correct
                 full_acc = float((full & valid[i]).sum() / n_valid)
                 cond_den = valid[i].sum() if prev_full is None else (prev_full & valid[i]).sum()
