@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
+from ..errors import SpeculatorsError
 from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
 from .layers import (
     Attention,
@@ -206,10 +207,10 @@ class MTPDrafter(Drafter):
         """Fresh modules; embedding copied from the target (frozen); target head and norm attached.
 
         Raises:
-            ValueError: ``vocab`` is not the full target vocabulary.
+            SpeculatorsError: ``vocab`` is not the full target vocabulary.
         """
         if vocab.size != target.vocab_size:
-            raise ValueError(f"MTP drafts over the full target vocabulary ({target.vocab_size}); "
+            raise SpeculatorsError(f"drafter.draft_vocab_size: MTP drafts over the full target vocabulary ({target.vocab_size}); "
                              f"got a draft vocabulary of {vocab.size}")
         d = cls(cfg, cls.target_meta(target))
         with torch.no_grad():
