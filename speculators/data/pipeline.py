@@ -122,7 +122,11 @@ def prepare_data(recipe, target, log=print, progress=None) -> PreparedData:
     held_convs = [c for c, _ in held_pairs]
     held_with_answers = [c for c in held_convs if c.messages and c.messages[-1]["role"] == "assistant"]
     if held_with_answers:
-        held_ex = tokenize(target, held_with_answers, recipe)
+        held_ex, seen_ids = [], set()
+        for e in tokenize(target, held_with_answers, recipe):  # a prompt listed by two sources: once
+            if tuple(e.input_ids) not in seen_ids:
+                seen_ids.add(tuple(e.input_ids))
+                held_ex.append(e)
         if held_ex:
             held = extract_features(target, held_ex, fb, log=log)
     # held-out prompts for generation: one per distinct prompt
