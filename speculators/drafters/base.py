@@ -153,6 +153,23 @@ class Drafter(nn.Module):
     def from_target(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
         raise NotImplementedError
 
+    @classmethod
+    def _from_target_full_vocab(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
+        """``from_target`` of families that draft through the target's own head over the full
+        vocabulary: build, copy the (frozen) ``embed_tokens`` from the target, attach the target.
+
+        Raises:
+            SpeculatorsError: ``vocab`` is a reduced draft vocabulary.
+        """
+        if vocab.size != target.vocab_size:
+            raise SpeculatorsError(f"drafter.draft_vocab_size: {cls.algorithm} drafts over the full target "
+                                   f"vocabulary ({target.vocab_size}); got a draft vocabulary of {vocab.size}")
+        d = cls(cfg, cls.target_meta(target))
+        with torch.no_grad():
+            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+        d.attach_target(target)
+        return d
+
     @staticmethod
     def target_meta(target) -> dict[str, Any]:
         """What a checkpoint records about its target, and checks at eval time."""

@@ -33,13 +33,10 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 from torch import nn
 
-from ..errors import SpeculatorsError
 from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
 from .layers import (
-    Attention,
+    DecoderLayer,
     KVCache,
-    MLP,
-    RMSNorm,
     Rotary,
     cached_attend,
     causal_mask_with_cache,
@@ -77,19 +74,6 @@ class EagleConfig(DrafterConfig):
         return v
 
 
-class _Layer(nn.Module):
-    """Llama decoder layer; ``input_layernorm`` only when ``with_input_norm`` (EAGLE: not on layer 0)."""
-
-    def __init__(self, cfg, with_input_norm: bool):
-        super().__init__()
-        H = cfg.hidden_size
-        if with_input_norm:
-            self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-
 @dataclass
 class EagleState:
     """Per-request inference state: drafter KV cache, newest predicted feature and its logits."""
@@ -115,7 +99,7 @@ class EagleDrafter(Drafter):
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
-        self.layers = nn.ModuleList([_Layer(self.layer_cfg, with_input_norm=i > 0) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(self.layer_cfg, input_norm=i > 0) for i in range(cfg.num_layers)])
         self.rotary = Rotary(self.layer_cfg)
 
     # ------------------------------------------------------------------ construction
@@ -126,14 +110,7 @@ class EagleDrafter(Drafter):
         Raises:
             SpeculatorsError: ``vocab`` is a reduced draft vocabulary (EAGLE-1 uses the full one).
         """
-        if vocab.size != target.vocab_size:
-            raise SpeculatorsError(f"drafter.draft_vocab_size: EAGLE-1 needs the full target vocabulary "
-                                   f"({target.vocab_size}), got a draft vocab of {vocab.size}")
-        d = cls(cfg, cls.target_meta(target))
-        with torch.no_grad():
-            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-        d.attach_target(target)
-        return d
+        return cls._from_target_full_vocab(cfg, target, vocab)
 
     @classmethod
     def _build(cls, cfg, meta, weights):

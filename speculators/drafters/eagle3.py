@@ -30,9 +30,8 @@ from torch import nn
 
 from .base import DraftVocab, Drafter, DrafterConfig, Proposal, register
 from .layers import (
-    Attention,
+    DecoderLayer,
     KVCache,
-    MLP,
     RMSNorm,
     Rotary,
     cached_attend,
@@ -58,32 +57,15 @@ class Eagle3Config(DrafterConfig):
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K written to the vLLM config")
 
 
-class _Layer0(nn.Module):
-    """EAGLE-3's first decoder layer: attention over [norm(embed); norm(hidden)] (2H)."""
+class _Layer0(DecoderLayer):
+    """EAGLE-3's first decoder layer: attention over [input_layernorm(embed); hidden_norm(hidden)] (2H)."""
 
     def __init__(self, cfg):
-        super().__init__()
-        H = cfg.hidden_size
-        self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, in_dim=2 * H)
-        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        super().__init__(cfg, attn_in_dim=2 * cfg.hidden_size)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-
-
-class _Layer(nn.Module):
-    """A plain Llama decoder layer (layers 1..n-1)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        H = cfg.hidden_size
-        self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
 
 
 @dataclass
@@ -114,7 +96,7 @@ class Eagle3Drafter(Drafter):
         self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(n_aux * H, H, bias=False)
         self.layers = nn.ModuleList([_Layer0(self.layer_cfg)] +
-                                    [_Layer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
+                                    [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))

@@ -136,6 +136,26 @@ def cached_attend(cache: KVCache, layer_idx: int, q: torch.Tensor, k: torch.Tens
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class DecoderLayer(nn.Module):
+    """Llama decoder-layer parameters with HF/vLLM names (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``); families write their own forward around them.
+
+    Args:
+        cfg: the drafter's Llama config.
+        attn_in_dim: input width of q/k/v (2H for EAGLE-3's first layer); default H.
+        input_norm: False for layers that take an already-normalised or fused input (EAGLE-1 layer 0).
+    """
+
+    def __init__(self, cfg: LlamaConfig, attn_in_dim: int | None = None, input_norm: bool = True):
+        super().__init__()
+        H = cfg.hidden_size
+        if input_norm:
+            self.input_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, in_dim=attn_in_dim)
+        self.post_attention_layernorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
 def causal_mask_with_cache(t_new: int, s_cached: int, device=None) -> torch.Tensor:
     """Boolean ``[1, 1, t_new, s_cached + t_new]``: every new query sees the whole cache and the new
     keys up to itself."""

@@ -64,12 +64,10 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
-from ..errors import SpeculatorsError
 from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
 from .layers import (
-    Attention,
+    DecoderLayer,
     KVCache,
-    MLP,
     RMSNorm,
     Rotary,
     cached_attend,
@@ -134,19 +132,15 @@ class MTPConfig(DrafterConfig):
         return v
 
 
-class _MTPModule(nn.Module):
+class _MTPModule(DecoderLayer):
     """One MTP module: ``enorm``, ``hnorm``, ``eh_proj`` and a Llama decoder block (flat names)."""
 
     def __init__(self, cfg):
-        super().__init__()
+        super().__init__(cfg)
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(H, eps=eps)
         self.hnorm = RMSNorm(H, eps=eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.input_layernorm = RMSNorm(H, eps=eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(H, eps=eps)
-        self.mlp = MLP(cfg)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos, sin, attend) -> torch.Tensor:
         """``emb, hidden [B, m, H]`` -> ``[B, m, H]`` pre-norm output; ``attend(q, k, v) -> o``."""
@@ -209,14 +203,7 @@ class MTPDrafter(Drafter):
         Raises:
             SpeculatorsError: ``vocab`` is not the full target vocabulary.
         """
-        if vocab.size != target.vocab_size:
-            raise SpeculatorsError(f"drafter.draft_vocab_size: MTP drafts over the full target vocabulary ({target.vocab_size}); "
-                             f"got a draft vocabulary of {vocab.size}")
-        d = cls(cfg, cls.target_meta(target))
-        with torch.no_grad():
-            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-        d.attach_target(target)
-        return d
+        return cls._from_target_full_vocab(cfg, target, vocab)
 
     @classmethod
     def _build(cls, cfg, meta, weights):
