@@ -96,9 +96,14 @@ def train(
     family = registry.get(rec.drafter["algorithm"])
     torch.manual_seed(rec.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(rec.drafter_config(), target, data.vocab)
+    drafter.enable_joint_training(target)
     prepare_output_dir(out, resume, overwrite)
-    n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    groups = drafter.param_groups(rec.train.lr)
+    n_train = sum(p.numel() for p in groups[0]["params"])
     log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
+    if drafter.trains_target:
+        log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
+            f"parameters at lr {groups[1]['lr']}")
     final = Trainer(rec, drafter, data, out, log=log, console=console).train(resume=resume)
     console.print(f"[bold green]done[/bold green]: {final}  (next: speculators eval {final})")
 
@@ -181,6 +186,7 @@ def eval_cmd(
     n_prompts = num_prompts if num_prompts is not None else (ev.num_prompts if ev else 16)
     target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32", log=log)
     drafter.check_target(target, warn=log)
+    drafter.prepare_target(target, log=log)  # joint checkpoints: verify against the fine-tuned target
     drafter.attach_target(target)  # families that draft through the target's frozen head need it
     template = rec.data.chat_template if rec else None
     if prompts is not None:

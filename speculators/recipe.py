@@ -81,6 +81,8 @@ class TrainSpec(Strict):
     checkpoint_every: int = Field(default=200, gt=0, description="steps between checkpoints")
     eval_every: int = Field(default=100, gt=0, description="steps between held-out evaluations")
     log_every: int = Field(default=10, gt=0)
+    init_from: str | None = Field(default=None, description="checkpoint directory of the same family to "
+                                                            "start the drafter's weights from")
 
     @model_validator(mode="after")
     def _length(self) -> "TrainSpec":

@@ -99,13 +99,14 @@ class Trainer:
         else:
             self.total_steps = max(1, math.ceil(self.spec.epochs * self.batches_per_epoch / self.spec.grad_accum))
         torch.manual_seed(self.spec.seed)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.spec.lr, weight_decay=self.spec.weight_decay,
-                                           betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(drafter.param_groups(self.spec.lr), lr=self.spec.lr,
+                                           weight_decay=self.spec.weight_decay, betas=(0.9, 0.95))
         self.scheduler = self._scheduler()
         self.drafter, self.optimizer = self.accelerator.prepare(drafter, self.optimizer)
         self.step, self.epoch, self.batch_idx = 0, 0, 0
         self.tb = None
+        self.held_out_before: dict[str, float] = {}
+        self.held_out_last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ schedule
     def _scheduler(self):
@@ -138,6 +139,7 @@ class Trainer:
         from .drafters.base import WEIGHTS_NAME
 
         self.model.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        self.model.load_target_adapter(path)
         state = torch.load(path / STATE_NAME, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -150,7 +152,8 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate_held_out(self, max_batches: int = 8) -> dict[str, float]:
-        """Mean metrics of ``drafter.loss`` on up to ``max_batches`` held-out batches."""
+        """Mean metrics of ``drafter.training_loss`` on up to ``max_batches`` held-out batches (fp32,
+        no autocast; in joint mode ``held_out/ppl`` is the adapted target's perplexity)."""
         store = self.data.held_out
         if store is None or len(store) == 0:
             return {}
@@ -159,7 +162,7 @@ class Trainer:
         plan = plan_batches(store, self.spec.batch_tokens, 0, 0)[:max_batches]
         for idx in plan:
             batch = make_batch(store, idx).to(self.device)
-            loss, metrics = self.model.loss(batch)
+            loss, metrics = self.model.training_loss(batch)
             for k, v in {"loss": float(loss), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v
         self.drafter.train()
@@ -185,12 +188,22 @@ class Trainer:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(self.recipe))
-        if resume:
-            ckpts = checkpoints(self.output_dir)
-            if ckpts:
-                self.load_checkpoint(ckpts[-1])
-            else:
+        ckpts = checkpoints(self.output_dir) if resume else []
+        if ckpts:
+            self.load_checkpoint(ckpts[-1])
+        else:
+            if resume:
                 self.log("resume: no checkpoint found, starting from scratch")
+            if self.spec.init_from:
+                self.model.init_from_checkpoint(self.spec.init_from)
+                self.log(f"train: drafter weights initialised from {self.spec.init_from}")
+        if self.model.trains_target and self.step == 0:
+            # the target changes in this run: record its held-out quality before the first update
+            self.held_out_before = self.evaluate_held_out()
+            if self.held_out_before:
+                self._log_scalars({k.replace("held_out/", "held_out_before/"): v
+                                   for k, v in self.held_out_before.items()})
+                self.log("step 0: held-out " + _summary(self.held_out_before))
         crash_at = int(os.environ.get("SPECULATORS_TEST_CRASH_AT_STEP", "0"))  # test hook: simulate a kill
         spec = self.spec
         self.drafter.train()
@@ -211,7 +224,7 @@ class Trainer:
                     self.batch_idx += 1
                     with self.accelerator.accumulate(self.drafter):
                         with self.accelerator.autocast():
-                            loss, metrics = self.model.loss(batch)
+                            loss, metrics = self.model.training_loss(batch)
                         if not torch.isfinite(loss):
                             last = checkpoints(self.output_dir)
                             raise SpeculatorsError(
@@ -249,10 +262,9 @@ class Trainer:
                     if self.step % spec.eval_every == 0 or self.step == self.total_steps:
                         ev = self.evaluate_held_out()
                         if ev:
+                            self.held_out_last = ev
                             self._log_scalars(ev)
-                            self.log(f"step {self.step}: held-out loss {ev['held_out/loss']:.3f} "
-                                     f"sim_tau {ev.get('held_out/sim_tau', 0):.3f} "
-                                     f"acc0 {ev.get('held_out/full_acc_0', 0):.3f}")
+                            self.log(f"step {self.step}: held-out " + _summary(ev))
                     if self.step % spec.checkpoint_every == 0:
                         self.save_checkpoint()
                         if crash_at and self.step >= crash_at:
@@ -271,8 +283,44 @@ class Trainer:
                  f"({tokens_seen / max(dt, 1e-9):.0f} drafter tokens/s)")
         self.save_checkpoint()
         final = self.output_dir / "final"
-        self.model.save_pretrained(final, recipe_yaml=dump_recipe(self.recipe))
+        card = model_card(self.model, self.recipe, self.step, tokens_seen, dt, self.held_out_before,
+                          self.held_out_last)
+        self.model.save_pretrained(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card})
         if self.tb is not None:
             self.tb.close()
         self.log(f"train: final drafter written to {final}")
         return final
+
+
+def _summary(ev: dict[str, float]) -> str:
+    """One log line of held-out metrics (joint runs add the target's perplexity)."""
+    line = (f"loss {ev['held_out/loss']:.3f} sim_tau {ev.get('held_out/sim_tau', 0):.3f} "
+            f"acc0 {ev.get('held_out/full_acc_0', 0):.3f}")
+    if "held_out/ppl" in ev:
+        line += f" target ppl {ev['held_out/ppl']:.3f}"
+    return line
+
+
+def model_card(drafter, recipe, steps: int, tokens: int, seconds: float, before: dict[str, float],
+               after: dict[str, float]) -> str:
+    """``final/README.md``: what was trained, on what, how long, and the last held-out metrics; for a
+    joint run also the target's held-out perplexity before and after training (the target changed)."""
+    m = drafter.meta
+    lines = [f"# {drafter.algorithm} drafter for {m.get('name_or_path')}", "",
+             f"Trained by speculators from `recipe.yaml` (in this directory): {steps} steps, {tokens} tokens, "
+             f"{seconds / 60:.1f} min.", ""]
+    if drafter.trains_target:
+        lines += ["Joint run: the target was fine-tuned with LoRA together with the drafter. The adapter is in "
+                  "`target_adapter/`; `speculators eval` merges it into the base target and verifies against the "
+                  "fine-tuned model, which is also the model to serve with this drafter.", ""]
+    if after:
+        lines += ["| held-out metric | before training | after training |", "|---|---|---|"]
+        for k in sorted(after):
+            name = k.replace("held_out/", "")
+            b = before.get(k)
+            lines.append(f"| {name} | {'-' if b is None else f'{b:.4f}'} | {after[k]:.4f} |")
+        if "held_out/ppl" in after and "held_out/ppl" in before:
+            rel = after["held_out/ppl"] / before["held_out/ppl"] - 1
+            lines += ["", f"Target held-out perplexity: {before['held_out/ppl']:.4f} -> {after['held_out/ppl']:.4f} "
+                          f"({100 * rel:+.2f}%)."]
+    return "\n".join(lines) + "\n"

@@ -90,15 +90,14 @@ def test_shapes_init_and_distinct_modules(target):
     assert d.head_logits(top, heads=2).__len__() == 2
 
 
-def test_joint_is_rejected_with_a_clear_error(tiny_target_dir):
+def test_recipe_validation_of_joint_and_export(tiny_target_dir):
     cfg_cls = registry.get("medusa").config_class
-    with pytest.raises(ValueError, match="drafter.joint"):
-        cfg_cls(algorithm="medusa", joint=True)
-    assert cfg_cls(algorithm="medusa", joint=False).joint is False
+    assert cfg_cls(algorithm="medusa", joint=True).joint is True  # Medusa-2 (tests/test_joint.py)
+    assert cfg_cls(algorithm="medusa").joint is False
     from speculators.recipe import load_recipe
 
-    with pytest.raises(SpeculatorsError, match="drafter.joint"):
-        load_recipe(TINY, [f"target.model={tiny_target_dir}", "drafter.joint=true"])
+    with pytest.raises(SpeculatorsError, match="joint_target"):
+        load_recipe(TINY, [f"target.model={tiny_target_dir}", "drafter.joint=true", "drafter.joint_target.rank=4"])
     with pytest.raises(SpeculatorsError, match="drafter.export"):
         load_recipe(TINY, [f"target.model={tiny_target_dir}", "drafter.export=onnx"])
 

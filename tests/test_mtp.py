@@ -59,8 +59,7 @@ def test_config_validation():
     cls = registry.get("mtp").config_class
     c = cls(algorithm="mtp")
     assert (c.num_modules, c.loss_lambda, c.module_weights, c.distill, c.joint) == (3, 1.0, None, False, False)
-    with pytest.raises(ValueError, match="drafter.joint"):
-        cls(algorithm="mtp", joint=True)
+    assert cls(algorithm="mtp", joint=True).loss_lambda == 0.3  # joint mode: tests/test_joint.py
     with pytest.raises(ValueError, match="module_weights"):
         cls(algorithm="mtp", num_modules=2, module_weights=[1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="draft_vocab_size"):
@@ -338,5 +337,5 @@ def test_cli_train_then_eval(tmp_path, isolated_cache, tiny_target_dir):
     assert rep["greedy_mismatches"] == []
     assert 1.0 <= rep["drafter"]["tau"] <= 4.0 and rep["drafter"]["tokens"] == rep["plain"]["tokens"]
     r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "drafter.joint=true",
-                            "-o", str(tmp_path / "joint")])
-    assert r.exit_code == 2 and "drafter.joint" in r.output and "Traceback" not in r.output
+                            "drafter.joint_target.lora_r=0", "-o", str(tmp_path / "joint")])
+    assert r.exit_code == 2 and "drafter.joint_target.lora_r" in r.output and "Traceback" not in r.output

@@ -147,6 +147,8 @@ class Drafter(nn.Module):
         # meta: facts about the target recorded in the checkpoint (name, fingerprint, sizes, layer ids)
         self.meta = dict(meta)
         self._teacher_head: torch.Tensor | None = None
+        # joint runs: directory of the target's LoRA adapter that came with a loaded checkpoint
+        self.target_adapter_dir: Path | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -235,6 +237,96 @@ class Drafter(nn.Module):
     def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    @property
+    def trains_target(self) -> bool:
+        """True when the config asks for joint training (``drafter.joint: true``, see ``joint.py``)."""
+        return bool(getattr(self.cfg, "joint", False))
+
+    @property
+    def joint_loss_weight(self) -> float:
+        """Weight of :meth:`loss` in the joint loss ``lm_weight * L_LM + w * loss`` (1.0; Medusa-2: 0.2)."""
+        return 1.0
+
+    def enable_joint_training(self, target) -> None:
+        """For a joint config, wrap ``target.model`` with LoRA adapters (in place) and register it as
+        the submodule ``joint_target`` so that its adapters train with the drafter; no-op otherwise.
+        Call once, after :meth:`from_target`, before building the optimizer."""
+        if self.trains_target and getattr(self, "joint_target", None) is None:
+            from .joint import JointTarget
+
+            self.joint_target = JointTarget(target.model, self.cfg.joint_target)
+
+    def training_loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """What the trainer minimises: :meth:`loss`, or in joint mode
+        ``lm_weight * L_LM + joint_loss_weight * loss(batch')`` where ``batch'`` carries the live
+        (adapted) target's top hidden states and argmax (:class:`~.joint.JointTarget`). Joint metrics
+        add ``lm_loss``, ``ppl`` (held-out: the target's perplexity) and ``drafter_loss``."""
+        jt = getattr(self, "joint_target", None)
+        if jt is None:
+            return self.loss(batch)
+        batch, lm_loss, lm_metrics = jt(batch)
+        loss, metrics = self.loss(batch)
+        total = self.cfg.joint_target.lm_weight * lm_loss + self.joint_loss_weight * loss
+        return total, {**metrics, "drafter_loss": float(loss.detach()), **lm_metrics}
+
+    def param_groups(self, lr: float) -> list[dict[str, Any]]:
+        """Optimizer parameter groups: the drafter's trainable parameters at ``lr`` and, in joint mode,
+        the target's LoRA parameters at ``joint_target.lr`` (default ``lr``)."""
+        own = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("joint_target.")]
+        groups = [{"params": own, "lr": lr}]
+        jt = getattr(self, "joint_target", None)
+        if jt is not None:
+            groups.append({"params": jt.lora_parameters(), "lr": self.cfg.joint_target.lr or lr})
+        return groups
+
+    def drafter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The drafter's own tensors (the joint target, saved as an adapter, excluded), detached."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()
+                if not k.startswith("joint_target.")}
+
+    def load_target_adapter(self, checkpoint: str | Path) -> None:
+        """Resume: load the LoRA adapter saved in ``checkpoint`` into the live joint target (no-op
+        for a frozen-target drafter).
+
+        Raises:
+            SpeculatorsError: the checkpoint has no adapter.
+        """
+        jt = getattr(self, "joint_target", None)
+        if jt is not None:
+            from .joint import ADAPTER_DIR
+
+            jt.load_adapter(Path(checkpoint) / ADAPTER_DIR)
+
+    def prepare_target(self, target, log=print) -> None:
+        """Make ``target`` the verifier this drafter was trained with: merge the LoRA adapter of a
+        joint checkpoint into it (in place); no-op for frozen-target checkpoints. Call after
+        :meth:`check_target` (which compares against the base target) and before decoding."""
+        if self.target_adapter_dir is not None:
+            from .joint import merge_adapter
+
+            merge_adapter(target, self.target_adapter_dir)
+            log(f"target: merged the jointly trained LoRA adapter {self.target_adapter_dir} "
+                f"(verifying against the fine-tuned target)")
+
+    def init_from_checkpoint(self, path: str | Path) -> None:
+        """Initialise the drafter's weights from another checkpoint of the same family and shapes
+        (``train.init_from``: e.g. joint training started from a frozen-target run). The target
+        adapter, optimizer and schedule are not taken over.
+
+        Raises:
+            SpeculatorsError: not a checkpoint, another family, or weights that do not fit.
+        """
+        path = Path(path)
+        cfg_file = path / CONFIG_NAME
+        if not cfg_file.is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise SpeculatorsError(f"train.init_from: {str(path)!r} is not a drafter checkpoint "
+                                   f"(needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        algo = json.loads(cfg_file.read_text()).get(TRAINING_KEY, {}).get("drafter", {}).get("algorithm")
+        if algo != self.algorithm:
+            raise SpeculatorsError(f"train.init_from: {path} is a {algo!r} checkpoint; this recipe trains "
+                                   f"{self.algorithm!r}")
+        self.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
+
     # ---------------------------------------------------------------- inference
     def start(self, input_ids: torch.Tensor, features) -> Any:
         raise NotImplementedError
@@ -282,7 +374,7 @@ class Drafter(nn.Module):
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the names vLLM expects (default: the module's own state dict)."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        return self.drafter_state_dict()
 
     def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load weights written by :meth:`export_state_dict`.
@@ -295,6 +387,7 @@ class Drafter(nn.Module):
         except RuntimeError as e:
             raise SpeculatorsError(f"checkpoint weights do not match this {self.algorithm} config: "
                                    f"{str(e).splitlines()[-1].strip()}") from None
+        missing = [k for k in missing if not k.startswith("joint_target.")]
         if missing or unexpected:
             raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -305,10 +398,16 @@ class Drafter(nn.Module):
         """Write ``config.json``, ``model.safetensors`` (and ``recipe.yaml``) atomically to ``path``.
 
         ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename.
+        A joint run also writes the target's LoRA adapter to ``target_adapter/`` (see ``joint.py``).
         """
+        from .joint import ADAPTER_DIR
+
+        jt = getattr(self, "joint_target", None)
         cfg = self.export_config()
         cfg["speculators_version"] = __version__
         cfg[TRAINING_KEY] = {"drafter": self.cfg.model_dump(), "target": self.meta}
+        if jt is not None:
+            cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
         with atomic_dir(path, overwrite=overwrite) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
             save_file(self.export_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -316,6 +415,8 @@ class Drafter(nn.Module):
                 (tmp / RECIPE_NAME).write_text(recipe_yaml)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
+            if jt is not None:
+                jt.save_adapter(tmp / ADAPTER_DIR)
             if extra is not None:
                 extra(tmp)
         return Path(path)
@@ -353,4 +454,10 @@ class Drafter(nn.Module):
             raise SpeculatorsError(f"{path / WEIGHTS_NAME}: cannot read weights ({e})") from None
         drafter = cls._build(cfg, raw[TRAINING_KEY]["target"], weights)
         drafter.load_export_state_dict(weights)
+        adapter = raw[TRAINING_KEY].get("target_adapter")
+        if adapter is not None:
+            if not (path / adapter / "adapter_config.json").is_file():
+                raise SpeculatorsError(f"{path}: a joint checkpoint without its target adapter "
+                                       f"({path / adapter}/adapter_config.json is missing)")
+            drafter.target_adapter_dir = path / adapter
         return drafter.eval()

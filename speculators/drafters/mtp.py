@@ -1,4 +1,8 @@
-"""MTP: DeepSeek-V3's multi-token prediction modules (arXiv 2412.19437, section 2.2), frozen-target mode.
+"""MTP: DeepSeek-V3's multi-token prediction modules (arXiv 2412.19437, section 2.2).
+
+Two modes: frozen target (``joint: false``, the modules alone are trained on cached features) and
+joint (``joint: true``: the target is fine-tuned through LoRA adapters in the same loss,
+``L_LM + lambda * L_MTP`` with lambda 0.3, see :mod:`speculators.drafters.joint`).
 
 Architecture (ALGORITHMS.md "MTP"; module layout as vLLM's ``deepseek_mtp.py`` loads DeepSeek-V3):
 
@@ -18,7 +22,7 @@ Architecture (ALGORITHMS.md "MTP"; module layout as vLLM's ``deepseek_mtp.py`` l
   target's final norm. DeepSeek feeds the main model's pre-norm last hidden state; our feature pipeline
   stores the post-norm one (``hnorm`` re-normalises it either way).
 * Output head. DeepSeek's per-module ``shared_head`` has its OWN RMSNorm (``shared_head.norm``) in
-  front of the shared ``shared_head.head`` (= the main model's lm_head). In frozen mode we share the
+  front of the shared ``shared_head.head`` (= the main model's lm_head). In both modes we share the
   target's final norm AND lm_head (:meth:`Drafter.target_final_norm`, :meth:`Drafter.target_lm_head`):
   both frozen, never saved. Drafts are always over the full target vocabulary (no d2t/t2d).
 * Token embedding: copied from the target, frozen (``embed_tokens``).
@@ -61,10 +65,11 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from .joint import JointConfig
 from .layers import (
     DecoderLayer,
     KVCache,
@@ -77,17 +82,19 @@ from .layers import (
 )
 
 
-class MTPConfig(DrafterConfig):
+class MTPConfig(JointConfig, DrafterConfig):
     """``drafter:`` section of an MTP recipe.
 
     Keys:
         num_modules: D, the number of sequential MTP modules (DeepSeek-V3 uses 1).
-        loss_lambda: lambda in ``loss = lambda * (1/D) * sum_k w_k * CE_k`` (DeepSeek-V3: 0.3 then
-            0.1, relative to its LM loss; in frozen mode the MTP loss is the only loss, so 1.0).
+        loss_lambda: lambda in ``loss = lambda * (1/D) * sum_k w_k * CE_k``. Default 1.0 in frozen mode
+            (the MTP loss is the only loss) and DeepSeek-V3's 0.3 with ``joint: true``, where the
+            total is ``joint_target.lm_weight * L_LM + loss``.
         module_weights: w_k per module (length D); default all 1.
         distill: soft CE to the target's distribution at ``t + k`` instead of hard CE to ``x_{t+k+1}``.
-        joint: train the target together with the modules (DeepSeek's setting). Not supported yet: the
-            trainer keeps the target frozen, so ``true`` is rejected.
+        joint: train the target together with the modules (DeepSeek's setting), through LoRA adapters
+            (``joint_target``, see :mod:`speculators.drafters.joint`); the modules then read the
+            adapted target's hidden states and eval verifies against the adapted target.
         num_speculative_tokens: K written to the vLLM config (default D). At inference any K works:
             drafts beyond D reuse the last module autoregressively (see the module docstring).
         draft_vocab_size: must stay unset: MTP drafts through the target's full-vocabulary head.
@@ -95,11 +102,11 @@ class MTPConfig(DrafterConfig):
 
     algorithm: Literal["mtp"] = "mtp"
     num_modules: int = Field(default=3, ge=1, le=8, description="D sequential MTP modules")
-    loss_lambda: float = Field(default=1.0, gt=0.0, description="lambda: weight of the MTP loss")
+    loss_lambda: float | None = Field(default=None, gt=0.0,
+                                      description="lambda: weight of the MTP loss (1.0 frozen, 0.3 joint)")
     module_weights: list[float] | None = Field(
         default=None, description="per-module loss weights w_k (length num_modules); default all 1")
     distill: bool = Field(default=False, description="soft CE to the target distribution instead of hard CE")
-    joint: bool = Field(default=False, description="also train the target (not supported yet)")
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, le=64, description="K written to the vLLM config; default num_modules")
 
@@ -111,13 +118,11 @@ class MTPConfig(DrafterConfig):
                              "leave drafter.draft_vocab_size unset")
         return v
 
-    @field_validator("joint")
-    @classmethod
-    def _no_joint(cls, v):
-        if v:
-            raise ValueError("drafter.joint: true (train the target together with the MTP modules) is not "
-                             "supported: the trainer keeps the target frozen; use drafter.joint: false")
-        return v
+    @model_validator(mode="after")
+    def _default_lambda(self) -> "MTPConfig":
+        if self.loss_lambda is None:
+            self.loss_lambda = 0.3 if self.joint else 1.0
+        return self
 
     @field_validator("module_weights")
     @classmethod

@@ -1,0 +1,165 @@
+"""Joint training: fine-tune the target with LoRA together with the drafter.
+
+Two published recipes train the target and the draft heads in one loss:
+
+* Medusa-2 (Cai et al., arXiv 2401.10774, section 2.3.2): ``L = L_LM + w * sum_k lambda^(k-1) CE_k`` with the
+  backbone fine-tuned (LoRA/QLoRA in the paper's code) and a larger learning rate for the heads;
+* DeepSeek-V3 MTP (arXiv 2412.19437, section 2.2): ``L = L_Main + lambda * L_MTP`` with lambda 0.3.
+
+Both are the same mechanism seen from the trainer: the target's forward runs *inside* the training
+step (with gradients through LoRA adapters, peft), its top hidden state replaces the cached one in the
+batch, and an LM loss on the assistant tokens is added. A family opts in with the ``joint`` and
+``joint_target`` keys of :class:`JointConfig`; everything else lives in :class:`~.base.Drafter`
+(``training_loss``, ``param_groups``, adapter save/load and :meth:`~.base.Drafter.prepare_target`),
+so the trainer and ``speculators eval`` never look at the family.
+
+Checkpoint. The LoRA adapter is written beside the drafter as ``target_adapter/`` (peft's
+``adapter_config.json`` + ``adapter_model.safetensors``). ``speculators eval`` loads the base target named
+by the checkpoint, merges the adapter into it (``merge_and_unload``) and verifies against the merged,
+fine-tuned target: the drafter is only valid with that target. To serve it, merge the adapter into the
+base model (same call) and point vLLM at the merged model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from ..errors import SpeculatorsError
+from .layers import shift_left
+
+ADAPTER_DIR = "target_adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+LLAMA_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class JointTargetConfig(BaseModel):
+    """``drafter.joint_target``: how the target is fine-tuned when ``drafter.joint: true``.
+
+    Keys:
+        lora_r, lora_alpha, lora_dropout: LoRA rank, scale numerator (scale = alpha / r) and dropout.
+        lora_modules: names of the target's linear layers that get adapters (Llama names by default;
+            the embedding, final norm and lm_head stay frozen, so drafters that share them stay exact).
+        lr: learning rate of the LoRA parameters; ``None`` = ``train.lr`` (the drafter's own parameters
+            always use ``train.lr``: Medusa-2's "separate learning rate for the heads").
+        lm_weight: weight of the target's LM loss (cross entropy of the next assistant token).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_r: int = Field(default=16, ge=1, le=1024)
+    lora_alpha: float = Field(default=32.0, gt=0.0)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_modules: list[str] = Field(default_factory=lambda: list(LLAMA_LORA_MODULES), min_length=1)
+    lr: float | None = Field(default=None, gt=0.0)
+    lm_weight: float = Field(default=1.0, ge=0.0)
+
+
+class JointConfig(BaseModel):
+    """Mixin for the ``drafter:`` config of a family that supports joint training."""
+
+    joint: bool = Field(default=False, description="also fine-tune the target with LoRA (joint loss)")
+    joint_target: JointTargetConfig = Field(default_factory=JointTargetConfig)
+
+
+class JointTarget(nn.Module):
+    """The target's causal LM with LoRA adapters, run inside the training step.
+
+    Args:
+        model: the target's transformers ``*ForCausalLM`` (``Target.model``). LoRA layers are injected
+            IN PLACE by peft; they start as the identity (B = 0), so before the first update the
+            forward equals the frozen target's.
+        cfg: :class:`JointTargetConfig`.
+    Raises:
+        SpeculatorsError: none of ``cfg.lora_modules`` exists in the model.
+    """
+
+    def __init__(self, model: nn.Module, cfg: JointTargetConfig):
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        self.cfg = cfg
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [m for m in cfg.lora_modules if m not in names]
+        if missing:
+            raise SpeculatorsError(f"drafter.joint_target.lora_modules: {missing} not found in the target "
+                                   f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})")
+        lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_modules), bias="none")
+        self.peft = get_peft_model(model, lcfg)
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.peft.parameters() if p.requires_grad]
+
+    def forward(self, batch):
+        """Run the (adapted) target on ``batch.input_ids``.
+
+        Args:
+            batch: :class:`speculators.data.dataset.Batch`; only ``input_ids``, ``attention_mask`` and
+                ``loss_mask`` are read.
+        Returns:
+            ``(batch', lm_loss, metrics)``: ``batch'`` is ``batch`` with ``top [B, T, H]`` (float32,
+            with gradients) and ``argmax [B, T]`` replaced by the live target's; ``lm_loss`` is the mean
+            cross entropy of the target's logits at ``t`` against ``x_{t+1}`` over the assistant tokens
+            ``x_{t+1}``; metrics ``lm_loss`` and ``ppl = exp(lm_loss)``.
+        """
+        causal_lm = self.peft.get_base_model()
+        att = batch.attention_mask
+        out = causal_lm.model(input_ids=batch.input_ids, attention_mask=att.long(), use_cache=False)
+        top = out.last_hidden_state  # [B, T, H] after the final norm
+        logits = causal_lm.lm_head(top[att])  # [N, V] at the real positions (argmax needs all of them)
+        argmax = torch.zeros_like(batch.input_ids)
+        argmax[att] = logits.detach().argmax(-1)
+        label_pos = shift_left(batch.loss_mask & att, 1)[att]  # [N]: x_{t+1} is an assistant token
+        labels = shift_left(batch.input_ids, 1)[att][label_pos]
+        if labels.numel():
+            lm_loss = F.cross_entropy(logits[label_pos].float(), labels)
+        else:
+            lm_loss = top.sum() * 0.0
+        new = dataclasses.replace(batch, top=top.float(), argmax=argmax)
+        ll = lm_loss.detach()
+        return new, lm_loss, {"lm_loss": float(ll), "ppl": float(torch.exp(ll))}
+
+    def save_adapter(self, directory: Path) -> None:
+        """Write peft's ``adapter_config.json`` + ``adapter_model.safetensors`` into ``directory``."""
+        self.peft.save_pretrained(str(directory))
+
+    def load_adapter(self, directory: Path) -> None:
+        """Load adapter weights written by :meth:`save_adapter` (resume).
+
+        Raises:
+            SpeculatorsError: the adapter file is missing.
+        """
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        f = Path(directory) / ADAPTER_WEIGHTS
+        if not f.is_file():
+            raise SpeculatorsError(f"{f}: missing; the checkpoint has no target adapter to resume from")
+        set_peft_model_state_dict(self.peft, load_file(str(f)))
+
+
+def merge_adapter(target, directory: Path) -> None:
+    """Merge a LoRA adapter written by a joint run into ``target`` (a :class:`speculators.target.Target`),
+    in place: ``target.model`` becomes the fine-tuned model (frozen, eval mode) and its fingerprint is
+    recomputed.
+
+    Raises:
+        SpeculatorsError: the adapter cannot be read or does not fit the target.
+    """
+    from peft import PeftModel
+
+    try:
+        merged = PeftModel.from_pretrained(target.model, str(directory)).merge_and_unload()
+    except Exception as e:  # noqa: BLE001 - peft raises several types for a bad adapter
+        raise SpeculatorsError(f"{directory}: cannot apply the target adapter ({type(e).__name__}: {e})") from None
+    merged.eval()
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    target.model = merged
+    target._fingerprint = None
