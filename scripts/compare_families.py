@@ -6,10 +6,12 @@ Usage:
     python scripts/compare_families.py --no-train           # only evaluate runs that exist
 
 For each recipe the run directory is ``outputs/<recipe name>``; an existing ``final/`` is reused
-(delete it or pass ``--retrain`` to train again). Every recipe of one target shares the held-out
-split (same sources, fraction and seed), so the rows are comparable. The Markdown table (tau,
-per-position acceptance, speedup over plain decoding, n-gram tau, training time) is printed and
-written to ``outputs/families.md``.
+(delete it or pass ``--retrain`` to train again). A recipe whose ``train.init_from`` is another
+recipe's run (``outputs/<name>/final``, e.g. joint MTP after frozen MTP) runs after it. Every recipe of
+one target shares the held-out split (same sources, fraction and seed), so the rows are comparable.
+The Markdown table (tau, per-position acceptance, speedup over plain decoding, n-gram tau, training
+time, and for joint runs the target's held-out perplexity before -> after) is printed and written to
+``outputs/families.md``. Joint runs verify against their own fine-tuned target.
 """
 
 from __future__ import annotations
@@ -37,6 +39,31 @@ def train_seconds(run_dir: Path) -> float | None:
     return json.loads(meta.read_text())["seconds"] if meta.is_file() else None
 
 
+def ordered(recipes: list[Path]) -> list[Path]:
+    """Stage-2 recipes (``train.init_from: outputs/<other>/final``) after the recipe they start from."""
+    import yaml
+
+    def parent(r: Path) -> str | None:
+        init = ((yaml.safe_load(r.read_text()) or {}).get("train") or {}).get("init_from")
+        return Path(init).parent.name if init else None
+
+    names = {r.stem for r in recipes}
+    return sorted(recipes, key=lambda r: (parent(r) in names, r.name))
+
+
+def target_ppl(run_dir: Path) -> str:
+    """``before -> after`` held-out perplexity of the target for joint runs (from train_log.jsonl), else -."""
+    log = run_dir / "train_log.jsonl"
+    if not log.is_file():
+        return "-"
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    before = [r["held_out_before/ppl"] for r in rows if "held_out_before/ppl" in r]
+    after = [r["held_out/ppl"] for r in rows if "held_out/ppl" in r]
+    if not before or not after:
+        return "-"
+    return f"{before[0]:.3f} -> {after[-1]:.3f} ({100 * (after[-1] / before[0] - 1):+.1f}%)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipes", nargs="*", type=Path)
@@ -44,7 +71,7 @@ def main() -> int:
     ap.add_argument("--retrain", action="store_true", help="train again even if final/ exists")
     ap.add_argument("-k", type=int, default=4)
     args = ap.parse_args()
-    recipes = args.recipes or sorted(p for p in (ROOT / "recipes").glob("smollm2-*.yaml") if "large" not in p.name)
+    recipes = ordered(args.recipes or [p for p in (ROOT / "recipes").glob("smollm2-*.yaml") if "large" not in p.name])
     exe = str(Path(sys.executable).parent / "speculators")
     rows = []
     for recipe in recipes:
@@ -64,13 +91,13 @@ def main() -> int:
         return 1
     k = args.k
     lines = ["| recipe | tau | acc. rate | " + " | ".join(f"acc_{i + 1}" for i in range(k)) +
-             " | speedup | n-gram tau | train time |", "|---" * (k + 6) + "|"]
+             " | speedup | n-gram tau | train time | target ppl |", "|---" * (k + 7) + "|"]
     for name, rep, secs in rows:
         d = rep["drafter"]
         lines.append(f"| {name} | {d['tau']:.3f} | {d['acceptance_rate']:.3f} | " +
                      " | ".join(f"{x:.3f}" for x in d["per_position"]) +
                      f" | {rep['speedup']:.2f}x | {rep['ngram']['tau']:.3f} | "
-                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} |")
+                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} | {target_ppl(ROOT / 'outputs' / name)} |")
     table = "\n".join(lines) + "\n"
     print(table)
     (ROOT / "outputs").mkdir(exist_ok=True)
