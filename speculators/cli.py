@@ -96,6 +96,12 @@ def train(
     family = registry.get(rec.drafter["algorithm"])
     torch.manual_seed(rec.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(rec.drafter_config(), target, data.vocab)
+    if rec.train.init_from:
+        drafter.init_from_checkpoint(rec.train.init_from)
+        log(f"drafter weights initialised from {rec.train.init_from}")
+    if drafter.trains_target and (data.held_out is None or len(data.held_out) == 0):
+        raise SpeculatorsError("drafter.joint: true trains the target, whose held-out perplexity must be "
+                               "measured: set data.held_out.fraction > 0")
     drafter.enable_joint_training(target)
     prepare_output_dir(out, resume, overwrite)
     groups = drafter.param_groups(rec.train.lr)
@@ -216,6 +222,8 @@ def eval_cmd(
                           ngram_max=ev.ngram_max if ev else 3, seed=ev.seed if ev else 0,
                           log=log, progress=make("speculative vs plain decoding"))
     report["checkpoint"] = str(ckpt)
+    report["target"] = {"name_or_path": target.name_or_path, "fingerprint": target.fingerprint,
+                        "adapter": None if drafter.target_adapter_dir is None else str(drafter.target_adapter_dir)}
     report["prompts"] = label
     out = output or ckpt.parent / f"eval-k{k}-t{sampling.temperature:g}"
     write_report(report, out, title=f"speculators eval: {ckpt}")

@@ -272,6 +272,18 @@ class Target:
         return d
 
     # ------------------------------------------------------------------ features
+    def top_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final post-norm hidden states WITH autograd (joint training through adapters in the model).
+
+        Args:
+            input_ids: ``[B, T]`` int64, right-padded; attention_mask: ``[B, T]`` bool or 0/1.
+        Returns:
+            ``[B, T, H]`` in the model's dtype (or the autocast dtype).
+        """
+        out = self.model.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.long().to(self.device),
+                               use_cache=False)
+        return out.last_hidden_state
+
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  with_logits: bool = False) -> TargetFeatures:

@@ -126,7 +126,8 @@ class Trainer:
         state = {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                 "total_steps": self.total_steps}
+                 "total_steps": self.total_steps, "held_out_before": self.held_out_before,
+                 "held_out_last": self.held_out_last}
         self.model.save_pretrained(path, recipe_yaml=dump_recipe(self.recipe),
                                    extra=lambda tmp: torch.save(state, tmp / STATE_NAME))
         for old in checkpoints(self.output_dir)[:-2]:  # keep the two newest
@@ -146,6 +147,8 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.step, self.epoch, self.batch_idx = state["step"], state["epoch"], state["batch_idx"]
+        self.held_out_before = state.get("held_out_before", {})
+        self.held_out_last = state.get("held_out_last", {})
         self.log(f"resume: continuing from {path} (step {self.step}/{self.total_steps}, epoch {self.epoch}, "
                  f"batch {self.batch_idx})")
 
@@ -166,7 +169,11 @@ class Trainer:
             for k, v in {"loss": float(loss), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v
         self.drafter.train()
-        return {f"held_out/{k}": v / len(plan) for k, v in sums.items()}
+        out = {f"held_out/{k}": v / len(plan) for k, v in sums.items() if k not in ("lm_nll_sum", "lm_tokens")}
+        if sums.get("lm_tokens"):  # joint runs: the target's perplexity over all held-out assistant tokens
+            out["held_out/ppl"] = math.exp(sums["lm_nll_sum"] / sums["lm_tokens"])
+        out["step"] = self.step
+        return out
 
     # ------------------------------------------------------------------ loop
     def _log_scalars(self, scalars: dict[str, float]) -> None:
@@ -191,18 +198,14 @@ class Trainer:
         ckpts = checkpoints(self.output_dir) if resume else []
         if ckpts:
             self.load_checkpoint(ckpts[-1])
-        else:
-            if resume:
-                self.log("resume: no checkpoint found, starting from scratch")
-            if self.spec.init_from:
-                self.model.init_from_checkpoint(self.spec.init_from)
-                self.log(f"train: drafter weights initialised from {self.spec.init_from}")
+        elif resume:
+            self.log("resume: no checkpoint found, starting from scratch")
         if self.model.trains_target and self.step == 0:
             # the target changes in this run: record its held-out quality before the first update
             self.held_out_before = self.evaluate_held_out()
             if self.held_out_before:
                 self._log_scalars({k.replace("held_out/", "held_out_before/"): v
-                                   for k, v in self.held_out_before.items()})
+                                   for k, v in self.held_out_before.items() if k != "step"})
                 self.log("step 0: held-out " + _summary(self.held_out_before))
         crash_at = int(os.environ.get("SPECULATORS_TEST_CRASH_AT_STEP", "0"))  # test hook: simulate a kill
         spec = self.spec
@@ -252,7 +255,9 @@ class Trainer:
                         now = time.time()
                         tps = tok_window / max(now - t_window, 1e-9)
                         t_window, tok_window = now, 0
-                        scal = {"train/loss": float(loss.detach()), "train/lr": self.scheduler.get_last_lr()[0],
+                        lrs = self.scheduler.get_last_lr()
+                        scal = {"train/loss": float(loss.detach()), "train/lr": lrs[0],
+                                **({"train/lr_target": lrs[1]} if len(lrs) > 1 else {}),
                                 "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
                                 **{f"train/{k}": v for k, v in metrics.items()}}
                         self._log_scalars(scal)
@@ -263,7 +268,7 @@ class Trainer:
                         ev = self.evaluate_held_out()
                         if ev:
                             self.held_out_last = ev
-                            self._log_scalars(ev)
+                            self._log_scalars({k: v for k, v in ev.items() if k != "step"})
                             self.log(f"step {self.step}: held-out " + _summary(ev))
                     if self.step % spec.checkpoint_every == 0:
                         self.save_checkpoint()
@@ -281,6 +286,12 @@ class Trainer:
         dt = time.time() - t_start
         self.log(f"train: {self.step} steps, {tokens_seen} tokens in {dt:.1f}s "
                  f"({tokens_seen / max(dt, 1e-9):.0f} drafter tokens/s)")
+        if self.held_out_last.get("step") != self.step:  # stopped early (max_minutes) or resumed at the end
+            ev = self.evaluate_held_out()
+            if ev:
+                self.held_out_last = ev
+                self._log_scalars({k: v for k, v in ev.items() if k != "step"})
+                self.log(f"step {self.step}: held-out " + _summary(ev))
         self.save_checkpoint()
         final = self.output_dir / "final"
         card = model_card(self.model, self.recipe, self.step, tokens_seen, dt, self.held_out_before,
@@ -310,12 +321,14 @@ def model_card(drafter, recipe, steps: int, tokens: int, seconds: float, before:
              f"Trained by speculators from `recipe.yaml` (in this directory): {steps} steps, {tokens} tokens, "
              f"{seconds / 60:.1f} min.", ""]
     if drafter.trains_target:
+        from .drafters.joint import ADAPTER_DIR
+
         lines += ["Joint run: the target was fine-tuned with LoRA together with the drafter. The adapter is in "
-                  "`target_adapter/`; `speculators eval` merges it into the base target and verifies against the "
+                  f"`{ADAPTER_DIR}/`; `speculators eval` merges it into the base target and verifies against the "
                   "fine-tuned model, which is also the model to serve with this drafter.", ""]
     if after:
         lines += ["| held-out metric | before training | after training |", "|---|---|---|"]
-        for k in sorted(after):
+        for k in sorted(k for k in after if k != "step"):
             name = k.replace("held_out/", "")
             b = before.get(k)
             lines.append(f"| {name} | {'-' if b is None else f'{b:.4f}'} | {after[k]:.4f} |")

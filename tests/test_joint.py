@@ -10,7 +10,6 @@ rates; resume restores the adapter exactly; the CLI writes the adapter and the p
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -79,6 +78,10 @@ def test_configs_accept_joint_and_validate_the_target_section():
             cls(algorithm=algo, joint=True, joint_target={"lora_rank": 4})
         with pytest.raises(ValueError, match="lora_dropout"):
             cls(algorithm=algo, joint=True, joint_target={"lora_dropout": 1.5})
+        with pytest.raises(ValueError, match=r"\['lm_head'\] cannot be adapted"):
+            cls(algorithm=algo, joint=True, joint_target={"lora_modules": ["q_proj", "lm_head"]})
+        with pytest.raises(ValueError, match="joint_target is only read with drafter.joint: true"):
+            cls(algorithm=algo, joint_target={"lora_r": 4})
     mtp = registry.get("mtp").config_class
     assert mtp(algorithm="mtp").loss_lambda == 1.0  # frozen: the MTP loss is the only loss
     assert mtp(algorithm="mtp", joint=True).loss_lambda == 0.3  # DeepSeek-V3's lambda
@@ -108,7 +111,9 @@ def test_live_target_equals_cached_features_before_any_update(algorithm):
     real = batch.attention_mask
     torch.testing.assert_close(live.top[real], batch.top[real], atol=1e-5, rtol=1e-5)
     assert torch.equal(live.argmax[real], batch.argmax[real])
-    assert metrics["ppl"] == pytest.approx(math.exp(metrics["lm_loss"]), rel=1e-6)
+    n_labels = int((batch.loss_mask[:, 1:] & real[:, 1:]).sum())  # assistant tokens x_{t+1}, t >= 0
+    assert metrics["lm_tokens"] == n_labels
+    assert metrics["lm_loss"] == pytest.approx(metrics["lm_nll_sum"] / n_labels, rel=1e-6)
     # once the adapters move, the live features do too
     perturb_lora(d)
     with torch.no_grad():
@@ -141,9 +146,15 @@ def test_joint_loss_is_the_weighted_sum(algorithm, weight):
     perturb_lora(d)
     total, metrics = d.training_loss(batch)
     live, lm_loss, _ = d.joint_target(batch)
-    own, _ = d.loss(live)
+    own, m = d.loss(live)
     assert d.joint_loss_weight == weight
     torch.testing.assert_close(total, 0.7 * lm_loss + weight * own)
+    per = [m[f"loss_{j}"] for j in range(len([k for k in m if k.startswith("loss_")]))]
+    own = own.detach()
+    if algorithm == "medusa":  # Medusa-2: 0.2 * sum_k 0.8^(k-1) CE_k
+        assert float(own) == pytest.approx(sum(0.8 ** j * x for j, x in enumerate(per)), rel=1e-5)
+    else:  # joint MTP: lambda = 0.3 (DeepSeek-V3) times the mean over modules
+        assert float(own) == pytest.approx(0.3 * sum(per) / len(per), rel=1e-5)
     assert metrics["drafter_loss"] == pytest.approx(float(own), rel=1e-5)
     assert metrics["lm_loss"] == pytest.approx(float(lm_loss), rel=1e-5)
 
@@ -166,6 +177,18 @@ def test_gradients_reach_the_adapters_and_the_drafter_not_the_frozen_weights(alg
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])
     frozen = [p for n, p in d.joint_target.peft.named_parameters() if "lora_" not in n]
     assert frozen and all(p.grad is None and not p.requires_grad for p in frozen)
+    assert joint_drafter(fresh_target(), algorithm).param_groups(1e-3)[1]["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("algorithm", sorted(FAMILIES))
+def test_the_drafter_loss_alone_trains_the_target(algorithm):
+    # lm_weight 0: any adapter gradient comes through the live hidden states the drafter reads
+    t = fresh_target()
+    d = joint_drafter(t, algorithm, joint_target={"lm_weight": 0.0})
+    loss, _ = d.training_loss(sample_batch(t))
+    loss.backward()
+    b_grads = [p.grad for n, p in d.joint_target.peft.named_parameters() if "lora_B" in n]
+    assert any(g is not None and g.abs().sum() > 0 for g in b_grads)
 
 
 def test_state_dict_excludes_the_target_and_resume_restores_the_adapter(tmp_path):
@@ -225,6 +248,10 @@ def test_init_from_checks_the_family(tmp_path):
         d.init_from_checkpoint(tmp_path / "medusa")
     with pytest.raises(SpeculatorsError, match="train.init_from"):
         d.init_from_checkpoint(tmp_path / "nowhere")
+    other = joint_drafter(fresh_target(seed=7), "mtp")  # same shapes, another target
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(SpeculatorsError, match="trained for another target"):
+        d.init_from_checkpoint(tmp_path / "other")
     # a frozen-target MTP checkpoint initialises a joint one (the adapters stay fresh)
     frozen_cfg = registry.get("mtp").config_class(algorithm="mtp", num_modules=2)
     frozen = registry.get("mtp").from_target(frozen_cfg, fresh_target(), DraftVocab.full(V))
@@ -254,20 +281,43 @@ def test_cli_joint_train_then_eval_against_the_fine_tuned_target(recipe, tmp_pat
     final = out / "final"
     assert (final / "target_adapter" / "adapter_config.json").is_file()
     card = (final / "README.md").read_text()
-    assert "Target held-out perplexity:" in card and "target_adapter/" in card
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    before = [x for x in log if "held_out_before/ppl" in x]
-    after = [x for x in log if "held_out/ppl" in x]
-    assert len(before) == 1 and after and before[0]["held_out_before/ppl"] > 1.0
-    assert any("train/lm_loss" in x for x in log)
+    before = [x["held_out_before/ppl"] for x in log if "held_out_before/ppl" in x]
+    after = [x["held_out/ppl"] for x in log if "held_out/ppl" in x]
+    assert len(before) == 1 and after and before[0] > 1.0
+    assert f"Target held-out perplexity: {before[0]:.4f} -> {after[-1]:.4f}" in card and "target_adapter/" in card
+    assert any("train/lm_loss" in x for x in log) and any("train/lr_target" in x for x in log)
+    cfg = json.loads((final / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["lora_adapter"] == "target_adapter"
     # the adapter moved the target: eval must verify against the merged model, and stay lossless
     base = Target.load(str(tiny_target_dir), log=lambda *_: None)
     base_fp = base.fingerprint
     Drafter.from_pretrained(final).prepare_target(base, log=lambda *_: None)
-    assert base.fingerprint != base_fp
+    merged_fp = base.fingerprint
+    assert merged_fp != base_fp
     r = runner.invoke(app, ["eval", str(out), "--temperature", "0", "-k", "2", "--num-prompts", "2",
                             "--max-new-tokens", "10"])
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     assert "merged the jointly trained LoRA adapter" in r.output
     rep = json.loads((out / "eval-k2-t0" / "report.json").read_text())
     assert rep["greedy_mismatches"] == []
+    assert rep["target"]["fingerprint"] == merged_fp  # eval verified against the fine-tuned target
+    # resume from the step-2 checkpoint of a copy: the card keeps the perplexity measured before step 1
+    import shutil
+
+    res = tmp_path / "resumed"
+    shutil.copytree(out, res)
+    shutil.rmtree(res / "final")
+    r = runner.invoke(app, ["train", str(ROOT / "recipes" / recipe), f"target.model={tiny_target_dir}",
+                            "drafter.joint=true", "drafter.joint_target.lr=0.02", "train.steps=2",
+                            "-o", str(res), "--resume"])
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    assert "step 0: held-out" not in r.output
+    assert f"Target held-out perplexity: {before[0]:.4f} ->" in (res / "final" / "README.md").read_text()
+
+
+def test_cli_joint_needs_held_out_prompts(tmp_path, isolated_cache, tiny_target_dir):
+    r = CliRunner().invoke(app, ["train", str(ROOT / "recipes" / "tiny-mtp.yaml"), f"target.model={tiny_target_dir}",
+                                 "drafter.joint=true", "data.held_out.fraction=0", "-o", str(tmp_path / "run")])
+    assert r.exit_code == 2 and "data.held_out.fraction" in r.output, r.output
+    assert not (tmp_path / "run").exists()

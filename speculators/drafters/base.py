@@ -254,13 +254,14 @@ class Drafter(nn.Module):
         if self.trains_target and getattr(self, "joint_target", None) is None:
             from .joint import JointTarget
 
-            self.joint_target = JointTarget(target.model, self.cfg.joint_target)
+            self.joint_target = JointTarget(target, self.cfg.joint_target)
 
     def training_loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         """What the trainer minimises: :meth:`loss`, or in joint mode
         ``lm_weight * L_LM + joint_loss_weight * loss(batch')`` where ``batch'`` carries the live
         (adapted) target's top hidden states and argmax (:class:`~.joint.JointTarget`). Joint metrics
-        add ``lm_loss``, ``ppl`` (held-out: the target's perplexity) and ``drafter_loss``."""
+        add ``lm_loss``, ``lm_nll_sum``, ``lm_tokens`` (the trainer turns these into the target's
+        held-out perplexity) and ``drafter_loss``."""
         jt = getattr(self, "joint_target", None)
         if jt is None:
             return self.loss(batch)
@@ -271,12 +272,12 @@ class Drafter(nn.Module):
 
     def param_groups(self, lr: float) -> list[dict[str, Any]]:
         """Optimizer parameter groups: the drafter's trainable parameters at ``lr`` and, in joint mode,
-        the target's LoRA parameters at ``joint_target.lr`` (default ``lr``)."""
+        the target's LoRA parameters at ``joint_target.lr`` (default ``0.1 * lr``)."""
         own = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("joint_target.")]
         groups = [{"params": own, "lr": lr}]
         jt = getattr(self, "joint_target", None)
         if jt is not None:
-            groups.append({"params": jt.lora_parameters(), "lr": self.cfg.joint_target.lr or lr})
+            groups.append({"params": jt.lora_parameters(), "lr": self.cfg.joint_target.lr or 0.1 * lr})
         return groups
 
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
@@ -311,20 +312,28 @@ class Drafter(nn.Module):
     def init_from_checkpoint(self, path: str | Path) -> None:
         """Initialise the drafter's weights from another checkpoint of the same family and shapes
         (``train.init_from``: e.g. joint training started from a frozen-target run). The target
-        adapter, optimizer and schedule are not taken over.
+        adapter, optimizer and schedule are not taken over. A relative path is relative to the
+        current working directory.
 
         Raises:
-            SpeculatorsError: not a checkpoint, another family, or weights that do not fit.
+            SpeculatorsError: not a checkpoint, another family, another target (fingerprint), or
+                weights that do not fit.
         """
         path = Path(path)
         cfg_file = path / CONFIG_NAME
         if not cfg_file.is_file() or not (path / WEIGHTS_NAME).is_file():
             raise SpeculatorsError(f"train.init_from: {str(path)!r} is not a drafter checkpoint "
                                    f"(needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        algo = json.loads(cfg_file.read_text()).get(TRAINING_KEY, {}).get("drafter", {}).get("algorithm")
+        block = json.loads(cfg_file.read_text()).get(TRAINING_KEY, {})
+        algo = block.get("drafter", {}).get("algorithm")
         if algo != self.algorithm:
             raise SpeculatorsError(f"train.init_from: {path} is a {algo!r} checkpoint; this recipe trains "
                                    f"{self.algorithm!r}")
+        fp = block.get("target", {}).get("fingerprint")
+        if fp != self.meta.get("fingerprint"):
+            raise SpeculatorsError(f"train.init_from: {path} was trained for another target "
+                                   f"({block.get('target', {}).get('name_or_path')!r}, fingerprint {fp}); "
+                                   f"this recipe's target has fingerprint {self.meta.get('fingerprint')}")
         self.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
 
     # ---------------------------------------------------------------- inference
@@ -408,6 +417,8 @@ class Drafter(nn.Module):
         cfg[TRAINING_KEY] = {"drafter": self.cfg.model_dump(), "target": self.meta}
         if jt is not None:
             cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
+            if "speculators_config" in cfg:  # the verifier is the base model with this adapter merged
+                cfg["speculators_config"]["verifier"]["lora_adapter"] = ADAPTER_DIR
         with atomic_dir(path, overwrite=overwrite) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
             save_file(self.export_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})

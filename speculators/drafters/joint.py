@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from ..errors import SpeculatorsError
@@ -36,6 +36,8 @@ from .layers import shift_left
 ADAPTER_DIR = "target_adapter"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LLAMA_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# shared with the drafters (frozen copies / the frozen head they draft through): never adapted
+FROZEN_MODULES = {"lm_head", "embed_tokens", "norm"}
 
 
 class JointTargetConfig(BaseModel):
@@ -45,8 +47,8 @@ class JointTargetConfig(BaseModel):
         lora_r, lora_alpha, lora_dropout: LoRA rank, scale numerator (scale = alpha / r) and dropout.
         lora_modules: names of the target's linear layers that get adapters (Llama names by default;
             the embedding, final norm and lm_head stay frozen, so drafters that share them stay exact).
-        lr: learning rate of the LoRA parameters; ``None`` = ``train.lr`` (the drafter's own parameters
-            always use ``train.lr``: Medusa-2's "separate learning rate for the heads").
+        lr: learning rate of the LoRA parameters; ``None`` = ``0.1 * train.lr`` (the drafter's own
+            parameters use ``train.lr``: Medusa-2 trains its heads faster than the backbone).
         lm_weight: weight of the target's LM loss (cross entropy of the next assistant token).
     """
 
@@ -59,6 +61,15 @@ class JointTargetConfig(BaseModel):
     lr: float | None = Field(default=None, gt=0.0)
     lm_weight: float = Field(default=1.0, ge=0.0)
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _not_shared(cls, v: list[str]) -> list[str]:
+        bad = sorted(set(v) & FROZEN_MODULES)
+        if bad:
+            raise ValueError(f"{bad} cannot be adapted: the drafter shares these target modules frozen "
+                             f"(choose among the attention/MLP projections, e.g. {LLAMA_LORA_MODULES})")
+        return v
+
 
 class JointConfig(BaseModel):
     """Mixin for the ``drafter:`` config of a family that supports joint training."""
@@ -66,24 +77,33 @@ class JointConfig(BaseModel):
     joint: bool = Field(default=False, description="also fine-tune the target with LoRA (joint loss)")
     joint_target: JointTargetConfig = Field(default_factory=JointTargetConfig)
 
+    @model_validator(mode="after")
+    def _joint_keys_need_joint(self):
+        if not self.joint and "joint_target" in self.model_fields_set:
+            raise ValueError("drafter.joint_target is only read with drafter.joint: true")
+        return self
+
 
 class JointTarget(nn.Module):
     """The target's causal LM with LoRA adapters, run inside the training step.
 
     Args:
-        model: the target's transformers ``*ForCausalLM`` (``Target.model``). LoRA layers are injected
-            IN PLACE by peft; they start as the identity (B = 0), so before the first update the
-            forward equals the frozen target's.
+        target: the :class:`speculators.target.Target`. LoRA layers are injected IN PLACE into
+            ``target.model`` by peft; they start as the identity (B = 0), so before the first update
+            the forward equals the frozen target's.
         cfg: :class:`JointTargetConfig`.
     Raises:
-        SpeculatorsError: none of ``cfg.lora_modules`` exists in the model.
+        SpeculatorsError: a name of ``cfg.lora_modules`` does not exist in the model, or peft cannot
+            adapt it.
     """
 
-    def __init__(self, model: nn.Module, cfg: JointTargetConfig):
+    def __init__(self, target, cfg: JointTargetConfig):
         super().__init__()
         from peft import LoraConfig, get_peft_model
 
         self.cfg = cfg
+        object.__setattr__(self, "_target", target)  # not a submodule: self.peft holds the weights
+        model = target.model
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         missing = [m for m in cfg.lora_modules if m not in names]
         if missing:
@@ -91,7 +111,11 @@ class JointTarget(nn.Module):
                                    f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})")
         lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=list(cfg.lora_modules), bias="none")
-        self.peft = get_peft_model(model, lcfg)
+        try:
+            self.peft = get_peft_model(model, lcfg)
+        except (ValueError, TypeError) as e:
+            raise SpeculatorsError(f"drafter.joint_target.lora_modules: peft cannot adapt "
+                                   f"{cfg.lora_modules}: {e}") from None
 
     def lora_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft.parameters() if p.requires_grad]
@@ -106,24 +130,26 @@ class JointTarget(nn.Module):
             ``(batch', lm_loss, metrics)``: ``batch'`` is ``batch`` with ``top [B, T, H]`` (float32,
             with gradients) and ``argmax [B, T]`` replaced by the live target's; ``lm_loss`` is the mean
             cross entropy of the target's logits at ``t`` against ``x_{t+1}`` over the assistant tokens
-            ``x_{t+1}``; metrics ``lm_loss`` and ``ppl = exp(lm_loss)``.
+            ``x_{t+1}``; metrics ``lm_loss``, ``lm_nll_sum`` and ``lm_tokens`` (summed NLL and token
+            count: a held-out perplexity is ``exp(sum nll / sum tokens)`` over all batches).
         """
-        causal_lm = self.peft.get_base_model()
+        target = self._target
         att = batch.attention_mask
-        out = causal_lm.model(input_ids=batch.input_ids, attention_mask=att.long(), use_cache=False)
-        top = out.last_hidden_state  # [B, T, H] after the final norm
-        logits = causal_lm.lm_head(top[att])  # [N, V] at the real positions (argmax needs all of them)
+        top = target.top_hidden(batch.input_ids, att)  # [B, T, H] after the final norm, with gradients
         argmax = torch.zeros_like(batch.input_ids)
-        argmax[att] = logits.detach().argmax(-1)
-        label_pos = shift_left(batch.loss_mask & att, 1)[att]  # [N]: x_{t+1} is an assistant token
-        labels = shift_left(batch.input_ids, 1)[att][label_pos]
+        with torch.no_grad():  # the greedy token at every real position (metrics), no graph
+            argmax[att] = target.lm_head(top.detach()[att]).argmax(-1)
+        label_pos = shift_left(batch.loss_mask & att, 1)  # [B, T]: x_{t+1} is an assistant token
+        labels = shift_left(batch.input_ids, 1)[label_pos]
         if labels.numel():
-            lm_loss = F.cross_entropy(logits[label_pos].float(), labels)
+            nll = F.cross_entropy(target.lm_head(top[label_pos]).float(), labels, reduction="sum")
         else:
-            lm_loss = top.sum() * 0.0
+            nll = top.sum() * 0.0
+        n = max(int(labels.numel()), 1)
+        lm_loss = nll / n
         new = dataclasses.replace(batch, top=top.float(), argmax=argmax)
-        ll = lm_loss.detach()
-        return new, lm_loss, {"lm_loss": float(ll), "ppl": float(torch.exp(ll))}
+        return new, lm_loss, {"lm_loss": float(lm_loss.detach()), "lm_nll_sum": float(nll.detach()),
+                              "lm_tokens": float(labels.numel())}
 
     def save_adapter(self, directory: Path) -> None:
         """Write peft's ``adapter_config.json`` + ``adapter_model.safetensors`` into ``directory``."""
@@ -141,7 +167,11 @@ class JointTarget(nn.Module):
         f = Path(directory) / ADAPTER_WEIGHTS
         if not f.is_file():
             raise SpeculatorsError(f"{f}: missing; the checkpoint has no target adapter to resume from")
-        set_peft_model_state_dict(self.peft, load_file(str(f)))
+        result = set_peft_model_state_dict(self.peft, load_file(str(f)))
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise SpeculatorsError(f"{f}: adapter weights do not match this run's LoRA config "
+                                   f"(unexpected {unexpected[:3]})")
 
 
 def merge_adapter(target, directory: Path) -> None:

@@ -81,9 +81,11 @@ class _Scratch:
         if target_logits.device.type == "cpu":
             self.logits = cpu_buffer("scratch.logits", self.rows, vocab)
             self.probs = cpu_buffer("scratch.probs", self.rows, vocab)
+            self.rejected = cpu_buffer("scratch.rejected", self.rows, vocab)
         else:
             self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=target_logits.device)
             self.probs = torch.empty(self.rows, vocab, dtype=torch.float32, device=target_logits.device)
+            self.rejected = torch.empty(self.rows, vocab, dtype=torch.float32, device=target_logits.device)
 
     def gather_rows(self, target_logits: Tensor, rows: Tensor) -> Tensor:
         if not self.direct:
@@ -284,11 +286,18 @@ def probs_at_drafts(
                     else:
                         rej.append(i)
                 if presample and rej:
-                    if z is not None:
-                        e.div_(z.unsqueeze(1))  # normalise in place: p
-                    sel = None if len(rej) == len(reqs) else torch.tensor(rej, dtype=torch.int64, device=device)
+                    # normalise only the rejected rows (p = e / z), packed into their own buffer
+                    if len(rej) == len(reqs):
+                        p_rej = e.div_(z.unsqueeze(1)) if z is not None else e
+                    else:
+                        p_rej = ev.scratch.rejected[: len(rej)]
+                        for k, i in enumerate(rej):
+                            if z is not None:
+                                torch.div(e[i], z[i], out=p_rej[k])
+                            else:
+                                p_rej[k].copy_(e[i])
                     r_reqs = [reqs[i] for i in rej]
-                    toks = sampler(e, sel, r_reqs, [pos[i] for i in rej]).tolist()
+                    toks = sampler(p_rej, None, r_reqs, [pos[i] for i in rej]).tolist()
                     for i, b, t in zip(rej, r_reqs, toks):
                         sampled_row[b] = rows[i]
                         sampled_tok[b] = t

@@ -123,8 +123,13 @@ def _search(w: Tensor, scale: float, u: list[float], block: int) -> list[int | N
         before = cum[b - 1] if b else 0.0
         blk.append(b), ks.append(x - before), qbs.append(cum[b] - before)
     idx = torch.tensor(blk, dtype=torch.int64, device=w.device)
-    chosen = w.view(rows, -1, block)[torch.arange(rows, device=w.device), idx]  # [S, block] float32
-    cum_in = chosen.double().mul_(scale).floor_().cumsum_(dim=-1)  # exact integers
+    nb = w.shape[1] // block
+    flat = torch.arange(rows, device=w.device).mul_(nb).add_(idx)
+    chosen = torch.index_select(w.view(rows * nb, block), 0, flat,
+                                out=_buffer("sample.chosen", rows, block, w))  # [S, block] float32
+    cum_in = _buffer("sample.cum", rows, block, w, torch.float64)
+    cum_in.copy_(chosen)
+    cum_in.mul_(scale).floor_().cumsum_(dim=-1)  # exact integers
     big_w = cum_in[:, -1].tolist()
     ys = [min(math.floor(k / qb * wb), wb - 1.0) if wb > 0 else -1.0 for k, qb, wb in zip(ks, qbs, big_w)]
     t_in = torch.searchsorted(cum_in, torch.tensor(ys, dtype=torch.float64, device=w.device).unsqueeze(1), right=True)
@@ -184,16 +189,18 @@ def _sample_chunk(
     lo, hi = min(pos_l), max(pos_l)
     restore = None
     if draft_probs is not None and hi >= 0:
-        # w = q - p = -(p - q) exactly; clamped at 0 it is -r.
+        # w = q - p = -(p - q) exactly; clamped at 0 it is -r. One fused pass per row (no gathered copies).
         w_full = _buffer("sample.w", rows, width, p)
         if width > vocab:
             w_full[:, vocab:] = 0.0
         w = w_full[:, :vocab]
-        torch.index_select(draft_probs, 0, pos.clamp_min(0) if lo < 0 else pos, out=w)
-        if lo < 0:
-            w.index_fill_(0, (pos < 0).nonzero().squeeze(1), 0.0)  # bonus rows: r = p - 0
-        p_rows = p if sel is None else torch.index_select(p, 0, sel, out=_buffer("sample.p", rows, vocab, p))
-        w.sub_(p_rows).clamp_max_(0.0)
+        src = range(rows) if sel is None else sel.tolist()
+        for k, (i, j) in enumerate(zip(src, pos_l)):
+            if j >= 0:
+                torch.sub(draft_probs[j], p[i], out=w[k])
+            else:  # bonus row: r = p - 0
+                torch.neg(p[i], out=w[k])
+        w.clamp_max_(0.0)
         scale = -SAMPLE_SCALE
     else:
         scale = SAMPLE_SCALE
