@@ -6,7 +6,8 @@ Usage:
     python scripts/compare_families.py --no-train           # only evaluate runs that exist
 
 For each recipe the run directory is ``outputs/<recipe name>``; an existing ``final/`` is reused
-(delete it or pass ``--retrain`` to train again). A recipe whose ``train.init_from`` is another
+(delete it or pass ``--retrain`` to train again), and so is an existing evaluation
+``outputs/<recipe name>/compare-k<K>/report.json`` of that checkpoint (``--reeval`` measures again). A recipe whose ``train.init_from`` is another
 recipe's run (``outputs/<name>/final``, e.g. joint MTP after frozen MTP) runs after it. Every recipe of
 one target shares the held-out split (same sources, fraction and seed), so the rows are comparable.
 The Markdown table (tau, per-position acceptance, speedup over plain decoding, n-gram tau, training
@@ -69,6 +70,7 @@ def main() -> int:
     ap.add_argument("recipes", nargs="*", type=Path)
     ap.add_argument("--no-train", action="store_true", help="only evaluate existing runs")
     ap.add_argument("--retrain", action="store_true", help="train again even if final/ exists")
+    ap.add_argument("--reeval", action="store_true", help="evaluate again even if a report exists")
     ap.add_argument("-k", type=int, default=4)
     args = ap.parse_args()
     recipes = ordered(args.recipes or [p for p in (ROOT / "recipes").glob("smollm2-*.yaml") if "large" not in p.name])
@@ -83,7 +85,10 @@ def main() -> int:
             secs = run([exe, "train", str(recipe), "--output-dir", str(run_dir), "--overwrite"])
             (run_dir / "train_seconds.json").write_text(json.dumps({"seconds": secs}))
         out = run_dir / f"compare-k{args.k}"
-        run([exe, "eval", str(run_dir), "-k", str(args.k), "--output", str(out)])
+        fresh = (out / "report.json").is_file() and \
+            (out / "report.json").stat().st_mtime > (run_dir / "final" / "model.safetensors").stat().st_mtime
+        if args.reeval or args.retrain or not fresh:
+            run([exe, "eval", str(run_dir), "-k", str(args.k), "--output", str(out)])
         rep = json.loads((out / "report.json").read_text())
         rows.append((recipe.stem, rep, train_seconds(run_dir)))
     if not rows:
