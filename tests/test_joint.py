@@ -82,6 +82,9 @@ def test_configs_accept_joint_and_validate_the_target_section():
             cls(algorithm=algo, joint=True, joint_target={"lora_modules": ["q_proj", "lm_head"]})
         with pytest.raises(ValueError, match="joint_target is only read with drafter.joint: true"):
             cls(algorithm=algo, joint_target={"lora_r": 4})
+        # a frozen config's dump (what a checkpoint and a resolved recipe store) validates again
+        frozen = cls(algorithm=algo)
+        assert cls.model_validate(frozen.model_dump()) == frozen
     mtp = registry.get("mtp").config_class
     assert mtp(algorithm="mtp").loss_lambda == 1.0  # frozen: the MTP loss is the only loss
     assert mtp(algorithm="mtp", joint=True).loss_lambda == 0.3  # DeepSeek-V3's lambda

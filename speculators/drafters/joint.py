@@ -79,7 +79,8 @@ class JointConfig(BaseModel):
 
     @model_validator(mode="after")
     def _joint_keys_need_joint(self):
-        if not self.joint and "joint_target" in self.model_fields_set:
+        # a non-default joint_target without joint is a mistake; the default (written by every dump) is not
+        if not self.joint and self.joint_target != JointTargetConfig():
             raise ValueError("drafter.joint_target is only read with drafter.joint: true")
         return self
 
