@@ -77,3 +77,21 @@ def isolated_cache(tmp_path, monkeypatch):
     """Point the speculators cache (regenerations, features, converted targets) at a temp dir."""
     monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+def batch_for(target, ids, loss_mask=None, lengths=None):
+    """A training :class:`~speculators.data.dataset.Batch` for ``ids [B, T]`` built from ``target``'s own
+    features (argmax, aux, top) exactly as the feature cache stores them; ``loss_mask [B, T]`` (default
+    all True) and per-row ``lengths`` (default T, right-padded by ``collate``). Returns ``(batch, features)``."""
+    import torch
+
+    from speculators.data.dataset import collate
+
+    f = target.features(ids, with_logits=True)
+    rows = []
+    for i in range(ids.shape[0]):
+        n = ids.shape[1] if lengths is None else lengths[i]
+        m = torch.ones(ids.shape[1], dtype=torch.bool) if loss_mask is None else loss_mask[i]
+        rows.append({"input_ids": ids[i, :n], "loss_mask": m[:n], "argmax": f.logits[i, :n].argmax(-1),
+                     "aux": f.aux[i, :n], "top": f.top[i, :n]})
+    return collate(rows), f

@@ -12,7 +12,6 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 import speculators.drafters.eagle  # noqa: F401  (registers "eagle")
-from speculators.data.dataset import collate
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
 from speculators.generate import (
@@ -22,6 +21,7 @@ from speculators.generate import (
     speculative_decode,
 )
 from speculators.target import build_tiny_target
+from conftest import batch_for
 
 V = 96
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle1.yaml"
@@ -42,16 +42,6 @@ def make_drafter(target, seed=0, **kw):
                 p.normal_(0, 0.2)
     return d
 
-
-def batch_for(target, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, lengths=None):
-    f = target.features(ids, with_logits=True)
-    rows = []
-    for i in range(ids.shape[0]):
-        n = ids.shape[1] if lengths is None else lengths[i]
-        m = torch.ones(ids.shape[1], dtype=torch.bool) if loss_mask is None else loss_mask[i]
-        rows.append({"input_ids": ids[i, :n], "loss_mask": m[:n], "argmax": f.logits[i, :n].argmax(-1),
-                     "aux": f.aux[i, :n], "top": f.top[i, :n]})
-    return collate(rows), f
 
 
 def inference_features(d, target, seq: torch.Tensor) -> torch.Tensor:

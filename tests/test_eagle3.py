@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from speculators.data.dataset import collate
 from speculators.drafters import DraftVocab, Drafter, registry
 from speculators.generate import NGramProposer, Sampling, plain_decode, speculative_decode
 from speculators.target import build_tiny_target
+from conftest import batch_for
 
 V = 96
 
@@ -33,15 +33,6 @@ def make_drafter(target, ttt_steps=3, vocab_size=None, seed=0, **kw):
                 p.normal_(0, 0.2)
     return d
 
-
-def batch_for(target, ids: torch.Tensor, loss_mask: torch.Tensor | None = None):
-    f = target.features(ids, with_logits=True)
-    rows = []
-    for i in range(ids.shape[0]):
-        rows.append({"input_ids": ids[i], "loss_mask": torch.ones(ids.shape[1], dtype=torch.bool)
-                     if loss_mask is None else loss_mask[i], "argmax": f.logits[i].argmax(-1),
-                     "aux": f.aux[i], "top": f.top[i]})
-    return collate(rows), f
 
 
 def capture_step_logits(drafter, batch):

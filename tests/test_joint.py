@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 import speculators.drafters.medusa  # noqa: F401  (registers the families)
 import speculators.drafters.mtp  # noqa: F401
 from speculators.cli import app
-from speculators.data.dataset import collate
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
 from speculators.target import Target, build_tiny_target
+from conftest import batch_for
 
 V = 96
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,12 +43,6 @@ def joint_drafter(target, algorithm: str, **kw):
     return d
 
 
-def batch_for(target, ids: torch.Tensor, loss_mask: torch.Tensor):
-    f = target.features(ids, with_logits=True)
-    rows = [{"input_ids": ids[i], "loss_mask": loss_mask[i], "argmax": f.logits[i].argmax(-1),
-             "aux": f.aux[i], "top": f.top[i]} for i in range(ids.shape[0])]
-    return collate(rows)
-
 
 def sample_batch(target, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +50,7 @@ def sample_batch(target, seed: int = 0):
     mask = torch.zeros(2, 14, dtype=torch.bool)
     mask[0, 5:] = True
     mask[1, 8:] = True
-    return batch_for(target, ids, mask)
+    return batch_for(target, ids, mask)[0]
 
 
 def perturb_lora(d, scale=0.3, seed=0):

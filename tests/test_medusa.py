@@ -18,6 +18,7 @@ from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
 from speculators.generate import Sampling, plain_decode, speculative_decode
 from speculators.target import build_tiny_target
+from conftest import batch_for
 
 V = 96
 K = 4
@@ -44,13 +45,6 @@ def make_drafter(target, vocab_size=None, seed=0, randomize=True, **kw):
                     p.add_(torch.randn_like(p) * 0.3)
     return d
 
-
-def batch_for(target, ids: torch.Tensor, loss_mask: torch.Tensor | None = None):
-    f = target.features(ids, with_logits=True)
-    rows = [{"input_ids": ids[i], "loss_mask": torch.ones(ids.shape[1], dtype=torch.bool)
-             if loss_mask is None else loss_mask[i], "argmax": f.logits[i].argmax(-1),
-             "aux": f.aux[i], "top": f.top[i]} for i in range(ids.shape[0])]
-    return collate(rows), f
 
 
 def capture_head_logits(drafter, batch):

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 import speculators.drafters.mtp  # noqa: F401  (registers "mtp")
 from speculators.cli import app
-from speculators.data.dataset import collate
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.generate import Sampling, plain_decode, speculative_decode
 from speculators.target import build_tiny_target
+from conftest import batch_for
 
 V = 96
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-mtp.yaml"
@@ -38,13 +38,6 @@ def make_drafter(target, num_modules=3, seed=0, **kw):
                 p.normal_(0, 0.2)
     return d
 
-
-def batch_for(target, ids: torch.Tensor, loss_mask: torch.Tensor | None = None):
-    f = target.features(ids, with_logits=True)
-    rows = [{"input_ids": ids[i], "loss_mask": torch.ones(ids.shape[1], dtype=torch.bool)
-             if loss_mask is None else loss_mask[i], "argmax": f.logits[i].argmax(-1),
-             "aux": f.aux[i], "top": f.top[i]} for i in range(ids.shape[0])]
-    return collate(rows), f
 
 
 def module_logits(d, batch):
