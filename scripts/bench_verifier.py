@@ -201,7 +201,8 @@ def _bench_one(args, device, impls, ids, nums, q, logits, temp) -> dict:
     vocab = logits.shape[1]
     sp = SamplingParams.uniform(len(nums), temperature=temp, top_k=args.top_k, top_p=args.top_p, device=device)
     res = {"rng": _time(lambda: draw_randoms(nums, vocab, sp, device=device), device, args.repeats, 5.0)}
-    randoms = draw_randoms(nums, vocab, sp, device=device)
+    # Fixed seed: every run (and every implementation) sees the same accept decisions and acceptance.
+    randoms = draw_randoms(nums, vocab, sp, torch.Generator(device=device).manual_seed(1), device=device)
     for impl in impls:
         fn = lambda impl=impl: rejection_sample(  # noqa: E731
             ids, nums, q, logits, sp, impl=impl, validate=args.validate, randoms=randoms

@@ -22,6 +22,7 @@ from speculators.verify import (
     torch_impl,
 )
 from speculators.verify.rejection import _sample_row
+from speculators.verify.sampling import ARGMAX_BLOCK, first_argmax
 from speculators.verify.testing import (
     assert_distribution,
     chi2_check,
@@ -36,6 +37,18 @@ V_SMALL = 12
 # --------------------------------------------------------------------------------------------------
 # apply_sampling
 # --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_BLOCK, ARGMAX_BLOCK + 1, 3 * ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 17])
+def test_first_argmax_equals_argmax_including_ties(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen)
+    ties = torch.randint(0, 3, (6, vocab), generator=gen).float()  # many tied maxima per row and per block
+    ties[1, -1] = 5.0  # the maximum alone in the tail (or last) block
+    ties[2] = -float("inf")
+    ties[3, vocab // 2] = -float("inf")
+    for t in (x, ties, x[::2], torch.cat([x, x], 1)[:, vocab:]):  # strided and offset views read in place
+        assert torch.equal(first_argmax(t), t.argmax(dim=-1))
 
 
 def test_apply_sampling_temperature_and_greedy():
@@ -102,12 +115,13 @@ def _greedy_batch(gen, nums, vocab, match=0.7):
 
 @pytest.mark.parametrize("impl", ["torch", "reference"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_equals_argmax_chain(impl, seed, evaluation_order):
+@pytest.mark.parametrize("vocab", [50, 2 * ARGMAX_BLOCK + 3])  # one block; several blocks and a tail
+def test_greedy_equals_argmax_chain(impl, seed, vocab, evaluation_order):
     gen = torch.Generator().manual_seed(seed)
     nums = torch.randint(0, 7, (24,), generator=gen).tolist()
     nums[0], nums[5] = 0, 6
-    ids, target = _greedy_batch(gen, nums, 50)
-    draft_probs = torch.softmax(torch.randn(sum(nums), 50, generator=gen), -1)
+    ids, target = _greedy_batch(gen, nums, vocab)
+    draft_probs = torch.softmax(torch.randn(sum(nums), vocab, generator=gen), -1)
     out = rejection_sample(ids, nums, draft_probs, target, SamplingParams.uniform(len(nums)), impl=impl)
     expected = _greedy_chain(ids, nums, target)
     assert out.tolist() == expected
@@ -159,7 +173,12 @@ def evaluation_order(request, monkeypatch):
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
-def test_torch_matches_reference(with_q, params, seed, evaluation_order):
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_torch_matches_reference(with_q, params, seed, chunk_rows, evaluation_order, monkeypatch):
+    if chunk_rows is not None:  # tiny row chunks: many chunks per position, pending rejected rows flushed early
+        if evaluation_order != "lazy":
+            pytest.skip("row chunks only exist in the lazy order")
+        monkeypatch.setattr(target_side, "CHUNK_BYTES", 4 * 97 * chunk_rows)
     gen = torch.Generator().manual_seed(seed)
     nums = [4, 0, 2, 6, 1, 3, 0, 5, 6, 2]
     temps = [1.0, 0.0, 0.7, 1.0, 0.0, 1.5, 1.0, 0.9, 1.0, 0.0]

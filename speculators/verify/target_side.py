@@ -18,9 +18,10 @@ the same tensors):
   drafts were all accepted (a position after a rejection is never read by any scan), in row chunks of
   about ``CHUNK_BYTES`` so intermediates stay in cache. Positions never evaluated hold 0 (``-1`` for
   argmax) and are not read. Rows without top-k / top-p are evaluated as ``e = 2**((x - max) / T *
-  log2(e))`` read in place from the logits, and only ``p(d) = e_d / sum(e)`` is formed for an accept
-  test; a row whose draft is rejected is normalised and sampled right away, while it is still in
-  cache (``final_tokens`` then only evaluates the bonus rows, and any row the scan's verdict moved
+  log2(e))`` (one fused scale-and-shift pass, then ``exp2`` in place) read from the logits, and only
+  ``p(d) = e_d / sum(e)`` is formed for an accept test; a row whose draft is rejected is normalised
+  into a chunk-sized pending buffer while it is still in cache, and the buffer is sampled whenever it
+  fills (``final_tokens`` then only evaluates the bonus rows, and any row the scan's verdict moved
   elsewhere). No ``[T + B, V]`` probability tensor is materialised.
 """
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, _sampling_probs
+from .sampling import SamplingParams, _sampling_probs, first_argmax
 
 if TYPE_CHECKING:
     from .rejection import _Layout
@@ -124,6 +125,30 @@ class Sampler:
 LOG2E = 1.4426950408889634
 
 
+def row_runs(logits: Tensor, rows: list[int]) -> list[tuple[int, int, Tensor]]:
+    """Split ``rows`` of the contiguous ``[N, V]`` ``logits`` into maximal runs at a constant stride.
+
+    Returns ``(start, length, view)`` triples: ``view`` is the ``[length, V]`` strided view of rows
+    ``rows[start : start + length]``, read in place (no copy).
+    """
+    v, base = logits.shape[1], logits.storage_offset()
+    runs, i, n = [], 0, len(rows)
+    while i < n:
+        j = i + 1
+        if j < n and rows[j] > rows[i]:
+            step = rows[j] - rows[i]
+            while j + 1 < n and rows[j + 1] - rows[j] == step:
+                j += 1
+            j += 1
+        else:
+            step = 1
+        runs.append((i, j - i, logits.as_strided((j - i, v), (step * v, 1), base + rows[i] * v)))
+        i = j
+    return runs
+
+
+
+
 def _balanced_chunks(items: list[int], step: int) -> list[list[int]]:
     """``items`` in the fewest chunks of at most ``step``, of (nearly) equal sizes."""
     if not items:
@@ -165,21 +190,7 @@ class _RowEvaluator:
         self.viewable = target_logits.dtype == torch.float32 and target_logits.is_contiguous()
 
     def _runs(self, rows: list[int]) -> list[tuple[int, int, Tensor]]:
-        """Split ``rows`` into maximal runs at a constant stride: ``(start, length, strided view)``."""
-        v, base = self.vocab, self.logits.storage_offset()
-        runs, i, n = [], 0, len(rows)
-        while i < n:
-            j = i + 1
-            if j < n and rows[j] > rows[i]:
-                step = rows[j] - rows[i]
-                while j + 1 < n and rows[j + 1] - rows[j] == step:
-                    j += 1
-                j += 1
-            else:
-                step = 1
-            runs.append((i, j - i, self.logits.as_strided((j - i, v), (step * v, 1), base + rows[i] * v)))
-            i = j
-        return runs
+        return row_runs(self.logits, rows)
 
     def rows(self, rows: list[int], reqs: list[int], plain: bool) -> tuple[Tensor, Tensor | None]:
         """``(e [R, V], z [R] or None for z = 1)`` for ``rows`` (request ``reqs[i]``'s parameters)."""
@@ -187,18 +198,25 @@ class _RowEvaluator:
         scratch = self.scratch
         if plain:
             temps = [self.temps[b] for b in reqs]
-            if self.viewable:  # read the rows in place, run by run: e = x - max(x)
+            same = all(t == temps[0] for t in temps)
+            if not same:
+                c_all = torch.tensor(temps, dtype=torch.float32, device=self.logits.device).reciprocal_().mul_(LOG2E)
+            if self.viewable:  # read the rows in place, run by run
                 e = scratch.probs[:n]
-                for start, length, x in self._runs(rows):
-                    torch.sub(x, x.amax(dim=-1, keepdim=True), out=e[start : start + length])
+                runs = self._runs(rows)
             else:
                 idx = torch.tensor(rows, dtype=torch.int64, device=self.logits.device)
-                x = scratch.gather_rows(self.logits, idx)
-                e = x.sub_(x.amax(dim=-1, keepdim=True))
-            if all(t == temps[0] for t in temps):
-                e.mul_(LOG2E / temps[0])
-            else:
-                e.mul_(torch.tensor(temps, dtype=torch.float32, device=e.device).reciprocal_().mul_(LOG2E).unsqueeze(1))
+                e = scratch.gather_rows(self.logits, idx)
+                runs = [(0, n, e)]
+            for start, length, x in runs:
+                # y = x * c - max(x) * c in one pass (c = log2(e) / T), then e = 2**y in place
+                out = e[start : start + length]
+                shift = x.amax(dim=-1, keepdim=True)
+                if same:
+                    torch.add(shift.mul_(-LOG2E / temps[0]), x, alpha=LOG2E / temps[0], out=out)
+                else:
+                    c = c_all[start : start + length].unsqueeze(1)
+                    torch.addcmul(shift.mul_(c).neg_(), x, c, out=out)
             e.exp2_()
             return e, e.sum(dim=-1)
         x = scratch.gather_rows(self.logits, torch.tensor(rows, dtype=torch.int64, device=self.logits.device))
@@ -213,6 +231,49 @@ class _RowEvaluator:
             out=scratch.probs[:n],
         )
         return p, None
+
+
+class _PendingRows:
+    """Rejected rows' target distributions packed into ``buf`` and sampled a buffer at a time.
+
+    Sampling a few rows per chunk costs a dozen small ops each time; batching them up to the buffer's
+    ``[chunk, V]`` rows keeps the rows in cache while amortising those ops.
+    """
+
+    def __init__(self, buf: Tensor, sampler: Sampler, sampled_row: list[int], sampled_tok: list[int]):
+        self.buf, self.sampler = buf, sampler
+        self.sampled_row, self.sampled_tok = sampled_row, sampled_tok
+        self.count = 0
+        self.reqs: list[int] = []
+        self.pos: list[int] = []
+        self.rows: list[int] = []
+
+    def add(self, e: Tensor, z: Tensor | None, idx: list[int], reqs: list[int], pos: list[int], rows: list[int]):
+        """Append rows ``e[idx] / z[idx]`` (``z=None``: already normalised) for requests ``reqs``."""
+        k = len(idx)
+        dst = self.buf[self.count : self.count + k]
+        if k == e.shape[0]:
+            dst.copy_(e)
+        else:
+            torch.index_select(e, 0, torch.tensor(idx, dtype=torch.int64, device=e.device), out=dst)
+        if z is not None:
+            zs = z if k == e.shape[0] else z[idx]
+            dst.div_(zs.unsqueeze(1))
+        self.count += k
+        self.reqs += reqs
+        self.pos += pos
+        self.rows += rows
+
+    def flush(self) -> None:
+        """Sample every pending row and record its row and token; empties the buffer."""
+        if not self.count:
+            return
+        toks = self.sampler(self.buf[: self.count], None, self.reqs, self.pos).tolist()
+        for b, r, t in zip(self.reqs, self.rows, toks):
+            self.sampled_row[b] = r
+            self.sampled_tok[b] = t
+        self.count = 0
+        self.reqs, self.pos, self.rows = [], [], []
 
 
 def probs_at_drafts(
@@ -231,8 +292,9 @@ def probs_at_drafts(
 
     With ``lazy=True`` the accept test ``u * q(d) < p(d)`` (the scan's exact rule, in float32) decides
     which requests need their next position; positions after a rejection are left at 0, and (with
-    ``sampler`` and ``cache``) each rejected row is sampled at once, while its probabilities are in
-    cache, and recorded in ``cache`` for :func:`final_tokens`. With ``lazy=False`` all ``T + B`` rows go
+    ``sampler`` and ``cache``) each rejected row is normalised while its probabilities are in cache,
+    sampled with the other pending rejected rows a buffer at a time (:class:`_PendingRows`), and
+    recorded in ``cache`` for :func:`final_tokens`. With ``lazy=False`` all ``T + B`` rows go
     through one :func:`apply_sampling`, kept in ``cache``.
     """
     total, batch = layout.total_drafts, layout.batch
@@ -263,6 +325,7 @@ def probs_at_drafts(
     sampled_tok = [-1] * batch
     p_draft = [0.0] * total
     alive = [b for b in range(batch) if nums[b] > 0]
+    pending = _PendingRows(ev.scratch.rejected, sampler, sampled_row, sampled_tok) if presample else None
     for j in range(layout.max_drafts):
         if not alive:
             break
@@ -286,23 +349,13 @@ def probs_at_drafts(
                     else:
                         rej.append(i)
                 if presample and rej:
-                    # normalise only the rejected rows (p = e / z), packed into their own buffer
-                    if len(rej) == len(reqs):
-                        p_rej = e.div_(z.unsqueeze(1)) if z is not None else e
-                    else:
-                        p_rej = ev.scratch.rejected[: len(rej)]
-                        for k, i in enumerate(rej):
-                            if z is not None:
-                                torch.div(e[i], z[i], out=p_rej[k])
-                            else:
-                                p_rej[k].copy_(e[i])
-                    r_reqs = [reqs[i] for i in rej]
-                    toks = sampler(p_rej, None, r_reqs, [pos[i] for i in rej]).tolist()
-                    for i, b, t in zip(rej, r_reqs, toks):
-                        sampled_row[b] = rows[i]
-                        sampled_tok[b] = t
+                    # normalise only the rejected rows (p = e / z), packed into the pending buffer
+                    if pending.count + len(rej) > step:
+                        pending.flush()
+                    pending.add(e, z, rej, [reqs[i] for i in rej], [pos[i] for i in rej], [rows[i] for i in rej])
         alive = sorted(nxt)
     if presample:
+        pending.flush()
         cache["sampled_row"] = torch.tensor(sampled_row, dtype=torch.int64, device=device)
         cache["sampled_token"] = torch.tensor(sampled_tok, dtype=torch.int64, device=device)
         cache["evaluator"] = ev
@@ -374,10 +427,16 @@ def final_tokens(
 
 
 def _argmax_rows(target_logits: Tensor, rows: Tensor, scratch: _Scratch) -> Tensor:
+    """``[len(rows)]`` :func:`first_argmax` of the given rows, read in place when possible."""
+    out = torch.empty(rows.numel(), dtype=torch.int64, device=target_logits.device)
+    if target_logits.dtype == torch.float32 and target_logits.is_contiguous():
+        for start, length, x in row_runs(target_logits, rows.tolist()):
+            out[start : start + length] = first_argmax(x)
+        return out
     step = scratch.rows
-    return torch.cat(
-        [scratch.gather_rows(target_logits, rows[s : s + step]).argmax(dim=-1) for s in range(0, rows.numel(), step)]
-    )
+    for s in range(0, rows.numel(), step):
+        out[s : s + step] = first_argmax(scratch.gather_rows(target_logits, rows[s : s + step]))
+    return out
 
 
 def target_argmax(layout: _Layout, target_logits: Tensor, draft_token_ids: Tensor, *, lazy: bool) -> Tensor:

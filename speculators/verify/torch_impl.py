@@ -22,7 +22,8 @@ from .rejection import (
     _Layout,
     sample_block,
 )
-from .target_side import CHUNK_BYTES, cpu_buffer
+from . import target_side
+from .target_side import cpu_buffer
 
 
 def _padded_indices(layout: _Layout) -> tuple[Tensor, Tensor, Tensor]:
@@ -165,7 +166,7 @@ def sample_rows(
     ``sel=None`` and no draft probs, ``p``'s draft entries are zeroed in place (and restored).
     """
     count, vocab = pos.numel(), p.shape[1]
-    step = max(1, CHUNK_BYTES // (4 * vocab)) if p.device.type == "cpu" else max(count, 1)
+    step = max(1, target_side.CHUNK_BYTES // (4 * vocab)) if p.device.type == "cpu" else max(count, 1)
     if count <= step:
         return _sample_chunk(p, sel, draft_probs, pos, draft_token_ids, u)
     if sel is None:
@@ -194,12 +195,15 @@ def _sample_chunk(
         if width > vocab:
             w_full[:, vocab:] = 0.0
         w = w_full[:, :vocab]
-        src = range(rows) if sel is None else sel.tolist()
-        for k, (i, j) in enumerate(zip(src, pos_l)):
-            if j >= 0:
-                torch.sub(draft_probs[j], p[i], out=w[k])
-            else:  # bonus row: r = p - 0
-                torch.neg(p[i], out=w[k])
+        if sel is None and lo >= 0 and width == vocab:  # every row recovers: gather q, subtract in place
+            torch.index_select(draft_probs, 0, pos, out=w).sub_(p)
+        else:
+            src = range(rows) if sel is None else sel.tolist()
+            for k, (i, j) in enumerate(zip(src, pos_l)):
+                if j >= 0:
+                    torch.sub(draft_probs[j], p[i], out=w[k])
+                else:  # bonus row: r = p - 0
+                    torch.neg(p[i], out=w[k])
         w.clamp_max_(0.0)
         scale = -SAMPLE_SCALE
     else:
