@@ -36,6 +36,11 @@ from .rejection import (
 )
 
 
+# No a*b+c contraction into FMAs: every float operation stays the single IEEE operation torch performs,
+# which the bit-identical tokens rely on (the kernels have no such pattern today; this keeps it so).
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def _greedy_scan_kernel(
     out_ptr,  # [B, K + 1] int64, pre-filled with -1
@@ -196,6 +201,61 @@ def _sample_rows_kernel(
     tl.store(tok_ptr + r, tok.to(tl.int64))
 
 
+def _variants(vocab: int) -> list[tuple[str, object, dict, dict]]:
+    """``(name, kernel, signature, constexprs)`` of every specialisation the launchers above can request."""
+    block = sample_block(vocab)
+    scan_sig = {
+        "out_ptr": "*i64", "num_acc_ptr": "*i64", "draft_ids_ptr": "*i64", "draft_probs_ptr": "*fp32",
+        "p_draft_ptr": "*fp32", "uniform_ptr": "*fp32", "draft_start_ptr": "*i64", "n_ptr": "*i64",
+        "out_stride": "i32", "vocab_size": "i32", "NO_DRAFT_PROBS": "constexpr",
+    }
+    sample_sig = {
+        "tok_ptr": "*i64", "p_ptr": "*fp32", "sel_ptr": "*i64", "draft_probs_ptr": "*fp32", "pos_ptr": "*i64",
+        "draft_ids_ptr": "*i64", "u_ptr": "*fp64", "vocab_size": "i32", "SCALE": "constexpr",
+        "HAS_SEL": "constexpr", "NO_DRAFT_PROBS": "constexpr", "BLOCK": "constexpr", "LOG2_BLOCK": "constexpr",
+    }
+    greedy_sig = {
+        "out_ptr": "*i64", "num_acc_ptr": "*i64", "draft_ids_ptr": "*i64", "target_argmax_ptr": "*i64",
+        "draft_start_ptr": "*i64", "n_ptr": "*i64", "out_stride": "i32",
+    }
+    out = [("greedy_scan", _greedy_scan_kernel, greedy_sig, {})]
+    for no_q in (False, True):
+        out.append((f"stochastic_scan[no_q={no_q}]", _stochastic_scan_kernel, scan_sig, {"NO_DRAFT_PROBS": no_q}))
+        for has_sel in (False, True):
+            consts = {"SCALE": SAMPLE_SCALE, "HAS_SEL": has_sel, "NO_DRAFT_PROBS": no_q, "BLOCK": block,
+                      "LOG2_BLOCK": block.bit_length() - 1}
+            out.append((f"sample_rows[no_q={no_q},sel={has_sel},block={block}]", _sample_rows_kernel, sample_sig, consts))
+    return out
+
+
+def aot_compile(arch: int = 90, vocab: int = 49152) -> dict:
+    """Compile every kernel specialisation for NVIDIA compute capability ``arch`` without a GPU.
+
+    Uses Triton's bundled LLVM and ``ptxas`` (``arch=90``: H100 / H200; 80: A100; 89: L4 / L40), with
+    :data:`LAUNCH_OPTIONS`, so a kernel that only runs under the interpreter is caught on a CPU
+    machine. ``vocab`` picks the sampling block width (:func:`~speculators.verify.rejection.sample_block`).
+
+    Returns:
+        ``{variant name: CompiledKernel}``; ``kernel.asm`` holds ``ttir``, ``ttgir``, ``llir``, ``ptx``
+        and ``cubin``.
+
+    Raises:
+        RuntimeError: under ``TRITON_INTERPRET=1`` (the kernels are interpreted functions then).
+        triton.CompilationError (or ptxas errors): a kernel does not compile for ``arch``.
+    """
+    if interpreter_active():
+        raise RuntimeError("aot_compile needs triton imported without TRITON_INTERPRET=1")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    return {
+        name: triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                             options=dict(LAUNCH_OPTIONS))
+        for name, fn, sig, consts in _variants(vocab)
+    }
+
+
 def interpreter_active() -> bool:
     """True when triton was imported with ``TRITON_INTERPRET=1`` (kernels run on CPU tensors)."""
     try:
@@ -227,7 +287,7 @@ def greedy(layout: _Layout, draft_token_ids: Tensor, target_argmax: Tensor) -> R
     num_acc = torch.zeros(layout.batch, dtype=torch.int64, device=device)
     _greedy_scan_kernel[(layout.batch,)](
         out, num_acc, _ids(draft_token_ids, device), target_argmax.contiguous(), layout.draft_start, layout.n,
-        out.stride(0),
+        out.stride(0), **LAUNCH_OPTIONS,
     )
     return RejectionOutput(out, num_acc)
 
@@ -246,7 +306,7 @@ def scan(
     _stochastic_scan_kernel[(layout.batch,)](
         out, num_acc, _ids(draft_token_ids, device), p_draft if no_q else draft_probs.contiguous(),
         p_draft.contiguous(), uniform.contiguous(), layout.draft_start, layout.n, out.stride(0), layout.vocab,
-        NO_DRAFT_PROBS=no_q,
+        NO_DRAFT_PROBS=no_q, **LAUNCH_OPTIONS,
     )
     return out, num_acc
 
@@ -273,6 +333,6 @@ def sample_rows(
         tokens, p, tokens if sel is None else sel.contiguous(), p if no_q else draft_probs.contiguous(),
         pos.contiguous(), _ids(draft_token_ids, device), u.to(torch.float64).contiguous(), vocab,
         SCALE=SAMPLE_SCALE, HAS_SEL=sel is not None, NO_DRAFT_PROBS=no_q, BLOCK=block,
-        LOG2_BLOCK=block.bit_length() - 1,
+        LOG2_BLOCK=block.bit_length() - 1, **LAUNCH_OPTIONS,
     )
     return tokens
