@@ -6,7 +6,7 @@
 # Needs only torch, triton and pytest (no conftest: no transformers / pydantic import). Logs go to
 # $OUT (the device tool's folder) or outputs/gpu-check/.
 #
-#   bash scripts/gpu_check.sh            # about 3-5 minutes on an H100 / H200
+#   bash scripts/gpu_check.sh            # each step under `timeout`: 9.5 minutes at most, one device call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=0
@@ -17,10 +17,10 @@ status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/gpu.txt"
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" \
     2>&1 | tee -a "$out/gpu.txt"
-"$py" -m pytest -q --noconftest -p no:cacheprovider tests/test_verify_triton.py tests/test_verify.py 2>&1 \
+timeout 240 "$py" -m pytest -q --noconftest -p no:cacheprovider tests/test_verify_triton.py tests/test_verify.py 2>&1 \
     | tee "$out/tests.log" || status=1
-"$py" scripts/bench_verifier.py --device cuda --batch 64 --k 8 --vocab 49152 --temperature 0 1 2>&1 \
+timeout 90 "$py" scripts/bench_verifier.py --device cuda --batch 64 --k 8 --vocab 49152 --temperature 0 1 2>&1 \
     | tee "$out/bench-acceptance.txt" || status=1
-"$py" scripts/bench_verifier.py --device cuda --batch 1 8 64 256 --k 1 4 8 16 --vocab 32000 49152 152064 \
+timeout 240 "$py" scripts/bench_verifier.py --device cuda --batch 1 8 64 256 --k 1 4 8 16 --vocab 32000 49152 152064 \
     --temperature 0 1 --loop-repeats 2 --repeats 10 2>&1 | tee "$out/bench-grid.txt" || status=1
 exit $status

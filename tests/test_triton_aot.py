@@ -47,7 +47,7 @@ def test_every_kernel_compiles_to_a_cubin_for_a100_and_h100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False,
         cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

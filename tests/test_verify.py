@@ -47,6 +47,9 @@ def test_first_argmax_equals_argmax_including_ties(vocab):
     ties[1, -1] = 5.0  # the maximum alone in the tail (or last) block
     ties[2] = -float("inf")
     ties[3, vocab // 2] = -float("inf")
+    ties[4, vocab - 2] = float("nan")  # argmax returns the first NaN, even after a larger block maximum
+    ties[5, 1] = float("nan")
+    ties[5, vocab - 1] = float("nan")
     for t in (x, ties, x[::2], torch.cat([x, x], 1)[:, vocab:]):  # strided and offset views read in place
         assert torch.equal(first_argmax(t), t.argmax(dim=-1))
 
@@ -193,6 +196,24 @@ def test_torch_matches_reference(with_q, params, seed, chunk_rows, evaluation_or
     assert ref.num_accepted.sum() > 0  # the batch exercises acceptance
 
 
+@pytest.mark.parametrize("temps", [[1.0, 0.7, 1.0, 1.5, 0.9, 1.0], [0.0] * 6], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("vocab", [97, 2 * 1024 + 5])
+def test_lazy_order_gathers_rows_of_non_contiguous_logits(monkeypatch, temps, vocab):
+    """Logits whose rows are not contiguous are gathered into a buffer instead of read in place: same tokens."""
+    monkeypatch.setattr(target_side, "LAZY_ON_CPU", "always")
+    gen = torch.Generator().manual_seed(5)
+    nums = [3, 0, 5, 2, 4, 1]
+    ids, nums, q, logits, sp = random_batch(gen, nums, vocab, temps)
+    column_major = logits.t().contiguous().t()
+    assert not column_major.is_contiguous() and torch.equal(column_major, logits)
+    randoms = draw_randoms(nums, vocab, sp, torch.Generator().manual_seed(6))
+    want = rejection_sample(ids, nums, q, logits, sp, impl="torch", randoms=randoms)
+    got = rejection_sample(ids, nums, q, column_major, sp, impl="torch", randoms=randoms)
+    ref = rejection_sample_reference(ids, nums, q, logits, sp, randoms=randoms)
+    assert torch.equal(got.output_token_ids, want.output_token_ids)
+    assert torch.equal(want.output_token_ids, ref.output_token_ids)
+
+
 def test_zero_drafts_everywhere_is_plain_sampling():
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(6, 30, generator=gen)
@@ -270,12 +291,14 @@ def test_sample_rows_matches_written_out_rule(vocab):
             if float(r.sum()) > 0:
                 assert want == inverse_cdf_token(r, float(u[i]))
             assert got[i] == want, (i, draft_probs is None)
-    # sel=None (rows in order) gives the same tokens as an explicit identity selection.
-    pos4, u4 = pos[:4], u[:4]
-    for draft_probs in (q, None):
-        a = torch_impl.sample_rows(p, None, draft_probs, pos4, ids, u4)
-        b = torch_impl.sample_rows(p, torch.arange(4), draft_probs, pos4, ids, u4)
-        assert torch.equal(a, b)
+    # sel=None (rows in order) gives the same tokens as an explicit identity selection, with a bonus row
+    # mixed in and with recovered rows only (the residual is then gathered in one op when V fills the blocks).
+    for pos4 in (pos[:4], torch.tensor([0, 5, 3, 2])):
+        u4 = u[:4]
+        for draft_probs in (q, None):
+            a = torch_impl.sample_rows(p, None, draft_probs, pos4, ids, u4)
+            b = torch_impl.sample_rows(p, torch.arange(4), draft_probs, pos4, ids, u4)
+            assert torch.equal(a, b)
     assert torch.equal(p, _rule_rows(vocab, vocab)[0])  # p is left unchanged
 
 

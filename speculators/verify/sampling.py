@@ -88,21 +88,22 @@ class SamplingParams:
                     raise ValueError(f"sampling.generators[{i}]: expected torch.Generator or None, got {type(g)}")
 
 
-
 ARGMAX_BLOCK = 1024
 
 
 def first_argmax(x: Tensor) -> Tensor:
-    """``[R]`` int64 index of the first maximum of each row of ``x`` ``[R, V]`` (``x.argmax(-1)`` for NaN-free rows).
-
-    Other devices use ``argmax`` directly.
+    """``[R]`` int64 index of the first maximum of each row of ``x`` ``[R, V]``; equals ``x.argmax(dim=-1)``.
 
     On CPU ``argmax`` is a scalar reduction (~40 us per 49152-wide row here) while ``amax`` is vectorised
     and memory-bound, so: block maxima of ``ARGMAX_BLOCK``-wide blocks with ``amax`` (one pass), the
-    first block holding the row maximum, then ``argmax`` inside that one block. ``x`` may be a strided
-    view whose rows are contiguous.
+    first block holding the row maximum (or a NaN: like ``argmax``, the first NaN wins), then ``argmax``
+    inside that one block. ``x``: any float dtype, any strides (strided views are read in place). Other
+    devices use ``argmax`` directly.
+
+    Raises:
+        IndexError / RuntimeError (torch's): ``x`` is not 2-D, or has no columns.
     """
-    rows, vocab = x.shape
+    vocab = x.shape[1]
     if x.device.type != "cpu":
         return x.argmax(dim=-1)
     nb, tail = divmod(vocab, ARGMAX_BLOCK)
@@ -111,11 +112,12 @@ def first_argmax(x: Tensor) -> Tensor:
     bmax = x[:, : nb * ARGMAX_BLOCK].unflatten(1, (nb, ARGMAX_BLOCK)).amax(dim=-1)  # [R, nb]
     if tail:
         bmax = torch.cat([bmax, x[:, nb * ARGMAX_BLOCK :].amax(dim=-1, keepdim=True)], dim=1)
-    hit = bmax == bmax.amax(dim=-1, keepdim=True)
+    hit = (bmax == bmax.amax(dim=-1, keepdim=True)) | bmax.isnan()
     first = torch.where(hit, torch.arange(hit.shape[1], device=x.device), hit.shape[1]).amin(dim=-1)  # [R]
     start = first * ARGMAX_BLOCK
     cols = (start.unsqueeze(1) + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_max_(vocab - 1)
     return start + x.gather(1, cols).argmax(dim=-1)
+
 
 def _validate_params(
     temperature: Tensor,

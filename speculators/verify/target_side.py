@@ -18,7 +18,7 @@ the same tensors):
   drafts were all accepted (a position after a rejection is never read by any scan), in row chunks of
   about ``CHUNK_BYTES`` so intermediates stay in cache. Positions never evaluated hold 0 (``-1`` for
   argmax) and are not read. Rows without top-k / top-p are evaluated as ``e = 2**((x - max) / T *
-  log2(e))`` (one fused scale-and-shift pass, then ``exp2`` in place) read from the logits, and only
+  log2(e))`` read in place from the logits, and only
   ``p(d) = e_d / sum(e)`` is formed for an accept test; a row whose draft is rejected is normalised
   into a chunk-sized pending buffer while it is still in cache, and the buffer is sampled whenever it
   fills (``final_tokens`` then only evaluates the bonus rows, and any row the scan's verdict moved
@@ -129,8 +129,15 @@ def row_runs(logits: Tensor, rows: list[int]) -> list[tuple[int, int, Tensor]]:
     """Split ``rows`` of the contiguous ``[N, V]`` ``logits`` into maximal runs at a constant stride.
 
     Returns ``(start, length, view)`` triples: ``view`` is the ``[length, V]`` strided view of rows
-    ``rows[start : start + length]``, read in place (no copy).
+    ``rows[start : start + length]``, read in place (no copy). ``rows``: ascending runs are merged;
+    any order is valid (a descending step starts a new run).
+
+    Raises:
+        ValueError: ``logits`` is not a contiguous 2-D tensor (its rows would not be where the views point).
     """
+    if logits.dim() != 2 or not logits.is_contiguous():
+        raise ValueError(f"row_runs: logits must be a contiguous [N, V] tensor, got shape {tuple(logits.shape)} "
+                         f"with strides {logits.stride()}")
     v, base = logits.shape[1], logits.storage_offset()
     runs, i, n = [], 0, len(rows)
     while i < n:
@@ -208,15 +215,9 @@ class _RowEvaluator:
                 idx = torch.tensor(rows, dtype=torch.int64, device=self.logits.device)
                 e = scratch.gather_rows(self.logits, idx)
                 runs = [(0, n, e)]
-            for start, length, x in runs:
-                # y = x * c - max(x) * c in one pass (c = log2(e) / T), then e = 2**y in place
-                out = e[start : start + length]
-                shift = x.amax(dim=-1, keepdim=True)
-                if same:
-                    torch.add(shift.mul_(-LOG2E / temps[0]), x, alpha=LOG2E / temps[0], out=out)
-                else:
-                    c = c_all[start : start + length].unsqueeze(1)
-                    torch.addcmul(shift.mul_(c).neg_(), x, c, out=out)
+            for start, length, x in runs:  # e = x - max(x): exactly 0 at the maximum
+                torch.sub(x, x.amax(dim=-1, keepdim=True), out=e[start : start + length])
+            e.mul_(LOG2E / temps[0] if same else c_all.unsqueeze(1))  # y = (x - max) * log2(e) / T
             e.exp2_()
             return e, e.sum(dim=-1)
         x = scratch.gather_rows(self.logits, torch.tensor(rows, dtype=torch.int64, device=self.logits.device))

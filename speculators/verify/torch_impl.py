@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import target_side
 from .rejection import (
     PLACEHOLDER_TOKEN_ID,
     SAMPLE_SCALE,
@@ -22,7 +23,6 @@ from .rejection import (
     _Layout,
     sample_block,
 )
-from . import target_side
 from .target_side import cpu_buffer
 
 

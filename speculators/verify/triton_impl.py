@@ -35,7 +35,6 @@ from .rejection import (
     sample_block,
 )
 
-
 # No a*b+c contraction into FMAs: every float operation stays the single IEEE operation torch performs,
 # which the bit-identical tokens rely on (the kernels have no such pattern today; this keeps it so).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
@@ -202,7 +201,10 @@ def _sample_rows_kernel(
 
 
 def _variants(vocab: int) -> list[tuple[str, object, dict, dict]]:
-    """``(name, kernel, signature, constexprs)`` of every specialisation the launchers above can request."""
+    """``(name, kernel, signature, constexprs)`` of every constexpr specialisation the launchers request.
+
+    Real launches also specialise on argument values (divisibility by 16, ==1); those variants are not built.
+    """
     block = sample_block(vocab)
     scan_sig = {
         "out_ptr": "*i64", "num_acc_ptr": "*i64", "draft_ids_ptr": "*i64", "draft_probs_ptr": "*fp32",
@@ -229,7 +231,7 @@ def _variants(vocab: int) -> list[tuple[str, object, dict, dict]]:
 
 
 def aot_compile(arch: int = 90, vocab: int = 49152) -> dict:
-    """Compile every kernel specialisation for NVIDIA compute capability ``arch`` without a GPU.
+    """Compile every kernel's constexpr specialisations for NVIDIA compute capability ``arch`` without a GPU.
 
     Uses Triton's bundled LLVM and ``ptxas`` (``arch=90``: H100 / H200; 80: A100; 89: L4 / L40), with
     :data:`LAUNCH_OPTIONS`, so a kernel that only runs under the interpreter is caught on a CPU
