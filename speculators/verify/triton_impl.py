@@ -118,6 +118,18 @@ def _tree_sum(x, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_block(p_row, q_row, offs, vocab_size, q_len, d, NO_DRAFT_PROBS: tl.constexpr):
+    """``(p, r)`` on block ``offs``: target probs and residual ``max(p - q, 0)`` (point-mass q: ``p`` without ``d``)."""
+    p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
+    if NO_DRAFT_PROBS:
+        res = tl.where(offs == d, 0.0, p)
+    else:
+        q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
+        res = tl.maximum(p - q, 0.0)
+    return p, res
+
+
+@triton.jit
 def _sample_rows_kernel(
     tok_ptr,  # [S] int64 out
     p_ptr,  # [R, V] float32 target distributions
@@ -151,12 +163,7 @@ def _sample_rows_kernel(
     total_p = tl.full((), 0.0, tl.float64)
     for off in range(0, vocab_size, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
-        if NO_DRAFT_PROBS:
-            res = tl.where(offs == d, 0.0, p)
-        else:
-            q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
-            res = tl.maximum(p - q, 0.0)
+        p, res = _load_block(p_row, q_row, offs, vocab_size, q_len, d, NO_DRAFT_PROBS)
         total += tl.floor(_tree_sum(res, BLOCK, LOG2_BLOCK).to(tl.float64) * SCALE)
         total_p += tl.floor(_tree_sum(p, BLOCK, LOG2_BLOCK).to(tl.float64) * SCALE)
     use_p = total <= 0.0  # the residual vanished numerically: sample p instead
@@ -169,12 +176,7 @@ def _sample_rows_kernel(
     q_b = tl.full((), 1.0, tl.float64)
     for off in range(0, vocab_size, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
-        if NO_DRAFT_PROBS:
-            res = tl.where(offs == d, 0.0, p)
-        else:
-            q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
-            res = tl.maximum(p - q, 0.0)
+        p, res = _load_block(p_row, q_row, offs, vocab_size, q_len, d, NO_DRAFT_PROBS)
         weight = tl.floor(_tree_sum(tl.where(use_p, p, res), BLOCK, LOG2_BLOCK).to(tl.float64) * SCALE)
         hit = (run <= x) & (x < run + weight)
         blk_off = tl.where(hit, off, blk_off)
@@ -183,12 +185,7 @@ def _sample_rows_kernel(
         run += weight
     # Pass 3: exact integer weights inside the chosen block.
     offs = blk_off + tl.arange(0, BLOCK)
-    p = tl.load(p_row + offs, mask=offs < vocab_size, other=0.0)
-    if NO_DRAFT_PROBS:
-        res = tl.where(offs == d, 0.0, p)
-    else:
-        q = tl.load(q_row + offs, mask=offs < q_len, other=0.0)
-        res = tl.maximum(p - q, 0.0)
+    p, res = _load_block(p_row, q_row, offs, vocab_size, q_len, d, NO_DRAFT_PROBS)
     res = tl.where(use_p, p, res)
     w = tl.floor(res.to(tl.float64) * SCALE)
     cum = tl.cumsum(w, axis=0)  # exact: integers below 2**53
