@@ -265,14 +265,18 @@ class _PendingRows:
         self.pos += pos
         self.rows += rows
 
-    def flush(self) -> None:
-        """Sample every pending row and record its row and token; empties the buffer."""
-        if not self.count:
-            return
-        toks = self.sampler(self.buf[: self.count], None, self.reqs, self.pos).tolist()
-        for b, r, t in zip(self.reqs, self.rows, toks):
+    def sample(self, p: Tensor, reqs: list[int], pos: list[int], rows: list[int]) -> None:
+        """Sample the normalised rows ``p`` ``[len(reqs), V]`` now and record each request's row and token."""
+        toks = self.sampler(p, None, reqs, pos).tolist()
+        for b, r, t in zip(reqs, rows, toks):
             self.sampled_row[b] = r
             self.sampled_tok[b] = t
+
+    def flush(self) -> None:
+        """Sample every pending row (:meth:`sample`); empties the buffer."""
+        if not self.count:
+            return
+        self.sample(self.buf[: self.count], self.reqs, self.pos, self.rows)
         self.count = 0
         self.reqs, self.pos, self.rows = [], [], []
 
@@ -353,7 +357,11 @@ def probs_at_drafts(
                     # normalise only the rejected rows (p = e / z), packed into the pending buffer
                     if pending.count + len(rej) > step:
                         pending.flush()
-                    pending.add(e, z, rej, [reqs[i] for i in rej], [pos[i] for i in rej], [rows[i] for i in rej])
+                    r_args = ([reqs[i] for i in rej], [pos[i] for i in rej], [rows[i] for i in rej])
+                    if len(rej) == len(reqs) and not pending.count:  # the whole chunk: sample it in place
+                        pending.sample(e if z is None else e.div_(z.unsqueeze(1)), *r_args)
+                    else:
+                        pending.add(e, z, rej, *r_args)
         alive = sorted(nxt)
     if presample:
         pending.flush()
@@ -443,7 +451,7 @@ def _argmax_rows(target_logits: Tensor, rows: Tensor, scratch: _Scratch) -> Tens
 def target_argmax(layout: _Layout, target_logits: Tensor, draft_token_ids: Tensor, *, lazy: bool) -> Tensor:
     """``[T + B]`` int64 argmax of the raw target logits (greedy); lazily only rows the scan reads."""
     if not lazy:
-        return target_logits.argmax(dim=-1)
+        return first_argmax(target_logits)
     device = target_logits.device
     am = torch.full((target_logits.shape[0],), -1, dtype=torch.int64, device=device)
     scratch = _Scratch(target_logits)
