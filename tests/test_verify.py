@@ -176,12 +176,11 @@ def evaluation_order(request, monkeypatch):
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("chunk_rows", [None, 3])
-def test_torch_matches_reference(with_q, params, seed, chunk_rows, evaluation_order, monkeypatch):
-    if chunk_rows is not None:  # tiny row chunks: many chunks per position, pending rejected rows flushed early
-        if evaluation_order != "lazy":
-            pytest.skip("row chunks only exist in the lazy order")
-        monkeypatch.setattr(target_side, "CHUNK_BYTES", 4 * 97 * chunk_rows)
+@pytest.mark.parametrize("order", ["lazy", "eager", "lazy-3-row-chunks"])
+def test_torch_matches_reference(with_q, params, seed, order, monkeypatch):
+    monkeypatch.setattr(target_side, "LAZY_ON_CPU", False if order == "eager" else "always")
+    if order == "lazy-3-row-chunks":  # many chunks per position; pending rejected rows flushed early
+        monkeypatch.setattr(target_side, "CHUNK_BYTES", 4 * 97 * 3)
     gen = torch.Generator().manual_seed(seed)
     nums = [4, 0, 2, 6, 1, 3, 0, 5, 6, 2]
     temps = [1.0, 0.0, 0.7, 1.0, 0.0, 1.5, 1.0, 0.9, 1.0, 0.0]
