@@ -1,4 +1,4 @@
-"""Command line: ``speculators train RECIPE.yaml`` and ``speculators eval CHECKPOINT``.
+"""Command line: ``speculators train RECIPE.yaml``, ``speculators eval CHECKPOINT``, ``speculators push``.
 
 Thin: parses arguments, calls library functions, prints. A :class:`SpeculatorsError` is printed as
 one ``error: ...`` line with exit status 2.
@@ -234,6 +234,24 @@ def eval_cmd(
         console.print(f"[bold red]error:[/bold red] speculative output differs from plain greedy decoding "
                       f"on {len(mm)} prompt(s): {mm}")
         raise typer.Exit(1)
+
+
+@app.command()
+@_user_errors
+def push(
+    checkpoint: Path = typer.Argument(..., help="drafter checkpoint (or a run directory: uses final/)"),
+    repo_id: str = typer.Argument(..., help="Hub model repo, 'namespace/name' (created if missing)"),
+    private: bool = typer.Option(False, "--private", help="create the repo as private"),
+    revision: Optional[str] = typer.Option(None, "--revision", help="branch to commit to (default: main)"),
+    token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN / hf auth login)"),
+    message: Optional[str] = typer.Option(None, "--message", "-m", help="commit message"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list what would be uploaded; contact nothing"),
+):
+    """Upload the drafter (config.json + model.safetensors, vLLM's format) with a model card to the Hub."""
+    from .hub import push_checkpoint
+
+    push_checkpoint(_resolve_checkpoint(checkpoint), repo_id, private=private, token=token, revision=revision,
+                    commit_message=message, dry_run=dry_run, log=log)
 
 
 def _print_report(report: dict) -> None:

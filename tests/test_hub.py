@@ -1,0 +1,151 @@
+"""`speculators push`: what leaves the machine, the Hub card, and errors; the Hub itself is faked."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from speculators.cli import app
+from speculators.drafters import DraftVocab, registry
+from speculators.errors import SpeculatorsError
+from speculators.hub import checkpoint_files, hub_card, push_checkpoint
+from speculators.target import build_tiny_target
+
+runner = CliRunner()
+V = 96
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run directory: final/ (checkpoint + run card), a step checkpoint with trainer state, an eval report."""
+    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    torch.manual_seed(0)
+    cls = registry.get("eagle3")
+    drafter = cls.from_target(cls.config_class(algorithm="eagle3", ttt_steps=2), target,
+                              DraftVocab.from_counts(torch.arange(V, 0, -1), None))
+    run = tmp_path_factory.mktemp("run")
+    drafter.save_pretrained(run / "final", recipe_yaml="target:\n  model: tiny\n",
+                            extra_files={"README.md": "# eagle3 drafter for tiny\n\nTrained for 3 steps.\n"})
+    drafter.save_pretrained(run / "checkpoints" / "step-000003",
+                            extra=lambda tmp: (tmp / "trainer_state.pt").write_bytes(b"optimizer"))
+    (run / "final" / "notes.txt").write_text("scratch file a push must not upload")
+    (run / "eval-k4-t0").mkdir()
+    (run / "eval-k4-t0" / "report.md").write_text("# speculators eval: final\n\n| method | tau |\n|---|---|\n"
+                                                  "| drafter | 1.234 |\n")
+    return run
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+class FakeApi:
+    """Records what ``push_checkpoint`` sends; the uploaded folder is copied before it is deleted."""
+
+    calls: list = []
+
+    def __init__(self, token=None):
+        FakeApi.calls.append(("init", token))
+
+    def create_repo(self, repo_id, **kw):
+        FakeApi.calls.append(("create_repo", repo_id, kw))
+
+    def upload_folder(self, *, folder_path, repo_id, **kw):
+        folder = Path(folder_path)
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        FakeApi.calls.append(("upload_folder", repo_id, kw, files))
+
+        class Info:
+            commit_url = f"https://huggingface.co/{repo_id}/commit/abc123"
+        return Info()
+
+
+@pytest.fixture()
+def fake_hub(monkeypatch):
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    return FakeApi
+
+
+def test_only_serving_files_are_uploaded(run_dir):
+    assert checkpoint_files(run_dir / "final") == ["config.json", "model.safetensors", "recipe.yaml"]
+    # a step checkpoint's trainer state stays on the machine
+    assert checkpoint_files(run_dir / "checkpoints" / "step-000003") == ["config.json", "model.safetensors"]
+    with pytest.raises(SpeculatorsError, match="is not a drafter checkpoint: config.json is missing"):
+        checkpoint_files(run_dir / "eval-k4-t0")
+
+
+def test_card_header_serving_command_run_card_and_reports(run_dir):
+    card = hub_card(run_dir / "final", "me/tiny-eagle3")
+    header = card.split("---")[1]
+    assert "library_name: speculators" in header and "- eagle3" in header
+    assert "base_model" not in header  # the tiny target is no Hub id
+    assert ('--speculative-config \'{"model": "me/tiny-eagle3", "num_speculative_tokens": 4, '
+            '"method": "eagle3"}\'') in card
+    assert "### eagle3 drafter for tiny" in card  # the run card, nested under the card's sections
+    assert "## Acceptance: `eval-k4-t0`" in card and "| drafter | 1.234 |" in card
+
+
+def test_push_uploads_staged_files_and_card_in_one_commit(run_dir, fake_hub):
+    before = _digest(run_dir)
+    res = push_checkpoint(run_dir / "final", "me/tiny-eagle3", private=True, token="hf_x", log=lambda m: None)
+    assert res["url"] == "https://huggingface.co/me/tiny-eagle3/commit/abc123"
+    kinds = [c[0] for c in fake_hub.calls]
+    assert kinds == ["init", "create_repo", "upload_folder"]
+    assert fake_hub.calls[0][1] == "hf_x"
+    assert fake_hub.calls[1][2]["private"] is True and fake_hub.calls[1][2]["exist_ok"] is True
+    _, repo, kw, files = fake_hub.calls[2]
+    assert repo == "me/tiny-eagle3" and kw["repo_type"] == "model"
+    assert sorted(files) == ["README.md", "config.json", "model.safetensors", "recipe.yaml"] == res["files"]
+    final = run_dir / "final"
+    for name in ("config.json", "model.safetensors", "recipe.yaml"):
+        assert files[name] == (final / name).read_bytes()
+    assert files["README.md"].decode() == hub_card(final, "me/tiny-eagle3")
+    assert _digest(run_dir) == before  # the checkpoint is untouched
+
+
+def test_cli_push_dry_run_contacts_nothing(run_dir, fake_hub):
+    res = runner.invoke(app, ["push", str(run_dir), "me/tiny-eagle3", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "final -> me/tiny-eagle3" in res.output and "dry run" in res.output
+    assert "model.safetensors" in res.output and "notes.txt" not in res.output
+    assert fake_hub.calls == []
+
+
+def test_cli_push_errors_are_one_line(run_dir, monkeypatch):
+    class Offline(FakeApi):
+        def create_repo(self, repo_id, **kw):
+            raise OSError("Cannot reach https://huggingface.co: offline mode is enabled")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    res = runner.invoke(app, ["push", str(run_dir), "me/tiny-eagle3"])
+    assert res.exit_code == 2
+    assert "error: push to me/tiny-eagle3 failed: OSError: Cannot reach" in res.output
+    for bad in ("no-namespace", "me/bad name"):
+        res = runner.invoke(app, ["push", str(run_dir), bad, "--dry-run"])
+        assert res.exit_code == 2 and "error: repo id" in res.output, res.output
+
+
+def test_joint_checkpoint_ships_its_target_adapter(run_dir, tmp_path):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "joint"
+    shutil.copytree(run_dir / "final", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["lora_adapter"] = "target_adapter"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    (ckpt / "target_adapter" / "sub").mkdir(parents=True)
+    (ckpt / "target_adapter" / "adapter_config.json").write_text("{}")
+    (ckpt / "target_adapter" / "sub" / "adapter_model.safetensors").write_bytes(b"w")
+    assert checkpoint_files(ckpt) == ["config.json", "model.safetensors", "recipe.yaml",
+                                      "target_adapter/adapter_config.json",
+                                      "target_adapter/sub/adapter_model.safetensors"]
+    assert "merge it into the base model" in hub_card(ckpt, "me/joint")
+    assert "merge it into the base model" not in hub_card(run_dir / "final", "me/plain")
