@@ -131,9 +131,13 @@ def data(
         prepare_data(rec, target, log=log, progress=make)
 
 
-def _resolve_checkpoint(path: Path) -> Path:
+def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
+    from .hub import looks_like_hub_id, pull_checkpoint
     from .train import checkpoints
 
+    if allow_hub and looks_like_hub_id(str(path)):  # no such local path: a pushed drafter's namespace/name
+        log(f"{path}: no such local directory; downloading it from the Hugging Face Hub")
+        return pull_checkpoint(str(path))
     if (path / "config.json").is_file():
         return path
     if (path / "final" / "config.json").is_file():
@@ -147,7 +151,8 @@ def _resolve_checkpoint(path: Path) -> Path:
 @app.command("eval")
 @_user_errors
 def eval_cmd(
-    checkpoint: Path = typer.Argument(..., help="drafter checkpoint (or a run directory: uses final/)"),
+    checkpoint: Path = typer.Argument(..., help="drafter checkpoint, a run directory (uses final/), or a "
+                                      "pushed drafter's Hub id (namespace/name)"),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="data source of prompts (default: the "
                                           "recipe's held-out prompts)"),
     k: Optional[int] = typer.Option(None, "-k", "--num-speculative-tokens", help="drafts per step (K)"),
@@ -250,7 +255,7 @@ def push(
     """Upload the drafter (config.json + model.safetensors, vLLM's format) with a model card to the Hub."""
     from .hub import push_checkpoint
 
-    push_checkpoint(_resolve_checkpoint(checkpoint), repo_id, private=private, token=token, revision=revision,
+    push_checkpoint(_resolve_checkpoint(checkpoint, allow_hub=False), repo_id, private=private, token=token, revision=revision,
                     commit_message=message, dry_run=dry_run, log=log)
 
 

@@ -28,6 +28,28 @@ CARD_NAME = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def pull_checkpoint(repo_id: str, *, revision: str | None = None, token: str | None = None) -> Path:
+    """Download a pushed drafter from the Hub (``snapshot_download``, cached) and return its local directory.
+
+    Raises:
+        SpeculatorsError: the download fails (unknown repo, no access, offline), or what arrived is not a
+            drafter checkpoint.
+    """
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, token=token, repo_type="model"))
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many error types (HTTP, auth, offline)
+        raise SpeculatorsError(f"download of {repo_id} failed: {type(e).__name__}: {e}".splitlines()[0]) from None
+    checkpoint_files(path)
+    return path
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """``namespace/name`` with Hub-legal characters (a local path that exists is never treated as one)."""
+    return bool(_HUB_ID.match(text)) and not Path(text).exists()
+
+
 def checkpoint_files(ckpt: str | Path) -> list[str]:
     """Paths (relative to ``ckpt``, sorted, ``/``-separated) of the files a push uploads.
 

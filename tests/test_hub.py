@@ -149,3 +149,28 @@ def test_joint_checkpoint_ships_its_target_adapter(run_dir, tmp_path):
                                       "target_adapter/sub/adapter_model.safetensors"]
     assert "merge it into the base model" in hub_card(ckpt, "me/joint")
     assert "merge it into the base model" not in hub_card(run_dir / "final", "me/plain")
+
+
+def test_eval_accepts_a_pushed_drafters_hub_id(run_dir, monkeypatch, tmp_path):
+    from speculators import cli
+
+    asked = []
+
+    def fake_download(repo_id, **kw):
+        asked.append((repo_id, kw))
+        return str(run_dir / "final")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.chdir(tmp_path)  # no local "me/tiny-eagle3"
+    assert cli._resolve_checkpoint(Path("me/tiny-eagle3")) == run_dir / "final"
+    assert asked == [("me/tiny-eagle3", {"revision": None, "token": None, "repo_type": "model"})]
+    assert cli._resolve_checkpoint(run_dir) == run_dir / "final" and len(asked) == 1  # local paths stay local
+    with pytest.raises(SpeculatorsError, match="neither a drafter checkpoint"):
+        cli._resolve_checkpoint(Path("me/tiny-eagle3"), allow_hub=False)  # push never downloads
+
+    def offline(repo_id, **kw):
+        raise OSError("offline mode is enabled")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    res = runner.invoke(app, ["eval", "me/other"])
+    assert res.exit_code == 2 and "error: download of me/other failed: OSError: offline mode" in res.output
