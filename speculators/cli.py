@@ -176,6 +176,9 @@ def eval_cmd(
     from .recipe import recipe_from_dict
     from .target import Target
 
+    from .hub import looks_like_hub_id
+
+    from_hub = looks_like_hub_id(str(checkpoint))
     ckpt = _resolve_checkpoint(checkpoint)
     drafter = Drafter.from_pretrained(ckpt)
     rec_file = ckpt / "recipe.yaml"
@@ -230,7 +233,9 @@ def eval_cmd(
     report["target"] = {"name_or_path": target.name_or_path, "fingerprint": target.fingerprint,
                         "adapter": None if drafter.target_adapter_dir is None else str(drafter.target_adapter_dir)}
     report["prompts"] = label
-    out = output or ckpt.parent / f"eval-k{k}-t{sampling.temperature:g}"
+    # a pulled drafter lives in the Hub cache: its reports go under ./outputs/hub/ instead
+    base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
+    out = output or base / f"eval-k{k}-t{sampling.temperature:g}"
     write_report(report, out, title=f"speculators eval: {ckpt}")
     _print_report(report)
     log(f"report written to {out}/report.json and report.md")

@@ -1,57 +1,36 @@
-"""Push a trained drafter checkpoint to the Hugging Face Hub, in the layout vLLM loads.
+"""Push a trained drafter checkpoint to the Hugging Face Hub (and pull one back), with ``huggingface_hub``.
 
-``speculators push CHECKPOINT REPO_ID`` uploads, with ``huggingface_hub``, only what serving needs:
-``config.json`` and ``model.safetensors`` (the vllm-project/speculators format, or vLLM's native Medusa
-layout, as written by ``save_pretrained``), ``recipe.yaml`` (how it was trained), a joint run's
-``target_adapter/`` (the verifier is the base target with this LoRA merged), and a Hub model card
-(``README.md``). Trainer state and optimizer files in ``checkpoints/step-*`` never leave the machine.
+``speculators push CHECKPOINT REPO_ID`` uploads only what serving needs, in one commit:
 
-The model card is the run's own card (``final/README.md``) below a YAML header (``base_model``,
-``library_name``, tags), a ``vllm serve`` command for the family, and every acceptance report that
-``speculators eval`` wrote beside the checkpoint (``eval-*/report.md``).
+* ``config.json`` and ``model.safetensors`` as ``save_pretrained`` wrote them (the vllm-project/speculators
+  format, or vLLM's native Medusa layout);
+* ``recipe.yaml`` (how it was trained; it names the data sources, local paths included);
+* a joint run's ``target_adapter/`` (the verifier is the base target with this LoRA merged);
+* a Hub model card ``README.md`` (:func:`hub_card`).
+
+Trainer and optimizer state (``checkpoints/step-*/trainer_state.pt``) never leave the machine, and remote
+files the new commit does not contain are deleted in the same commit, so the repo always holds exactly
+one checkpoint. ``speculators eval NAMESPACE/NAME`` pulls a pushed drafter back (:func:`pull_checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .drafters import registry
 from .drafters.base import CONFIG_NAME, RECIPE_NAME, TRAINING_KEY, WEIGHTS_NAME
 from .drafters.joint import ADAPTER_DIR
 from .errors import SpeculatorsError
 
 CARD_NAME = "README.md"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def pull_checkpoint(repo_id: str, *, revision: str | None = None, token: str | None = None) -> Path:
-    """Download a pushed drafter from the Hub (``snapshot_download``, cached) and return its local directory.
-
-    Raises:
-        SpeculatorsError: the download fails (unknown repo, no access, offline), or what arrived is not a
-            drafter checkpoint.
-    """
-    from huggingface_hub import snapshot_download
-
-    try:
-        path = Path(snapshot_download(repo_id, revision=revision, token=token, repo_type="model"))
-    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many error types (HTTP, auth, offline)
-        raise SpeculatorsError(f"download of {repo_id} failed: {type(e).__name__}: {e}".splitlines()[0]) from None
-    checkpoint_files(path)
-    return path
-
-
-def looks_like_hub_id(text: str) -> bool:
-    """``namespace/name`` with Hub-legal characters (a local path that exists is never treated as one)."""
-    return bool(_HUB_ID.match(text)) and not Path(text).exists()
+KEEP_REMOTE = (".gitattributes",)
 
 
 def checkpoint_files(ckpt: str | Path) -> list[str]:
-    """Paths (relative to ``ckpt``, sorted, ``/``-separated) of the files a push uploads.
+    """Paths (relative to ``ckpt``, sorted, ``/``-separated) of the checkpoint files a push uploads.
 
     The run's ``README.md`` is not listed: the push writes a Hub card in its place (:func:`hub_card`).
 
@@ -78,62 +57,65 @@ def _read_config(ckpt: Path) -> dict:
         cfg = json.loads((ckpt / CONFIG_NAME).read_text())
     except json.JSONDecodeError as e:
         raise SpeculatorsError(f"{ckpt / CONFIG_NAME}: not valid JSON ({e})") from None
-    if TRAINING_KEY not in cfg:
+    if not isinstance(cfg, dict) or TRAINING_KEY not in cfg:
         raise SpeculatorsError(f"{ckpt / CONFIG_NAME}: no {TRAINING_KEY!r} block; not written by speculators")
     return cfg
 
 
 def _facts(cfg: dict) -> dict:
-    """Family, verifier, K and aux-layer facts of a checkpoint config, for the card."""
+    """Family, verifier, K and adapter of a checkpoint config (any export layout)."""
     training = cfg[TRAINING_KEY]
-    verifier = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or \
-        training.get("target", {}).get("name_or_path", "?")
-    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    k = methods[0].get("speculative_tokens") or cfg.get("num_heads") or training["drafter"].get("num_heads")
+    drafter = training.get("drafter", {})
+    spec = cfg.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
     return {
-        "algorithm": training["drafter"].get("algorithm", "?"),
-        "verifier": verifier,
-        "k": k,
-        "adapter": (cfg.get("speculators_config") or {}).get("verifier", {}).get("lora_adapter"),
+        "algorithm": drafter.get("algorithm", "?"),
+        "verifier": spec.get("verifier", {}).get("name_or_path") or training.get("target", {}).get("name_or_path", "?"),
+        "k": methods[0].get("speculative_tokens") or cfg.get("num_heads") or drafter.get("num_heads"),
+        "adapter": training.get("target_adapter"),
     }
 
 
 def hub_card(ckpt: str | Path, repo_id: str) -> str:
-    """The Hub ``README.md`` for checkpoint ``ckpt`` pushed as ``repo_id`` (markdown with a YAML header).
+    """The Hub ``README.md`` for checkpoint ``ckpt`` pushed as ``repo_id`` (markdown with a metadata header).
+
+    Header: ``huggingface_hub.ModelCardData`` (``library_name``, tags, ``base_model`` when the verifier is
+    a Hub id). Body: how vLLM serves it (``vllm serve VERIFIER --speculative-config {...}`` with the
+    family's ``method`` from :meth:`Drafter.vllm_serving`, or why it cannot yet), the LoRA note of a joint
+    run, the run's own card (``README.md`` in ``ckpt``) and every ``eval-*/report.md`` beside ``ckpt``.
 
     Raises:
         SpeculatorsError: as :func:`checkpoint_files`.
     """
+    from huggingface_hub import ModelCardData
+
     ckpt = Path(ckpt)
     checkpoint_files(ckpt)
-    facts = _facts(_read_config(ckpt))
-    algo, verifier, k = facts["algorithm"], facts["verifier"], facts["k"]
-    header = ["---", "library_name: speculators", "tags:", "- speculative-decoding", f"- {algo}", "- speculators"]
-    if _HUB_ID.match(str(verifier)):
-        header.append(f"base_model: {verifier}")
-    header.append("---")
-    spec = json.dumps({"model": repo_id, "num_speculative_tokens": k, "method": algo})
-    lines = header + [
-        "",
-        f"# {repo_id}",
-        "",
-        (f"Speculative-decoding drafter (`{algo}`) for `{verifier}`, trained with speculators on responses "
-         f"regenerated by that model. The drafter proposes {k} tokens per step and the verifier checks them "
-         "by rejection sampling, so the output distribution is the verifier's own."),
-        "",
-        "## Serve with vLLM",
-        "",
-        "```bash",
-        f"vllm serve {verifier} --speculative-config '{spec}'",
-        "```",
-        "",
+    cfg = _read_config(ckpt)
+    facts = _facts(cfg)
+    algo, verifier, k = facts["algorithm"], str(facts["verifier"]), facts["k"]
+    data = ModelCardData(library_name="speculators", tags=["speculative-decoding", algo, "speculators"],
+                         base_model=verifier if _is_hub_id(verifier) and not Path(verifier).exists() else None)
+    try:
+        method, why_not = registry.get(algo).vllm_serving(cfg)
+    except Exception:  # noqa: BLE001 - an unknown family in a foreign config: say nothing about serving
+        method, why_not = None, f"unknown family `{algo}`"
+    lines = [
+        "---", data.to_yaml(), "---", "",
+        f"# {repo_id}", "",
+        (f"Speculative-decoding drafter (`{algo}`) for `{verifier}`, trained with speculators. It proposes "
+         f"{k} tokens per step; the verifier accepts or rejects them by rejection sampling, so the output "
+         "distribution is the verifier's own."),
+        "", "## Serving", "",
     ]
+    if method is not None:
+        spec = json.dumps({"model": repo_id, "num_speculative_tokens": k, "method": method})
+        lines += ["With vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```", ""]
+    else:
+        lines += [f"Not loadable by vLLM as written: {why_not}.", ""]
     if facts["adapter"]:
-        lines += [
-            (f"This drafter was trained jointly with a LoRA adapter on the verifier (`{facts['adapter']}/`): "
-             "merge it into the base model and serve the merged model as the verifier."),
-            "",
-        ]
+        lines += [(f"Trained jointly with a LoRA adapter on the verifier (`{facts['adapter']}/`): merge it into "
+                   "the base model and serve the merged model as the verifier."), ""]
     run_card = ckpt / CARD_NAME
     if run_card.is_file():
         lines += ["## Training run", "", _demote(run_card.read_text()).strip(), ""]
@@ -147,6 +129,54 @@ def _demote(markdown: str) -> str:
     return re.sub(r"^(#+) ", lambda m: "##" + m.group(1) + " ", markdown, flags=re.MULTILINE)
 
 
+def _is_hub_id(text: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if text.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """True for a valid Hub ``namespace/name`` that is not a local path.
+
+    Not when ``text`` exists locally, nor when its first component is an existing local directory (a
+    mistyped ``outputs/run`` stays a local-path error instead of a download attempt).
+    """
+    return _is_hub_id(text) and not Path(text).exists() and not Path(text.split("/")[0]).is_dir()
+
+
+def pull_checkpoint(repo_id: str, *, revision: str | None = None, token: str | None = None) -> Path:
+    """Download a pushed drafter (cached in huggingface_hub's cache) and return its local directory.
+
+    ``config.json`` is fetched first and checked, so a repo that is not a speculators drafter fails before
+    its weights are downloaded; then only the files a push writes (:func:`checkpoint_files`, the card).
+
+    Raises:
+        SpeculatorsError: the download fails (unknown repo, no access, offline), or the repo is not a
+            speculators drafter checkpoint.
+    """
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    try:
+        cfg_path = Path(hf_hub_download(repo_id, CONFIG_NAME, revision=revision, token=token, repo_type="model"))
+        _read_config(cfg_path.parent)
+        path = Path(snapshot_download(
+            repo_id, revision=revision, token=token, repo_type="model",
+            allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, RECIPE_NAME, CARD_NAME, f"{ADAPTER_DIR}/*"],
+        ))
+    except SpeculatorsError as e:
+        raise SpeculatorsError(f"{repo_id} on the Hub: {e}") from None
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many error types (HTTP, auth, offline)
+        raise SpeculatorsError(f"download of {repo_id} failed: {type(e).__name__}: {e}".splitlines()[0]) from None
+    checkpoint_files(path)
+    return path
+
+
 def push_checkpoint(
     ckpt: str | Path,
     repo_id: str,
@@ -158,56 +188,62 @@ def push_checkpoint(
     dry_run: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Upload a drafter checkpoint to the Hub model repo ``repo_id`` (created if missing).
+    """Upload a drafter checkpoint to the Hub model repo ``repo_id`` in one commit.
 
-    Files (:func:`checkpoint_files`) and the generated card (:func:`hub_card`) are staged in a temporary
-    directory, then sent in one commit with ``HfApi.upload_folder``; the checkpoint itself is not
-    modified. ``token=None`` uses huggingface_hub's own lookup (``HF_TOKEN``, ``hf auth login``).
+    The repo is created if missing (``private`` applies then; an existing public repo is refused with
+    ``private=True`` rather than silently left public). ``revision`` names a branch, created from the
+    default branch if missing. The files (:func:`checkpoint_files`) are sent from ``ckpt`` as they are
+    (no copy), the card (:func:`hub_card`) from memory, and remote files outside that set are deleted
+    in the same commit. ``token=None`` uses huggingface_hub's lookup (``HF_TOKEN``, ``hf auth login``).
 
     Returns:
-        ``{"repo_id", "files": [uploaded paths], "url": commit URL or None (dry run)}``.
+        ``{"repo_id", "files": [paths in the commit], "deleted": [remote paths removed], "url": commit URL
+        or None (dry run)}``.
 
     Raises:
-        SpeculatorsError: not a checkpoint (:func:`checkpoint_files`), an invalid ``repo_id``, or any
-            Hub failure (authentication, network, permissions), with the Hub's message.
+        SpeculatorsError: not a checkpoint (:func:`checkpoint_files`), an invalid ``repo_id``, an
+            existing public repo with ``private=True``, or any Hub failure (authentication, network,
+            permissions), with the Hub's message.
     """
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     ckpt = Path(ckpt)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise SpeculatorsError(f"repo id {repo_id!r}: {e}") from None
-    if "/" not in repo_id:
-        raise SpeculatorsError(f"repo id {repo_id!r}: expected 'namespace/name'")
+    if not _is_hub_id(repo_id):
+        raise SpeculatorsError(f"repo id {repo_id!r}: expected 'namespace/name' (letters, digits, '-', '_', '.')")
     files = checkpoint_files(ckpt)
     card = hub_card(ckpt, repo_id)
     uploaded = sorted(files + [CARD_NAME])
     size = sum((ckpt / f).stat().st_size for f in files) + len(card.encode())
     note = ", dry run: nothing is sent" if dry_run else ""
-    log(f"push: {ckpt} -> {repo_id} ({len(uploaded)} files, {size / 1e6:.1f} MB{note})")
+    log(f"push: {ckpt} -> {repo_id}{'@' + revision if revision else ''} ({len(uploaded)} files, "
+        f"{size / 1e6:.1f} MB{note})")
     for f in uploaded:
         log(f"  {f}")
     if dry_run:
-        return {"repo_id": repo_id, "files": uploaded, "url": None}
+        return {"repo_id": repo_id, "files": uploaded, "deleted": [], "url": None}
     api = HfApi(token=token)
-    with tempfile.TemporaryDirectory(prefix="speculators-push-") as tmp:
-        stage = Path(tmp)
-        for f in files:
-            dst = stage / f
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ckpt / f, dst)
-        (stage / CARD_NAME).write_text(card)
-        try:
-            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-            info = api.upload_folder(
-                folder_path=str(stage), repo_id=repo_id, repo_type="model", revision=revision,
-                commit_message=commit_message or f"Upload {_facts(_read_config(ckpt))['algorithm']} drafter "
-                "(speculators)",
-            )
-        except Exception as e:  # noqa: BLE001 - huggingface_hub raises many error types (HTTP, auth, offline)
-            raise SpeculatorsError(f"push to {repo_id} failed: {type(e).__name__}: {e}".splitlines()[0]) from None
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if private and not api.repo_info(repo_id, repo_type="model").private:
+            raise SpeculatorsError(f"{repo_id} already exists and is public; --private only applies to a new repo "
+                                   "(change its visibility on the Hub first)")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        stale = sorted(set(api.list_repo_files(repo_id, revision=revision, repo_type="model"))
+                       - set(uploaded) - set(KEEP_REMOTE))
+        ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=ckpt / f) for f in files]
+        ops.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card.encode()))
+        ops += [CommitOperationDelete(path_in_repo=f) for f in stale]
+        info = api.create_commit(
+            repo_id, ops, repo_type="model", revision=revision,
+            commit_message=commit_message or f"Upload {_facts(_read_config(ckpt))['algorithm']} drafter (speculators)",
+        )
+    except SpeculatorsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many error types (HTTP, auth, offline)
+        raise SpeculatorsError(f"push to {repo_id} failed: {type(e).__name__}: {e}".splitlines()[0]) from None
     url = getattr(info, "commit_url", None) or str(info)
+    for f in stale:
+        log(f"  deleted stale {f}")
     log(f"push: done {url}")
-    return {"repo_id": repo_id, "files": uploaded, "url": url}
+    return {"repo_id": repo_id, "files": uploaded, "deleted": stale, "url": url}

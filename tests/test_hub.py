@@ -46,20 +46,43 @@ def _digest(path: Path) -> dict[str, str]:
 
 
 class FakeApi:
-    """Records what ``push_checkpoint`` sends; the uploaded folder is copied before it is deleted."""
+    """An in-memory Hub: repos with visibility, branches and files; records every call."""
 
     calls: list = []
+    repos: dict = {}  # repo_id -> {"private": bool, "branches": {name: {path: bytes}}}
 
     def __init__(self, token=None):
         FakeApi.calls.append(("init", token))
 
-    def create_repo(self, repo_id, **kw):
-        FakeApi.calls.append(("create_repo", repo_id, kw))
+    def create_repo(self, repo_id, *, private=False, exist_ok=False, repo_type=None):
+        FakeApi.calls.append(("create_repo", repo_id, {"private": private, "exist_ok": exist_ok}))
+        FakeApi.repos.setdefault(repo_id, {"private": private, "branches": {"main": {".gitattributes": b"*"}}})
 
-    def upload_folder(self, *, folder_path, repo_id, **kw):
-        folder = Path(folder_path)
-        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-        FakeApi.calls.append(("upload_folder", repo_id, kw, files))
+    def repo_info(self, repo_id, repo_type=None):
+        class Info:
+            private = FakeApi.repos[repo_id]["private"]
+        return Info()
+
+    def create_branch(self, repo_id, *, branch, exist_ok=False, repo_type=None):
+        FakeApi.calls.append(("create_branch", repo_id, branch))
+        branches = FakeApi.repos[repo_id]["branches"]
+        branches.setdefault(branch, dict(branches["main"]))
+
+    def list_repo_files(self, repo_id, *, revision=None, repo_type=None):
+        return sorted(FakeApi.repos[repo_id]["branches"][revision or "main"])
+
+    def create_commit(self, repo_id, operations, *, commit_message, repo_type=None, revision=None):
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        files = FakeApi.repos[repo_id]["branches"][revision or "main"]
+        for op in operations:
+            if isinstance(op, CommitOperationAdd):
+                src = op.path_or_fileobj
+                files[op.path_in_repo] = src if isinstance(src, bytes) else Path(src).read_bytes()
+            else:
+                assert isinstance(op, CommitOperationDelete)
+                del files[op.path_in_repo]
+        FakeApi.calls.append(("create_commit", repo_id, revision, commit_message))
 
         class Info:
             commit_url = f"https://huggingface.co/{repo_id}/commit/abc123"
@@ -68,7 +91,7 @@ class FakeApi:
 
 @pytest.fixture()
 def fake_hub(monkeypatch):
-    FakeApi.calls = []
+    FakeApi.calls, FakeApi.repos = [], {}
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     return FakeApi
 
@@ -92,22 +115,42 @@ def test_card_header_serving_command_run_card_and_reports(run_dir):
     assert "## Acceptance: `eval-k4-t0`" in card and "| drafter | 1.234 |" in card
 
 
-def test_push_uploads_staged_files_and_card_in_one_commit(run_dir, fake_hub):
+def test_push_uploads_files_and_card_in_one_commit(run_dir, fake_hub):
     before = _digest(run_dir)
     res = push_checkpoint(run_dir / "final", "me/tiny-eagle3", private=True, token="hf_x", log=lambda m: None)
     assert res["url"] == "https://huggingface.co/me/tiny-eagle3/commit/abc123"
-    kinds = [c[0] for c in fake_hub.calls]
-    assert kinds == ["init", "create_repo", "upload_folder"]
+    assert [c[0] for c in fake_hub.calls] == ["init", "create_repo", "create_commit"]
     assert fake_hub.calls[0][1] == "hf_x"
-    assert fake_hub.calls[1][2]["private"] is True and fake_hub.calls[1][2]["exist_ok"] is True
-    _, repo, kw, files = fake_hub.calls[2]
-    assert repo == "me/tiny-eagle3" and kw["repo_type"] == "model"
-    assert sorted(files) == ["README.md", "config.json", "model.safetensors", "recipe.yaml"] == res["files"]
+    assert fake_hub.calls[1][2] == {"private": True, "exist_ok": True}
+    assert fake_hub.calls[2][3] == "Upload eagle3 drafter (speculators)"
+    files = fake_hub.repos["me/tiny-eagle3"]["branches"]["main"]
+    assert sorted(files) == [".gitattributes", "README.md", "config.json", "model.safetensors", "recipe.yaml"]
+    assert res["files"] == sorted(set(files) - {".gitattributes"})
     final = run_dir / "final"
     for name in ("config.json", "model.safetensors", "recipe.yaml"):
         assert files[name] == (final / name).read_bytes()
     assert files["README.md"].decode() == hub_card(final, "me/tiny-eagle3")
     assert _digest(run_dir) == before  # the checkpoint is untouched
+
+
+def test_repush_replaces_stale_files_and_branches_are_created(run_dir, fake_hub, tmp_path):
+    import shutil
+
+    joint = tmp_path / "joint"
+    shutil.copytree(run_dir / "final", joint)
+    (joint / "target_adapter").mkdir()
+    (joint / "target_adapter" / "adapter_config.json").write_text("{}")
+    push_checkpoint(joint, "me/d", log=lambda m: None)
+    assert "target_adapter/adapter_config.json" in fake_hub.repos["me/d"]["branches"]["main"]
+    res = push_checkpoint(run_dir / "final", "me/d", log=lambda m: None)  # the adapter is gone now
+    assert res["deleted"] == ["target_adapter/adapter_config.json"]
+    assert sorted(fake_hub.repos["me/d"]["branches"]["main"]) == [".gitattributes"] + res["files"]
+    res = push_checkpoint(run_dir / "final", "me/d", revision="k8", commit_message="K=8", log=lambda m: None)
+    assert ("create_branch", "me/d", "k8") in fake_hub.calls
+    assert fake_hub.calls[-1] == ("create_commit", "me/d", "k8", "K=8")
+    # an existing public repo is not silently kept public under --private
+    with pytest.raises(SpeculatorsError, match="already exists and is public"):
+        push_checkpoint(run_dir / "final", "me/d", private=True, log=lambda m: None)
 
 
 def test_cli_push_dry_run_contacts_nothing(run_dir, fake_hub):
@@ -139,7 +182,7 @@ def test_joint_checkpoint_ships_its_target_adapter(run_dir, tmp_path):
     ckpt = tmp_path / "joint"
     shutil.copytree(run_dir / "final", ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["speculators_config"]["verifier"]["lora_adapter"] = "target_adapter"
+    cfg["speculators_training"]["target_adapter"] = "target_adapter"  # as save_pretrained writes it
     (ckpt / "config.json").write_text(json.dumps(cfg))
     (ckpt / "target_adapter" / "sub").mkdir(parents=True)
     (ckpt / "target_adapter" / "adapter_config.json").write_text("{}")
@@ -156,21 +199,61 @@ def test_eval_accepts_a_pushed_drafters_hub_id(run_dir, monkeypatch, tmp_path):
 
     asked = []
 
-    def fake_download(repo_id, **kw):
-        asked.append((repo_id, kw))
+    def fake_file(repo_id, filename, **kw):
+        asked.append(("file", repo_id, filename))
+        return str(run_dir / "final" / filename)
+
+    def fake_snapshot(repo_id, **kw):
+        asked.append(("snapshot", repo_id, sorted(kw["allow_patterns"])))
         return str(run_dir / "final")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_file)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
     monkeypatch.chdir(tmp_path)  # no local "me/tiny-eagle3"
     assert cli._resolve_checkpoint(Path("me/tiny-eagle3")) == run_dir / "final"
-    assert asked == [("me/tiny-eagle3", {"revision": None, "token": None, "repo_type": "model"})]
-    assert cli._resolve_checkpoint(run_dir) == run_dir / "final" and len(asked) == 1  # local paths stay local
+    assert asked == [("file", "me/tiny-eagle3", "config.json"),  # checked before any weights are fetched
+                     ("snapshot", "me/tiny-eagle3",
+                      ["README.md", "config.json", "model.safetensors", "recipe.yaml", "target_adapter/*"])]
+    assert cli._resolve_checkpoint(run_dir) == run_dir / "final" and len(asked) == 2  # local paths stay local
     with pytest.raises(SpeculatorsError, match="neither a drafter checkpoint"):
         cli._resolve_checkpoint(Path("me/tiny-eagle3"), allow_hub=False)  # push never downloads
+    (tmp_path / "outputs").mkdir()
+    with pytest.raises(SpeculatorsError, match="neither a drafter checkpoint"):
+        cli._resolve_checkpoint(Path("outputs/rnu"))  # a typo under an existing local folder stays local
 
-    def offline(repo_id, **kw):
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(SpeculatorsError, match="me/llama on the Hub: .*not written by speculators"):
+        cli._resolve_checkpoint(Path("me/llama"))
+    assert len(asked) == 2  # no snapshot of a repo that is not a drafter
+
+    def offline(repo_id, filename, **kw):
         raise OSError("offline mode is enabled")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     res = runner.invoke(app, ["eval", "me/other"])
     assert res.exit_code == 2 and "error: download of me/other failed: OSError: offline mode" in res.output
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "eagle", "medusa", "medusa-speculators-export", "mtp"])
+def test_card_serving_line_per_family(algo, run_dir, tmp_path):
+    import json
+    import shutil
+
+    ckpt = tmp_path / algo
+    shutil.copytree(run_dir / "final", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["speculators_training"]["drafter"]["algorithm"] = algo.split("-")[0]
+    cfg["speculators_training"]["target"]["name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    del cfg["speculators_config"]
+    cfg["num_heads"] = 3
+    if algo == "medusa":
+        cfg["model_type"] = "medusa"  # export: vllm-medusa
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    card = hub_card(ckpt, "me/x")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card.split("---")[1]
+    if algo in ("eagle3", "medusa"):
+        assert ("vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config "
+                f'\'{{"model": "me/x", "num_speculative_tokens": 3, "method": "{algo}"}}\'') in card
+    else:
+        assert "vllm serve" not in card and "Not loadable by vLLM as written" in card

@@ -351,6 +351,16 @@ class Drafter(nn.Module):
         """``config.json`` in the format vLLM loads (FORMATS.md)."""
         raise NotImplementedError
 
+    @classmethod
+    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
+        """How vLLM serves a checkpoint of this family whose ``config.json`` is ``config``.
+
+        Returns ``(method, note)``: ``method`` is the ``--speculative-config`` ``"method"`` vLLM accepts
+        for this layout, or ``None`` when vLLM cannot load the checkpoint as written (``note`` says why
+        and what to do). Default: not loadable.
+        """
+        return None, f"vLLM has no loader for speculators `{cls.algorithm}` checkpoints"
+
     def speculators_config(self, num_speculative_tokens: int) -> dict[str, Any]:
         """The ``speculators_config`` block of the vllm-project/speculators format (FORMATS.md):
         algorithm, greedy proposal method with ``speculative_tokens`` (vLLM's

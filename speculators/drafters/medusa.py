@@ -97,6 +97,13 @@ class MedusaDrafter(Drafter):
     algorithm = "medusa"
     config_class = MedusaConfig
 
+    @classmethod
+    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
+        """vLLM loads Medusa in its own layout (``export: vllm-medusa``, ``method: medusa``) only."""
+        if config.get("model_type") == "medusa":
+            return "medusa", ""
+        return None, "vLLM loads Medusa heads in its own layout: train with `drafter.export: vllm-medusa`"
+
     def __init__(self, cfg: MedusaConfig, meta: dict[str, Any], draft_vocab_size: int):
         super().__init__(cfg, meta)
         H, V = int(meta["hidden_size"]), int(meta["vocab_size"])
