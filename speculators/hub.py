@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .drafters import registry
 from .drafters.base import CONFIG_NAME, RECIPE_NAME, TRAINING_KEY, WEIGHTS_NAME
