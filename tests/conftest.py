@@ -95,3 +95,27 @@ def batch_for(target, ids, loss_mask=None, lengths=None):
         rows.append({"input_ids": ids[i, :n], "loss_mask": m[:n], "argmax": f.logits[i, :n].argmax(-1),
                      "aux": f.aux[i, :n], "top": f.top[i, :n]})
     return collate(rows), f
+
+
+def cli_train_then_eval(recipe, target_dir, out, *overrides, eval_args=("--temperature", "0")):
+    """``speculators train RECIPE target.model=TARGET_DIR OVERRIDES -o OUT`` then ``speculators eval OUT
+    EVAL_ARGS`` through typer's CliRunner; both must exit 0 and eval must write one ``OUT/eval-*`` report.
+
+    Returns ``(final config.json dict, train_log.jsonl rows, report.json dict)``.
+    """
+    import json
+
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["train", str(recipe), f"target.model={target_dir}", *overrides, "-o", str(out)])
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    r = runner.invoke(app, ["eval", str(out), *eval_args])
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    reports = sorted(out.glob("eval-*/report.json"))
+    assert len(reports) == 1, reports
+    return cfg, log, json.loads(reports[0].read_text())

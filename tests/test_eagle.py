@@ -21,7 +21,7 @@ from speculators.generate import (
     speculative_decode,
 )
 from speculators.target import build_tiny_target
-from conftest import batch_for
+from conftest import batch_for, cli_train_then_eval
 
 V = 96
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle1.yaml"
@@ -381,22 +381,11 @@ def test_sampled_speculative_decoding_runs_and_is_seeded(target):
 
 
 def test_cli_train_then_eval(tiny_target_dir, isolated_cache, tmp_path):
-    from typer.testing import CliRunner
-
-    from speculators.cli import app
-
-    runner = CliRunner()
-    out = tmp_path / "run"
-    r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "-o", str(out)])
-    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
-    cfg = json.loads((out / "final" / "config.json").read_text())
+    cfg, log, rep = cli_train_then_eval(TINY, tiny_target_dir, tmp_path / "run")
     assert cfg["speculators_model_type"] == "eagle"
     assert cfg["speculators_training"]["drafter"]["algorithm"] == "eagle"
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert any("train/full_acc_0" in x and "train/sim_tau" in x for x in log)
     assert any("held_out/loss_feat" in x for x in log)
-    r = runner.invoke(app, ["eval", str(out), "--temperature", "0"])
-    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
-    rep = json.loads((out / "eval-k3-t0" / "report.json").read_text())
+    assert rep["k"] == 3
     assert rep["greedy_mismatches"] == []
     assert 1.0 <= rep["drafter"]["tau"] <= 4.0 and rep["drafter"]["steps"] > 0

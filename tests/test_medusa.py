@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import speculators.drafters.medusa  # noqa: F401  (registers "medusa")
-from speculators.data.dataset import Batch, collate
+from speculators.data.dataset import Batch
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
 from speculators.generate import Sampling, plain_decode, speculative_decode
 from speculators.target import build_tiny_target
-from conftest import batch_for
+from conftest import batch_for, cli_train_then_eval
 
 V = 96
 K = 4
@@ -410,17 +410,11 @@ def test_cli_train_then_eval_both_layouts(tmp_path, isolated_cache, tiny_target_
 
     from speculators.cli import app
 
-    runner = CliRunner()
-    out = tmp_path / "run"
-    r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "-o", str(out)])
-    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
-    cfg = json.loads((out / "final" / "config.json").read_text())
+    cfg, log, rep = cli_train_then_eval(TINY, tiny_target_dir, tmp_path / "run")
     assert cfg["speculators_model_type"] == "medusa"
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert {"train/sim_tau", "train/full_acc_0", "train/loss_3"} <= set(log[0])
-    r = runner.invoke(app, ["eval", str(out), "--temperature", "0"])
-    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
-    rep = json.loads((out / "eval-k3-t0" / "report.json").read_text())
+    assert rep["k"] == 3
+    runner = CliRunner()
     assert rep["greedy_mismatches"] == [] and rep["drafter"]["drafted"] > 0
     assert rep["drafter"]["tokens"] == rep["plain"]["tokens"]
     # vLLM-native layout: trains (data caches warm), checkpoints and evaluates the same way

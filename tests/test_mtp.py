@@ -16,7 +16,7 @@ from speculators.cli import app
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.generate import Sampling, plain_decode, speculative_decode
 from speculators.target import build_tiny_target
-from conftest import batch_for
+from conftest import batch_for, cli_train_then_eval
 
 V = 96
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-mtp.yaml"
@@ -316,17 +316,11 @@ def test_sampled_speculative_decoding_runs_and_is_seeded(target):
 
 
 def test_cli_train_then_eval(tmp_path, isolated_cache, tiny_target_dir):
-    runner = CliRunner()
-    out = tmp_path / "run"
-    r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "-o", str(out)])
-    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
-    cfg = json.loads((out / "final" / "config.json").read_text())
+    cfg, log, rep = cli_train_then_eval(TINY, tiny_target_dir, tmp_path / "run")
     assert cfg["speculators_model_type"] == "mtp" and cfg["num_nextn_predict_layers"] == 2
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert any("train/sim_tau" in x for x in log)
-    r = runner.invoke(app, ["eval", str(out), "--temperature", "0"])
-    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
-    rep = json.loads((out / "eval-k3-t0" / "report.json").read_text())
+    assert rep["k"] == 3
+    runner = CliRunner()
     assert rep["greedy_mismatches"] == []
     assert 1.0 <= rep["drafter"]["tau"] <= 4.0 and rep["drafter"]["tokens"] == rep["plain"]["tokens"]
     r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "drafter.joint=true",

@@ -351,15 +351,20 @@ class Drafter(nn.Module):
         """``config.json`` in the format vLLM loads (FORMATS.md)."""
         raise NotImplementedError
 
+    vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
+    vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
+
     @classmethod
     def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
         """How vLLM serves a checkpoint of this family whose ``config.json`` is ``config``.
 
         Returns ``(method, note)``: ``method`` is the ``--speculative-config`` ``"method"`` vLLM accepts
         for this layout, or ``None`` when vLLM cannot load the checkpoint as written (``note`` says why
-        and what to do). Default: not loadable.
+        and what to do). Default: the class's ``vllm_method`` / ``vllm_note``.
         """
-        return None, f"vLLM has no loader for speculators `{cls.algorithm}` checkpoints"
+        if cls.vllm_method is not None:
+            return cls.vllm_method, ""
+        return None, cls.vllm_note or f"vLLM has no loader for speculators `{cls.algorithm}` checkpoints"
 
     def speculators_config(self, num_speculative_tokens: int) -> dict[str, Any]:
         """The ``speculators_config`` block of the vllm-project/speculators format (FORMATS.md):

@@ -90,12 +90,8 @@ class EagleDrafter(Drafter):
 
     algorithm = "eagle"
     config_class = EagleConfig
-
-    @classmethod
-    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
-        """Not loadable as written: vLLM's EAGLE-1 path reads EAGLE's own config, not a speculators one."""
-        return None, ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
-                      "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
+    vllm_note = ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
+                 "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
 
     def __init__(self, cfg: EagleConfig, meta: dict[str, Any]):
         super().__init__(cfg, meta)

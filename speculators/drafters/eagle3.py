@@ -84,11 +84,7 @@ class Eagle3Drafter(Drafter):
 
     algorithm = "eagle3"
     config_class = Eagle3Config
-
-    @classmethod
-    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
-        """vLLM loads speculators ``eagle3`` checkpoints (``method: eagle3``)."""
-        return "eagle3", ""
+    vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
 
     def __init__(self, cfg: Eagle3Config, meta: dict[str, Any], draft_vocab_size: int):
         super().__init__(cfg, meta)

@@ -190,12 +190,8 @@ class MTPDrafter(Drafter):
 
     algorithm = "mtp"
     config_class = MTPConfig
-
-    @classmethod
-    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
-        """Not loadable as written (module docstring: vLLM's MTP expects a DeepSeek block)."""
-        return None, ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
-                      "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
+    vllm_note = ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
+                 "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
 
     def __init__(self, cfg: MTPConfig, meta: dict[str, Any]):
         super().__init__(cfg, meta)
