@@ -28,7 +28,9 @@ normalises all K + 1 rows of a request; the vectorised path only the ``1 + acc``
 or sample reads. Greedy needs no exponent at all (block-wise argmax, memory-bound), and point-mass
 drafts here are rejected at the first position, so those rows show the removed Python overhead;
 with draft probs at ``acc ~ 1.8`` of K = 8 the arithmetic alone caps the ratio near
-``(K + 1) / (1 + acc) ~ 3.2`` times the loop's per-row cost over ours. Calls use validate=False (hot-loop mode) unless --validate.
+``(K + 1) / (1 + acc) ~ 3.2`` times the loop's per-row cost over ours.
+
+Calls use validate=False (hot-loop mode) unless --validate.
 Times are the best of --repeats calls (the loop: of --loop-repeats), which filters out most preemption
 on a busy machine; ``--clock cpu`` times this process's CPU time instead of wall time (CPU, one thread).
 

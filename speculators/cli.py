@@ -173,10 +173,9 @@ def eval_cmd(
     from .drafters import Drafter
     from .evaluate import run_eval, write_report
     from .generate import Sampling
+    from .hub import looks_like_hub_id
     from .recipe import recipe_from_dict
     from .target import Target
-
-    from .hub import looks_like_hub_id
 
     from_hub = looks_like_hub_id(str(checkpoint))
     ckpt = _resolve_checkpoint(checkpoint)
@@ -260,8 +259,8 @@ def push(
     """Upload the drafter (config.json + model.safetensors, vLLM's format) with a model card to the Hub."""
     from .hub import push_checkpoint
 
-    push_checkpoint(_resolve_checkpoint(checkpoint, allow_hub=False), repo_id, private=private, token=token, revision=revision,
-                    commit_message=message, dry_run=dry_run, log=log)
+    push_checkpoint(_resolve_checkpoint(checkpoint, allow_hub=False), repo_id, private=private, token=token,
+                    revision=revision, commit_message=message, dry_run=dry_run, log=log)
 
 
 def _print_report(report: dict) -> None:

@@ -3,7 +3,7 @@
 ``speculators push CHECKPOINT REPO_ID`` uploads only what serving needs, in one commit:
 
 * ``config.json`` and ``model.safetensors`` as ``save_pretrained`` wrote them (the vllm-project/speculators
-  format, or vLLM's native Medusa layout);
+  format, or a family's own vLLM layout);
 * ``recipe.yaml`` (how it was trained; it names the data sources, local paths included);
 * a joint run's ``target_adapter/`` (the verifier is the base target with this LoRA merged);
 * a Hub model card ``README.md`` (:func:`hub_card`).
@@ -21,7 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .drafters import registry
-from .drafters.base import CONFIG_NAME, RECIPE_NAME, TRAINING_KEY, WEIGHTS_NAME
+from .drafters.base import (
+    CONFIG_NAME,
+    RECIPE_NAME,
+    TRAINING_KEY,
+    WEIGHTS_NAME,
+    read_checkpoint_config,
+)
 from .drafters.joint import ADAPTER_DIR
 from .errors import SpeculatorsError
 
@@ -39,10 +45,7 @@ def checkpoint_files(ckpt: str | Path) -> list[str]:
             a speculators checkpoint config.
     """
     ckpt = Path(ckpt)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (ckpt / name).is_file():
-            raise SpeculatorsError(f"{ckpt} is not a drafter checkpoint: {name} is missing")
-    _read_config(ckpt)
+    read_checkpoint_config(ckpt)
     files = [CONFIG_NAME, WEIGHTS_NAME]
     if (ckpt / RECIPE_NAME).is_file():
         files.append(RECIPE_NAME)
@@ -52,26 +55,20 @@ def checkpoint_files(ckpt: str | Path) -> list[str]:
     return sorted(files)
 
 
-def _read_config(ckpt: Path) -> dict:
-    try:
-        cfg = json.loads((ckpt / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as e:
-        raise SpeculatorsError(f"{ckpt / CONFIG_NAME}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or TRAINING_KEY not in cfg:
-        raise SpeculatorsError(f"{ckpt / CONFIG_NAME}: no {TRAINING_KEY!r} block; not written by speculators")
-    return cfg
-
-
 def _facts(cfg: dict) -> dict:
-    """Family, verifier, K and adapter of a checkpoint config (any export layout)."""
+    """Family (class or ``None`` when unknown), verifier, K and adapter of a checkpoint config (any layout)."""
     training = cfg[TRAINING_KEY]
-    drafter = training.get("drafter", {})
+    algo = training.get("drafter", {}).get("algorithm", "?")
+    try:
+        family = registry.get(algo)
+    except SpeculatorsError:  # a config from a newer or foreign speculators: say nothing family-specific
+        family = None
     spec = cfg.get("speculators_config") or {}
-    methods = spec.get("proposal_methods") or [{}]
     return {
-        "algorithm": drafter.get("algorithm", "?"),
+        "algorithm": algo,
+        "family": family,
         "verifier": spec.get("verifier", {}).get("name_or_path") or training.get("target", {}).get("name_or_path", "?"),
-        "k": methods[0].get("speculative_tokens") or cfg.get("num_heads") or drafter.get("num_heads"),
+        "k": family.speculative_tokens(cfg) if family is not None else None,
         "adapter": training.get("target_adapter"),
     }
 
@@ -91,15 +88,13 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
 
     ckpt = Path(ckpt)
     checkpoint_files(ckpt)
-    cfg = _read_config(ckpt)
+    cfg = read_checkpoint_config(ckpt)
     facts = _facts(cfg)
     algo, verifier, k = facts["algorithm"], str(facts["verifier"]), facts["k"]
     data = ModelCardData(library_name="speculators", tags=["speculative-decoding", algo, "speculators"],
                          base_model=verifier if _is_hub_id(verifier) and not Path(verifier).exists() else None)
-    try:
-        method, why_not = registry.get(algo).vllm_serving(cfg)
-    except Exception:  # noqa: BLE001 - an unknown family in a foreign config: say nothing about serving
-        method, why_not = None, f"unknown family `{algo}`"
+    family = facts["family"]
+    method, why_not = family.vllm_serving(cfg) if family is not None else (None, f"unknown family `{algo}`")
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# {repo_id}", "",
@@ -164,7 +159,7 @@ def pull_checkpoint(repo_id: str, *, revision: str | None = None, token: str | N
 
     try:
         cfg_path = Path(hf_hub_download(repo_id, CONFIG_NAME, revision=revision, token=token, repo_type="model"))
-        _read_config(cfg_path.parent)
+        read_checkpoint_config(cfg_path.parent, require_weights=False)
         path = Path(snapshot_download(
             repo_id, revision=revision, token=token, repo_type="model",
             allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, RECIPE_NAME, CARD_NAME, f"{ADAPTER_DIR}/*"],
@@ -236,7 +231,8 @@ def push_checkpoint(
         ops += [CommitOperationDelete(path_in_repo=f) for f in stale]
         info = api.create_commit(
             repo_id, ops, repo_type="model", revision=revision,
-            commit_message=commit_message or f"Upload {_facts(_read_config(ckpt))['algorithm']} drafter (speculators)",
+            commit_message=commit_message or f"Upload {_facts(read_checkpoint_config(ckpt))['algorithm']} drafter "
+                                          "(speculators)",
         )
     except SpeculatorsError:
         raise

@@ -175,6 +175,15 @@ class Trainer:
         out["step"] = self.step
         return out
 
+    def _held_out_eval(self, prefix: str = "held_out/") -> dict[str, float]:
+        """:meth:`evaluate_held_out`, logged (scalars under ``prefix``, one summary line); ``{}`` without
+        held-out data."""
+        ev = self.evaluate_held_out()
+        if ev:
+            self._log_scalars({k.replace("held_out/", prefix): v for k, v in ev.items() if k != "step"})
+            self.log(f"step {self.step}: held-out " + _summary(ev))
+        return ev
+
     # ------------------------------------------------------------------ loop
     def _log_scalars(self, scalars: dict[str, float]) -> None:
         if self.tb is None:
@@ -202,11 +211,7 @@ class Trainer:
             self.log("resume: no checkpoint found, starting from scratch")
         if self.model.trains_target and self.step == 0:
             # the target changes in this run: record its held-out quality before the first update
-            self.held_out_before = self.evaluate_held_out()
-            if self.held_out_before:
-                self._log_scalars({k.replace("held_out/", "held_out_before/"): v
-                                   for k, v in self.held_out_before.items() if k != "step"})
-                self.log("step 0: held-out " + _summary(self.held_out_before))
+            self.held_out_before = self._held_out_eval(prefix="held_out_before/")
         crash_at = int(os.environ.get("SPECULATORS_TEST_CRASH_AT_STEP", "0"))  # test hook: simulate a kill
         spec = self.spec
         self.drafter.train()
@@ -265,11 +270,7 @@ class Trainer:
                                                    f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
                     progress.update(task, completed=self.step)
                     if self.step % spec.eval_every == 0 or self.step == self.total_steps:
-                        ev = self.evaluate_held_out()
-                        if ev:
-                            self.held_out_last = ev
-                            self._log_scalars({k: v for k, v in ev.items() if k != "step"})
-                            self.log(f"step {self.step}: held-out " + _summary(ev))
+                        self.held_out_last = self._held_out_eval() or self.held_out_last
                     if self.step % spec.checkpoint_every == 0:
                         self.save_checkpoint()
                         if crash_at and self.step >= crash_at:
@@ -287,11 +288,7 @@ class Trainer:
         self.log(f"train: {self.step} steps, {tokens_seen} tokens in {dt:.1f}s "
                  f"({tokens_seen / max(dt, 1e-9):.0f} drafter tokens/s)")
         if self.held_out_last.get("step") != self.step:  # stopped early (max_minutes) or resumed at the end
-            ev = self.evaluate_held_out()
-            if ev:
-                self.held_out_last = ev
-                self._log_scalars({k: v for k, v in ev.items() if k != "step"})
-                self.log(f"step {self.step}: held-out " + _summary(ev))
+            self.held_out_last = self._held_out_eval() or self.held_out_last
         self.save_checkpoint()
         final = self.output_dir / "final"
         card = model_card(self.model, self.recipe, self.step, tokens_seen, dt, self.held_out_before,

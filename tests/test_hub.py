@@ -245,10 +245,12 @@ def test_card_serving_line_per_family(algo, run_dir, tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["speculators_training"]["drafter"]["algorithm"] = algo.split("-")[0]
     cfg["speculators_training"]["target"]["name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    del cfg["speculators_config"]
-    cfg["num_heads"] = 3
-    if algo == "medusa":
-        cfg["model_type"] = "medusa"  # export: vllm-medusa
+    if algo == "medusa":  # export: vllm-medusa, vLLM's own config: no speculators block, K = num_heads
+        del cfg["speculators_config"]
+        cfg["model_type"], cfg["num_heads"] = "medusa", 3
+    else:
+        cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 3
+        del cfg["speculators_config"]["verifier"]  # the verifier then comes from the training block
     (ckpt / "config.json").write_text(json.dumps(cfg))
     card = hub_card(ckpt, "me/x")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card.split("---")[1]

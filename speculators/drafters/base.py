@@ -115,6 +115,30 @@ class DraftVocab:
 _REGISTRY: dict[str, type["Drafter"]] = {}
 
 
+def read_checkpoint_config(path: str | Path, what: str = "", require_weights: bool = True) -> dict[str, Any]:
+    """``config.json`` of the checkpoint directory ``path``, checked to be one written by speculators.
+
+    ``require_weights``: ``model.safetensors`` must sit beside it (a Hub pull checks the config before
+    fetching the weights). ``what`` prefixes the error messages (e.g. ``"train.init_from: "``).
+
+    Raises:
+        SpeculatorsError: a missing ``config.json`` (or ``model.safetensors``), invalid JSON, or no
+            ``speculators_training`` block.
+    """
+    path = Path(path)
+    for name in (CONFIG_NAME, WEIGHTS_NAME) if require_weights else (CONFIG_NAME,):
+        if not (path / name).is_file():
+            raise SpeculatorsError(f"{what}{path} is not a drafter checkpoint: {name} is missing")
+    cfg_file = path / CONFIG_NAME
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpeculatorsError(f"{what}{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or TRAINING_KEY not in raw:
+        raise SpeculatorsError(f"{what}{cfg_file}: no {TRAINING_KEY!r} block; not written by speculators")
+    return raw
+
+
 def register(cls: type["Drafter"]) -> type["Drafter"]:
     """Class decorator: make a family available under ``cls.algorithm``."""
     _REGISTRY[cls.algorithm] = cls
@@ -320,11 +344,7 @@ class Drafter(nn.Module):
                 weights that do not fit.
         """
         path = Path(path)
-        cfg_file = path / CONFIG_NAME
-        if not cfg_file.is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise SpeculatorsError(f"train.init_from: {str(path)!r} is not a drafter checkpoint "
-                                   f"(needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        block = json.loads(cfg_file.read_text()).get(TRAINING_KEY, {})
+        block = read_checkpoint_config(path, what="train.init_from: ")[TRAINING_KEY]
         algo = block.get("drafter", {}).get("algorithm")
         if algo != self.algorithm:
             raise SpeculatorsError(f"train.init_from: {path} is a {algo!r} checkpoint; this recipe trains "
@@ -365,6 +385,13 @@ class Drafter(nn.Module):
         if cls.vllm_method is not None:
             return cls.vllm_method, ""
         return None, cls.vllm_note or f"vLLM has no loader for speculators `{cls.algorithm}` checkpoints"
+
+    @classmethod
+    def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
+        """K (``num_speculative_tokens``) that a checkpoint's ``config.json`` declares: the speculators
+        proposal method's ``speculative_tokens``; ``None`` when the layout does not say."""
+        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        return methods[0].get("speculative_tokens")
 
     def speculators_config(self, num_speculative_tokens: int) -> dict[str, Any]:
         """The ``speculators_config`` block of the vllm-project/speculators format (FORMATS.md):
@@ -461,14 +488,7 @@ class Drafter(nn.Module):
         """
         path = Path(path)
         cfg_file = path / CONFIG_NAME
-        if not cfg_file.is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise SpeculatorsError(f"{path} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise SpeculatorsError(f"{cfg_file}: not valid JSON ({e})") from None
-        if TRAINING_KEY not in raw:
-            raise SpeculatorsError(f"{cfg_file}: no {TRAINING_KEY!r} block; not written by speculators")
+        raw = read_checkpoint_config(path)
         cls = registry.get(raw[TRAINING_KEY].get("drafter", {}).get("algorithm"))
         try:
             cfg = cls.config_class.model_validate(raw[TRAINING_KEY]["drafter"])

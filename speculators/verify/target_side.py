@@ -154,8 +154,6 @@ def row_runs(logits: Tensor, rows: list[int]) -> list[tuple[int, int, Tensor]]:
     return runs
 
 
-
-
 def _balanced_chunks(items: list[int], step: int) -> list[list[int]]:
     """``items`` in the fewest chunks of at most ``step``, of (nearly) equal sizes."""
     if not items:
@@ -196,9 +194,6 @@ class _RowEvaluator:
         self.temps = sampling.temperature.tolist()
         self.viewable = target_logits.dtype == torch.float32 and target_logits.is_contiguous()
 
-    def _runs(self, rows: list[int]) -> list[tuple[int, int, Tensor]]:
-        return row_runs(self.logits, rows)
-
     def rows(self, rows: list[int], reqs: list[int], plain: bool) -> tuple[Tensor, Tensor | None]:
         """``(e [R, V], z [R] or None for z = 1)`` for ``rows`` (request ``reqs[i]``'s parameters)."""
         n = len(rows)
@@ -210,7 +205,7 @@ class _RowEvaluator:
                 c_all = torch.tensor(temps, dtype=torch.float32, device=self.logits.device).reciprocal_().mul_(LOG2E)
             if self.viewable:  # read the rows in place, run by run
                 e = scratch.probs[:n]
-                runs = self._runs(rows)
+                runs = row_runs(self.logits, rows)
             else:
                 idx = torch.tensor(rows, dtype=torch.int64, device=self.logits.device)
                 e = scratch.gather_rows(self.logits, idx)

@@ -190,21 +190,16 @@ def _sample_chunk(
     lo, hi = min(pos_l), max(pos_l)
     restore = None
     if draft_probs is not None and hi >= 0:
-        # w = q - p = -(p - q) exactly; clamped at 0 it is -r. One fused pass per row (no gathered copies).
+        # w = q - p = -(p - q) exactly; clamped at 0 it is -r.
         w_full = _buffer("sample.w", rows, width, p)
         if width > vocab:
             w_full[:, vocab:] = 0.0
         w = w_full[:, :vocab]
-        if sel is None and lo >= 0 and width == vocab:  # every row recovers: gather q, subtract in place
-            torch.index_select(draft_probs, 0, pos, out=w).sub_(p)
-        else:
-            src = range(rows) if sel is None else sel.tolist()
-            for k, (i, j) in enumerate(zip(src, pos_l)):
-                if j >= 0:
-                    torch.sub(draft_probs[j], p[i], out=w[k])
-                else:  # bonus row: r = p - 0
-                    torch.neg(p[i], out=w[k])
-        w.clamp_max_(0.0)
+        torch.index_select(draft_probs, 0, pos.clamp_min(0) if lo < 0 else pos, out=w)
+        if lo < 0:
+            w.index_fill_(0, (pos < 0).nonzero().squeeze(1), 0.0)  # bonus rows: r = p - 0
+        p_rows = p if sel is None else torch.index_select(p, 0, sel, out=_buffer("sample.p", rows, vocab, p))
+        w.sub_(p_rows).clamp_max_(0.0)
         scale = -SAMPLE_SCALE
     else:
         scale = SAMPLE_SCALE
