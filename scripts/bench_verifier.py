@@ -39,6 +39,7 @@ on a busy machine; ``--clock cpu`` times this process's CPU time instead of wall
     python scripts/bench_verifier.py --batch 64 --k 8 --vocab 49152      # the acceptance configuration
     python scripts/bench_verifier.py --batch 64 --k 8 --vocab 49152 --clock cpu   # on a shared machine
     python scripts/bench_verifier.py --device cuda --temperature 0.7 --top-p 0.9
+    python scripts/bench_verifier.py --quick --order eager    # the target side's order (lazy: CPU only)
 """
 
 
@@ -132,6 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-draft-probs", action="store_true", help="same as --draft-probs no")
     ap.add_argument("--draft-noise", type=float, default=1.0, help="std of noise added to target logits for q")
     ap.add_argument("--validate", action="store_true", help="include input validation in the timed calls")
+    ap.add_argument(
+        "--order", choices=["auto", "lazy", "eager"], default="auto",
+        help="rejection_sample(order=...): target-side evaluation order (lazy: CPU only; auto: lazy for large "
+        "CPU inputs)",
+    )
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per vectorised implementation (best)")
     ap.add_argument("--loop-repeats", type=int, default=8, help="timed calls of the loop (best, within ~1 s)")
     ap.add_argument(
@@ -156,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         CLOCK = time.process_time
     if args.no_draft_probs:
         args.draft_probs = "no"
+    if args.order == "lazy" and args.device != "cpu":
+        ap.error("--order lazy needs --device cpu")
     note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth(device, (256 << 20) if device.type == "cpu" else (2 << 30))
     header = (
         f"device={device} threads={torch.get_num_threads()} top_k={args.top_k} top_p={args.top_p} "
-        f"validate={args.validate} clock={args.clock} | q: draft probs, pm: point-mass drafts (draft_probs=None) | "
+        f"validate={args.validate} order={args.order} clock={args.clock} | "
+        f"q: draft probs, pm: point-mass drafts (draft_probs=None) | "
         f"copy bandwidth {bw / 1e9:.1f} GB/s (read+write)" + note
     )
     rows = []
@@ -215,7 +224,7 @@ def _bench_one(args, device, impls, ids, nums, q, logits, temp) -> dict:
     randoms = draw_randoms(nums, vocab, sp, torch.Generator(device=device).manual_seed(1), device=device)
     for impl in impls:
         fn = lambda impl=impl: rejection_sample(  # noqa: E731
-            ids, nums, q, logits, sp, impl=impl, validate=args.validate, randoms=randoms
+            ids, nums, q, logits, sp, impl=impl, order=args.order, validate=args.validate, randoms=randoms
         )
         res[impl] = _time(fn, device, args.repeats, 5.0) + res["rng"]
         if "acc" not in res:

@@ -8,6 +8,8 @@ requests in one call), so a correct sampler essentially never fails and a broken
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -18,11 +20,11 @@ from speculators.verify import (
     draw_randoms,
     rejection_sample,
     rejection_sample_reference,
-    target_side,
-    torch_impl,
 )
+from speculators.errors import SpeculatorsError
+from speculators.verify import VerifyInputError, layout, target_side, torch_impl
 from speculators.verify.rejection import _sample_row
-from speculators.verify.sampling import ARGMAX_BLOCK, first_argmax
+from speculators.verify.sampling import ARGMAX_BLOCK, effective_temperature, first_argmax
 from speculators.verify.testing import (
     assert_distribution,
     chi2_check,
@@ -125,7 +127,8 @@ def test_greedy_equals_argmax_chain(impl, seed, vocab, evaluation_order):
     nums[0], nums[5] = 0, 6
     ids, target = _greedy_batch(gen, nums, vocab)
     draft_probs = torch.softmax(torch.randn(sum(nums), vocab, generator=gen), -1)
-    out = rejection_sample(ids, nums, draft_probs, target, SamplingParams.uniform(len(nums)), impl=impl)
+    sp = SamplingParams.uniform(len(nums))
+    out = rejection_sample(ids, nums, draft_probs, target, sp, impl=impl, order=evaluation_order)
     expected = _greedy_chain(ids, nums, target)
     assert out.tolist() == expected
     assert out.num_accepted.tolist() == [len(e) - 1 for e in expected]
@@ -133,7 +136,7 @@ def test_greedy_equals_argmax_chain(impl, seed, vocab, evaluation_order):
     for row, e in zip(out.output_token_ids.tolist(), expected):
         assert row[len(e) :] == [-1] * (len(row) - len(e))
     # Draft probs are irrelevant for greedy requests.
-    out2 = rejection_sample(ids, nums, None, target, SamplingParams.uniform(len(nums)), impl=impl)
+    out2 = rejection_sample(ids, nums, None, target, sp, impl=impl, order=evaluation_order)
     assert torch.equal(out.output_token_ids, out2.output_token_ids)
 
 
@@ -159,9 +162,9 @@ def test_greedy_requests_in_mixed_batch_follow_argmax_chain():
 
 
 @pytest.fixture(params=["lazy", "eager"])
-def evaluation_order(request, monkeypatch):
-    """Run a test with the lazy (CPU default) and the eager (CUDA default) target-side order."""
-    monkeypatch.setattr(target_side, "LAZY_ON_CPU", "always" if request.param == "lazy" else False)
+def evaluation_order(request):
+    """The target-side order to pass as ``rejection_sample(..., order=...)``: lazy (CPU default for large
+    inputs) and eager (the CUDA default)."""
     return request.param
 
 
@@ -178,17 +181,17 @@ def evaluation_order(request, monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("order", ["lazy", "eager", "lazy-3-row-chunks"])
 def test_torch_matches_reference(with_q, params, seed, order, monkeypatch):
-    monkeypatch.setattr(target_side, "LAZY_ON_CPU", False if order == "eager" else "always")
     if order == "lazy-3-row-chunks":  # many chunks per position; pending rejected rows flushed early
-        monkeypatch.setattr(target_side, "CHUNK_BYTES", 4 * 97 * 3)
+        monkeypatch.setattr(layout, "CHUNK_BYTES", 4 * 97 * 3)
+        order = "lazy"
     gen = torch.Generator().manual_seed(seed)
     nums = [4, 0, 2, 6, 1, 3, 0, 5, 6, 2]
     temps = [1.0, 0.0, 0.7, 1.0, 0.0, 1.5, 1.0, 0.9, 1.0, 0.0]
     batch = random_batch(gen, nums, 97, temps, with_q=with_q, **params)
     randoms = draw_randoms(nums, 97, batch[-1], torch.Generator().manual_seed(seed + 100))
     ref = rejection_sample_reference(*batch, randoms=randoms)
-    vec = rejection_sample(*batch, impl="torch", randoms=randoms)
-    auto = rejection_sample(*batch, impl="auto", randoms=randoms)
+    vec = rejection_sample(*batch, impl="torch", order=order, randoms=randoms)
+    auto = rejection_sample(*batch, impl="auto", order=order, randoms=randoms)
     assert torch.equal(vec.output_token_ids, ref.output_token_ids)
     assert torch.equal(vec.num_accepted, ref.num_accepted)
     assert torch.equal(auto.output_token_ids, ref.output_token_ids)
@@ -197,17 +200,17 @@ def test_torch_matches_reference(with_q, params, seed, order, monkeypatch):
 
 @pytest.mark.parametrize("temps", [[1.0, 0.7, 1.0, 1.5, 0.9, 1.0], [0.0] * 6], ids=["sampled", "greedy"])
 @pytest.mark.parametrize("vocab", [97, 2 * 1024 + 5])
-def test_lazy_order_gathers_rows_of_non_contiguous_logits(monkeypatch, temps, vocab):
+def test_lazy_order_gathers_rows_of_non_contiguous_logits(temps, vocab):
     """Logits whose rows are not contiguous are gathered into a buffer instead of read in place: same tokens."""
-    monkeypatch.setattr(target_side, "LAZY_ON_CPU", "always")
+    assert target_side.use_lazy(torch.zeros(8, vocab), "lazy")  # the order this test exercises
     gen = torch.Generator().manual_seed(5)
     nums = [3, 0, 5, 2, 4, 1]
     ids, nums, q, logits, sp = random_batch(gen, nums, vocab, temps)
     column_major = logits.t().contiguous().t()
     assert not column_major.is_contiguous() and torch.equal(column_major, logits)
     randoms = draw_randoms(nums, vocab, sp, torch.Generator().manual_seed(6))
-    want = rejection_sample(ids, nums, q, logits, sp, impl="torch", randoms=randoms)
-    got = rejection_sample(ids, nums, q, column_major, sp, impl="torch", randoms=randoms)
+    want = rejection_sample(ids, nums, q, logits, sp, impl="torch", order="lazy", randoms=randoms)
+    got = rejection_sample(ids, nums, q, column_major, sp, impl="torch", order="lazy", randoms=randoms)
     ref = rejection_sample_reference(ids, nums, q, logits, sp, randoms=randoms)
     assert torch.equal(got.output_token_ids, want.output_token_ids)
     assert torch.equal(want.output_token_ids, ref.output_token_ids)
@@ -359,7 +362,7 @@ def test_sample_rows_statistics_multi_block():
 # --------------------------------------------------------------------------------------------------
 
 
-def _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed, n=N_SAMPLES, impl="torch"):
+def _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed, n=N_SAMPLES, impl="torch", order="auto"):
     """n identical requests with K = len(draft_dist) drafts d_j ~ draft_dist[j] (independent).
 
     Returns (output, x2_completed): x2_completed is the second token of the generated sequence, taken
@@ -371,26 +374,26 @@ def _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed, n=N_SAMPLES, impl
     target_logits = target_rows.repeat(n, 1)
     draft_probs = draft_dist.repeat(n, 1) if use_q else None
     sp = SamplingParams.uniform(n, **sp_kwargs)
-    out = rejection_sample(ids.reshape(-1), [k] * n, draft_probs, target_logits, sp, gen, impl=impl)
+    out = rejection_sample(ids.reshape(-1), [k] * n, draft_probs, target_logits, sp, gen, impl=impl, order=order)
     x2 = out.output_token_ids[:, 1].clone()
     rej = (out.num_accepted == 0).nonzero().squeeze(1)
     m = rej.numel()
     nxt = rejection_sample(
         torch.zeros(0, dtype=torch.int64), [0] * m, None, target_rows[1:2].repeat(m, 1),
-        SamplingParams.uniform(m, **sp_kwargs), gen, impl=impl,
+        SamplingParams.uniform(m, **sp_kwargs), gen, impl=impl, order=order,
     )
     x2[rej] = nxt.output_token_ids[:, 0]
     return out, x2
 
 
-def _check_lossless(target_rows, draft_dist, use_q, sp_kwargs, seed, label):
+def _check_lossless(target_rows, draft_dist, use_q, sp_kwargs, seed, label, order="auto"):
     k = draft_dist.shape[0]
     vocab = target_rows.shape[1]
     temp = torch.full((k + 1,), float(sp_kwargs.get("temperature", 1.0)))
     tk = torch.full((k + 1,), sp_kwargs["top_k"]) if sp_kwargs.get("top_k") else None
     tp = torch.full((k + 1,), sp_kwargs["top_p"]) if sp_kwargs.get("top_p", 1.0) < 1.0 else None
     p = apply_sampling(target_rows, temp, tk, tp).double()
-    out, x2 = _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed)
+    out, x2 = _simulate(target_rows, draft_dist, use_q, sp_kwargs, seed, order=order)
     toks, acc = out.output_token_ids, out.num_accepted
     assert_distribution(toks[:, 0], p[0], f"{label}: first token")
     assert_distribution(x2, p[1], f"{label}: second token (completed sequence)")
@@ -418,7 +421,8 @@ def _q_from(logits, **kw):
 def test_lossless_random_distributions(use_q, evaluation_order):
     target = _rand_rows(1, 3)
     q = _q_from(_rand_rows(2, 2))
-    out = _check_lossless(target, q, use_q, dict(temperature=1.0), seed=10 + use_q, label=f"random use_q={use_q}")
+    out = _check_lossless(target, q, use_q, dict(temperature=1.0), seed=10 + use_q, label=f"random use_q={use_q}",
+                          order=evaluation_order)
     assert 0 < out.num_accepted.float().mean() < 2  # mixes accepted, recovered and bonus tokens
 
 
@@ -472,7 +476,7 @@ def test_statistic_catches_broken_recovery(monkeypatch, evaluation_order):
     target = _rand_rows(1, 3)
     q = _q_from(_rand_rows(2, 2))
     p1 = torch.softmax(target[0], -1)
-    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11)
+    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11, order=evaluation_order)
     stat_ok, thr, _, _ = chi2_check(out.output_token_ids[:, 0], p1)
     assert stat_ok <= thr
 
@@ -483,7 +487,7 @@ def test_statistic_catches_broken_recovery(monkeypatch, evaluation_order):
         return orig(p, sel, zeros, pos, ids, u)
 
     monkeypatch.setattr(torch_impl, "sample_rows", broken)
-    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11)
+    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=11, order=evaluation_order)
     stat, thr, tv, _ = chi2_check(out.output_token_ids[:, 0], p1)
     assert stat > 10 * thr, f"broken rule not detected: chi2={stat:.1f}, threshold {thr:.1f}, TV={tv:.4f}"
 
@@ -499,7 +503,7 @@ def test_statistic_catches_always_accept(monkeypatch, evaluation_order):
         return orig(layout, ids, draft_probs, torch.ones_like(p_draft), uniform)
 
     monkeypatch.setattr(torch_impl, "scan", broken)
-    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=12)
+    out, _ = _simulate(target, q, True, dict(temperature=1.0), seed=12, order=evaluation_order)
     stat, thr, _, _ = chi2_check(out.output_token_ids[:, 0], p1)
     assert stat > 10 * thr
 
@@ -598,6 +602,12 @@ BAD_INPUTS = {
     "temperature_negative": (_set("sampling", _sp(temperature=torch.tensor([1.0, -0.5, 1.0]))), "temperature"),
     "temperature_nan": (_set("sampling", _sp(temperature=torch.tensor([1.0, float("nan"), 1.0]))), "temperature"),
     "temperature_shape": (_set("sampling", _sp(temperature=torch.ones(2))), "temperature"),
+    # finite in float64 but inf in float32, the compute dtype
+    "temperature_f32_overflow": (
+        _set("sampling", _sp(temperature=torch.tensor([1.0, 1e300, 1.0], dtype=torch.float64))), "temperature"
+    ),
+    "logits_f32_overflow": (_set("target_logits", lambda t: t.double().index_fill(1, torch.tensor([2]), 1e300)),
+                            "target_logits.*float32"),
     "top_p_zero": (_set("sampling", _sp(top_p=torch.tensor([1.0, 0.0, 0.5]))), "top_p"),
     "top_p_above_one": (_set("sampling", _sp(top_p=torch.tensor([1.0, 1.5, 0.5]))), "top_p"),
     "top_k_negative": (_set("sampling", _sp(top_k=torch.tensor([1, -2, 0]))), "top_k"),
@@ -610,8 +620,9 @@ BAD_INPUTS = {
 def test_bad_inputs_raise(name):
     mutate, match = BAD_INPUTS[name]
     kw = mutate(_base())
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         rejection_sample(**kw)
+    assert isinstance(err.value, SpeculatorsError)  # the CLI prints it as one line
     with pytest.raises(ValueError, match=match):
         rejection_sample_reference(**kw)
 
@@ -619,6 +630,11 @@ def test_bad_inputs_raise(name):
 def test_bad_impl_and_apply_sampling_errors():
     with pytest.raises(ValueError, match="impl"):
         rejection_sample(**_base(), impl="cuda")
+    with pytest.raises(VerifyInputError, match="order"):
+        rejection_sample(**_base(), order="sideways")
+    with pytest.raises(VerifyInputError, match="order.*CPU"):  # the lazy order is CPU only
+        target_side.use_lazy(torch.empty(4, 8, device="meta"), "lazy")
+    assert not target_side.use_lazy(torch.empty(4, 8, device="meta"), "auto")
     with pytest.raises(ValueError, match="temperature"):
         apply_sampling(torch.zeros(2, 4), torch.tensor([1.0, -1.0]))
     with pytest.raises(ValueError, match="top_p"):
@@ -634,3 +650,182 @@ def test_validate_false_skips_value_checks():
     assert isinstance(out, RejectionOutput)
     with pytest.raises(ValueError, match="draft_token_ids"):  # shape checks always run
         rejection_sample(**{**kw, "draft_token_ids": kw["draft_token_ids"][:-1]}, validate=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Robustness: tiny temperatures, float64 logits, logits that require grad (issue 9 items 10-12)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tiny", [1e-39, 1e-30])
+@pytest.mark.parametrize("order", ["lazy", "eager"])
+def test_tiny_temperature_is_raised_to_vllm_minimum(tiny, order):
+    """0 < t < 1e-2 behaves exactly as t = 1e-2 (vLLM's _MAX_TEMP clamp) on every path, greedy rows untouched."""
+    gen = torch.Generator().manual_seed(21)
+    nums = [3, 2, 0, 4, 1, 2]
+    temps = [tiny, 0.0, tiny, 1.0, 0.0, tiny]
+    clamped = [0.01 if t == tiny else t for t in temps]
+    ids, nums, q, logits, _ = random_batch(gen, nums, 50, clamped, scale=3.0)
+    with pytest.warns(UserWarning, match="temperature.*0.01"):
+        sp = SamplingParams(torch.tensor(temps))
+    assert sp.temperature.tolist() == pytest.approx(clamped) and sp.temperature.dtype == torch.float32
+    want_sp = SamplingParams(torch.tensor(clamped))
+    randoms = draw_randoms(nums, 50, want_sp, torch.Generator().manual_seed(22))
+    want = rejection_sample_reference(ids, nums, q, logits, want_sp, randoms=randoms)
+    greedy = _greedy_chain(ids, nums, logits)
+    # A temperature set after construction (no __post_init__) is clamped by the verifier itself.
+    raw = SamplingParams(torch.tensor(clamped))
+    raw.temperature = torch.tensor(temps)
+    for params in (sp, raw):
+        for dp in (q, None):
+            w = rejection_sample_reference(ids, nums, dp, logits, want_sp, randoms=randoms)
+            for impl in ("torch", "reference"):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = rejection_sample(ids, nums, dp, logits, params, impl=impl, order=order, randoms=randoms)
+                assert len(caught) == (1 if params is raw else 0)  # clamped once: no second warning for sp
+                assert torch.equal(got.output_token_ids, w.output_token_ids), (impl, dp is None)
+                assert all(0 <= t < 50 for row in got.tolist() for t in row)
+                assert [got.tolist()[i] for i in (1, 4)] == [greedy[i] for i in (1, 4)]
+    assert torch.equal(
+        rejection_sample(ids, nums, q, logits, sp, order=order, randoms=randoms).output_token_ids,
+        want.output_token_ids,
+    )
+    # The drafter side: apply_sampling clamps the same way (q and p use the same temperature).
+    rows = logits[:6]
+    with pytest.warns(UserWarning, match="temperature"):
+        p = apply_sampling(rows, torch.tensor(temps))
+    assert torch.isfinite(p).all()
+    assert torch.equal(p, apply_sampling(rows, torch.tensor(clamped)))
+    # The clamp happens before the float32 rounding: float64 1e-50 and uniform(1e-46) are not greedy.
+    with pytest.warns(UserWarning):
+        assert SamplingParams(torch.tensor([1e-50], dtype=torch.float64)).temperature.tolist() == [
+            pytest.approx(0.01)
+        ]
+    with pytest.warns(UserWarning):
+        assert SamplingParams.uniform(2, temperature=1e-46).temperature.tolist() == [pytest.approx(0.01)] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 0.01 itself (float32 or float64) is not raised, and not warned about
+        for dtype in (torch.float32, torch.float64):
+            t = torch.tensor([0.0, 0.01, 0.5, -1.0], dtype=dtype)
+            assert torch.equal(effective_temperature(t), t.float())
+
+
+def _near_tie_logits(gen, rows, vocab):
+    """float64 logits whose float64 argmax (id 7) and float32 argmax (id 3, an exact tie after rounding) differ."""
+    x = torch.randn(rows, vocab, generator=gen, dtype=torch.float64)
+    x[:, 3] = 10.0
+    x[:, 7] = 10.0 + 1e-12
+    assert bool((x.argmax(-1) == 7).all()) and bool((x.float().argmax(-1) == 3).all())
+    return x
+
+
+def test_float64_near_tie_greedy_tokens_do_not_depend_on_the_batch():
+    """A greedy request's tokens are the float32 argmax chain alone (eager) and inside a large (lazy) batch."""
+    gen = torch.Generator().manual_seed(31)
+    vocab, n_big = 1024, 700  # 700 requests x 3 rows x 1024 x 4 bytes > 2 * CHUNK_BYTES: "auto" is lazy
+    ids = torch.tensor([3, 3])  # the float32 argmax: accepted in float32, rejected in float64
+    alone_logits = _near_tie_logits(gen, 3, vocab)
+    want = [[3, 3, 3]]
+    sp1 = SamplingParams.uniform(1)
+    assert not target_side.use_lazy(alone_logits.float(), "auto")
+    for impl in ("torch", "reference"):
+        for order in ("auto", "eager", "lazy"):
+            assert rejection_sample(ids, [2], None, alone_logits, sp1, impl=impl, order=order).tolist() == want
+    big = _near_tie_logits(gen, 3 * n_big, vocab)
+    big[:3] = alone_logits
+    big_ids = ids.repeat(n_big)
+    assert target_side.use_lazy(big.float(), "auto")
+    for temps in ([0.0] * n_big, [0.0] + [1.0] * (n_big - 1)):  # all greedy, and greedy among sampled requests
+        sp = SamplingParams(torch.tensor(temps), generators=None)
+        for order in ("auto", "eager"):
+            out = rejection_sample(big_ids, [2] * n_big, None, big, sp, torch.Generator().manual_seed(0), order=order)
+            assert out.tolist()[0] == want[0], (order, temps[1])
+    # Sampled requests: float64 logits give exactly what their float32 rounding gives, on every path.
+    gen = torch.Generator().manual_seed(32)
+    ids, nums, q, logits, sp = random_batch(gen, [3, 0, 2, 4], 97, [1.0, 0.0, 0.7, 1.3])
+    logits64 = logits.double() + torch.randn(logits.shape, generator=gen, dtype=torch.float64) * 1e-9
+    randoms = draw_randoms(nums, 97, sp, torch.Generator().manual_seed(33))
+    for impl, order in (("torch", "lazy"), ("torch", "eager"), ("reference", "auto")):
+        for dp in (q, None):
+            a = rejection_sample(ids, nums, dp, logits64, sp, impl=impl, order=order, randoms=randoms)
+            b = rejection_sample(ids, nums, dp, logits64.float(), sp, impl=impl, order=order, randoms=randoms)
+            assert torch.equal(a.output_token_ids, b.output_token_ids), (impl, order)
+    # apply_sampling (the drafter side) takes the float32 argmax for greedy rows too.
+    assert apply_sampling(alone_logits, torch.zeros(3)).argmax(-1).tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "temps", [[1.0, 0.7, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.5]], ids=["sampled", "greedy", "mixed"]
+)
+@pytest.mark.parametrize("order", ["lazy", "eager"])
+def test_inputs_that_require_grad_are_detached(temps, order):
+    """Logits / draft probs from a model with autograd on: same tokens as detached inputs, no graph, no grad."""
+    gen = torch.Generator().manual_seed(41)
+    nums = [2, 3, 1]
+    ids, nums, q, logits, sp = random_batch(gen, nums, 40, temps, top_k=[0, 5, 0], top_p=[1.0, 1.0, 0.9])
+    weight = torch.ones(40, requires_grad=True)
+    logits_g = logits * weight  # a non-leaf that requires grad, as a model's output
+    q_g = (q * weight).detach().requires_grad_()  # a leaf that requires grad
+    randoms = draw_randoms(nums, 40, sp, torch.Generator().manual_seed(42))
+    for impl in ("torch", "reference"):
+        for dp, dp_g in ((q, q_g), (None, None)):
+            want = rejection_sample(ids, nums, dp, logits, sp, impl=impl, order=order, randoms=randoms)
+            got = rejection_sample(ids, nums, dp_g, logits_g, sp, impl=impl, order=order, randoms=randoms)
+            assert torch.equal(got.output_token_ids, want.output_token_ids)
+            assert not got.output_token_ids.requires_grad and not got.num_accepted.requires_grad
+    assert weight.grad is None and q_g.grad is None
+    p = apply_sampling(logits_g, sp.temperature.repeat_interleave(torch.tensor(nums) + 1))
+    assert not p.requires_grad and torch.isfinite(p).all()
+
+
+def _verify_imports() -> dict[str, set[str]]:
+    """Module -> modules of speculators.verify it imports (any scope, TYPE_CHECKING and function bodies too)."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(layout.__file__).parent
+    mods = {f.stem for f in pkg.glob("*.py")}
+    graph = {}
+    for name in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((pkg / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1 and node.module:  # from .x import ...
+                    deps.add(node.module.split(".")[0])
+                elif node.level == 1:  # from . import x, y
+                    deps.update(a.name for a in node.names if a.name in mods)
+                elif node.level == 0 and (node.module or "").startswith("speculators.verify."):
+                    deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("speculators.verify."):
+                        deps.add(a.name.split(".")[2])
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_verify_import_graph_is_a_dag():
+    graph = _verify_imports()
+    assert graph["layout"] == set()  # the leaf: shared layout types and constants
+    assert {"layout", "sampling", "target_side", "torch_impl", "triton_impl"} <= graph["rejection"]
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        if state.get(m) == 1:
+            raise AssertionError(f"import cycle in speculators.verify: {' -> '.join(path + [m])}")
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for d in sorted(graph[m]):
+            visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
+    # The lazy/eager switch is an argument, not a module global that callers patch.
+    assert not hasattr(target_side, "LAZY_ON_CPU")
+    import inspect
+
+    assert inspect.signature(rejection_sample).parameters["order"].default == "auto"
+

@@ -27,7 +27,6 @@ from speculators.verify import (  # noqa: E402
     draw_randoms,
     rejection_sample,
     rejection_sample_reference,
-    target_side,
     torch_impl,
     triton_impl,
 )
@@ -49,17 +48,19 @@ def test_triton_suite_in_fresh_process():
 
 
 @pytest.fixture(params=["lazy", "eager"])
-def evaluation_order(request, monkeypatch):
-    monkeypatch.setattr(target_side, "LAZY_ON_CPU", "always" if request.param == "lazy" else False)
+def evaluation_order(request):
+    """``rejection_sample(..., order=...)``: the lazy order is CPU only (the interpreter's tensors)."""
+    if request.param == "lazy" and DEVICE != "cpu":
+        pytest.skip("order='lazy' is implemented for CPU tensors only")
     return request.param
 
 
-def _compare(batch, seed):
+def _compare(batch, seed, order="auto"):
     ids, nums, q, target, sp = batch
     vocab = target.shape[1]
     randoms = draw_randoms(nums, vocab, sp, torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE)
-    ref = rejection_sample(ids, nums, q, target, sp, impl="torch", randoms=randoms)
-    tri = rejection_sample(ids, nums, q, target, sp, impl="triton", randoms=randoms)
+    ref = rejection_sample(ids, nums, q, target, sp, impl="torch", order=order, randoms=randoms)
+    tri = rejection_sample(ids, nums, q, target, sp, impl="triton", order=order, randoms=randoms)
     assert torch.equal(tri.output_token_ids, ref.output_token_ids), (tri.tolist(), ref.tolist())
     assert torch.equal(tri.num_accepted, ref.num_accepted)
     return ref
@@ -76,7 +77,7 @@ def test_triton_matches_torch_mixed(vocab, with_q, seed, evaluation_order):
     top_k = [0, 0, 10, 0, 3, 0, 0, 0] if seed else None
     top_p = [1.0, 1.0, 0.9, 1.0, 1.0, 0.7, 1.0, 1.0] if seed else None
     batch = random_batch(gen, nums, vocab, temps, with_q=with_q, top_k=top_k, top_p=top_p, device=DEVICE)
-    out = _compare(batch, seed)
+    out = _compare(batch, seed, evaluation_order)
     assert out.num_accepted.sum() > 0
 
 
@@ -88,8 +89,8 @@ def test_triton_matches_torch_greedy(vocab, evaluation_order):
     ids, nums, q, target, sp = random_batch(gen, nums, vocab, [0.0] * 5, device=DEVICE)
     ids = ids.clone()
     ids[:2] = target[:2].argmax(-1)  # request 0 accepts everything -> bonus
-    _compare((ids, nums, q, target, sp), 0)
-    _compare((ids, nums, None, target, sp), 0)
+    _compare((ids, nums, q, target, sp), 0, evaluation_order)
+    _compare((ids, nums, None, target, sp), 0, evaluation_order)
 
 
 @needs_ready
@@ -157,3 +158,22 @@ def test_triton_sample_rows_all_zero_block():
     args = (r.unsqueeze(0).to(DEVICE), None, None, torch.tensor([-1], device=DEVICE),
             torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.float64, device=DEVICE))
     assert int(triton_impl.sample_rows(*args)) == int(torch_impl.sample_rows(*args)) == 5
+
+
+@needs_ready
+def test_triton_robust_inputs_match_torch():
+    """Tiny temperatures (clamped to 1e-2), float64 logits (computed in float32) and inputs that require grad
+    (detached) give the torch backend's tokens, greedy and sampled requests mixed."""
+    gen = torch.Generator().manual_seed(11)
+    nums = [3, 0, 2, 4, 1]
+    ids, nums, q, target, _ = random_batch(gen, nums, 300, [0.01, 0.0, 1.0, 0.01, 0.0], device=DEVICE)
+    with pytest.warns(UserWarning, match="temperature"):
+        sp = SamplingParams(torch.tensor([1e-39, 0.0, 1.0, 1e-30, 0.0], device=DEVICE))
+    target64 = target.double().requires_grad_()
+    q_g = q.clone().requires_grad_()
+    for dp in (q_g, None):
+        randoms = draw_randoms(nums, 300, sp, torch.Generator(device=DEVICE).manual_seed(12), device=DEVICE)
+        want = rejection_sample(ids, nums, dp, target64.detach().float(), sp, impl="torch", randoms=randoms)
+        tri = rejection_sample(ids, nums, dp, target64, sp, impl="triton", randoms=randoms)
+        assert torch.equal(tri.output_token_ids, want.output_token_ids), (tri.tolist(), want.tolist())
+

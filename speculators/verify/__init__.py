@@ -3,31 +3,37 @@
 Public API::
 
     SamplingParams, apply_sampling            # per-request temperature / top-k / top-p (vLLM semantics)
-    rejection_sample(..., impl="auto"|"torch"|"triton")   # vectorised torch or Triton kernels
+    effective_temperature, MIN_TEMPERATURE    # vLLM's clamp of tiny temperatures (0 < t < 1e-2 -> 1e-2)
+    rejection_sample(..., impl="auto"|"torch"|"triton", order="auto"|"lazy"|"eager")
     rejection_sample_reference(...)           # per-request Python loop (tests, benchmark baseline)
     RejectionOutput, RejectionRandoms, draw_randoms
+    VerifyInputError                          # bad input: a SpeculatorsError and a ValueError
 
 Papers: Leviathan et al. arXiv 2211.17192; Chen et al. arXiv 2302.01318. Engine followed: vLLM
 ``vllm/v1/sample/rejection_sampler.py``. The Triton module is imported lazily (only for impl="triton").
+Compute dtype: float32 on every path; inputs are detached (not differentiable). Import graph: a DAG
+rooted at the leaf module :mod:`speculators.verify.layout` (see its docstring).
 """
 
+from .layout import PLACEHOLDER_TOKEN_ID, RejectionOutput, VerifyInputError
 from .rejection import (
-    PLACEHOLDER_TOKEN_ID,
-    RejectionOutput,
     RejectionRandoms,
     draw_randoms,
     rejection_sample,
     rejection_sample_reference,
 )
-from .sampling import SamplingParams, apply_sampling
+from .sampling import MIN_TEMPERATURE, SamplingParams, apply_sampling, effective_temperature
 
 __all__ = [
+    "MIN_TEMPERATURE",
     "PLACEHOLDER_TOKEN_ID",
     "RejectionOutput",
     "RejectionRandoms",
     "SamplingParams",
+    "VerifyInputError",
     "apply_sampling",
     "draw_randoms",
+    "effective_temperature",
     "rejection_sample",
     "rejection_sample_reference",
 ]

@@ -42,11 +42,17 @@ or bonus token). The target side (logits -> probabilities, :mod:`speculators.ver
 shared torch code too, so the torch and Triton backends return identical tokens; the per-request
 reference recomputes the probabilities itself (softmax per request; the vectorised CPU path normalises
 with exp2 instead, so values can differ in the last bits) and agrees with them up to floating-point ties.
+
+One compute dtype, float32 (:data:`~speculators.verify.layout.COMPUTE_DTYPE`), for every path: float64
+target logits are rounded to float32 once, at the entry of :func:`rejection_sample`, so a request's
+tokens (greedy and sampled) do not depend on which order (lazy / eager), backend or batch computed them.
+Verification is not differentiable: ``target_logits`` and ``draft_probs`` are detached at the entry.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,44 +61,27 @@ import torch
 from torch import Tensor
 
 from . import target_side
-from .sampling import SamplingParams, _shape, apply_sampling
+from .layout import (  # the layout names' home is the leaf module .layout; re-exported here
+    COMPUTE_DTYPE,
+    PLACEHOLDER_TOKEN_ID,
+    SAMPLE_BLOCK,  # noqa: F401
+    RejectionOutput,
+    SAMPLE_SCALE,
+    VerifyInputError,
+    _Layout,
+    sample_block,
+)
+from .sampling import SamplingParams, _shape, apply_sampling, effective_temperature
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
     "RejectionOutput",
     "RejectionRandoms",
+    "VerifyInputError",
     "draw_randoms",
     "rejection_sample",
     "rejection_sample_reference",
 ]
-
-PLACEHOLDER_TOKEN_ID = -1
-
-
-@dataclass
-class RejectionOutput:
-    """Result of :func:`rejection_sample`.
-
-    Attributes:
-        output_token_ids: ``[B, max_num_drafts + 1]`` int64. Row ``i`` holds the accepted drafts of
-            request ``i`` followed by one recovered or bonus token, then ``-1`` padding.
-        num_accepted: ``[B]`` int64, accepted drafts per request (tokens emitted = ``num_accepted + 1``).
-    """
-
-    output_token_ids: Tensor
-    num_accepted: Tensor
-
-    @property
-    def num_emitted(self) -> Tensor:
-        """``[B]`` int64, tokens emitted per request (accepted + recovered/bonus)."""
-        return self.num_accepted + 1
-
-    def tolist(self) -> list[list[int]]:
-        """Emitted token ids per request, padding removed."""
-        return [
-            row[: int(n) + 1]
-            for row, n in zip(self.output_token_ids.tolist(), self.num_accepted.tolist())
-        ]
 
 
 @dataclass
@@ -116,25 +105,10 @@ class RejectionRandoms:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Layout:
-    batch: int
-    vocab: int
-    num_drafts: list[int]  # host copy
-    max_drafts: int  # K
-    total_drafts: int  # T
-    n: Tensor  # [B] int64 (device)
-    draft_start: Tensor  # [B] int64, index of request i's first draft in the flat draft arrays
-    row_start: Tensor  # [B] int64, index of request i's first target_logits row (= draft_start + i)
-    is_greedy: Tensor  # [B] bool
-    all_greedy: bool
-    any_greedy: bool
-
-
 def _as_num_drafts(num_draft_tokens: Tensor | Sequence[int]) -> list[int]:
     if isinstance(num_draft_tokens, Tensor):
         if num_draft_tokens.dim() != 1 or num_draft_tokens.is_floating_point():
-            raise ValueError(
+            raise VerifyInputError(
                 f"num_draft_tokens: expected a 1-D integer tensor [B], got {num_draft_tokens.dtype} "
                 f"{list(num_draft_tokens.shape)}"
             )
@@ -142,7 +116,7 @@ def _as_num_drafts(num_draft_tokens: Tensor | Sequence[int]) -> list[int]:
     try:
         return [int(v) for v in num_draft_tokens]
     except (TypeError, ValueError):
-        raise ValueError(f"num_draft_tokens: expected a list of ints or a 1-D tensor, got {num_draft_tokens!r}")
+        raise VerifyInputError(f"num_draft_tokens: expected a list of ints or a 1-D tensor, got {num_draft_tokens!r}")
 
 
 def _prepare(
@@ -154,47 +128,51 @@ def _prepare(
     validate: bool,
 ) -> _Layout:
     if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        raise VerifyInputError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
     if not isinstance(target_logits, Tensor) or target_logits.dim() != 2 or not target_logits.is_floating_point():
-        raise ValueError(
+        raise VerifyInputError(
             f"target_logits: expected a 2-D float tensor [num_draft_tokens_total + batch_size, vocab], "
             f"got {_shape(target_logits)}"
         )
     if not isinstance(draft_token_ids, Tensor) or draft_token_ids.dim() != 1:
-        raise ValueError(f"draft_token_ids: expected a 1-D int64 tensor [num_draft_tokens_total], got {_shape(draft_token_ids)}")
+        raise VerifyInputError(
+            f"draft_token_ids: expected a 1-D int64 tensor [num_draft_tokens_total], got {_shape(draft_token_ids)}"
+        )
     if draft_token_ids.is_floating_point() or draft_token_ids.dtype == torch.bool:
-        raise ValueError(f"draft_token_ids: expected an integer tensor, got {draft_token_ids.dtype}")
+        raise VerifyInputError(f"draft_token_ids: expected an integer tensor, got {draft_token_ids.dtype}")
     nums = _as_num_drafts(num_draft_tokens)
     batch = len(nums)
     device = target_logits.device
     vocab = int(target_logits.shape[1])
     if vocab == 0:
-        raise ValueError("target_logits: vocabulary dimension is empty")
+        raise VerifyInputError("target_logits: vocabulary dimension is empty")
     if any(v < 0 for v in nums):
-        raise ValueError(f"num_draft_tokens: every entry must be >= 0, got {nums}")
+        raise VerifyInputError(f"num_draft_tokens: every entry must be >= 0, got {nums}")
     total = sum(nums)
     if draft_token_ids.shape[0] != total:
-        raise ValueError(
+        raise VerifyInputError(
             f"draft_token_ids: length {draft_token_ids.shape[0]} != sum(num_draft_tokens) = {total}"
         )
     if target_logits.shape[0] != total + batch:
-        raise ValueError(
+        raise VerifyInputError(
             f"target_logits: expected {total + batch} rows (sum(num_draft_tokens)={total} draft positions "
             f"+ {batch} bonus positions), got {target_logits.shape[0]}"
         )
     if draft_probs is not None:
         if not isinstance(draft_probs, Tensor) or draft_probs.dim() != 2 or not draft_probs.is_floating_point():
-            raise ValueError(f"draft_probs: expected a 2-D float tensor [{total}, {vocab}] or None, got {_shape(draft_probs)}")
+            raise VerifyInputError(
+                f"draft_probs: expected a 2-D float tensor [{total}, {vocab}] or None, got {_shape(draft_probs)}"
+            )
         if tuple(draft_probs.shape) != (total, vocab):
-            raise ValueError(f"draft_probs: expected shape [{total}, {vocab}], got {list(draft_probs.shape)}")
+            raise VerifyInputError(f"draft_probs: expected shape [{total}, {vocab}], got {list(draft_probs.shape)}")
         if draft_probs.device != device:
-            raise ValueError(f"draft_probs: on {draft_probs.device}, expected target_logits' device {device}")
+            raise VerifyInputError(f"draft_probs: on {draft_probs.device}, expected target_logits' device {device}")
     if draft_token_ids.device != device:
-        raise ValueError(f"draft_token_ids: on {draft_token_ids.device}, expected target_logits' device {device}")
+        raise VerifyInputError(f"draft_token_ids: on {draft_token_ids.device}, expected target_logits' device {device}")
     for name in ("temperature", "top_k", "top_p"):
         t = getattr(sampling, name)
         if isinstance(t, Tensor) and t.device != device:
-            raise ValueError(f"sampling.{name}: on {t.device}, expected target_logits' device {device}")
+            raise VerifyInputError(f"sampling.{name}: on {t.device}, expected target_logits' device {device}")
     sampling.validate(batch, values=validate)
 
     if validate:
@@ -210,24 +188,25 @@ def _prepare(
         bad = torch.stack(flags).tolist()
         if bad[0]:
             r = int((~torch.isfinite(row_max)).nonzero()[0, 0])
-            raise ValueError(
+            raise VerifyInputError(
                 f"target_logits: row {r} contains NaN or +inf (or is entirely -inf); logits must be finite "
-                f"(-inf entries are allowed for masked tokens)"
+                f"in float32, the verifier's compute dtype (|x| < 3.4e38; -inf entries are allowed for masked "
+                f"tokens)"
             )
         if total and bad[1]:
-            raise ValueError(
+            raise VerifyInputError(
                 f"draft_token_ids: ids must lie in [0, {vocab}), got min {int(draft_token_ids.min())} "
                 f"max {int(draft_token_ids.max())}"
             )
         if draft_probs is not None and total:
             if bad[2]:
                 r = int(((sums - 1).abs() > 1e-3).logical_or(~torch.isfinite(sums)).nonzero()[0, 0])
-                raise ValueError(
+                raise VerifyInputError(
                     f"draft_probs: every row must sum to 1 within 1e-3 (the distribution the draft was sampled "
                     f"from, after apply_sampling); row {r} sums to {float(sums[r])}"
                 )
             if bad[3]:
-                raise ValueError("draft_probs: entries must be >= 0")
+                raise VerifyInputError("draft_probs: entries must be >= 0")
 
     n = torch.tensor(nums, dtype=torch.int64, device=device)
     draft_start = torch.cumsum(n, 0) - n
@@ -317,12 +296,31 @@ def _triton_available() -> bool:
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl not in ("auto", "torch", "triton", "reference"):
-        raise ValueError(f"impl: expected 'auto', 'torch', 'triton' or 'reference', got {impl!r}")
+        raise VerifyInputError(f"impl: expected 'auto', 'torch', 'triton' or 'reference', got {impl!r}")
     if impl == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
     if impl == "triton" and not _triton_available():
-        raise ValueError("impl='triton' requested but triton is not importable (pip install triton)")
+        raise VerifyInputError("impl='triton' requested but triton is not importable (pip install triton)")
     return impl
+
+
+def _entry_logits(target_logits: Tensor) -> Tensor:
+    """``target_logits`` detached and in a dtype whose float32 conversion is exact.
+
+    float32 / float16 / bfloat16 are returned as they are (converting the latter two later gives the
+    same float32 values on every path); any other float dtype (float64) is rounded to float32 here,
+    once, so no path computes in float64 and another in float32. Non-tensors pass through (``_prepare``
+    names the argument).
+    """
+    if not isinstance(target_logits, Tensor):
+        return target_logits
+    target_logits = target_logits.detach()
+    if target_logits.is_floating_point() and target_logits.dtype not in _EXACT_IN_COMPUTE_DTYPE:
+        target_logits = target_logits.to(COMPUTE_DTYPE)
+    return target_logits
+
+
+_EXACT_IN_COMPUTE_DTYPE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def rejection_sample(
@@ -334,6 +332,7 @@ def rejection_sample(
     generator: torch.Generator | None = None,
     *,
     impl: str = "auto",
+    order: str = "auto",
     validate: bool = True,
     randoms: RejectionRandoms | None = None,
 ) -> RejectionOutput:
@@ -348,13 +347,24 @@ def rejection_sample(
         num_draft_tokens: ``[B]`` ints (list or tensor), each ``>= 0``; 0 drafts = plain sampling.
         draft_probs: ``[T, V]`` float32 draft distributions the drafts were sampled from (already
             through :func:`apply_sampling`), or ``None`` = point-mass draft (model-free / argmax drafters).
+            Detached (may require grad; no gradient flows).
         target_logits: ``[T + B, V]`` float raw target logits: per request its ``n_i`` draft positions
-            then one bonus position, requests in order.
-        sampling: :class:`SamplingParams` with ``B`` requests (temperature 0 = greedy per request).
+            then one bonus position, requests in order. Computed in float32 on every path (float64 is
+            rounded to float32 here, once; float16 / bfloat16 convert exactly), so the tokens do not
+            depend on the batch, the order or the backend. Detached (may require grad; verification is
+            not differentiable).
+        sampling: :class:`SamplingParams` with ``B`` requests (temperature 0 = greedy per request;
+            temperatures in ``(0, 1e-2)`` are raised to ``1e-2`` as vLLM does, see
+            :func:`~speculators.verify.sampling.effective_temperature`).
         generator: RNG for requests without their own generator (default: torch's global RNG).
         impl: ``"auto"`` (Triton for CUDA tensors when triton imports, else torch), ``"torch"``
             (vectorised), ``"triton"`` (compiled on CUDA; interpreted on CPU tensors, e.g. under
             ``TRITON_INTERPRET=1``), or ``"reference"`` (per-request Python loop).
+        order: evaluation order of the target side (logits -> probabilities), see
+            :mod:`speculators.verify.target_side`: ``"eager"`` (all ``T + B`` rows at once, vLLM's order),
+            ``"lazy"`` (CPU tensors only: only the rows some accept test or sample reads, a cache-sized
+            chunk at a time), or ``"auto"`` (lazy for CPU logits above ``2 * CHUNK_BYTES``, else eager).
+            Same tokens up to floating-point ties; ignored by ``impl="reference"`` (but still checked).
         validate: run the value checks below (a few vectorised reductions and one host sync);
             shape checks always run. Pass ``False`` in hot loops with trusted inputs.
         randoms: pre-drawn random numbers (see :func:`draw_randoms`); drawn here when ``None``.
@@ -364,13 +374,21 @@ def rejection_sample(
         ``-1``; ``num_accepted [B]`` int64).
 
     Raises:
-        ValueError: mismatched shapes or ragged sums (naming the argument), negative
-            ``num_draft_tokens``, draft ids outside ``[0, V)``, NaN / +inf (or all -inf rows) in
-            ``target_logits``, ``draft_probs`` rows not summing to 1 within 1e-3 or negative,
-            ``temperature < 0``, ``top_k < 0``, ``top_p`` outside ``(0, 1]``, unknown ``impl``.
+        VerifyInputError (a ``ValueError`` and a ``SpeculatorsError``), naming the argument: mismatched
+            shapes or ragged sums, negative ``num_draft_tokens``, draft ids outside ``[0, V)``, NaN / +inf
+            (or all -inf rows) in ``target_logits`` (after the float32 rounding), ``draft_probs`` rows not
+            summing to 1 within 1e-3 or negative, ``temperature < 0`` or non-finite, ``top_k < 0``,
+            ``top_p`` outside ``(0, 1]``, unknown ``impl`` or ``order``, ``order="lazy"`` off CPU.
     """
+    target_logits = _entry_logits(target_logits)
+    if isinstance(draft_probs, Tensor):
+        draft_probs = draft_probs.detach()
     layout = _prepare(draft_token_ids, num_draft_tokens, draft_probs, target_logits, sampling, validate)
     impl = _resolve_impl(impl, target_logits.device)
+    lazy = target_side.use_lazy(target_logits, order)
+    # The clamped float32 temperature every path below reads (the drafter's apply_sampling applies the same).
+    sampling = copy.copy(sampling)
+    sampling.temperature = effective_temperature(sampling.temperature, warn=validate, stacklevel=2)
     draft_token_ids = draft_token_ids.long()
     if draft_probs is not None:
         draft_probs = draft_probs.float()
@@ -383,7 +401,7 @@ def rejection_sample(
         not layout.all_greedy
         and (randoms.sample_uniform is None or randoms.sample_uniform.shape != (layout.batch,))
     ):
-        raise ValueError("randoms: shapes do not match this batch (use draw_randoms with the same arguments)")
+        raise VerifyInputError("randoms: shapes do not match this batch (use draw_randoms with the same arguments)")
     if impl == "reference":
         return _reference(layout, draft_token_ids, draft_probs, target_logits, sampling, randoms)
     if impl == "torch":
@@ -391,8 +409,7 @@ def rejection_sample(
     else:
         from . import triton_impl as backend
     # The target side (logits -> probabilities) is shared torch code, so every backend sees bit-identical
-    # inputs; on CPU (large inputs) it is evaluated lazily (see speculators.verify.target_side).
-    lazy = target_side.use_lazy(target_logits)
+    # inputs; on CPU (large inputs, or order="lazy") it is evaluated lazily (see speculators.verify.target_side).
     if layout.all_greedy:
         target_argmax = target_side.target_argmax(layout, target_logits, draft_token_ids, lazy=lazy)
         return backend.greedy(layout, draft_token_ids, target_argmax)
@@ -488,15 +505,6 @@ def _reference(
         num_acc[i] = j
         start += n
     return RejectionOutput(out, num_acc)
-
-
-SAMPLE_SCALE = 2.0**52  # weights floor(r * 2**52): integers, so float64 sums of them are exact
-SAMPLE_BLOCK = 1024  # tokens per block of the two-level inverse CDF (a power of two)
-
-
-def sample_block(vocab: int) -> int:
-    """Block width of the two-level inverse CDF for a vocabulary of ``vocab`` tokens."""
-    return min(SAMPLE_BLOCK, 1 << max(vocab - 1, 0).bit_length())
 
 
 def _sample_row(r: Tensor, p: Tensor, u: float) -> int:

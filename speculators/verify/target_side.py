@@ -10,47 +10,64 @@ probabilities and return identical tokens.
   position, or the bonus position).
 * ``target_argmax`` -> ``[T + B]`` argmax rows for all-greedy batches.
 
-Two evaluation orders (same values up to floating-point rounding; within one call every backend sees
-the same tensors):
+Two evaluation orders, chosen per call by ``rejection_sample(..., order=...)`` (:func:`use_lazy`; same
+values up to floating-point rounding; within one call every backend sees the same tensors):
 
-* eager (CUDA, and small CPU inputs): one :func:`apply_sampling` over all ``T + B`` rows (vLLM's order).
-* lazy (CPU inputs above ``2 * CHUNK_BYTES``): position by position, only for requests whose earlier
-  drafts were all accepted (a position after a rejection is never read by any scan), in row chunks of
-  about ``CHUNK_BYTES`` so intermediates stay in cache. Positions never evaluated hold 0 (``-1`` for
-  argmax) and are not read. Rows without top-k / top-p are evaluated as ``e = 2**((x - max) / T *
-  log2(e))`` read in place from the logits, and only
+* eager (``order="eager"``; ``"auto"`` on CUDA and for small CPU inputs): one :func:`apply_sampling` over
+  all ``T + B`` rows (vLLM's order).
+* lazy (``order="lazy"``, CPU only; ``"auto"`` for CPU inputs above ``2 * CHUNK_BYTES``): position by
+  position, only for requests whose earlier drafts were all accepted (a position after a rejection is
+  never read by any scan), in row chunks of about ``CHUNK_BYTES`` so intermediates stay in cache.
+  Positions never evaluated hold 0 (``-1`` for argmax) and are not read. Rows without top-k / top-p are
+  evaluated as ``e = 2**((x - max) / T * log2(e))`` read in place from the logits, and only
   ``p(d) = e_d / sum(e)`` is formed for an accept test; a row whose draft is rejected is normalised
   into a chunk-sized pending buffer while it is still in cache, and the buffer is sampled whenever it
   fills (``final_tokens`` then only evaluates the bonus rows, and any row the scan's verdict moved
   elsewhere). No ``[T + B, V]`` probability tensor is materialised.
+
+Both orders compute in float32 (the logits reach this module detached, float32 or exactly convertible
+to it: see ``rejection._entry_logits``), greedy rows included, so the order does not change a greedy token.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, _sampling_probs, first_argmax
+from . import layout as _layout_mod
+from .layout import VerifyInputError, _Layout
+from .sampling import SamplingParams, _sampling_probs, effective_temperature, first_argmax
 
-if TYPE_CHECKING:
-    from .rejection import _Layout
-
-CHUNK_BYTES = 4 << 20
-LAZY_ON_CPU: bool | str = True  # False: always eager; "always": lazy even for small inputs (tests)
+ORDERS = ("auto", "lazy", "eager")
 
 
-def use_lazy(target_logits: Tensor) -> bool:
-    """Lazy order on CPU when the logits exceed a few chunks (small inputs: eager has less overhead)."""
-    if target_logits.device.type != "cpu" or not LAZY_ON_CPU:
-        return False
-    return target_logits.numel() * 4 > 2 * CHUNK_BYTES or LAZY_ON_CPU == "always"
+def use_lazy(target_logits: Tensor, order: str = "auto") -> bool:
+    """Whether ``rejection_sample(..., order=order)`` evaluates the target side lazily.
+
+    ``"eager"``: never. ``"lazy"``: always (CPU tensors only: the lazy order keeps host-side lists and
+    reuses CPU buffers). ``"auto"``: on CPU when the logits exceed ``2 * CHUNK_BYTES`` (small inputs:
+    eager has less overhead); eager on other devices.
+
+    Raises:
+        VerifyInputError: ``order`` is not one of ``ORDERS``, or ``"lazy"`` with non-CPU logits.
+    """
+    if order not in ORDERS:
+        raise VerifyInputError(f"order: expected 'auto', 'lazy' or 'eager', got {order!r}")
+    on_cpu = target_logits.device.type == "cpu"
+    if order == "lazy" and not on_cpu:
+        raise VerifyInputError(
+            f"order: 'lazy' is implemented for CPU tensors only, target_logits are on {target_logits.device} "
+            f"(use 'auto' or 'eager')"
+        )
+    if order == "auto":
+        return on_cpu and target_logits.numel() * 4 > 2 * _layout_mod.CHUNK_BYTES
+    return order == "lazy"
 
 
 def _chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab))
+    return max(1, _layout_mod.CHUNK_BYTES // (4 * vocab))
 
 
 _LOCAL = threading.local()
@@ -191,7 +208,7 @@ class _RowEvaluator:
         self.sampling = sampling
         self.scratch = _Scratch(target_logits)
         self.vocab = target_logits.shape[1]
-        self.temps = sampling.temperature.tolist()
+        self.temps = effective_temperature(sampling.temperature, warn=False).tolist()
         self.viewable = target_logits.dtype == torch.float32 and target_logits.is_contiguous()
 
     def rows(self, rows: list[int], reqs: list[int], plain: bool) -> tuple[Tensor, Tensor | None]:
@@ -220,7 +237,7 @@ class _RowEvaluator:
         sp = self.sampling
         p = _sampling_probs(
             x,
-            sp.temperature.index_select(0, idx).float(),
+            sp.temperature.index_select(0, idx),  # clamped + cast by _sampling_probs
             None if sp.top_k is None else sp.top_k.index_select(0, idx),
             None if sp.top_p is None else sp.top_p.index_select(0, idx),
             owned=True,
@@ -373,7 +390,7 @@ def _all_probs(layout: _Layout, target_logits: Tensor, sampling: SamplingParams,
     req_of_row = torch.repeat_interleave(
         torch.arange(layout.batch, device=target_logits.device), layout.n + 1, output_size=rows
     )
-    temp = sampling.temperature.float().index_select(0, req_of_row)
+    temp = sampling.temperature.index_select(0, req_of_row)  # _sampling_probs applies effective_temperature
     top_k = None if sampling.top_k is None else sampling.top_k.index_select(0, req_of_row)
     top_p = None if sampling.top_p is None else sampling.top_p.index_select(0, req_of_row)
     probs = _sampling_probs(target_logits.float(), temp, top_k, top_p, owned=False)

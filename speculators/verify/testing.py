@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .layout import sample_block
 from .sampling import SamplingParams, apply_sampling
 
 # One-sided tail probability of the chi-square / TV checks: a correct sampler fails with ~1e-6.
@@ -62,7 +63,7 @@ def inverse_cdf_token(r: torch.Tensor, u: float, block: int | None = None) -> in
     r = r.float().flatten()
     vocab = r.numel()
     if block is None:
-        block = min(1024, 1 << max(vocab - 1, 0).bit_length())
+        block = sample_block(vocab)
     nb = -(-vocab // block)
     padded = torch.zeros(nb * block)
     padded[:vocab] = r

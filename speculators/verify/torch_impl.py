@@ -15,8 +15,8 @@ import math
 import torch
 from torch import Tensor
 
-from . import target_side
-from .rejection import (
+from . import layout as _layout_mod
+from .layout import (
     PLACEHOLDER_TOKEN_ID,
     SAMPLE_SCALE,
     RejectionOutput,
@@ -166,7 +166,7 @@ def sample_rows(
     ``sel=None`` and no draft probs, ``p``'s draft entries are zeroed in place (and restored).
     """
     count, vocab = pos.numel(), p.shape[1]
-    step = max(1, target_side.CHUNK_BYTES // (4 * vocab)) if p.device.type == "cpu" else max(count, 1)
+    step = max(1, _layout_mod.CHUNK_BYTES // (4 * vocab)) if p.device.type == "cpu" else max(count, 1)
     if count <= step:
         return _sample_chunk(p, sel, draft_probs, pos, draft_token_ids, u)
     if sel is None:

@@ -27,10 +27,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rejection import (
+from .layout import (
     PLACEHOLDER_TOKEN_ID,
     SAMPLE_SCALE,
     RejectionOutput,
+    VerifyInputError,
     _Layout,
     sample_block,
 )
@@ -232,7 +233,7 @@ def aot_compile(arch: int = 90, vocab: int = 49152) -> dict:
 
     Uses Triton's bundled LLVM and ``ptxas`` (``arch=90``: H100 / H200; 80: A100; 89: L4 / L40), with
     :data:`LAUNCH_OPTIONS`, so a kernel that only runs under the interpreter is caught on a CPU
-    machine. ``vocab`` picks the sampling block width (:func:`~speculators.verify.rejection.sample_block`).
+    machine. ``vocab`` picks the sampling block width (:func:`~speculators.verify.layout.sample_block`).
 
     Returns:
         ``{variant name: CompiledKernel}``; ``kernel.asm`` holds ``ttir``, ``ttgir``, ``llir``, ``ptx``
@@ -272,7 +273,7 @@ def _ids(draft_token_ids: Tensor, device: torch.device) -> Tensor:
 
 def _check_device(device: torch.device) -> None:
     if device.type != "cuda" and not interpreter_active():
-        raise ValueError(
+        raise VerifyInputError(
             f"impl='triton' on {device.type} tensors needs Triton's interpreter: set TRITON_INTERPRET=1 before "
             "triton is first imported (or use CUDA tensors, or impl='torch')"
         )
