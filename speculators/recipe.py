@@ -130,18 +130,82 @@ def _format_validation_error(e: ValidationError, source: str) -> str:
     return "; ".join(lines)
 
 
+def _describe(value: Any) -> str:
+    """A short description of a recipe value for error messages (``a number (0.001)``)."""
+    if isinstance(value, dict):
+        return "a section"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, bool):
+        return f"a boolean ({value})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if value is None:
+        return "not set"
+    return f"a string ({str(value)[:40]!r})"
+
+
 def _set_path(d: dict, dotted: str, value: Any) -> None:
+    """Set ``value`` at the dotted path ``dotted`` of the raw recipe dict ``d`` (in place).
+
+    Path components name keys of sections (mappings) or, on a list, a 0-based element index
+    (``data.sources.1.max_examples=5``). A missing section is created (pydantic then reports an
+    unknown key). A string element of ``data.sources`` is first expanded to ``{source: ...}`` so its
+    other keys can be set. Replacing a whole list works too (``data.sources=[humaneval]``).
+
+    Raises:
+        SpeculatorsError: an empty path or path component (``train..lr``); an index that is not a
+            number or out of range on a list (names the list's length); a component below a scalar,
+            an unset value or a list (``train.lr.x``: ``train.lr`` holds a number, not a section).
+    """
     keys = dotted.split(".")
-    cur = d
-    for k in keys[:-1]:
-        if not isinstance(cur.get(k), dict):
-            cur[k] = {}
-        cur = cur[k]
-    cur[keys[-1]] = value
+    if not dotted or any(not k.strip() for k in keys):
+        raise SpeculatorsError(f"override {dotted!r}: empty key in the dotted path; expected e.g. train.lr "
+                               f"or data.sources.0.source")
+    cur: Any = d
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        here = ".".join(keys[: i + 1])
+        parent = ".".join(keys[:i]) or "the recipe"
+        if isinstance(cur, list):
+            if not k.isdigit():
+                allowed = f"allowed: 0..{len(cur) - 1}" if cur else "it has no elements"
+                raise SpeculatorsError(f"override {dotted!r}: {parent} is a list of {len(cur)}; {k!r} is not "
+                                       f"an element index ({allowed})")
+            idx = int(k)
+            if idx >= len(cur):
+                allowed = f"allowed: 0..{len(cur) - 1}" if cur else "it has no elements"
+                raise SpeculatorsError(f"override {dotted!r}: index {idx} is out of range: {parent} is a list of "
+                                       f"{len(cur)} ({allowed}); to replace the whole list use {parent}=[...]")
+            if last:
+                cur[idx] = value
+                return
+            if parent == "data.sources" and isinstance(cur[idx], str):
+                cur[idx] = {"source": cur[idx]}  # same expansion as DataSpec._strings_to_specs
+            nxt = cur[idx]
+        elif isinstance(cur, dict):
+            if last:
+                cur[k] = value
+                return
+            nxt = cur.get(k)
+            if nxt is None:
+                if keys[i + 1].isdigit():
+                    raise SpeculatorsError(f"override {dotted!r}: {here} is not set, so it has no element "
+                                           f"{keys[i + 1]}; set the whole list with {here}=[...]")
+                nxt = cur[k] = {}
+        else:  # pragma: no cover - guarded below before descending
+            raise AssertionError(cur)
+        if not isinstance(nxt, (dict, list)):
+            raise SpeculatorsError(f"override {dotted!r}: {here} is {_describe(nxt)}, not a section or list, "
+                                   f"so it has no key {keys[i + 1]!r}")
+        cur = nxt
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """Parse ``key.path=value`` overrides; values are YAML scalars (``train.lr=1e-4``, ``eval.k=8``).
+    """Parse ``key.path=value`` overrides; values are YAML (``train.lr=1e-4``, ``eval.k=8``,
+    ``data.sources=[humaneval]``); a value that is not valid YAML is kept as the raw string. A path
+    component may be a 0-based list index (``data.sources.0.source=x``); paths are resolved by
+    ``load_recipe``.
 
     Raises:
         SpeculatorsError: an override without ``=``.

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,13 +28,69 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
+def current_umask() -> int:
+    """The process umask (e.g. ``0o022``), read without changing it where possible.
+
+    Linux exposes it in ``/proc/self/status`` (``Umask:`` line, kernel >= 4.7); elsewhere it is read
+    with ``os.umask(0)`` and restored at once (a brief window in which another thread's new files would
+    get mode 0666/0777 -- the only portable way).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _plain_dir_mode() -> int:
+    """Permission bits ``mkdir`` gives a new directory under the current umask (``0o755`` at ``0o022``)."""
+    return 0o777 & ~current_umask()
+
+
+def _plain_file_mode() -> int:
+    """Permission bits ``open(..., "w")`` gives a new file under the current umask (``0o644`` at ``0o022``)."""
+    return 0o666 & ~current_umask()
+
+
+def restore_plain_modes(path: str | Path) -> None:
+    """Give ``path`` (a file or directory, recursively) the modes a plain ``open``/``mkdir`` would.
+
+    Only entries left private by a temp-file writer are changed: files of mode exactly ``0o600``
+    (Python's ``mkstemp``, safetensors >= 0.8's ``save_file``, which writes through Rust's
+    ``tempfile::NamedTempFile`` and renames: safetensors issue #782) become ``0o666 & ~umask``,
+    directories of mode exactly ``0o700`` (``mkdtemp``) become ``0o777 & ~umask``. Other modes (set
+    on purpose) are kept; symlinks are not followed.
+    """
+    path = Path(path)
+    fmode, dmode = _plain_file_mode(), _plain_dir_mode()
+    entries = [path]
+    if path.is_dir() and not path.is_symlink():
+        entries += [Path(root) / n for root, dirs, files in os.walk(path) for n in dirs + files]
+    for p in entries:
+        st = os.lstat(p)
+        m = stat.S_IMODE(st.st_mode)
+        if stat.S_ISREG(st.st_mode) and m == 0o600 and fmode != m:
+            os.chmod(p, fmode)
+        elif stat.S_ISDIR(st.st_mode) and m == 0o700 and dmode != m:
+            os.chmod(p, dmode)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Write a directory atomically: yield a temporary sibling, rename it to ``final`` on success.
 
     On an exception the temporary directory is removed and ``final`` is left as it was, so a reader
     never sees a half-written directory. With ``overwrite`` an existing ``final`` is replaced (it is
-    moved aside first and deleted only after the rename succeeded).
+    moved aside first and deleted only after the rename succeeded). ``final`` gets the mode a plain
+    ``mkdir`` would give under the user's umask (``0o755`` at umask ``0o022``), not ``mkdtemp``'s
+    private ``0o700``, and files or folders inside that a temp-file writer left private (safetensors'
+    ``save_file`` makes ``0o600`` files) get plain modes too (see ``restore_plain_modes``), so other
+    users (a serving process, teammates) can read what was written.
 
     Raises:
         FileExistsError: ``final`` exists and ``overwrite`` is False.
@@ -45,6 +102,7 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        restore_plain_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -58,10 +116,25 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a text file through a temporary name and ``os.replace`` (never half-written)."""
+    """Write a text file through a temporary name and ``os.replace`` (never half-written).
+
+    The file gets the mode a plain ``open(path, "w")`` would leave: an existing file keeps its
+    permission bits, a new one gets ``0o666`` less the umask (``0o644`` at ``0o022``), not ``mkstemp``'s
+    private ``0o600``. On an error the temporary file is removed and ``path`` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = _plain_file_mode()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)  # mkstemp creates 0o600 and the mode survives the rename
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

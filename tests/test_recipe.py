@@ -134,6 +134,51 @@ def test_override_without_equals_is_an_error():
     assert "train.lr" in msg and "=" in msg
 
 
+def test_override_list_elements_by_index():
+    rec = load_recipe(TINY, ["target.model=/x", "data.sources.0.source=hf:foo/bar",
+                             "data.sources.1.max_examples=5", "data.sources.1.regenerate=true"])
+    assert [(s.source, s.max_examples, s.regenerate) for s in rec.data.sources] == [
+        ("hf:foo/bar", 24, True), ("humaneval", 5, True)]
+    # a whole element, and a string element expanded before one of its keys is set
+    rec = load_recipe(TINY, ["target.model=/x", "data.sources=[chatterbot, humaneval]",
+                             "data.sources.1.max_examples=7", "data.sources.0=hf:x"])
+    assert [(s.source, s.max_examples) for s in rec.data.sources] == [("hf:x", None), ("humaneval", 7)]
+    rec = load_recipe(TINY, ["target.model=/x", "target.aux_layer_ids=[0, 1, 2]", "target.aux_layer_ids.2=3"])
+    assert rec.target.aux_layer_ids == [0, 1, 3]
+
+
+def test_override_whole_list():
+    rec = load_recipe(TINY, ["target.model=/x", "data.sources=[humaneval]"])
+    assert [(s.source, s.max_examples) for s in rec.data.sources] == [("humaneval", None)]
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("data.sources.2.source=x", ["data.sources.2.source", "out of range", "list of 2", "0..1"]),
+    ("data.sources.9=x", ["data.sources.9", "list of 2"]),
+    ("data.sources.-1.source=x", ["data.sources.-1.source", "list of 2", "index"]),
+    ("data.sources.first.source=x", ["data.sources.first.source", "list of 2", "index"]),
+    ("train.lr.0=1", ["train.lr.0", "train.lr", "number"]),            # index on a non-list
+    ("train.lr.x=1", ["train.lr.x", "train.lr", "number", "'x'"]),     # key below a scalar
+    ("train.lr.x.y=1", ["train.lr.x.y", "train.lr", "number"]),
+    ("data.sources.0.source.x=1", ["data.sources.0.source", "string", "chatterbot"]),
+    ("target.aux_layer_ids.0=1", ["target.aux_layer_ids.0", "not set", "target.aux_layer_ids=[...]"]),
+    ("train..lr=1", ["train..lr", "empty"]),
+    (".lr=1", ["'.lr'", "empty"]),
+    ("train.=1", ["'train.'", "empty"]),
+    ("=1", ["empty"]),
+])
+def test_bad_override_paths_are_one_clear_error(override, needles):
+    msg = error_of(load_recipe, TINY, ["target.model=/x", override])
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_bad_override_path_leaves_scalar_alone():
+    """Old code silently replaced ``train.lr`` by ``{x: 1}``: the error must be about the path."""
+    msg = error_of(load_recipe, TINY, ["target.model=/x", "train.lr.x=1"])
+    assert "valid number" not in msg and "no key 'x'" in msg
+
+
 # ----------------------------------------------------------------------------- bad recipes
 
 
