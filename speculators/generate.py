@@ -10,6 +10,11 @@ The speculative loop follows what a serving engine does for one request (vLLM's 
 5. the target KV cache is cropped to the accepted prefix; the proposer is advanced with the accepted
    tokens and their target features.
 
+The step's tokens are emitted up to the first stop token (:func:`resolve_stop_ids`: the target's
+tokenizer EOS, ``generation_config`` EOS ids and chat-template end-of-turn, or explicit ``eos_ids``)
+and ``max_new_tokens``; the request ends there, and :class:`GenerationResult` records per step what
+was verified and what was emitted, so that the statistics count only emitted tokens.
+
 Plain decoding runs the same sampler with zero drafts, so both paths share one sampling code path:
 at temperature 0 the speculative output must equal plain greedy decoding token for token.
 
@@ -20,12 +25,14 @@ top_k, top_p, generator) -> Proposal`` and ``advance(state, new_ids, features)``
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .drafters.base import Proposal
+from .errors import SpeculatorsError
 from .verify import SamplingParams, rejection_sample
 
 
@@ -43,14 +50,26 @@ class Sampling:
 
 @dataclass
 class GenerationResult:
-    """One decoded request.
+    """One decoded request, with what every verification step verified and what it emitted.
+
+    A *step* is one target forward after the prefill (speculative: over the last token and the
+    drafts; plain: over the last token). The first generated token comes from the prefill and belongs
+    to no step, so ``len(tokens) == 1 + sum(emitted)`` whenever a token was generated.
 
     Attributes:
-        tokens: generated token ids (prompt excluded; EOS included when emitted).
-        accepted: per verification step, number of accepted drafts (speculative only).
-        drafted: per verification step, number of drafts proposed.
+        tokens: generated token ids (prompt excluded; the stop token included when emitted). Generation
+            ends at the first stop token or after ``max_new_tokens`` tokens, whichever comes first.
+        accepted: per step, accepted drafts that were EMITTED: ``min(verifier_accepted, emitted)``.
+        drafted: per step, drafts the proposer returned; all of them went through the target forward
+            and the verifier (0 for plain decoding).
+        emitted: per step, tokens the step appended to ``tokens``: ``verifier_accepted + 1`` (the
+            accepted drafts and the recovered/bonus token), or fewer when a stop token or
+            ``max_new_tokens`` cut the step (then nothing after the cut is emitted, neither drafts nor
+            the recovered/bonus token). Always >= 1.
+        verifier_accepted: per step, drafts the rejection sampler accepted (the verifier's view; it
+            also counts accepted drafts after a stop token inside the step, which were not emitted).
         seconds: wall time of prefill + decode.
-        target_forwards: number of target forwards (prefill excluded).
+        target_forwards: number of target forwards (prefill excluded) == number of steps.
     """
 
     tokens: list[int]
@@ -58,15 +77,40 @@ class GenerationResult:
     drafted: list[int] = field(default_factory=list)
     seconds: float = 0.0
     target_forwards: int = 0
+    emitted: list[int] = field(default_factory=list)
+    verifier_accepted: list[int] = field(default_factory=list)
+
+    def add_step(self, drafted: int, verifier_accepted: int, emitted: int) -> None:
+        """Record one verification step (see the attributes for the definitions)."""
+        self.drafted.append(int(drafted))
+        self.verifier_accepted.append(int(verifier_accepted))
+        self.emitted.append(int(emitted))
+        self.accepted.append(min(int(verifier_accepted), int(emitted)))
+        self.target_forwards += 1
 
 
 def _emit_until(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
-    """Append ``new`` to ``out`` up to ``max_new`` tokens or the first EOS; True when finished."""
+    """Append ``new`` to ``out`` up to ``max_new`` tokens or the first stop token (included); True when
+    finished. The caller measures what was appended as the change of ``len(out)``."""
     for t in new:
+        if len(out) >= max_new:
+            return True
         out.append(t)
         if t in eos or len(out) >= max_new:
             return True
     return False
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise SpeculatorsError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return n
 
 
 @torch.no_grad()
@@ -74,28 +118,46 @@ def plain_decode(target, prompt_ids: list[int], max_new_tokens: int, sampling: S
                  eos_ids: set[int] | None = None, seed: int | None = None) -> GenerationResult:
     """Decode with the target alone, one token per forward (the baseline speculative decoding must match).
 
+    Every forward after the prefill is recorded as a step with 0 drafts that emits 1 token (so the
+    statistics of :class:`speculators.evaluate.AcceptanceStats` give tau = 1 for it).
+
     Args:
         target: :class:`speculators.target.Target`.
         prompt_ids: prompt token ids (rendered with the chat template).
-        max_new_tokens: cap on generated tokens.
-        eos_ids: stop tokens (default: the tokenizer's EOS).
+        max_new_tokens: cap on generated tokens (>= 1).
+        sampling: temperature / top-k / top-p (temperature 0 = greedy).
+        eos_ids: stop token ids; ``None`` = :func:`resolve_stop_ids` of the target (tokenizer EOS,
+            ``generation_config`` EOS ids and the chat template's end-of-turn marker). An empty set
+            never stops early.
+        seed: seed of the sampling generator (sampled decoding).
+    Returns:
+        :class:`GenerationResult` (``tokens`` ends with the stop token when one was emitted).
+    Raises:
+        SpeculatorsError: ``max_new_tokens`` < 1 or ``eos_ids`` not token ids.
     """
-    eos = _eos(target, eos_ids)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    eos = resolve_stop_ids(target, eos_ids)
     params = sampling.params(seed)
     t0 = time.perf_counter()
     sess = target.session()
     logits, _ = sess.forward(torch.tensor(prompt_ids))
     out: list[int] = []
-    forwards = 0
+    result = GenerationResult(out)
     empty = torch.empty(0, dtype=torch.int64)
+    first = True
     while True:
         res = rejection_sample(empty, [0], None, logits[-1:], params, validate=False)
         tok = int(res.output_token_ids[0, 0])
-        if _emit_until(out, [tok], max_new_tokens, eos):
+        before = len(out)
+        done = _emit_until(out, [tok], max_new_tokens, eos)
+        if not first:  # the prefill's token belongs to no step
+            result.add_step(0, 0, len(out) - before)
+        first = False
+        if done:
             break
         logits, _ = sess.forward(torch.tensor([tok]))
-        forwards += 1
-    return GenerationResult(out, seconds=time.perf_counter() - t0, target_forwards=forwards)
+    result.seconds = time.perf_counter() - t0
+    return result
 
 
 @torch.no_grad()
@@ -106,9 +168,27 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
 
     Every step runs one target forward over the last token and the drafts, then
     :func:`speculators.verify.rejection_sample` (lossless: the output has the target's distribution;
-    at temperature 0 it equals :func:`plain_decode` token for token).
+    at temperature 0 it equals :func:`plain_decode` token for token). The step's tokens (accepted
+    drafts, then the recovered/bonus token) are emitted up to the first stop token or
+    ``max_new_tokens``; nothing after the cut is emitted or counted as emitted (the step records
+    ``drafted``, ``verifier_accepted`` and ``emitted`` separately, see :class:`GenerationResult`).
+    The proposer is asked for at most ``min(k, max_new_tokens - generated - 1)`` drafts, so the
+    ``max_new_tokens`` cap never verifies drafts that could not be emitted.
+
+    Args:
+        target: :class:`speculators.target.Target`.
+        proposer: a drafter or :class:`NGramProposer` (``start`` / ``propose`` / ``advance``).
+        prompt_ids: prompt token ids.
+        k: max drafts per step (``num_speculative_tokens``, >= 0).
+        max_new_tokens: cap on generated tokens (>= 1).
+        sampling, eos_ids, seed: as :func:`plain_decode`.
+    Raises:
+        SpeculatorsError: bad ``k`` / ``max_new_tokens`` / ``eos_ids``, or a proposer that returned
+            more drafts than asked for.
     """
-    eos = _eos(target, eos_ids)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    k = _check_int("k (drafts per step)", k, 0)
+    eos = resolve_stop_ids(target, eos_ids)
     params = sampling.params(seed)
     gen = params.generators[0] if params.generators else None
     t0 = time.perf_counter()
@@ -128,33 +208,73 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
         k_eff = min(k, max_new_tokens - len(out) - 1)
         prop: Proposal = proposer.propose(state, k_eff, sampling.temperature, sampling.top_k,
                                           sampling.top_p, gen) if k_eff > 0 else Proposal(empty)
-        drafts = prop.token_ids.to(torch.int64)
+        drafts = prop.token_ids.reshape(-1).to(torch.int64)
         n = int(drafts.numel())
+        if n > max(k_eff, 0):
+            raise SpeculatorsError(f"proposer {type(proposer).__name__} returned {n} drafts when asked for "
+                                   f"at most {max(k_eff, 0)}")
         L = sess.length
         logits, feats = sess.forward(torch.cat([torch.tensor([last]), drafts]))
         res = rejection_sample(drafts, [n], prop.probs, logits, params, validate=False)
         a = int(res.num_accepted[0])
-        emitted = res.output_token_ids[0, :a + 1]
+        step_tokens = res.output_token_ids[0, :a + 1]
         sess.crop(L + a + 1)
-        result.accepted.append(a)
-        result.drafted.append(n)
-        result.target_forwards += 1
-        if _emit_until(out, emitted.tolist(), max_new_tokens, eos):
+        before = len(out)
+        done = _emit_until(out, step_tokens.tolist(), max_new_tokens, eos)
+        result.add_step(n, a, len(out) - before)
+        if done:
             break
-        proposer.advance(state, emitted, feats.slice(0, a + 1))
-        last = int(emitted[-1])
+        proposer.advance(state, step_tokens, feats.slice(0, a + 1))
+        last = int(step_tokens[-1])
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _eos(target, eos_ids):
+def _as_token_ids(ids, what: str) -> set[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        ids = [ids]
+    out = set()
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            v = operator.index(t.item() if isinstance(t, torch.Tensor) else t)
+        except (TypeError, ValueError, RuntimeError):
+            v = None
+        if v is None or v < 0:
+            raise SpeculatorsError(f"{what} must be non-negative integer token ids, got {t!r} in {ids!r}")
+        out.add(v)
+    return out
+
+
+def resolve_stop_ids(target, eos_ids=None) -> set[int]:
+    """The stop token ids of a decode: ``eos_ids`` when given, else the target's stop ids.
+
+    The target's stop ids are ``target.stop_token_ids`` (tokenizer EOS ∪ ``generation_config`` EOS ids
+    ∪ the chat template's end-of-turn marker; a list property, or a method called without
+    arguments); for an object without it, the tokenizer's ``eos_token_id`` (none without a
+    tokenizer). Plain decoding, speculative decoding and eval all stop on this set.
+
+    Args:
+        target: :class:`speculators.target.Target` (or any object with ``stop_token_ids`` or
+            ``tokenizer``).
+        eos_ids: explicit stop ids (an int or an iterable of ints; an empty set = never stop early);
+            it wins over the target's.
+    Returns:
+        set of int token ids.
+    Raises:
+        SpeculatorsError: ``eos_ids`` (or the target's stop ids) are not non-negative integers.
+    """
     if eos_ids is not None:
-        return set(eos_ids)
-    tok = target.tokenizer
-    ids = set()
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return ids
+        return _as_token_ids(eos_ids, "eos_ids")
+    stop = getattr(target, "stop_token_ids", None)
+    if callable(stop):
+        stop = stop()
+    if stop is not None:
+        return _as_token_ids(stop, "target.stop_token_ids")
+    tok = getattr(target, "tokenizer", None)
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    return set() if eos is None else _as_token_ids(eos, "tokenizer.eos_token_id")
 
 
 @dataclass
@@ -171,7 +291,13 @@ class NGramProposer:
     """
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
-        self.max_n, self.min_n = max_n, min_n
+        """``max_n`` >= ``min_n`` >= 1: the n-gram lengths tried, longest first.
+
+        Raises:
+            SpeculatorsError: other values.
+        """
+        self.min_n = _check_int("NGramProposer min_n", min_n, 1)
+        self.max_n = _check_int("NGramProposer max_n", max_n, self.min_n)
 
     def start(self, input_ids: torch.Tensor, features=None) -> _NGramState:
         return _NGramState(input_ids.reshape(-1).tolist())
