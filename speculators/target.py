@@ -11,17 +11,25 @@ the generation loop need:
   rejected drafts (as a serving engine does).
 
 Layer-id convention (ALGORITHMS.md): ``aux_layer_ids`` are 0-based indices of decoder layers whose
-OUTPUT is tapped (HF ``hidden_states[l + 1]``). vLLM / EAGLE count the layer whose INPUT is tapped:
-``vllm_id = our_id + 1``. Both are recorded in checkpoints.
+OUTPUT is tapped: the PRE-norm residual stream leaving decoder layer ``l`` (read with a forward hook on
+``model.model.layers[l]``; equal to HF ``hidden_states[l + 1]`` for ``l < L - 1``, whereas HF's
+``hidden_states[L]`` is taken AFTER the final norm). vLLM / EAGLE count the layer whose INPUT is
+tapped: ``vllm_id = our_id + 1`` (for ``L - 1`` vLLM supplies the pre-norm residual too). Both are
+recorded in checkpoints.
+
+Stop tokens (:attr:`Target.stop_token_ids`): the tokenizer's EOS, ``generation_config.eos_token_id``
+and the chat template's end-of-turn token, used by regeneration and by plain / speculative decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -128,7 +136,8 @@ class TargetFeatures:
     """Target features of a batch of sequences.
 
     Attributes:
-        aux: ``[B, T, n_aux * H]`` concatenated aux hidden states (outputs of ``aux_layer_ids``, in order).
+        aux: ``[B, T, n_aux * H]`` concatenated aux hidden states: the PRE-norm residual outputs of the
+            decoder layers ``aux_layer_ids``, in order (also for the last layer).
         top: ``[B, T, H]`` final hidden state after the target's final norm (input of ``lm_head``).
         logits: ``[B, T, V]`` target logits, or None when not requested.
     """
@@ -143,6 +152,23 @@ class TargetFeatures:
                               None if self.logits is None else self.logits[:, start:end])
 
 
+class Generation(NamedTuple):
+    """One response of :meth:`Target.generate_batch`.
+
+    Attributes:
+        ids: the generated token ids, without the prompt and without the stop token.
+        stop: the stop token id that ended the response, or None when it was cut by ``max_new_tokens``.
+    """
+
+    ids: list[int]
+    stop: int | None
+
+
+def _layer_output(out) -> torch.Tensor:
+    """The hidden state a decoder layer returns (a tensor in transformers 5, a tuple before)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 class Target:
     """A frozen causal LM used as the verifier and as the source of drafter training features.
 
@@ -151,10 +177,12 @@ class Target:
         tokenizer: its tokenizer (may be None for tokenizer-free tests).
         name_or_path: the reference the user gave (recorded in checkpoints as the verifier name).
         aux_layer_ids: 0-based decoder layers whose outputs are tapped; default per ALGORITHMS.md.
+        chat_template: the recipe's ``data.chat_template`` (overrides the tokenizer's; None = the
+            tokenizer's). Only read by :attr:`stop_token_ids`; may be set later as an attribute.
     """
 
     def __init__(self, model, tokenizer=None, name_or_path: str = "target",
-                 aux_layer_ids: list[int] | None = None):
+                 aux_layer_ids: list[int] | None = None, chat_template: str | None = None):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -171,6 +199,9 @@ class Target:
                     f"target.aux_layer_ids: layer {i} outside [0, {self.num_layers - 1}] "
                     f"(0-based outputs of decoder layers)")
         self.aux_layer_ids = ids
+        self.chat_template = chat_template
+        self._stop_override: list[int] | None = None
+        self._marker_cache: dict[str | None, int | None] = {}
         self._fingerprint: str | None = None
 
     # ------------------------------------------------------------------ loading
@@ -247,6 +278,54 @@ class Target:
         """The aux taps in vLLM's convention (index of the layer whose input is tapped)."""
         return [i + 1 for i in self.aux_layer_ids]
 
+    # ------------------------------------------------------------------ stop tokens
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end a response, sorted and deduplicated (``[]`` without a tokenizer and without
+        generation-config EOS ids, e.g. a tiny random target).
+
+        The union of the tokenizer's ``eos_token_id``, ``model.generation_config.eos_token_id`` (an int or
+        a list; may be missing) and the chat template's end-of-turn token (:meth:`stop_ids_for`), for the
+        template in :attr:`chat_template` (the recipe's ``data.chat_template``; None = the tokenizer's).
+        This is what serving engines stop on (vLLM / transformers ``generate`` read the generation
+        config's EOS list), so a model whose turns end with a token that is not its tokenizer's EOS
+        (Gemma-style ``<end_of_turn>``, a ChatML model whose ``eos_token`` is ``<|endoftext|>``) stops at
+        the end of the turn. Assign a list to override it (``None`` restores the computed value).
+        """
+        if self._stop_override is not None:
+            return list(self._stop_override)
+        return self.stop_ids_for(self.chat_template)
+
+    @stop_token_ids.setter
+    def stop_token_ids(self, ids: Iterable[int] | None) -> None:
+        self._stop_override = None if ids is None else sorted({int(i) for i in ids})
+
+    def stop_ids_for(self, chat_template: str | None = None) -> list[int]:
+        """:attr:`stop_token_ids` for a given chat template (None = the tokenizer's own).
+
+        The template's end-of-turn marker is found by rendering ``[user, assistant]`` with a sentinel
+        assistant content and matching :func:`speculators.data.chat.end_markers` right after it
+        (whitespace allowed in between); its id is used when the marker is a single token.
+
+        Returns:
+            Sorted, deduplicated list of int token ids.
+        """
+        ids: set[int] = set()
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos if e is not None)
+        if tok is not None:
+            if chat_template not in self._marker_cache:  # rendering the template once per template
+                self._marker_cache[chat_template] = _template_end_of_turn_id(tok, chat_template)
+            if self._marker_cache[chat_template] is not None:
+                ids.add(self._marker_cache[chat_template])
+        return sorted(ids)
+
     # ------------------------------------------------------------------ frozen pieces
     @property
     def embed_tokens(self) -> torch.nn.Embedding:
@@ -296,18 +375,56 @@ class Target:
         Returns:
             TargetFeatures in the model's dtype.
         """
-        out = self.model.model(input_ids=input_ids.to(self.device),
-                               attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-                               output_hidden_states=True, use_cache=False)
-        hs = out.hidden_states
-        aux = torch.cat([hs[i + 1] for i in self.aux_layer_ids], dim=-1)
+        with self.tap_layers() as taps:
+            out = self.model.model(input_ids=input_ids.to(self.device),
+                                   attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                                   use_cache=False)
         top = out.last_hidden_state
-        return TargetFeatures(aux, top, self.lm_head(top) if with_logits else None)
+        return TargetFeatures(taps.aux(), top, self.lm_head(top) if with_logits else None)
+
+    @contextlib.contextmanager
+    def tap_layers(self):
+        """Record the PRE-norm output of every aux layer during the forwards run inside the block.
+
+        Forward hooks on ``model.model.layers[i]`` (removed on exit) capture the residual stream each
+        tapped decoder layer returns, for every id including ``L - 1`` (transformers'
+        ``hidden_states[L]`` is post-norm: it is NOT used).
+
+        Yields:
+            an object whose ``aux()`` returns ``[B, T, n_aux * H]``: the last captured output of each
+            aux layer, concatenated in ``aux_layer_ids`` order.
+        """
+        captured: dict[int, torch.Tensor] = {}
+        layers = self.model.model.layers
+        handles = []
+
+        def hook_for(i):
+            def hook(_module, _args, output):
+                captured[i] = _layer_output(output)
+            return hook
+
+        for i in sorted(set(self.aux_layer_ids)):
+            handles.append(layers[i].register_forward_hook(hook_for(i)))
+
+        class _Taps:
+            @staticmethod
+            def aux() -> torch.Tensor:
+                missing = [i for i in self.aux_layer_ids if i not in captured]
+                if missing:
+                    raise SpeculatorsError(f"target.aux_layer_ids: layers {missing} did not run in the forward")
+                return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+
+        try:
+            yield _Taps()
+        finally:
+            for h in handles:
+                h.remove()
 
     @torch.no_grad()
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int,
+                       stop_token_ids: Iterable[int] | int | None = None,
                        temperature: float = 0.0, top_p: float = 1.0,
-                       generator: torch.Generator | None = None, pad_token_id: int = 0) -> list[list[int]]:
+                       generator: torch.Generator | None = None, pad_token_id: int = 0) -> list[Generation]:
         """Batched generation with batch compaction: finished rows leave the batch (and the KV cache).
 
         Prompts are left-padded; each step runs only the rows still generating, so the cost follows
@@ -317,15 +434,33 @@ class Target:
         Args:
             prompts: token ids per prompt.
             max_new_tokens: cap per response.
-            eos_token_id: stop token (kept out of the returned ids), or None.
+            stop_token_ids: the SET of stop tokens (an int is one stop token); None = this target's
+                :attr:`stop_token_ids`; an empty collection = never stop before ``max_new_tokens``.
             temperature: 0 = greedy; otherwise sampling with ``top_p`` (vLLM semantics through
                 :func:`speculators.verify.apply_sampling`).
+            generator: RNG for sampling.
+            pad_token_id: id written in the left padding (masked out).
         Returns:
-            Generated ids per prompt (without the prompt and without EOS).
+            One :class:`Generation` per prompt: ``ids`` (without the prompt and the stop token) and
+            ``stop`` (the stop id that ended it, or None when cut by ``max_new_tokens``).
+        Raises:
+            SpeculatorsError: an empty prompt or ``max_new_tokens < 1``.
         """
         from transformers import DynamicCache
 
+        if max_new_tokens < 1:
+            raise SpeculatorsError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise SpeculatorsError("generate_batch: every prompt needs at least one token")
+        if stop_token_ids is None:
+            stops = set(self.stop_token_ids)
+        elif isinstance(stop_token_ids, int):
+            stops = {int(stop_token_ids)}
+        else:
+            stops = {int(t) for t in stop_token_ids}
         B = len(prompts)
+        if B == 0:
+            return []
         T = max(len(p) for p in prompts)
         ids = torch.full((B, T), pad_token_id, dtype=torch.long)
         att = torch.zeros(B, T, dtype=torch.long)
@@ -342,6 +477,7 @@ class Target:
         rows = torch.arange(B, device=dev)  # original index of each active row
         last_pos = pos[:, -1]
         results: list[list[int]] = [[] for _ in range(B)]
+        stopped: list[int | None] = [None] * B
         for step in range(max_new_tokens):
             if temperature > 0:
                 from .verify import apply_sampling
@@ -354,8 +490,9 @@ class Target:
                 nxt = logits.argmax(-1)
             done = torch.zeros_like(nxt, dtype=torch.bool)
             for i, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist())):
-                if eos_token_id is not None and t == eos_token_id:
+                if t in stops:
                     done[i] = True
+                    stopped[r] = t
                 else:
                     results[r].append(t)
             if step + 1 == max_new_tokens:
@@ -371,7 +508,7 @@ class Target:
             out = self.model(input_ids=nxt[:, None], attention_mask=att, position_ids=last_pos[:, None],
                              use_cache=True, **{_CACHE_KW: cache})
             logits = out.logits[:, -1].float()
-        return results
+        return [Generation(r, s_) for r, s_ in zip(results, stopped)]
 
     def session(self) -> "DecodeSession":
         """A fresh batch-1 incremental decoding session with its own KV cache."""
@@ -427,13 +564,11 @@ class DecodeSession:
         ids = ids.reshape(1, -1).to(self.target.device)
         m = ids.shape[1]
         pos = torch.arange(self.length, self.length + m, device=ids.device)
-        out = self.target.model.model(input_ids=ids, use_cache=True, **{_CACHE_KW: self.cache},
-                                      output_hidden_states=True, cache_position=pos,
-                                      position_ids=pos.unsqueeze(0))
+        with self.target.tap_layers() as taps:  # pre-norm outputs of every aux layer, L - 1 included
+            out = self.target.model.model(input_ids=ids, use_cache=True, **{_CACHE_KW: self.cache},
+                                          cache_position=pos, position_ids=pos.unsqueeze(0))
         self.length += m
-        hs = out.hidden_states
-        feats = TargetFeatures(torch.cat([hs[i + 1] for i in self.target.aux_layer_ids], dim=-1),
-                               out.last_hidden_state)
+        feats = TargetFeatures(taps.aux(), out.last_hidden_state)
         logits = self.target.lm_head(out.last_hidden_state)[0].float()
         return logits, feats
 
@@ -445,6 +580,39 @@ class DecodeSession:
             else:  # older transformers: crop(max_length)
                 self.cache.crop(n)
             self.length = n
+
+
+def _template_end_of_turn_id(tokenizer, chat_template: str | None) -> int | None:
+    """The single-token end-of-turn marker the chat template writes right after an assistant content
+    (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...), or None (no template, no known marker
+    after the content, or a marker that is several tokens)."""
+    from .data.chat import end_markers, render_text
+
+    sentinel = "\ue000speculators-stop-probe\ue001"
+    text = None
+    for msgs in ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}],
+                 [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": sentinel}]):
+        try:
+            text = render_text(tokenizer, msgs, chat_template)
+        except Exception:  # noqa: BLE001 - no template, or one that rejects this shape
+            continue
+        if sentinel in text:
+            break
+        text = None
+    if text is None:
+        return None
+    j = text.index(sentinel) + len(sentinel)
+    while j < len(text) and text[j].isspace():
+        j += 1
+    for mk in end_markers(tokenizer):
+        if text.startswith(mk, j):
+            try:
+                ids = list(tokenizer(mk, add_special_tokens=False)["input_ids"])
+            except Exception:  # noqa: BLE001
+                return None
+            return int(ids[0]) if len(ids) == 1 else None
+    return None
 
 
 def build_tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
@@ -467,7 +635,7 @@ def build_tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: 
     return Target(model, tokenizer, name_or_path=f"tiny-random-{model_type}-{seed}")
 
 
-__all__ = ["Target", "TargetFeatures", "DecodeSession", "default_aux_layer_ids", "resolve_model_ref",
+__all__ = ["Target", "TargetFeatures", "Generation", "DecodeSession", "default_aux_layer_ids", "resolve_model_ref",
            "build_tiny_target", "torch_dtype", "SMOLLM2_ALIAS"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

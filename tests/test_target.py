@@ -21,14 +21,43 @@ def test_default_aux_layers_follow_the_eagle3_convention():
     assert default_aux_layer_ids(4) == [1, 1, 0]
 
 
+def _hooked_layer_outputs(model, ids):
+    """Reference taps: the output of EVERY decoder layer, read with forward hooks (pre-norm)."""
+    seen = {}
+    hs = [layer.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+          for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hs:
+            h.remove()
+    return seen
+
+
 def test_features_tap_layer_outputs(target):
+    """Every aux id, L - 1 included, taps the PRE-norm output of that decoder layer (a forward hook), in
+    training features and in decode sessions; ``top`` stays the post-norm final state. (transformers'
+    ``hidden_states[L]`` is post-norm: the old tap of layer L - 1 failed this.)"""
+    L = target.num_layers
+    t = Target(target.model, aux_layer_ids=[0, L // 2, L - 2, L - 1])
     ids = torch.randint(0, 128, (2, 9))
-    f = target.features(ids, with_logits=True)
-    hs = target.model(ids, output_hidden_states=True).hidden_states
-    H = target.hidden_size
-    for n, layer in enumerate(target.aux_layer_ids):
-        torch.testing.assert_close(f.aux[..., n * H:(n + 1) * H], hs[layer + 1])
-    torch.testing.assert_close(f.logits, target.model(ids).logits)
+    f = t.features(ids, with_logits=True)
+    ref = _hooked_layer_outputs(t.model, ids)
+    H = t.hidden_size
+    for n, layer in enumerate(t.aux_layer_ids):
+        torch.testing.assert_close(f.aux[..., n * H:(n + 1) * H], ref[layer])
+    hs = t.model(ids, output_hidden_states=True).hidden_states
+    assert not torch.allclose(f.aux[..., -H:], hs[L])  # hidden_states[L] is after the final norm
+    torch.testing.assert_close(f.top, hs[L])
+    torch.testing.assert_close(f.logits, t.model(ids).logits)
+    # decode sessions (speculative decoding, eval) tap the same
+    n_hooks = [len(layer._forward_hooks) for layer in t.model.model.layers]
+    s = t.session()
+    _, fa = s.forward(ids[0, :5])
+    _, fb = s.forward(ids[0, 5:])
+    torch.testing.assert_close(torch.cat([fa.aux, fb.aux], dim=1), f.aux[:1], atol=1e-5, rtol=1e-5)
+    assert [len(layer._forward_hooks) for layer in t.model.model.layers] == n_hooks  # taps removed
 
 
 def test_session_crop_rolls_back(target):
@@ -46,21 +75,43 @@ def test_session_crop_rolls_back(target):
 def test_generate_batch_matches_plain_greedy_decoding(target):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 9, 5, 12)]
-    eos = 7
-    outs = target.generate_batch(prompts, 20, eos_token_id=eos)
-    for p, o in zip(prompts, outs):
-        ref = plain_decode(target, p, 20, eos_ids={eos}).tokens
-        if ref and ref[-1] == eos:
+    stops = {7, 11}
+    outs = target.generate_batch(prompts, 20, stops)
+    for p, (o, stop) in zip(prompts, outs):
+        ref = plain_decode(target, p, 20, eos_ids=stops).tokens
+        if ref and ref[-1] in stops:
+            assert stop == ref[-1]
             ref = ref[:-1]
+        else:
+            assert stop is None and len(o) == 20  # cut by max_new_tokens
         assert o == ref
-    assert any(len(o) < 20 for o in outs) or eos not in sum(outs, [])
+    assert any(s is not None for _, s in outs) or not stops & set(sum((o for o, _ in outs), []))
+
+
+def test_generate_batch_reports_cut_responses(target):
+    outs = target.generate_batch([[1, 2, 3], [4, 5]], 6, [])
+    assert [s for _, s in outs] == [None, None] and all(len(o) == 6 for o, _ in outs)
+    first = outs[0].ids[2]  # make the third generated token of prompt 0 a stop token
+    o, s = target.generate_batch([[1, 2, 3]], 6, {first})[0]
+    assert s == first and o == outs[0].ids[:outs[0].ids.index(first)]
 
 
 def test_generate_batch_sampling_is_seeded(target):
     prompts = [[1, 2, 3], [4, 5]]
-    a = target.generate_batch(prompts, 10, None, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    b = target.generate_batch(prompts, 10, None, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert a == b and all(len(x) == 10 for x in a)
+    a = target.generate_batch(prompts, 10, [], temperature=1.0, generator=torch.Generator().manual_seed(1))
+    b = target.generate_batch(prompts, 10, [], temperature=1.0, generator=torch.Generator().manual_seed(1))
+    assert a == b and all(len(x.ids) == 10 and x.stop is None for x in a)
+
+
+def test_stop_token_ids_without_tokenizer(target):
+    assert target.stop_token_ids == []  # tokenizer-less tiny target, no generation-config EOS
+    t = build_tiny_target(vocab_size=64, num_layers=2)
+    t.model.generation_config.eos_token_id = [5, 3, 5]
+    assert t.stop_token_ids == [3, 5]
+    t.stop_token_ids = [9]
+    assert t.stop_token_ids == [9]
+    t.stop_token_ids = None
+    assert t.stop_token_ids == [3, 5]
 
 
 def test_model_reference_errors(tmp_path):

@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..utils import atomic_write_text, cache_root, stable_hash
+from ..errors import SpeculatorsError
+from ..utils import atomic_write_text, cache_root, restore_plain_modes, stable_hash
 
 STORE_DTYPE = torch.float16
 
@@ -72,7 +73,7 @@ class FeatureStore:
 
 def feature_cache_dir(target) -> Path:
     """Cache location of this target's features (its fingerprint, aux layer ids, storage dtype)."""
-    key = stable_hash({"target": target.fingerprint, "aux": target.aux_layer_ids, "dtype": str(STORE_DTYPE)})
+    key = stable_hash({"target": target.fingerprint, "aux": target.aux_layer_ids, "dtype": str(STORE_DTYPE), "v": 2})
     return cache_root() / "features" / key
 
 
@@ -100,20 +101,33 @@ def extract_features(target, examples: list[TokenizedExample], batch_tokens: int
     """Run the target over ``examples`` (or read the cache) and return their features.
 
     Shards are written atomically as they complete and listed in ``index.json``; an interrupted
-    extraction resumes from the completed shards.
+    extraction resumes from the completed shards. A damaged cache is repaired rather than fatal: a
+    shard that is listed but missing, truncated, not safetensors, or inconsistent with its keys is
+    reported through ``log`` (naming the file), deleted and its examples extracted again; an
+    unreadable ``index.json`` is reported and the cache rebuilt.
 
     Args:
         target: a :class:`speculators.target.Target`.
         examples: tokenised conversations.
         batch_tokens: padded tokens per forward (memory knob).
         progress: optional callable ``(done_tokens, total_tokens)`` for progress display.
+    Returns:
+        the :class:`FeatureStore` of ``examples``, in their order.
+    Raises:
+        SpeculatorsError: a shard written by this call cannot be read back (naming the file).
     """
     d = feature_cache_dir(target)
     d.mkdir(parents=True, exist_ok=True)
     index_file = d / "index.json"
-    index = json.loads(index_file.read_text()) if index_file.exists() else {"shards": [], "keys": {}}
+    index = _read_index(index_file, log)
     keys = [example_key(e.input_ids) for e in examples]
-    todo, seen = [], set(index["keys"])
+    cached, broken = _read_shards(d, index, examples, keys)
+    if broken:  # a damaged cache is repaired, not fatal: forget the shard, extract its examples again
+        for name, why in broken.items():
+            log(f"features: warning: {d / name}: {why}; its examples are extracted again")
+            _forget_shard(d, index, name)
+        atomic_write_text(index_file, json.dumps(index))
+    todo, seen = [], set(cached)
     for e, k in zip(examples, keys):
         if k not in seen:
             seen.add(k)
@@ -130,11 +144,12 @@ def extract_features(target, examples: list[TokenizedExample], batch_tokens: int
         def flush():
             if not pending:
                 return
-            name = f"shard-{len(index['shards']):05d}.safetensors"
+            name = _next_shard_name(index)
             tensors = _pack([(e, f) for e, f in pending])
             tmp = d / f".{name}.tmp"
             shard_keys = [example_key(e.input_ids) for e, _ in pending]
             save_file(tensors, str(tmp), metadata={"keys": json.dumps(shard_keys)})
+            restore_plain_modes(tmp)  # safetensors >= 0.8 writes 0o600 files: make it readable per umask
             tmp.replace(d / name)
             index["shards"].append(name)
             index["keys"].update({k: name for k in shard_keys})
@@ -164,7 +179,100 @@ def extract_features(target, examples: list[TokenizedExample], batch_tokens: int
         flush()
         dt = time.time() - t0
         log(f"features: {n_tok} tokens in {dt:.1f}s ({n_tok / max(dt, 1e-9):.0f} target tokens/s)")
-    return _load(d, index, examples, keys)
+    if todo:
+        new_keys = [example_key(e.input_ids) for e in todo]
+        new, broken = _read_shards(d, index, todo, new_keys)
+        if broken:
+            name, why = next(iter(broken.items()))
+            raise SpeculatorsError(f"features: {d / name}: unreadable right after it was written ({why}); "
+                                   f"check the disk and delete {d} to start the cache afresh")
+        cached.update(new)
+    return _assemble(examples, cached)
+
+
+def _read_index(index_file: Path, log=print) -> dict:
+    """``index.json`` of a cache directory: ``{"shards": [names], "keys": {example key: shard name}}``.
+
+    A missing file is an empty cache; an unreadable or malformed one is reported through ``log`` and
+    treated as empty (its shards are then orphans, overwritten or ignored; nothing is read from them).
+    """
+    empty = {"shards": [], "keys": {}}
+    if not index_file.exists():
+        return empty
+    try:
+        index = json.loads(index_file.read_text())
+        ok = (isinstance(index, dict) and isinstance(index.get("shards"), list)
+              and isinstance(index.get("keys"), dict)
+              and all(isinstance(n, str) for n in index["shards"])
+              and set(index["keys"].values()) <= set(index["shards"]))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        ok, why = False, f"{type(e).__name__}: {e}"
+    else:
+        why = "not a {shards: [...], keys: {...}} index"
+    if not ok:
+        log(f"features: warning: {index_file}: unreadable ({why}); the cached features are extracted again")
+        return empty
+    return index
+
+
+def _next_shard_name(index: dict) -> str:
+    """A shard name after every listed one (never the name of a shard the index still refers to)."""
+    nums = [int(n[len("shard-"):-len(".safetensors")]) for n in index["shards"]
+            if n.startswith("shard-") and n.endswith(".safetensors") and n[len("shard-"):-len(".safetensors")].isdigit()]
+    return f"shard-{max(nums, default=-1) + 1:05d}.safetensors"
+
+
+def _forget_shard(d: Path, index: dict, name: str) -> None:
+    """Drop shard ``name`` from ``index`` (in memory) and delete its file if present."""
+    index["shards"] = [n for n in index["shards"] if n != name]
+    index["keys"] = {k: n for k, n in index["keys"].items() if n != name}
+    (d / name).unlink(missing_ok=True)
+
+
+def _read_shards(d: Path, index: dict, examples: list[TokenizedExample], keys: list[str]
+                 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str]]:
+    """Read the cached features of ``examples`` (content keys ``keys``) from the shards that hold them,
+    each shard read once.
+
+    A shard is broken when its file is missing, is not a readable safetensors file (truncated,
+    garbage), lacks a tensor or its ``keys`` metadata, has inconsistent offsets/lengths, or stores other
+    token ids than the example listed under that key.
+
+    Returns:
+        ``(features, broken)``: ``features[key]`` = ``{"argmax" [T] int64, "aux" [T, nH] float16,
+        "top" [T, H] float16}`` for every key read; ``broken[shard name]`` = the reason, for shards that
+        could not be used (none of their keys is in ``features``).
+    """
+    wanted: dict[str, TokenizedExample] = dict(zip(keys, examples))
+    names = sorted({index["keys"][k] for k in wanted if k in index["keys"]})
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    broken: dict[str, str] = {}
+    for name in names:
+        path = d / name
+        if not path.is_file():
+            broken[name] = "listed in index.json but missing"
+            continue
+        try:
+            t = load_file(str(path))
+            with safe_open(str(path), "pt") as f:
+                shard_keys = json.loads((f.metadata() or {})["keys"])
+            off = t["offsets"]
+            n_tok = int(off[-1])
+            if (off.numel() != len(shard_keys) + 1 or int(off[0]) != 0 or bool((off[1:] < off[:-1]).any())
+                    or any(t[n].shape[0] != n_tok for n in ("input_ids", "argmax", "aux", "top"))):
+                raise ValueError("offsets and tensor lengths disagree")
+            got = {}
+            for i, k in enumerate(shard_keys):
+                if k in wanted:
+                    a, b = int(off[i]), int(off[i + 1])
+                    if t["input_ids"][a:b].tolist() != list(wanted[k].input_ids):
+                        raise ValueError(f"example {k} holds other token ids than its key's")
+                    got[k] = {n: t[n][a:b].clone() for n in ("argmax", "aux", "top")}
+        except Exception as e:  # noqa: BLE001 - any unreadable shard is a cache miss, reported by the caller
+            broken[name] = f"unreadable shard ({type(e).__name__}: {e})"
+            continue
+        out.update(got)
+    return out, broken
 
 
 @torch.no_grad()
@@ -187,23 +295,10 @@ def _pack(items) -> dict[str, torch.Tensor]:
             "top": torch.cat([f["top"] for _, f in items])}
 
 
-def _load(d: Path, index: dict, examples: list[TokenizedExample], keys: list[str]) -> FeatureStore:
-    """Assemble the store of ``examples`` from the shards that hold their keys (each read once).
-
-    ``input_ids`` and ``loss_mask`` come from the examples; features from the cache.
-    """
-    per_key: dict[str, dict[str, torch.Tensor]] = {}
-    wanted = set(keys)
-    for name in sorted({index["keys"][k] for k in wanted}):
-        t = load_file(str(d / name))
-        with safe_open(str(d / name), "pt") as f:
-            shard_keys = json.loads(f.metadata()["keys"])
-        off = t["offsets"]
-        for i, k in enumerate(shard_keys):
-            if k in wanted:
-                a, b = int(off[i]), int(off[i + 1])
-                per_key[k] = {n: t[n][a:b].clone() for n in ("argmax", "aux", "top")}
-    rows = [per_key[k] for k in keys]
+def _assemble(examples: list[TokenizedExample], features: dict[str, dict[str, torch.Tensor]]) -> FeatureStore:
+    """The :class:`FeatureStore` of ``examples`` in their order: ``input_ids`` and ``loss_mask`` from the
+    examples, features from ``features`` (by content key; every example's key must be there)."""
+    rows = [features[example_key(e.input_ids)] for e in examples]
     lens = [len(e.input_ids) for e in examples]
     offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
     cat = {n: torch.cat([r[n] for r in rows]) for n in ("argmax", "aux", "top")}

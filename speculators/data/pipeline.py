@@ -6,17 +6,23 @@ recipe starts training within seconds of loading the target.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ..drafters.base import DraftVocab
 from ..errors import SpeculatorsError
+from ..utils import atomic_write_text
 from .chat import prompt_messages, render_prompt, render_with_mask
 from .features import FeatureStore, TokenizedExample, extract_features
 from .regenerate import regenerate
-from .sources import Conversation, held_out_split, load_source
+from .sources import (Conversation, conversations_identity, has_textless_assistant_turn, held_out_split,
+                      load_source)
+
+RUN_IDENTITY_FILE = "data_identity.json"
 
 
 @dataclass
@@ -29,6 +35,8 @@ class PreparedData:
         eval_prompts: held-out prompts as token ids (with the generation prompt), for ``speculators eval``.
         vocab: draft vocabulary built from assistant-token frequencies of ``train``.
         token_counts: ``[V]`` int64 assistant-token frequencies.
+        identity: content hash of every source's loaded conversations (:func:`load_data`), recorded
+            in the run directory so that ``--resume`` refuses changed data.
     """
 
     train: FeatureStore
@@ -36,13 +44,33 @@ class PreparedData:
     eval_prompts: list[dict]
     vocab: DraftVocab
     token_counts: torch.Tensor
+    identity: dict[str, str] = field(default_factory=dict)
 
 
-def load_conversations(recipe) -> list[tuple[Conversation, bool]]:
-    """All source conversations with their ``regenerate`` flag (ids suffixed by mode so that one
-    source may be listed twice, once regenerated and once off-policy)."""
-    out = []
-    for s in recipe.data.sources:
+def _source_label(spec) -> str:
+    return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, default=str)
+
+
+def load_data(recipe, log=None) -> tuple[list[tuple[Conversation, bool]], dict[str, str]]:
+    """Load every source of ``recipe``: its conversations with their ``regenerate`` flag, and the
+    identity of the data.
+
+    Ids are suffixed by mode (``#regen`` / ``#orig``) so that one source may be listed twice, once
+    regenerated and once off-policy. A conversation with an assistant turn that carries no text
+    (content null, missing, ``""``, whitespace, a content-part list without text) is dropped and
+    counted, one log line per source: off-policy it would train only the end-of-turn token; when
+    regenerated only the turns kept in the prompt are checked (the final answer is rewritten).
+
+    Returns:
+        ``(pairs, identity)``: ``pairs`` is a list of ``(Conversation, regenerate)``; ``identity`` maps
+        ``"data.sources.I (SOURCE)"`` to the content hash of that source's conversations as loaded
+        (ids + messages, before dropping: :func:`speculators.data.sources.conversations_identity`).
+
+    Raises:
+        SpeculatorsError: a source cannot be loaded (see :func:`speculators.data.sources.load_source`).
+    """
+    out, identity = [], {}
+    for n, s in enumerate(recipe.data.sources):
         regen = recipe.data.regenerate if s.regenerate is None else s.regenerate
         try:
             convs = load_source(s.source, max_examples=s.max_examples)
@@ -50,9 +78,58 @@ def load_conversations(recipe) -> list[tuple[Conversation, bool]]:
             raise
         except ValueError as e:
             raise SpeculatorsError(str(e)) from None
+        label = _source_label(s.source)
+        identity[f"data.sources.{n} ({label})"] = conversations_identity(convs)
+        kept = [c for c in convs if not has_textless_assistant_turn(c.messages, prompt_only=regen)]
+        if len(kept) < len(convs) and log is not None:
+            log(f"data: dropped {len(convs) - len(kept)} conversations of {label}: assistant turn without text")
         tag = "regen" if regen else "orig"
-        out.extend((replace(c, id=f"{c.id}#{tag}"), regen) for c in convs)
-    return out
+        out.extend((replace(c, id=f"{c.id}#{tag}"), regen) for c in kept)
+    return out, identity
+
+
+def load_conversations(recipe, log=None) -> list[tuple[Conversation, bool]]:
+    """All usable source conversations with their ``regenerate`` flag (:func:`load_data` without the
+    identity)."""
+    return load_data(recipe, log)[0]
+
+
+def check_run_identity(run_dir: str | Path, identity: dict[str, str], prefix: str = "") -> bool:
+    """Compare ``identity`` with the one recorded in ``run_dir`` (``--resume``).
+
+    Args:
+        run_dir: the run directory.
+        identity: ``{name: content hash}`` of what the run trains on (the data sources of
+            :func:`load_data`, the target's fingerprint, ...).
+        prefix: compare only the entries whose name starts with it (e.g. ``"data."`` to check the
+            data before the target is loaded).
+    Returns:
+        True when a recorded identity was found and matches; False when the run recorded none (a run
+        directory from an older version).
+    Raises:
+        SpeculatorsError: an entry differs, naming every entry that changed, was added or removed.
+    """
+    f = Path(run_dir) / RUN_IDENTITY_FILE
+    if not f.is_file():
+        return False
+    try:
+        old = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpeculatorsError(f"--resume: {f} is unreadable ({e}); use --overwrite") from None
+    names = {k for k in set(old) | set(identity) if k.startswith(prefix)}
+    changed = sorted(k for k in names if old.get(k) != identity.get(k))
+    if changed:
+        def how(k: str) -> str:
+            return "changed" if k in old and k in identity else "added" if k in identity else "removed"
+        what = "; ".join(f"{k}: content {how(k)}" for k in changed)
+        raise SpeculatorsError(f"--resume: the data (or target) differ from what the run in {Path(run_dir)} was "
+                               f"trained on ({what}; recorded in {f}); resume with the same data or use --overwrite")
+    return True
+
+
+def record_run_identity(run_dir: str | Path, identity: dict[str, str]) -> None:
+    """Write ``identity`` to ``run_dir/data_identity.json`` (checked by :func:`check_run_identity`)."""
+    atomic_write_text(Path(run_dir) / RUN_IDENTITY_FILE, json.dumps(identity, indent=1, sort_keys=True) + "\n")
 
 
 def split_conversations(pairs, recipe):
@@ -64,7 +141,8 @@ def split_conversations(pairs, recipe):
 
 
 def _materialise(target, pairs, recipe, log, progress) -> list[Conversation]:
-    """Regenerate the flagged conversations (per source), keep the others' own assistant text."""
+    """Regenerate the flagged conversations (per source: pre-tokenized, exactly the ids the target
+    produced), keep the others' own assistant text."""
     spec = recipe.data.regeneration
     by_source: dict[str, list[Conversation]] = {}
     out: dict[str, Conversation] = {}
@@ -86,18 +164,32 @@ def _materialise(target, pairs, recipe, log, progress) -> list[Conversation]:
 
 
 def tokenize(target, convs: list[Conversation], recipe) -> list[TokenizedExample]:
-    """Render with the chat template and the assistant-only loss mask; drop examples with no loss tokens."""
+    """Token ids and assistant-only loss mask per conversation; drop examples with no loss tokens.
+
+    A regenerated conversation carries its own ids (``Conversation.input_ids``: prompt ids + the
+    target's response ids + its stop token when it stopped) and is only truncated to
+    ``data.max_length``; the others are rendered with the chat template (:func:`render_with_mask`).
+    """
     exs = []
+    max_len = recipe.data.max_length
     for c in convs:
-        ids, mask = render_with_mask(target.tokenizer, c.messages, recipe.data.chat_template,
-                                     max_length=recipe.data.max_length)
+        if c.input_ids is not None:
+            ids, mask = list(c.input_ids)[:max_len], list(c.loss_mask)[:max_len]
+        else:
+            ids, mask = render_with_mask(target.tokenizer, c.messages, recipe.data.chat_template,
+                                         max_length=max_len)
         if sum(mask) > 0:
             exs.append(TokenizedExample(c.id, ids, mask))
     return exs
 
 
-def prepare_data(recipe, target, log=print, progress=None) -> PreparedData:
+def prepare_data(recipe, target, log=print, progress=None, loaded=None) -> PreparedData:
     """Run the whole data pipeline of ``recipe`` for ``target`` (all steps cached on disk).
+
+    Sets ``target.chat_template`` to the recipe's ``data.chat_template`` (its stop tokens follow it).
+
+    Args:
+        loaded: the result of :func:`load_data` when the caller already loaded the sources.
 
     Raises:
         SpeculatorsError: no chat template, a source with zero examples, or no trainable tokens.
@@ -107,7 +199,8 @@ def prepare_data(recipe, target, log=print, progress=None) -> PreparedData:
     if recipe.data.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
         raise SpeculatorsError(
             f"target {target.name_or_path!r} has no chat template; set data.chat_template in the recipe")
-    pairs = load_conversations(recipe)
+    target.chat_template = recipe.data.chat_template
+    pairs, identity = loaded if loaded is not None else load_data(recipe, log)
     train_pairs, held_pairs = split_conversations(pairs, recipe)
     log(f"data: {len(pairs)} conversations from {len(recipe.data.sources)} source(s): "
         f"{len(train_pairs)} train, {len(held_pairs)} held-out (split by prompt)")
@@ -120,7 +213,8 @@ def prepare_data(recipe, target, log=print, progress=None) -> PreparedData:
                              progress=progress("target features") if progress else None)
     held = None
     held_convs = [c for c, _ in held_pairs]
-    held_with_answers = [c for c in held_convs if c.messages and c.messages[-1]["role"] == "assistant"]
+    held_with_answers = [c for c in held_convs if c.messages and c.messages[-1]["role"] == "assistant"
+                         and not has_textless_assistant_turn(c.messages)]
     if held_with_answers:
         held_ex, seen_ids = [], set()
         for e in tokenize(target, held_with_answers, recipe):  # a prompt listed by two sources: once
@@ -144,7 +238,7 @@ def prepare_data(recipe, target, log=print, progress=None) -> PreparedData:
     covered = float(counts[vocab.t2d].sum() / counts.sum().clamp(min=1))
     log(f"data: {train.num_tokens} train tokens ({train.num_loss_tokens} assistant), draft vocab "
         f"{vocab.size} covering {covered:.1%} of assistant tokens, {len(eval_prompts)} held-out prompts")
-    return PreparedData(train, held, eval_prompts, vocab, counts)
+    return PreparedData(train, held, eval_prompts, vocab, counts, identity)
 
 
 def counter_summary(c: Counter) -> str:

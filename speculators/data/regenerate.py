@@ -1,9 +1,17 @@
 """Response regeneration: every prompt's assistant turn is rewritten by the target itself.
 
 A drafter should imitate the target's own outputs (on-policy data). Generation is batched (left
-padding, prompts sorted by length), greedy or sampled per recipe, and cached on disk in a JSONL file
-keyed by (target, source, settings, chat template); each finished batch is appended and flushed, so
-an interrupted run resumes where it stopped.
+padding, prompts sorted by length), greedy or sampled per recipe, stops at the target's stop tokens
+(:attr:`speculators.target.Target.stop_token_ids`: tokenizer EOS, generation-config EOS ids and the chat
+template's end-of-turn token), and is cached on disk in a JSONL file keyed by (format version, target,
+source, settings, stop ids, chat template); inside it every response is keyed by the CONTENT of its
+prompt (messages and prompt ids), never by the conversation id, so an edited prompt is regenerated.
+Each finished batch is appended and flushed, so an interrupted run resumes where it stopped.
+
+What is trained is exactly what the target produced: the cache stores the generated token ids and the
+stop id (null when the response was cut by ``max_new_tokens``), and the regenerated conversation is
+pre-tokenized as ``prompt ids + response ids (+ stop id)``, the loss mask covering the response ids
+and the stop id (a cut response has no supervised end-of-turn). Nothing is decoded and re-rendered.
 """
 
 from __future__ import annotations
@@ -16,15 +24,39 @@ from pathlib import Path
 import torch
 
 from ..utils import cache_root, stable_hash
-from .chat import prompt_messages, render_prompt
+from .chat import prompt_messages, render_prompt, render_with_mask
 from .sources import Conversation
+
+# Version of the cache records: 2 = token ids + stop id, keyed by prompt content (1 was text by id).
+REGEN_FORMAT = 2
 
 
 def regeneration_cache_file(target, source: str, settings: dict, chat_template: str | None) -> Path:
-    key = stable_hash({"target": target.fingerprint, "source": source, "settings": settings,
-                       "template": chat_template})
+    """JSONL cache of one source's regenerations for this target, settings and chat template."""
+    key = stable_hash({"format": REGEN_FORMAT, "target": target.fingerprint, "source": source,
+                       "settings": settings, "template": chat_template})
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source)[-40:]
     return cache_root() / "regen" / f"{safe}-{key}.jsonl"
+
+
+def prompt_key(messages: list[dict], prompt_ids: list[int]) -> str:
+    """Content key of a cached response: the hash of the prompt messages and the prompt ids."""
+    return stable_hash({"messages": messages, "ids": prompt_ids}, n=24)
+
+
+def _prompt_mask(tok, messages: list[dict], prompt_ids: list[int], chat_template: str | None) -> list[int]:
+    """Loss mask of the prompt part: earlier assistant turns keep their :func:`render_with_mask` mask
+    when those ids are a prefix of ``prompt_ids``; otherwise (or with no assistant turn) all zeros."""
+    mask = [0] * len(prompt_ids)
+    if not any(m.get("role") == "assistant" for m in messages):
+        return mask
+    try:
+        ids, m = render_with_mask(tok, messages, chat_template)
+    except ValueError:
+        return mask
+    if len(ids) <= len(prompt_ids) and prompt_ids[:len(ids)] == ids:
+        mask[:len(m)] = m
+    return mask
 
 
 @torch.no_grad()
@@ -38,48 +70,73 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         convs: conversations of one source; everything before the last assistant turn is the prompt.
         source: source label for the cache key.
         max_new_tokens, temperature, top_p: generation settings (temperature 0 = greedy).
-        batch_size: prompts per ``generate`` call.
+        batch_size: prompts per ``generate_batch`` call.
+        seed: sampling seed (batch ``i`` uses ``seed + i * batch_size``).
+        chat_template: the recipe's ``data.chat_template`` (None = the tokenizer's); also selects the
+            end-of-turn stop token (:meth:`speculators.target.Target.stop_ids_for`).
         progress: optional ``(done, total)`` callable.
     Returns:
-        Conversations ``prompt + [{"role": "assistant", "content": response}]`` in input order.
+        Conversations in input order, each with ``messages = prompt + [{"role": "assistant",
+        "content": decoded response}]`` (for display) and the training ids: ``input_ids = prompt ids
+        (render_prompt) + response ids + [stop id if the target stopped]``, ``loss_mask`` = 1 on the
+        response ids and the stop id (and on earlier assistant turns of the prompt, see
+        :func:`_prompt_mask`).
     """
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    tok = target.tokenizer
+    stops = target.stop_ids_for(chat_template)
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "stop_ids": stops}
     path = regeneration_cache_file(target, source, settings, chat_template)
-    done: dict[str, str] = {}
+    done: dict[str, dict] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from an interrupted run
-            done[rec["id"]] = rec["response"]
-    todo = [c for c in convs if c.id not in done]
+            if isinstance(rec, dict) and isinstance(rec.get("key"), str) and isinstance(rec.get("ids"), list):
+                done[rec["key"]] = rec
+    pms = [prompt_messages(c.messages) for c in convs]
+    prompts = [render_prompt(tok, pm, chat_template) for pm in pms]
+    keys = [prompt_key(pm, p) for pm, p in zip(pms, prompts)]
+    todo: dict[str, list[int]] = {}
+    for k, p in zip(keys, prompts):
+        if k not in done:
+            todo.setdefault(k, p)  # one generation per distinct prompt
+    n_distinct = len(set(keys))
     if not todo:
-        log(f"regeneration: cache hit {path} ({len(convs)} responses)")
+        log(f"regeneration: cache hit {path} ({n_distinct} responses)")
     else:
-        log(f"regeneration: {len(todo)} of {len(convs)} prompts of {source!r} "
-            f"({len(done)} cached) -> {path}")
-        tok = target.tokenizer
-        prompts = {c.id: render_prompt(tok, prompt_messages(c.messages), chat_template) for c in todo}
-        order = sorted(todo, key=lambda c: len(prompts[c.id]))
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        log(f"regeneration: {len(todo)} of {n_distinct} prompts of {source!r} "
+            f"({n_distinct - len(todo)} cached) -> {path}")
+        order = sorted(todo, key=lambda k: len(todo[k]))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
         path.parent.mkdir(parents=True, exist_ok=True)
-        t0, n_new = time.time(), 0
+        t0, n_new, n_cut = time.time(), 0, 0
         with path.open("a") as f:
             for bi in range(0, len(order), batch_size):
                 chunk = order[bi:bi + batch_size]
                 gen = torch.Generator().manual_seed(seed + bi)
-                outs = target.generate_batch([prompts[c.id] for c in chunk], max_new_tokens, tok.eos_token_id,
+                outs = target.generate_batch([todo[k] for k in chunk], max_new_tokens, stops,
                                              temperature, top_p, generator=gen, pad_token_id=pad)
-                for c, new in zip(chunk, outs):
+                for k, (new, stop) in zip(chunk, outs):
                     n_new += len(new)
-                    text = tok.decode(new, skip_special_tokens=True)
-                    done[c.id] = text
-                    f.write(json.dumps({"id": c.id, "response": text, "tokens": len(new)}) + "\n")
+                    n_cut += stop is None
+                    rec = {"key": k, "ids": [int(t) for t in new], "stop": stop,
+                           "response": tok.decode(new, skip_special_tokens=True)}
+                    done[k] = rec
+                    f.write(json.dumps(rec) + "\n")
                 f.flush()
                 if progress:
                     progress(min(bi + batch_size, len(order)), len(order))
         dt = time.time() - t0
-        log(f"regeneration: {n_new} tokens in {dt:.1f}s ({n_new / max(dt, 1e-9):.1f} tokens/s)")
-    return [replace(c, messages=prompt_messages(c.messages) + [{"role": "assistant", "content": done[c.id]}])
-            for c in convs]
+        log(f"regeneration: {n_new} tokens in {dt:.1f}s ({n_new / max(dt, 1e-9):.1f} tokens/s); "
+            f"{n_cut} of {len(order)} responses cut by max_new_tokens={max_new_tokens} (no end-of-turn trained)")
+    out = []
+    for c, pm, p, k in zip(convs, pms, prompts, keys):
+        rec = done[k]
+        resp = list(rec["ids"]) + ([int(rec["stop"])] if rec.get("stop") is not None else [])
+        mask = _prompt_mask(tok, pm, p, chat_template) + [1] * len(resp)
+        out.append(replace(c, messages=pm + [{"role": "assistant", "content": rec.get("response", "")}],
+                           input_ids=list(p) + resp, loss_mask=mask))
+    return out

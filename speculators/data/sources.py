@@ -42,6 +42,8 @@ __all__ = [
     "held_out_split",
     "first_user_message",
     "normalize_messages",
+    "has_textless_assistant_turn",
+    "conversations_identity",
 ]
 
 ALLOWED_ROLES = ("system", "user", "assistant")
@@ -80,11 +82,18 @@ class Conversation:
         source: the source name (``"humaneval"``, ``"chatterbot"``, a file stem or a dataset name).
         messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``; may end with a
             user turn (prompt only) or with an assistant turn (reference answer).
+        input_ids: pre-tokenized training ids, or None (then ``messages`` are rendered with the chat
+            template). Set by regeneration: the exact prompt ids the target was given, followed by
+            the ids it generated and its stop token when it stopped (none when cut by
+            ``max_new_tokens``), so what is trained is exactly the sequence the target produced.
+        loss_mask: 0/1 per id of ``input_ids`` (None with it).
     """
 
     id: str
     source: str
     messages: list[dict] = field(default_factory=list)
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,6 +115,8 @@ def _content_to_str(content: Any, where: str) -> str:
                 parts.append(p)
             elif isinstance(p, dict) and isinstance(p.get("text"), str):
                 parts.append(p["text"])
+            elif isinstance(p, dict) and p.get("type") == "text" and p.get("text") is None:
+                parts.append("")  # a text part without text: an empty turn, dropped by the pipeline
             else:
                 raise SourceError(f"{where}: unsupported content part {p!r}; only text parts are allowed")
         return "".join(parts)
@@ -155,6 +166,45 @@ def normalize_messages(row: Any, where: str) -> list[dict]:
             role = mapping[role]
         out.append({"role": role, "content": _content_to_str(m.get(content_key), f"{where}, message {i}")})
     return out
+
+
+def has_textless_assistant_turn(messages: list[dict], *, prompt_only: bool = False) -> bool:
+    """True when an assistant turn carries no text: content None, missing, ``""``, whitespace only, or a
+    content-part list without text (all normalised to a blank string by :func:`normalize_messages`).
+
+    Args:
+        messages: OpenAI-style messages.
+        prompt_only: check only the turns that stay in the prompt when the conversation is regenerated
+            (trailing assistant turns are replaced by the target's response, so they may be empty).
+    """
+    msgs = list(messages)
+    if prompt_only:
+        while msgs and msgs[-1].get("role") == "assistant":
+            msgs.pop()
+    for m in msgs:
+        if m.get("role") != "assistant":
+            continue
+        c = m.get("content")
+        if c is None or (isinstance(c, str) and not c.strip()):
+            return True
+        if isinstance(c, list) and not "".join(
+                p if isinstance(p, str) else str(p.get("text") or "") if isinstance(p, dict) else ""
+                for p in c).strip():
+            return True
+    return False
+
+
+def conversations_identity(convs: Iterable[Conversation]) -> str:
+    """Content hash (sha256, 16 hex digits) of conversations: their ids and messages, in order.
+
+    Two loads of a source give the same identity exactly when they yield the same conversations, so a
+    file edited in place (same path, new content) gets a new identity.
+    """
+    h = hashlib.sha256()
+    for c in convs:
+        h.update(json.dumps([c.id, c.messages], sort_keys=True, ensure_ascii=False, default=str).encode("utf-8"))
+        h.update(b"\n")
+    return h.hexdigest()[:16]
 
 
 def first_user_message(messages: list[dict]) -> str | None:

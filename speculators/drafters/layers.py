@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
+
+from ..errors import SpeculatorsError
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -25,18 +27,50 @@ RMSNorm = LlamaRMSNorm
 MLP = LlamaMLP
 
 
+# RoPE fields of other architectures that a Llama layer does not implement: a partial rotary factor
+# (Phi / StableLM / GLM ``partial_rotary_factor``, GPT-NeoX ``rotary_pct``, GPT-J ``rotary_dim``, ChatGLM
+# ``rope_ratio``) and NeoX's theta name. Our :class:`Attention` rotates the WHOLE head dim, as
+# transformers' Llama does, so these are dropped: the exported config then describes the trained layer.
+_NON_LLAMA_ROPE_FIELDS = ("partial_rotary_factor", "rotary_pct", "rotary_dim", "rope_ratio", "rotary_emb_base")
+
+
 def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -> LlamaConfig:
     """A Llama decoder config for a drafter, copied from the target's config.
 
-    RoPE settings (theta / scaling / partial rotary factor), eps, head sizes and max positions are
-    taken from the target: a RoPE mismatch silently destroys acceptance (FORMATS.md).
+    RoPE theta and scaling (``rope_theta`` / ``rope_scaling`` / ``rope_parameters``), eps, head sizes
+    (``head_dim``) and max positions are taken from the target: a RoPE mismatch silently destroys
+    acceptance (FORMATS.md). A partial rotary factor is NOT: the draft layer (:class:`Attention`, like
+    transformers' Llama) rotates the whole head dim, so ``partial_rotary_factor`` (top level or inside
+    ``rope_parameters`` / ``rope_scaling``) and other architectures' partial-rotary fields are removed,
+    and the config (exported as ``transformer_layer_config``) describes exactly the trained layer: full
+    RoPE over ``head_dim``. ``overrides`` are applied last.
+
+    Returns:
+        a ``LlamaConfig`` with ``num_hidden_layers`` layers.
+
+    Raises:
+        SpeculatorsError: an override asks for a partial rotary factor other than 1 (the draft layer
+            does not implement it).
     """
     d = {k: v for k, v in target_config.items()
          if k not in ("architectures", "quantization_config", "_name_or_path", "auto_map")}
     d.pop("model_type", None)
+    for k in _NON_LLAMA_ROPE_FIELDS:
+        d.pop(k, None)
+    for k in ("rope_parameters", "rope_scaling"):
+        if isinstance(d.get(k), dict):
+            d[k] = {n: v for n, v in d[k].items() if n != "partial_rotary_factor"}
     d["num_hidden_layers"] = num_hidden_layers
+    if float(overrides.pop("partial_rotary_factor", None) or 1.0) != 1.0:
+        raise SpeculatorsError("partial_rotary_factor: the draft layer rotates the whole head dim; only 1.0 is allowed")
     d.update(overrides)
-    return LlamaConfig(**d)
+    cfg = LlamaConfig(**d)
+    if "partial_rotary_factor" in cfg.__dict__:
+        del cfg.partial_rotary_factor
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict):
+        rp.pop("partial_rotary_factor", None)
+    return cfg
 
 
 def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:

@@ -1,0 +1,261 @@
+"""Data-pipeline faults of issue 9 (items 1-4): empty answers, truncated regenerations, stop tokens
+that are not the tokenizer's EOS, and ``--resume`` / caches keyed by content rather than by names.
+
+Regeneration tests use a SCRIPTED target: a tiny Llama whose attention and MLP outputs are zeroed, so
+the residual stream is the current token's embedding, and whose (untied) ``lm_head`` maps each token of
+a chosen chain to its successor. Its greedy continuation is therefore known exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from speculators.data.chat import render_prompt
+from speculators.data.pipeline import (check_run_identity, load_data, prepare_data, record_run_identity,
+                                       tokenize)
+from speculators.data.regenerate import regenerate
+from speculators.data.sources import Conversation, has_textless_assistant_turn
+from speculators.errors import SpeculatorsError
+from speculators.recipe import recipe_from_dict
+from speculators.target import Target, build_tiny_target
+
+TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
+IM_START, IM_END, ENDOFTEXT, NL = 1, 2, 0, 198  # SmolLM2 ChatML ids ("\n" ends the generation prompt)
+
+
+def scripted_target(tokenizer, chain: dict[int, int], seed: int = 0) -> Target:
+    """A target whose greedy next token after token ``a`` is ``chain[a]`` (whatever the context)."""
+    t = build_tiny_target(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=seed)
+    m = t.model
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = m.get_input_embeddings().weight
+        u = m.model.norm(emb[list(chain)])  # the final hidden state after each chain token
+        W = torch.zeros_like(emb)
+        for (a, b), ua in zip(chain.items(), u):
+            W[b] += 10.0 * ua / ua.norm()
+        m.lm_head.weight = torch.nn.Parameter(W, requires_grad=False)  # untied
+    return Target(m, tokenizer, name_or_path=f"scripted-{seed}-{sorted(chain.items())}")
+
+
+def recipe(sources, **data):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["target"]["model"] = "unused"
+    raw["data"]["sources"] = sources
+    raw["data"].update(data)
+    return recipe_from_dict(raw, "test")
+
+
+def ids_of(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- 1. empty answers
+
+
+def test_sharegpt_rows_without_answer_text_are_dropped_and_counted(tmp_path, smol_tokenizer):
+    rows = [
+        {"id": "good", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
+        {"id": "null", "conversations": [{"from": "human", "value": "A"}, {"from": "gpt", "value": None}]},
+        {"id": "empty", "conversations": [{"from": "human", "value": "B"}, {"from": "gpt", "value": ""}]},
+        {"id": "missing", "conversations": [{"from": "human", "value": "C"}, {"from": "gpt"}]},
+        {"id": "blank", "conversations": [{"from": "human", "value": "D"}, {"from": "gpt", "value": " \n "}]},
+        {"id": "early", "conversations": [{"from": "human", "value": "E"}, {"from": "gpt", "value": None},
+                                          {"from": "human", "value": "F"}, {"from": "gpt", "value": "ok"}]},
+    ]
+    openai = [
+        {"id": "parts", "messages": [{"role": "user", "content": "G"},
+                                     {"role": "assistant", "content": [{"type": "text", "text": " "}]}]},
+        {"id": "noparts", "messages": [{"role": "user", "content": "H"}, {"role": "assistant", "content": []}]},
+        {"id": "tool", "messages": [{"role": "user", "content": "I"}, {"role": "assistant", "content": None,
+                                                                        "tool_calls": []}]},
+        {"id": "fine", "messages": [{"role": "user", "content": "J"}, {"role": "assistant", "content": "Sure."}]},
+    ]
+    prompts = [  # regenerated: a missing final answer is fine, an empty EARLIER answer is not
+        {"id": "p1", "messages": [{"role": "user", "content": "K"}]},
+        {"id": "p2", "messages": [{"role": "user", "content": "L"}, {"role": "assistant", "content": ""}]},
+        {"id": "p3", "messages": [{"role": "user", "content": "M"}, {"role": "assistant", "content": ""},
+                                  {"role": "user", "content": "N"}]},
+    ]
+    for name, data in (("sharegpt.jsonl", rows), ("openai.jsonl", openai), ("prompts.jsonl", prompts)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in data))
+    rec = recipe([{"source": str(tmp_path / "sharegpt.jsonl"), "regenerate": False},
+                  {"source": str(tmp_path / "openai.jsonl"), "regenerate": False},
+                  {"source": str(tmp_path / "prompts.jsonl"), "regenerate": True}])
+    logs = []
+    pairs, _ = load_data(rec, logs.append)
+    kept = sorted(c.id for c, _ in pairs)
+    assert kept == ["openai/fine#orig", "prompts/p1#regen", "prompts/p2#regen", "sharegpt/good#orig"]
+    drops = [x for x in logs if x.startswith("data: dropped")]
+    assert drops == [f"data: dropped 5 conversations of {tmp_path / 'sharegpt.jsonl'}: assistant turn without text",
+                     f"data: dropped 3 conversations of {tmp_path / 'openai.jsonl'}: assistant turn without text",
+                     f"data: dropped 1 conversations of {tmp_path / 'prompts.jsonl'}: assistant turn without text"]
+    # what is kept off-policy trains real answer tokens, not only the end-of-turn marker
+    for ex in tokenize(type("T", (), {"tokenizer": smol_tokenizer})(), [c for c, r in pairs if not r], rec):
+        assert sum(ex.loss_mask) >= 3
+
+
+def test_textless_assistant_turn_kinds():
+    assert has_textless_assistant_turn([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
+    assert has_textless_assistant_turn([{"role": "user", "content": "x"}, {"role": "assistant"}])
+    assert has_textless_assistant_turn([{"role": "assistant", "content": [{"type": "text", "text": ""}]}])
+    assert not has_textless_assistant_turn([{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}])
+    tail = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+    assert not has_textless_assistant_turn(tail, prompt_only=True)
+    assert has_textless_assistant_turn(tail + [{"role": "user", "content": "y"}], prompt_only=True)
+
+
+# ----------------------------------------------------------------------------- 2. truncated regeneration
+
+
+def test_truncated_regeneration_trains_exactly_the_generated_ids(smol_tokenizer, isolated_cache):
+    hello, bang = ids_of(smol_tokenizer, "Hello!")
+    target = scripted_target(smol_tokenizer, {NL: hello, hello: bang, bang: hello})  # never stops
+    convs = [Conversation("s/0", "s", [{"role": "user", "content": "Hi"}]),
+             Conversation("s/1", "s", [{"role": "user", "content": "What is two plus two?"},
+                                       {"role": "assistant", "content": "Four."}])]
+    rec = recipe([{"source": "chatterbot"}], regeneration={"max_new_tokens": 8})
+    for attempt in range(2):  # generated, then read back from the cache
+        logs = []
+        out = regenerate(target, convs, "s", max_new_tokens=8, log=logs.append)
+        assert ("cache hit" in logs[0]) == (attempt == 1)
+        exs = tokenize(target, out, rec)
+        for c, ex in zip(convs, exs):
+            prompt = render_prompt(smol_tokenizer, c.messages)
+            gen = [hello, bang] * 4
+            assert ex.input_ids == prompt + gen  # no end-of-turn appended after the 8th token
+            assert ex.loss_mask == [0] * len(prompt) + [1] * 8
+            assert IM_END not in ex.input_ids[len(prompt):]
+
+
+def test_regeneration_that_stops_trains_its_stop_token(smol_tokenizer, isolated_cache):
+    hello, bang = ids_of(smol_tokenizer, "Hello!")
+    target = scripted_target(smol_tokenizer, {NL: hello, hello: bang, bang: IM_END})
+    c = Conversation("s/0", "s", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                                  {"role": "user", "content": "Again"}])
+    (out,) = regenerate(target, [c], "s", max_new_tokens=8, log=lambda m: None)
+    prompt = render_prompt(smol_tokenizer, c.messages)
+    assert out.input_ids == prompt + [hello, bang, IM_END]
+    assert out.loss_mask[-3:] == [1, 1, 1]
+    # the earlier answer "Yo" (+ its <|im_end|>) keeps its mask inside the prompt
+    yo = ids_of(smol_tokenizer, "Yo")
+    masked = [t for t, m in zip(out.input_ids[:len(prompt)], out.loss_mask) if m]
+    assert masked == yo + [IM_END]
+    assert out.messages[-1] == {"role": "assistant", "content": "Hello!"}
+
+
+# ----------------------------------------------------------------------------- 3. stop ids
+
+
+@pytest.fixture(scope="module")
+def gemma_style_tokenizer(smol_tokenizer, tmp_path_factory):
+    """SmolLM2's tokenizer repackaged: eos_token is <|endoftext|>, turns still end with <|im_end|>."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    smol_tokenizer.save_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d, eos_token="<|endoftext|>")
+    assert tok.eos_token_id == ENDOFTEXT
+    return tok
+
+
+def test_stop_ids_include_the_end_of_turn_marker(gemma_style_tokenizer, isolated_cache):
+    tok = gemma_style_tokenizer
+    hello, bang = ids_of(tok, "Hello!")
+    user = ids_of(tok, "user")[0]
+    # the target ends its turn, then (if not stopped) invents a user turn and an answer, forever
+    chain = {NL: hello, hello: bang, bang: IM_END, IM_END: IM_START, IM_START: user, user: NL}
+    target = scripted_target(tok, chain)
+    target.model.generation_config.eos_token_id = [ENDOFTEXT, IM_END]
+    assert target.stop_token_ids == [ENDOFTEXT, IM_END]
+    # without the generation config, the chat template's end-of-turn marker is still found
+    target.model.generation_config.eos_token_id = None
+    assert target.stop_token_ids == [ENDOFTEXT, IM_END]
+    assert target.stop_ids_for("{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}") == [ENDOFTEXT]
+    c = Conversation("s/0", "s", [{"role": "user", "content": "Hi"}])
+    (out,) = regenerate(target, [c], "s", max_new_tokens=24, log=lambda m: None)
+    prompt = render_prompt(tok, c.messages)
+    assert out.input_ids == prompt + [hello, bang, IM_END]
+    assert out.messages[-1]["content"] == "Hello!"
+    assert "user" not in out.messages[-1]["content"]
+    record = json.loads(next((isolated_cache / "regen").glob("*.jsonl")).read_text().splitlines()[0])
+    assert record["ids"] == [hello, bang] and record["stop"] == IM_END
+
+
+# ----------------------------------------------------------------------------- 4. identity by content
+
+
+def test_regeneration_cache_is_keyed_by_prompt_content(smol_tokenizer, isolated_cache, monkeypatch):
+    hello, bang = ids_of(smol_tokenizer, "Hello!")
+    target = scripted_target(smol_tokenizer, {NL: hello, hello: bang, bang: IM_END})
+    generated = []
+    real = target.generate_batch
+    monkeypatch.setattr(target, "generate_batch",
+                        lambda prompts, *a, **k: generated.extend(prompts) or real(prompts, *a, **k))
+    a = Conversation("src/1", "src", [{"role": "user", "content": "Tell me a story about a cat."}])
+    b = Conversation("src/1", "src", [{"role": "user", "content": "What is the capital of France?"}])  # same id
+    kw = dict(max_new_tokens=6, log=lambda m: None)
+    (ra,) = regenerate(target, [a], "src", **kw)
+    (rb,) = regenerate(target, [b], "src", **kw)  # the id is cached, this prompt is not: generate it
+    pa, pb = (render_prompt(smol_tokenizer, c.messages) for c in (a, b))
+    assert generated == [pa, pb]
+    assert rb.input_ids == pb + [hello, bang, IM_END]
+    (again,) = regenerate(target, [Conversation("src/7", "src", b.messages)], "src", **kw)  # new id, same prompt
+    assert generated == [pa, pb] and again.input_ids == rb.input_ids
+
+
+def test_data_identity_follows_file_content(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    f.write_text(json.dumps(row) + "\n")
+    rec = recipe([{"source": str(f), "regenerate": False}, {"source": "humaneval", "max_examples": 2}])
+    _, ident = load_data(rec)
+    run = tmp_path / "run"
+    record_run_identity(run, {**ident, "target": "abc"})
+    assert check_run_identity(run, ident, prefix="data.")
+    assert check_run_identity(run, {**load_data(rec)[1], "target": "abc"})
+    row2 = copy.deepcopy(row)
+    row2["messages"][1]["content"] = "Hello there"
+    f.write_text(json.dumps(row2) + "\n")  # same path, same id, new content
+    _, ident2 = load_data(rec)
+    with pytest.raises(SpeculatorsError, match=r"data\.sources\.0 .*chat\.jsonl.*changed") as e:
+        check_run_identity(run, ident2, prefix="data.")
+    assert "humaneval" not in str(e.value) and "--overwrite" in str(e.value)
+    with pytest.raises(SpeculatorsError, match="target: content changed"):
+        check_run_identity(run, {**ident, "target": "other"})
+    assert not check_run_identity(tmp_path / "no-run", ident)
+
+
+def test_resume_refuses_changed_data(tmp_path, tiny_target_dir, isolated_cache):
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    f = tmp_path / "chat.jsonl"
+    rows = [{"id": i, "messages": [{"role": "user", "content": f"Question {i}?"},
+                                   {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(6)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = yaml.safe_load(TINY.read_text())
+    raw["data"]["sources"] = [{"source": str(f), "regenerate": False}]
+    raw["data"]["held_out"] = {"fraction": 0.0, "seed": 0}
+    rp = tmp_path / "r.yaml"
+    rp.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "run"
+    args = ["train", str(rp), f"target.model={tiny_target_dir}", "train.steps=1", "train.eval_every=1000",
+            "-o", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    assert (out / "data_identity.json").is_file()
+    rows[3]["messages"][1]["content"] = "A different answer."
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = CliRunner().invoke(app, args + ["--resume"])
+    assert r.exit_code == 2, r.output
+    assert "data.sources.0" in r.output and "changed" in r.output and "Traceback" not in r.output
