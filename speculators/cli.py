@@ -15,7 +15,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .errors import SpeculatorsError
@@ -27,7 +26,14 @@ _T0 = time.time()
 
 
 def log(msg: str) -> None:
-    console.print(f"[dim]{time.time() - _T0:7.1f}s[/dim] {msg}")
+    """Print ``msg`` after the seconds since start, flushed at once (also when stdout is a file or a pipe).
+
+    ``msg`` is plain text: brackets in it (``[humaneval]``, ``[/x]``) are printed as they are, not read
+    as rich markup.
+    """
+    from rich.markup import escape
+
+    console.print(f"[dim]{time.time() - _T0:7.1f}s[/dim] {escape(msg)}")
 
 
 def _user_errors(fn):
@@ -36,25 +42,30 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except SpeculatorsError as e:
-            console.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
+            from rich.markup import escape
+
+            console.print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(2) from None
     return wrapper
 
 
+# units of the phases' (done, total) counts, by description prefix (rate lines read "<n> <unit>/s")
+_PROGRESS_UNITS = {"regenerating": "prompts", "target features": "tokens", "speculative vs plain": "prompts"}
+
+
 @contextlib.contextmanager
 def _progress():
-    """Yield a factory ``make(description) -> callable(done, total)`` backed by one rich Progress."""
-    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console)
-    with prog:
-        def make(description: str):
-            task = []  # created on the first update, so cache hits show no empty bar
+    """Yield a factory ``make(description) -> callable(done, total)`` backed by one progress reporter.
 
-            def update(done: int, total: int) -> None:
-                if not task:
-                    task.append(prog.add_task(description, total=total))
-                prog.update(task[0], completed=done, total=total)
-            return update
+    A rich bar on a terminal; plain timestamped lines while the phase runs when stdout is a file or a
+    pipe; nothing with ``SPECULATORS_NO_PROGRESS=1`` (see ``speculators.progress``).
+    """
+    from .progress import ProgressReporter
+
+    with ProgressReporter(console=console, log=log) as prog:
+        def make(description: str):
+            unit = next((u for k, u in _PROGRESS_UNITS.items() if description.startswith(k)), "it")
+            return prog.callback(description, unit=unit)
         yield make
 
 
@@ -68,7 +79,7 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="delete an existing run directory first"),
 ):
     """Train a drafter for a frozen target as described by RECIPE."""
-    from .data.pipeline import prepare_data
+    from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
     from .drafters import registry
     from .recipe import load_recipe
     from .target import Target
@@ -90,9 +101,16 @@ def train(
     import torch
 
     torch.manual_seed(rec.train.seed)
+    loaded = load_data(rec, log)  # the data's identity is its content (not the file names)
+    identity = dict(loaded[1])
+    if resume:
+        check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
     target = Target.load(rec.target.model, rec.target.dtype, rec.target.aux_layer_ids, log=log)
+    identity["target (weights, config, chat template)"] = target.fingerprint
+    if resume and not check_run_identity(out, identity) and (out / "recipe.yaml").is_file():
+        log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
     with _progress() as make:
-        data = prepare_data(rec, target, log=log, progress=make)
+        data = prepare_data(rec, target, log=log, progress=make, loaded=loaded)
     family = registry.get(rec.drafter["algorithm"])
     torch.manual_seed(rec.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(rec.drafter_config(), target, data.vocab)
@@ -104,6 +122,7 @@ def train(
                                "measured: set data.held_out.fraction > 0")
     drafter.enable_joint_training(target)
     prepare_output_dir(out, resume, overwrite)
+    record_run_identity(out, identity)
     groups = drafter.param_groups(rec.train.lr)
     n_train = sum(p.numel() for p in groups[0]["params"])
     log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
@@ -145,6 +164,10 @@ def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
     ck = checkpoints(path)
     if ck:
         return ck[-1]
+    diverged = sorted(p.name for p in (path / "checkpoints").glob("diverged-step-*")) if path.is_dir() else []
+    if diverged:  # set aside by the trainer: non-finite weights, or weights that gave a NaN/inf loss
+        raise SpeculatorsError(f"{str(path)!r} has no good checkpoint: the run diverged and {', '.join(diverged)} "
+                               "gave a NaN/inf loss or holds non-finite weights; retrain (e.g. lower train.lr)")
     raise SpeculatorsError(f"{str(path)!r} is neither a drafter checkpoint nor a run directory with one")
 
 
@@ -202,6 +225,8 @@ def eval_cmd(
     drafter.prepare_target(target, log=log)  # joint checkpoints: verify against the fine-tuned target
     drafter.attach_target(target)  # families that draft through the target's frozen head need it
     template = rec.data.chat_template if rec else None
+    if template is not None:
+        target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
     if prompts is not None:
         convs = load_source(prompts)
         label = prompts

@@ -3,8 +3,18 @@
 AdamW, warmup + cosine/linear/constant schedule, gradient clipping and accumulation, fp32/bf16,
 seeded, periodic held-out evaluation, atomic checkpoints every N steps, ``--resume`` from the last
 checkpoint with the same optimizer/scheduler/RNG/data position, a rich progress bar (loss, acceptance
-metrics, tokens/s) and TensorBoard scalars. A NaN/inf loss stops the run and keeps the last good
-checkpoint. The trainer never looks at the family: it only calls ``drafter.loss(batch)``.
+metrics, tokens/s) and TensorBoard scalars. The trainer never looks at the family: it only calls
+``drafter.training_loss_counts(batch)`` and ``drafter.training_loss(batch, norm)``.
+
+Gradient accumulation is by tokens: each loss term of every micro-batch is divided by that term's count
+over the whole accumulation window (all micro-batches, all processes), so the accumulated gradient
+equals the gradient of the window as one batch. ``train/loss`` is the window's loss; the family's other
+logged metrics are the window's last micro-batch's.
+
+Divergence: a NaN/inf loss (training or held-out) or gradient norm stops the run; a checkpoint is
+"good" only if its weights are finite and gave a finite loss (``step-s`` holds the weights first used by
+the loss of step ``s + 1``). Checkpoints that are not good are renamed ``diverged-step-N`` so that
+``--resume`` and ``speculators eval RUN_DIR`` skip them; non-finite weights are never written.
 
 Run directory layout::
 
@@ -16,6 +26,7 @@ Run directory layout::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +45,7 @@ from .utils import atomic_write_text
 
 STATE_NAME = "trainer_state.pt"
 CKPT_RE = re.compile(r"^step-(\d+)$")
+DIVERGED_PREFIX = "diverged-"  # a checkpoint found not good after a divergence: step-N -> diverged-step-N
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -43,6 +55,26 @@ def checkpoints(output_dir: Path) -> list[Path]:
         return []
     found = [p for p in d.iterdir() if CKPT_RE.match(p.name) and (p / STATE_NAME).is_file()]
     return sorted(found, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
+
+
+def checkpoint_weights_problem(path: Path) -> str | None:
+    """Why checkpoint ``path`` cannot be used: its drafter weights (or a joint run's target adapter)
+    hold a NaN/inf, or cannot be read; ``None`` when every tensor is finite."""
+    from .drafters.base import WEIGHTS_NAME, check_finite_weights
+    from .drafters.joint import ADAPTER_DIR, ADAPTER_WEIGHTS
+
+    files = [path / WEIGHTS_NAME] + ([path / ADAPTER_DIR / ADAPTER_WEIGHTS]
+                                     if (path / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() else [])
+    try:
+        from safetensors.torch import load_file
+
+        for f in files:
+            check_finite_weights(load_file(str(f)), f)
+    except SpeculatorsError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        return f"cannot read its weights ({type(e).__name__}: {e})"
+    return None
 
 
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -122,6 +154,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step-NNNNNN`` (drafter, adapter, trainer state) and keep the two newest.
+
+        Raises:
+            SpeculatorsError: a trainable weight is NaN/inf after update ``step`` (nothing is written;
+                the message names the last good checkpoint, see :meth:`_diverged`).
+        """
+        bad = next((n for n, p in self.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()),
+                   None)
+        if bad is not None:
+            raise self._diverged(f"weight {bad!r} became NaN/inf after the update of step {self.step}",
+                                 at_step=self.step, condemn_from=None)
         path = self.output_dir / "checkpoints" / f"step-{self.step:06d}"
         state = {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -139,6 +182,10 @@ class Trainer:
 
         from .drafters.base import WEIGHTS_NAME
 
+        problem = checkpoint_weights_problem(path)
+        if problem is not None:
+            raise SpeculatorsError(f"--resume: checkpoint {path} is not good: {problem}; delete it (or rename it "
+                                   f"to {DIVERGED_PREFIX}{path.name}) to resume from an older one")
         self.model.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
         self.model.load_target_adapter(path)
         state = torch.load(path / STATE_NAME, weights_only=False)
@@ -155,23 +202,41 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate_held_out(self, max_batches: int = 8) -> dict[str, float]:
-        """Mean metrics of ``drafter.training_loss`` on up to ``max_batches`` held-out batches (fp32,
-        no autocast; in joint mode ``held_out/ppl`` is the adapted target's perplexity)."""
+        """Metrics of ``drafter.training_loss`` on up to ``max_batches`` held-out batches (fp32, no
+        autocast; in joint mode ``held_out/ppl`` is the adapted target's perplexity).
+
+        Weighted by tokens, not by batches: ``held_out/loss`` is the loss of all these batches as one
+        batch (every term normalised by its count over all of them, as in :meth:`_backward_window`),
+        ``held_out/lm_loss`` is the summed NLL over all LM labels; the other metrics (accuracies,
+        per-term losses, ``sim_tau``) are averaged with each batch weighted by its count of the first
+        loss term (its first-draft positions).
+        """
         store = self.data.held_out
         if store is None or len(store) == 0:
             return {}
         self.drafter.eval()
-        sums: dict[str, float] = {}
         plan = plan_batches(store, self.spec.batch_tokens, 0, 0)[:max_batches]
-        for idx in plan:
-            batch = make_batch(store, idx).to(self.device)
-            loss, metrics = self.model.training_loss(batch)
-            for k, v in {"loss": float(loss), **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + v
+        batches = [make_batch(store, idx) for idx in plan]
+        counts = [self._counts(b) for b in batches]
+        norm = torch.stack(counts).sum(0)  # every process evaluates the same batches: no reduction
+        loss_sum, sums, weight = 0.0, {}, 0.0
+        for b, c in zip(batches, counts):
+            loss, metrics = self.model.training_loss(b.to(self.device), norm)
+            loss_sum += float(loss)
+            w = float(c[0])
+            weight += w
+            for k, v in metrics.items():
+                if k in ("lm_nll_sum", "lm_tokens"):
+                    sums[k] = sums.get(k, 0.0) + v
+                else:
+                    sums[k] = sums.get(k, 0.0) + w * v
         self.drafter.train()
-        out = {f"held_out/{k}": v / len(plan) for k, v in sums.items() if k not in ("lm_nll_sum", "lm_tokens")}
+        out = {"held_out/loss": loss_sum}
+        out.update({f"held_out/{k}": v / max(weight, 1.0) for k, v in sums.items()
+                    if k not in ("lm_nll_sum", "lm_tokens")})
         if sums.get("lm_tokens"):  # joint runs: the target's perplexity over all held-out assistant tokens
-            out["held_out/ppl"] = math.exp(sums["lm_nll_sum"] / sums["lm_tokens"])
+            out["held_out/lm_loss"] = sums["lm_nll_sum"] / sums["lm_tokens"]
+            out["held_out/ppl"] = math.exp(out["held_out/lm_loss"])
         out["step"] = self.step
         return out
 
@@ -179,12 +244,125 @@ class Trainer:
         """:meth:`evaluate_held_out`, logged (scalars under ``prefix``, one summary line); ``{}`` without
         held-out data."""
         ev = self.evaluate_held_out()
+        if ev and not math.isfinite(ev["held_out/loss"]):  # the weights of this step give a NaN/inf loss
+            raise self._diverged(f"held-out loss became {ev['held_out/loss']}", at_step=self.step,
+                                 condemn_from=self.step)
         if ev:
             self._log_scalars({k.replace("held_out/", prefix): v for k, v in ev.items() if k != "step"})
             self.log(f"step {self.step}: held-out " + _summary(ev))
         return ev
 
     # ------------------------------------------------------------------ loop
+    def _plan(self) -> list[list[int]]:
+        """The batch plan of ``self.epoch`` (cached: a pure function of the data, seed and epoch)."""
+        if getattr(self, "_plan_cache", (None,))[0] != self.epoch:
+            plan = plan_batches(self.data.train, self.spec.batch_tokens, self.spec.seed, self.epoch)
+            if not plan:
+                raise SpeculatorsError("train: the training set is empty; nothing to train on")
+            self._plan_cache = (self.epoch, plan)
+        return self._plan_cache[1]
+
+    def _next_window(self) -> list:
+        """The next ``train.grad_accum`` micro-batches (CPU :class:`Batch` es) of the data order,
+        continuing into the next epoch when one ends; advances ``epoch``/``batch_idx`` past them (the
+        data position a checkpoint written after this step resumes from)."""
+        window = []
+        while len(window) < self.spec.grad_accum:
+            plan = self._plan()
+            if self.batch_idx >= len(plan):
+                self.epoch += 1
+                self.batch_idx = 0
+                continue
+            window.append(make_batch(self.data.train, plan[self.batch_idx]))
+            self.batch_idx += 1
+        return window
+
+    def _counts(self, batch) -> torch.Tensor:
+        """``[n_terms]`` int64 loss-term counts of one CPU batch (``Drafter.training_loss_counts``), on
+        the device; only the masks travel (the features are not needed, except in joint mode where the
+        drafter reruns the live target itself)."""
+        light = dataclasses.replace(batch, aux=batch.aux[..., :0], top=batch.top[..., :0])
+        return self.model.training_loss_counts(light.to(self.device)).to(device=self.device, dtype=torch.int64)
+
+    def _reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Sum ``counts`` over processes (every rank's micro-batches share one normaliser)."""
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        return counts
+
+    def _backward_window(self, window: list) -> tuple[float, dict[str, float]]:
+        """Forward + backward of every micro-batch of an accumulation window, each loss term divided by
+        its count over the WHOLE window (all micro-batches, all processes), so that the accumulated
+        gradient equals the gradient of the window as one batch (whatever the split, whatever the
+        number of tokens per micro-batch). accelerate divides every loss by
+        ``gradient_accumulation_steps`` in ``backward`` and DDP averages gradients over processes: both
+        are undone here (the window normaliser already accounts for every token).
+
+        Returns:
+            ``(window_loss, metrics)``: the window's loss (sum of the micro-batch losses, = the loss of
+            the window as one batch) and the family's metrics of the last micro-batch (its own means).
+        Raises:
+            SpeculatorsError: a micro-batch loss is NaN/inf (see :meth:`_diverged`).
+        """
+        norm = self._reduce_counts(torch.stack([self._counts(b) for b in window]).sum(0))
+        scale = self.accelerator.gradient_accumulation_steps * self.accelerator.num_processes
+        total, metrics = 0.0, {}
+        for i, cpu_batch in enumerate(window):
+            batch = cpu_batch.to(self.device)
+            with self.accelerator.accumulate(self.drafter):
+                if self.accelerator.sync_gradients != (i == len(window) - 1):
+                    raise RuntimeError(f"gradient accumulation out of step: micro-batch {i + 1}/{len(window)} "
+                                       f"with accelerate's gradient_accumulation_steps "
+                                       f"{self.accelerator.gradient_accumulation_steps}")
+                with self.accelerator.autocast():
+                    loss, metrics = self.model.training_loss(batch, norm)
+                if not torch.isfinite(loss):
+                    raise self._diverged(f"loss became {float(loss.detach())}", at_step=self.step + 1,
+                                         condemn_from=self.step)
+                self.accelerator.backward(loss * scale)
+            total += float(loss.detach())
+        return total, metrics
+
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradient, update, zero the gradients; returns the pre-clip norm.
+
+        Raises:
+            SpeculatorsError: the gradient norm is NaN/inf (nothing is updated).
+        """
+        gnorm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), self.spec.grad_clip)
+        if not torch.isfinite(torch.as_tensor(gnorm)):
+            raise self._diverged(f"gradient norm became {float(gnorm)} (before the update)",
+                                 at_step=self.step + 1, condemn_from=None)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(gnorm)
+
+    def _diverged(self, what: str, at_step: int, condemn_from: int | None) -> SpeculatorsError:
+        """The error that stops a diverged run, after setting aside the checkpoints that are not good.
+
+        A checkpoint is good when its weights are finite AND gave a finite loss. ``step-s`` holds the
+        weights after update ``s``, first used by the loss of step ``s + 1``: a NaN/inf loss at step
+        ``s + 1`` (or a NaN/inf held-out loss at step ``s``) condemns ``step-s``; pass its ``s`` as
+        ``condemn_from`` (every checkpoint at or after it is condemned). Checkpoints with non-finite
+        weights are condemned too. Condemned checkpoints are renamed ``diverged-step-N`` (kept for
+        inspection; ``checkpoints()``, ``--resume`` and ``speculators eval RUN_DIR`` skip them).
+        """
+        bad = []
+        for ck in checkpoints(self.output_dir):
+            s = int(CKPT_RE.match(ck.name).group(1))
+            why = "gave a NaN/inf loss" if condemn_from is not None and s >= condemn_from else \
+                checkpoint_weights_problem(ck)
+            if why is not None:
+                dest = ck.parent / f"{DIVERGED_PREFIX}{ck.name}"
+                shutil.rmtree(dest, ignore_errors=True)
+                os.replace(ck, dest)
+                bad.append(dest.name)
+        good = checkpoints(self.output_dir)
+        msg = (f"{what} at step {at_step}; stopping. Last good checkpoint: {good[-1] if good else 'none'}")
+        if bad:
+            msg += f" ({', '.join(bad)}: not good, renamed so that --resume and eval skip it)"
+        return SpeculatorsError(msg + " (try a lower train.lr)")
+
     def _log_scalars(self, scalars: dict[str, float]) -> None:
         if self.tb is None:
             from torch.utils.tensorboard import SummaryWriter
@@ -199,9 +377,11 @@ class Trainer:
         """Run the training loop; returns the final checkpoint directory (``OUTPUT_DIR/final``).
 
         Raises:
-            SpeculatorsError: the loss became NaN/inf (the last good checkpoint is kept).
+            SpeculatorsError: the loss, the held-out loss, the gradient norm or a weight became NaN/inf;
+                the message names the last good checkpoint (or none) and the ones set aside
+                (:meth:`_diverged`); ``--resume`` from a checkpoint with non-finite weights.
         """
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from .progress import ProgressReporter
 
         atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(self.recipe))
         ckpts = checkpoints(self.output_dir) if resume else []
@@ -218,72 +398,47 @@ class Trainer:
         t_start, tokens_seen, t_window, tok_window = time.time(), 0, time.time(), 0
         metrics: dict[str, float] = {}
         stop = self.step >= self.total_steps
-        progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                            console=self.console, transient=False, disable=os.environ.get("SPECULATORS_NO_PROGRESS") == "1")
+        # a rich bar on a terminal, periodic plain lines in a log file/pipe, off with SPECULATORS_NO_PROGRESS=1
+        progress = ProgressReporter(console=self.console, log=self.log)
         self.log(f"train: {self.total_steps} steps, {self.batches_per_epoch} batches/epoch of <= "
                  f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}, lr {spec.lr}, {self.device}")
         with progress:
-            task = progress.add_task("train", total=self.total_steps, completed=self.step, info="")
+            task = progress.add_task("train", total=self.total_steps, completed=self.step, unit="steps", info="")
             while not stop:
-                plan = plan_batches(self.data.train, spec.batch_tokens, spec.seed, self.epoch)
-                while self.batch_idx < len(plan):
-                    batch = make_batch(self.data.train, plan[self.batch_idx]).to(self.device)
-                    self.batch_idx += 1
-                    with self.accelerator.accumulate(self.drafter):
-                        with self.accelerator.autocast():
-                            loss, metrics = self.model.training_loss(batch)
-                        if not torch.isfinite(loss):
-                            last = checkpoints(self.output_dir)
-                            raise SpeculatorsError(
-                                f"loss became {float(loss)} at step {self.step + 1}; stopping. Last good "
-                                f"checkpoint: {last[-1] if last else 'none'} (try a lower train.lr)")
-                        self.accelerator.backward(loss)
-                        if self.accelerator.sync_gradients:
-                            gnorm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), spec.grad_clip)
-                            if not torch.isfinite(torch.as_tensor(gnorm)):
-                                last = checkpoints(self.output_dir)
-                                raise SpeculatorsError(
-                                    f"gradient norm became {float(gnorm)} at step {self.step + 1}; stopping "
-                                    f"before the update. Last good checkpoint: {last[-1] if last else 'none'} "
-                                    "(try a lower train.lr)")
-                        self.optimizer.step()
-                        self.optimizer.zero_grad(set_to_none=True)
-                    n_tok = batch.num_tokens
-                    tokens_seen += n_tok
-                    tok_window += n_tok
-                    if not self.accelerator.sync_gradients:
-                        continue
-                    self.scheduler.step()
-                    self.step += 1
-                    if self.step % spec.log_every == 0 or self.step == 1:
-                        now = time.time()
-                        tps = tok_window / max(now - t_window, 1e-9)
-                        t_window, tok_window = now, 0
-                        lrs = self.scheduler.get_last_lr()
-                        scal = {"train/loss": float(loss.detach()), "train/lr": lrs[0],
-                                **({"train/lr_target": lrs[1]} if len(lrs) > 1 else {}),
-                                "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
-                                **{f"train/{k}": v for k, v in metrics.items()}}
-                        self._log_scalars(scal)
-                        progress.update(task, info=f"loss {float(loss.detach()):.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
-                                                   f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
-                    progress.update(task, completed=self.step)
-                    if self.step % spec.eval_every == 0 or self.step == self.total_steps:
-                        self.held_out_last = self._held_out_eval() or self.held_out_last
-                    if self.step % spec.checkpoint_every == 0:
-                        self.save_checkpoint()
-                        if crash_at and self.step >= crash_at:
-                            os._exit(3)
-                    out_of_time = spec.max_minutes is not None and (time.time() - t_start) > 60 * spec.max_minutes
-                    if self.step >= self.total_steps or out_of_time:
-                        if out_of_time:
-                            self.log(f"train: stopping at step {self.step}: train.max_minutes reached")
-                        stop = True
-                        break
-                if not stop:
-                    self.epoch += 1
-                    self.batch_idx = 0
+                window = self._next_window()
+                loss_value, metrics = self._backward_window(window)
+                gnorm = self._optimizer_step()
+                n_tok = sum(b.num_tokens for b in window)
+                tokens_seen += n_tok
+                tok_window += n_tok
+                self.scheduler.step()
+                self.step += 1
+                if self.step % spec.log_every == 0 or self.step == 1:
+                    now = time.time()
+                    tps = tok_window / max(now - t_window, 1e-9)
+                    t_window, tok_window = now, 0
+                    lrs = self.scheduler.get_last_lr()
+                    # train/loss: the whole window's loss (= the loss of its micro-batches as one batch);
+                    # the family's metrics (loss_j, accuracies, sim_tau): the window's last micro-batch
+                    scal = {"train/loss": loss_value, "train/lr": lrs[0],
+                            **({"train/lr_target": lrs[1]} if len(lrs) > 1 else {}),
+                            "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
+                            **{f"train/{k}": v for k, v in metrics.items()}}
+                    self._log_scalars(scal)
+                    progress.update(task, info=f"loss {loss_value:.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
+                                               f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
+                progress.update(task, completed=self.step)
+                if self.step % spec.eval_every == 0 or self.step == self.total_steps:
+                    self.held_out_last = self._held_out_eval() or self.held_out_last
+                if self.step % spec.checkpoint_every == 0:
+                    self.save_checkpoint()
+                    if crash_at and self.step >= crash_at:
+                        os._exit(3)
+                out_of_time = spec.max_minutes is not None and (time.time() - t_start) > 60 * spec.max_minutes
+                if self.step >= self.total_steps or out_of_time:
+                    if out_of_time:
+                        self.log(f"train: stopping at step {self.step}: train.max_minutes reached")
+                    stop = True
         dt = time.time() - t_start
         self.log(f"train: {self.step} steps, {tokens_seen} tokens in {dt:.1f}s "
                  f"({tokens_seen / max(dt, 1e-9):.0f} drafter tokens/s)")

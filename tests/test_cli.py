@@ -338,15 +338,16 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
     original = family.loss
     calls = {"n": 0}
 
-    def poisoned(self, batch):
-        loss, metrics = original(self, batch)
+    def poisoned(self, batch, norm=None):
+        loss, metrics = original(self, batch, norm)
         calls["n"] += 1
-        return (loss * float("nan") if calls["n"] >= 3 else loss), metrics
+        return (loss * float("nan") if calls["n"] >= 4 else loss), metrics
 
     monkeypatch.setattr(family, "loss", poisoned)
     out = tmp_path / "run"
+    # NaN at step 4 (weights of update 3, never checkpointed): step-2 gave a finite loss at step 3, so it is good
     r = invoke("train", TINY, f"target.model={tiny_target_dir}", "train.eval_every=100", "-o", out)
-    line = assert_user_error(r, "nan", "step 3", "step-000002")
+    line = assert_user_error(r, "nan", "step 4", "step-000002")
     assert "train.lr" in line
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step-000002"]

@@ -1,4 +1,7 @@
-"""EAGLE-1 drafter: label shift, feature + token loss, noise, metrics, formats, lossless generation, CLI."""
+"""EAGLE-1 drafter: label shift, feature + token loss, noise, metrics, export format.
+
+Greedy == plain, seeded sampling, save/load round trip, ``propose`` purity and CLI train -> eval are
+checked for every family in tests/test_contracts.py."""
 
 from __future__ import annotations
 
@@ -14,14 +17,8 @@ from safetensors.torch import load_file
 import speculators.drafters.eagle  # noqa: F401  (registers "eagle")
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
-from speculators.generate import (
-    NGramProposer,
-    Sampling,
-    plain_decode,
-    speculative_decode,
-)
 from speculators.target import build_tiny_target
-from conftest import batch_for, cli_train_then_eval
+from conftest import batch_for
 
 V = 96
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle1.yaml"
@@ -89,21 +86,14 @@ def test_config_defaults_and_full_vocab_only(target):
 # ----------------------------------------------------------------------------- shapes and the shift
 
 
-def test_shapes_and_propose_leaves_state_unchanged(target):
+def test_shapes(target):
     d = make_drafter(target).eval()
     seq = torch.randint(0, V, (11,), generator=torch.Generator().manual_seed(0))
     feats = target.features(seq[None])
     state = d.start(seq, feats.slice(0, 10))
     assert state.num_positions == 10 and state.cache.length == 10
     assert state.last_feature.shape == (1, 1, 64) and state.last_logits.shape == (V,)
-    before = [t.clone() for t in state.cache.k]
-    p = d.propose(state, 4, temperature=0.9, generator=torch.Generator().manual_seed(1))
-    assert p.token_ids.shape == (4,) and p.token_ids.dtype == torch.int64
-    assert p.probs.shape == (4, V) and p.probs.dtype == torch.float32
-    torch.testing.assert_close(p.probs.sum(-1), torch.ones(4))
-    assert all(p.probs[i, p.token_ids[i]] > 0 for i in range(4))
-    assert d.propose(state, 3).probs is None
-    assert state.cache.length == 10 and all(torch.equal(a, b) for a, b in zip(before, state.cache.k))
+    assert d.propose(state, 3).probs is None  # greedy: point-mass drafts
     batch, _ = batch_for(target, seq[None])
     steps = d._unroll(batch.input_ids, batch.top, batch.attention_mask, 3,
                       lambda j, r, p: torch.ones(1, 11, dtype=torch.bool))
@@ -276,7 +266,7 @@ def test_training_reduces_loss_and_improves_acceptance(target):
 # ----------------------------------------------------------------------------- formats
 
 
-def test_save_load_round_trip_and_vllm_format(target, tmp_path):
+def test_export_format_is_vllm_eagle(target, tmp_path):
     d = make_drafter(target)
     path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n")
     cfg = json.loads((path / "config.json").read_text())
@@ -301,17 +291,11 @@ def test_save_load_round_trip_and_vllm_format(target, tmp_path):
         assert f"layers.0.{name}" in w
     assert "layers.0.input_layernorm.weight" not in w  # EAGLE-1 / vLLM: identity on layer 0
     assert not any(k.startswith(("lm_head", "norm", "d2t", "t2d")) for k in w)
+    # identical weights/config/proposals after loading: tests/test_contracts.py; the target's head is
+    # not in the checkpoint, so a loaded drafter needs attach_target
     loaded = Drafter.from_pretrained(path)
-    assert type(loaded) is type(d)
-    for k, v in d.state_dict().items():
-        assert torch.equal(v, loaded.state_dict()[k]), k
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
     with pytest.raises(RuntimeError, match="attach_target"):
         loaded.start(torch.arange(5), target.features(torch.arange(5)[None]).slice(0, 4))
-    loaded.attach_target(target)
-    prompt = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(2)).tolist()
-    assert speculative_decode(target, loaded, prompt, 3, 12).accepted == \
-        speculative_decode(target, d.eval(), prompt, 3, 12).accepted
     # variants: no fc bias (vLLM V1 layout), two layers (layer 1 has its input norm)
     d2 = make_drafter(target, fc_bias=False, num_layers=2)
     p2 = d2.save_pretrained(tmp_path / "ckpt2")
@@ -352,40 +336,3 @@ def test_exported_weights_reproduce_vllm_eagle_forward(target, tmp_path):
         ref = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
     ours = inference_features(d, target, seq)
     torch.testing.assert_close(ours, ref[0], atol=1e-5, rtol=1e-4)
-
-
-# ----------------------------------------------------------------------------- generation
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_speculative_equals_plain(target, seed):
-    d = make_drafter(target).eval()
-    prompt = torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
-    plain = plain_decode(target, prompt, 30)
-    for k in (1, 3, 5):
-        spec = speculative_decode(target, d, prompt, k, 30)
-        assert spec.tokens == plain.tokens
-        assert len(spec.accepted) == spec.target_forwards
-    assert speculative_decode(target, NGramProposer(), prompt, 3, 30).tokens == plain.tokens
-
-
-def test_sampled_speculative_decoding_runs_and_is_seeded(target):
-    d = make_drafter(target).eval()
-    prompt = list(range(8))
-    a = speculative_decode(target, d, prompt, 3, 20, Sampling(0.8, 0, 0.9), seed=11)
-    b = speculative_decode(target, d, prompt, 3, 20, Sampling(0.8, 0, 0.9), seed=11)
-    assert a.tokens == b.tokens and len(a.tokens) == 20
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def test_cli_train_then_eval(tiny_target_dir, isolated_cache, tmp_path):
-    cfg, log, rep = cli_train_then_eval(TINY, tiny_target_dir, tmp_path / "run")
-    assert cfg["speculators_model_type"] == "eagle"
-    assert cfg["speculators_training"]["drafter"]["algorithm"] == "eagle"
-    assert any("train/full_acc_0" in x and "train/sim_tau" in x for x in log)
-    assert any("held_out/loss_feat" in x for x in log)
-    assert rep["k"] == 3
-    assert rep["greedy_mismatches"] == []
-    assert 1.0 <= rep["drafter"]["tau"] <= 4.0 and rep["drafter"]["steps"] > 0

@@ -1,4 +1,7 @@
-"""MTP drafter: label shift, train/inference consistency, metrics, formats, lossless generation, CLI."""
+"""MTP drafter: label shift, train/inference consistency, metrics, export format, joint-section validation.
+
+Greedy == plain, seeded sampling, save/load round trip, ``propose`` purity and CLI train -> eval are
+checked for every family in tests/test_contracts.py."""
 
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ from typer.testing import CliRunner
 
 import speculators.drafters.mtp  # noqa: F401  (registers "mtp")
 from speculators.cli import app
-from speculators.drafters import Drafter, DraftVocab, registry
-from speculators.generate import Sampling, plain_decode, speculative_decode
+from speculators.drafters import DraftVocab, registry
+from speculators.generate import plain_decode
 from speculators.target import build_tiny_target
-from conftest import batch_for, cli_train_then_eval
+from conftest import batch_for
 
 V = 96
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-mtp.yaml"
@@ -72,11 +75,8 @@ def test_shapes(target):
     assert set(m) == {"loss_0", "loss_1", "full_acc_0", "full_acc_1", "cond_acc_0", "cond_acc_1", "sim_tau"}
     d.eval()
     state = d.start(ids[0, :6], target.features(ids[:1, :5]))
-    p = d.propose(state, 4, temperature=0.7, generator=torch.Generator().manual_seed(0))
-    assert p.token_ids.shape == (4,) and p.token_ids.dtype == torch.int64
-    assert p.probs.shape == (4, V) and p.probs.dtype == torch.float32
-    torch.testing.assert_close(p.probs.sum(-1), torch.ones(4))
-    assert d.propose(state, 3).probs is None
+    assert d.propose(state, 4).token_ids.shape == (4,)  # k > num_modules: the chain goes on
+    assert d.propose(state, 3).probs is None  # greedy: point-mass drafts
 
 
 def test_eh_proj_input_is_enorm_embedding_then_hnorm_hidden(target):
@@ -129,18 +129,6 @@ def test_modules_match_inference_chain(target, num_modules):
     logits = module_logits(d, batch)
     for j in range(num_modules):
         torch.testing.assert_close(torch.softmax(logits[j][0, n - 1], -1), prop.probs[j], atol=2e-5, rtol=1e-4)
-
-
-def test_propose_leaves_state_unchanged(target):
-    d = make_drafter(target).eval()
-    ids = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(2))
-    state = d.start(ids, target.features(ids[None, :8]))
-    before = [(c.k[0].clone(), c.v[0].clone()) for c in state.caches]
-    a = d.propose(state, 6, temperature=0.9, generator=torch.Generator().manual_seed(5))
-    b = d.propose(state, 6, temperature=0.9, generator=torch.Generator().manual_seed(5))
-    assert a.token_ids.tolist() == b.token_ids.tolist() and torch.equal(a.probs, b.probs)
-    for c, (k, v) in zip(state.caches, before):
-        assert torch.equal(c.k[0], k) and torch.equal(c.v[0], v)
 
 
 # ----------------------------------------------------------------------------- loss and metrics
@@ -255,7 +243,7 @@ def test_training_reduces_loss_and_improves_acceptance(target):
 # ----------------------------------------------------------------------------- formats
 
 
-def test_save_load_round_trip_and_format(target, tmp_path):
+def test_export_format(target, tmp_path):
     d = make_drafter(target, num_modules=2)
     path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n")
     cfg = json.loads((path / "config.json").read_text())
@@ -278,51 +266,13 @@ def test_save_load_round_trip_and_format(target, tmp_path):
     assert set(w) == expected
     assert w["layers.1.eh_proj.weight"].shape == (H, 2 * H)
     assert w["embed_tokens.weight"].shape == (V, H)
-    loaded = Drafter.from_pretrained(path)
-    assert type(loaded) is type(d) and loaded.cfg == d.cfg
-    for k, v in d.state_dict().items():
-        assert torch.equal(v, loaded.state_dict()[k]), k
-    loaded.attach_target(target)
-    ids = torch.arange(10)
-    feats = target.features(ids[None, :9])
-    a = d.eval().propose(d.start(ids, feats), 3)
-    b = loaded.propose(loaded.start(ids, feats), 3)
-    assert a.token_ids.tolist() == b.token_ids.tolist()
-
-
-# ----------------------------------------------------------------------------- generation
-
-
-@pytest.mark.parametrize("num_modules, seed", [(3, 0), (3, 1), (1, 2)])
-def test_greedy_speculative_equals_plain(target, num_modules, seed):
-    d = make_drafter(target, num_modules=num_modules).eval()
-    prompt = torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
-    plain = plain_decode(target, prompt, 30)
-    for k in (1, 2, 3, 5):
-        spec = speculative_decode(target, d, prompt, k, 30)
-        assert spec.tokens == plain.tokens, k
-        assert len(spec.accepted) == spec.target_forwards
-
-
-def test_sampled_speculative_decoding_runs_and_is_seeded(target):
-    d = make_drafter(target).eval()
-    prompt = list(range(8))
-    a = speculative_decode(target, d, prompt, 4, 20, Sampling(0.8, 0, 0.9), seed=11)
-    b = speculative_decode(target, d, prompt, 4, 20, Sampling(0.8, 0, 0.9), seed=11)
-    assert a.tokens == b.tokens and len(a.tokens) == 20
+    # identical weights/config/proposals after from_pretrained: tests/test_contracts.py
 
 
 # ----------------------------------------------------------------------------- CLI
 
 
-def test_cli_train_then_eval(tmp_path, isolated_cache, tiny_target_dir):
-    cfg, log, rep = cli_train_then_eval(TINY, tiny_target_dir, tmp_path / "run")
-    assert cfg["speculators_model_type"] == "mtp" and cfg["num_nextn_predict_layers"] == 2
-    assert any("train/sim_tau" in x for x in log)
-    assert rep["k"] == 3
-    runner = CliRunner()
-    assert rep["greedy_mismatches"] == []
-    assert 1.0 <= rep["drafter"]["tau"] <= 4.0 and rep["drafter"]["tokens"] == rep["plain"]["tokens"]
-    r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "drafter.joint=true",
-                            "drafter.joint_target.lora_r=0", "-o", str(tmp_path / "joint")])
+def test_cli_rejects_an_invalid_joint_target_section(tmp_path, isolated_cache, tiny_target_dir):
+    r = CliRunner().invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "drafter.joint=true",
+                                 "drafter.joint_target.lora_r=0", "-o", str(tmp_path / "joint")])
     assert r.exit_code == 2 and "drafter.joint_target.lora_r" in r.output and "Traceback" not in r.output

@@ -5,7 +5,10 @@ pydantic config (``config_class``) and registers itself with :func:`register`. T
 generation loop, the evaluator and the CLI only use this interface (DESIGN.md, principles 1-2):
 
 * ``from_target(cfg, target, vocab)``: build a fresh drafter for a frozen target;
-* ``loss(batch) -> (loss, metrics)``: training objective on a :class:`speculators.data.dataset.Batch`;
+* ``loss(batch, norm=None) -> (loss, metrics)``: training objective on a
+  :class:`speculators.data.dataset.Batch`, a weighted sum of terms each divided by ``norm[i]``;
+  ``loss_counts(batch) -> [n_terms]``: each term's valid count from the masks (gradient accumulation
+  normalises by the counts of the whole window);
 * ``start(input_ids, features) -> state``; ``propose(state, k, sampling) -> Proposal``;
   ``advance(state, new_ids, features)``: inference, one request at a time;
 * ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir)``: the vLLM-loadable checkpoint format.
@@ -139,6 +142,24 @@ def read_checkpoint_config(path: str | Path, what: str = "", require_weights: bo
     return raw
 
 
+def check_finite_weights(weights: dict[str, torch.Tensor], file: str | Path) -> None:
+    """Refuse a checkpoint whose weights are not all finite (a diverged run's).
+
+    Args:
+        weights: tensors as read from ``file`` (any dtype; integer tensors are always finite).
+        file: the file they came from (named in the error).
+    Raises:
+        SpeculatorsError: naming ``file``, the first tensor with a NaN/inf and how many of its values are.
+    """
+    for name, t in weights.items():
+        if t.is_floating_point() or t.is_complex():
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                raise SpeculatorsError(f"{file}: tensor {name!r} has {int(bad.sum())} non-finite (NaN/inf) "
+                                       f"value(s) of {t.numel()}; the checkpoint comes from a diverged run "
+                                       "and cannot be used")
+
+
 def register(cls: type["Drafter"]) -> type["Drafter"]:
     """Class decorator: make a family available under ``cls.algorithm``."""
     _REGISTRY[cls.algorithm] = cls
@@ -206,7 +227,8 @@ class Drafter(nn.Module):
                 "hidden_size": target.hidden_size, "num_layers": target.num_layers,
                 "aux_layer_ids": list(target.aux_layer_ids),
                 "aux_layer_ids_convention": "0-based index of the decoder layer whose OUTPUT is tapped "
-                                            "(HF hidden_states[i+1]); vLLM ids = these + 1",
+                                            "(pre-norm residual, also for L-1; HF hidden_states[i+1] for "
+                                            "i < L-1); vLLM ids = these + 1",
                 "target_config": target.layer_config_dict()}
 
     def attach_target(self, target) -> None:
@@ -258,8 +280,52 @@ class Drafter(nn.Module):
             target.aux_layer_ids = list(m["aux_layer_ids"])
 
     # ---------------------------------------------------------------- training
-    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training objective: a weighted sum of terms, term i being a sum over its own valid positions
+        divided by ``norm[i]`` (``norm [n_terms]``, see :meth:`loss_counts`; default: this batch's own
+        counts, i.e. each term is the mean over its valid positions). Passing the counts of a whole
+        gradient-accumulation window (all micro-batches, all processes) makes the summed micro-batch
+        gradients equal the gradient of the window as one batch. Metrics are always this batch's own
+        means."""
         raise NotImplementedError
+
+    def loss_counts(self, batch) -> torch.Tensor:
+        """``[n_terms]`` int64: the number of valid positions of each term of :meth:`loss` in ``batch``,
+        computed from the batch's masks by the same code the loss uses (no forward). Reads only
+        ``input_ids``, ``loss_mask``, ``attention_mask`` and ``argmax`` (``aux``/``top`` may be empty)."""
+        raise NotImplementedError
+
+    @property
+    def counts_use_argmax(self) -> bool:
+        """True when :meth:`loss_counts` reads ``batch.argmax`` (a mask on the target's greedy token);
+        in joint mode the counts then need the live target's argmax (:meth:`training_loss_counts`)."""
+        return False
+
+    def _combine_terms(self, sums: list[torch.Tensor], weights: list[float], counts: torch.Tensor,
+                       norm: torch.Tensor | None, scale: float = 1.0) -> tuple[torch.Tensor, float]:
+        """``scale * sum_i weights[i] * sums[i] / max(den[i], 1)`` with ``den = norm`` (window counts) or
+        ``counts`` (this batch's, the default); also returns the same value with this batch's own counts
+        (a float, for metrics).
+
+        Raises:
+            SpeculatorsError: ``norm`` does not have one entry per term.
+        """
+        own_den = counts.clamp(min=1)
+        if norm is None:
+            den = own_den
+        else:
+            norm = torch.as_tensor(norm).to(counts.device)
+            if norm.shape != counts.shape:
+                raise SpeculatorsError(f"{self.algorithm} loss: norm has shape {tuple(norm.shape)}, expected "
+                                       f"{tuple(counts.shape)} (one count per loss term, see loss_counts)")
+            den = norm.clamp(min=1)
+        total = sums[0].new_zeros(())
+        own = 0.0
+        for i, (s, w) in enumerate(zip(sums, weights)):
+            total = total + w * (s / den[i])
+            own += w * float(s.detach()) / float(own_den[i])
+        self._last_own_loss = scale * own  # read by training_loss for the joint `drafter_loss` metric
+        return scale * total, scale * own
 
     @property
     def trains_target(self) -> bool:
@@ -280,19 +346,44 @@ class Drafter(nn.Module):
 
             self.joint_target = JointTarget(target, self.cfg.joint_target)
 
-    def training_loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def training_loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """What the trainer minimises: :meth:`loss`, or in joint mode
         ``lm_weight * L_LM + joint_loss_weight * loss(batch')`` where ``batch'`` carries the live
         (adapted) target's top hidden states and argmax (:class:`~.joint.JointTarget`). Joint metrics
         add ``lm_loss``, ``lm_nll_sum``, ``lm_tokens`` (the trainer turns these into the target's
-        held-out perplexity) and ``drafter_loss``."""
+        held-out perplexity) and ``drafter_loss``.
+
+        ``norm``: ``[n_terms]`` from :meth:`training_loss_counts` (summed over a gradient-accumulation
+        window); ``None`` = this batch's own counts. Metrics are this batch's own means whatever ``norm``.
+        """
         jt = getattr(self, "joint_target", None)
         if jt is None:
-            return self.loss(batch)
-        batch, lm_loss, lm_metrics = jt(batch)
-        loss, metrics = self.loss(batch)
+            return self.loss(batch, norm)
+        batch, lm_loss, lm_metrics = jt(batch, norm=None if norm is None else norm[-1])
+        loss, metrics = self.loss(batch, None if norm is None else norm[:-1])
         total = self.cfg.joint_target.lm_weight * lm_loss + self.joint_loss_weight * loss
-        return total, {**metrics, "drafter_loss": float(loss.detach()), **lm_metrics}
+        own = getattr(self, "_last_own_loss", None)
+        return total, {**metrics, "drafter_loss": float(loss.detach()) if norm is None or own is None else own,
+                       **lm_metrics}
+
+    def training_loss_counts(self, batch) -> torch.Tensor:
+        """``[n_terms]`` int64 counts of :meth:`training_loss`'s terms in ``batch``: :meth:`loss_counts`,
+        plus, in joint mode, the target's LM-loss label count (last entry). Sum them over the micro-batches
+        of an accumulation window (and over processes) and pass the sum as ``norm`` to every micro-batch.
+
+        Cheap (masks only) except in joint mode for a family whose masks read the target's argmax
+        (:attr:`counts_use_argmax`): the live target then runs once more without gradients (torch RNG
+        state preserved; with ``lora_dropout > 0`` its argmax may differ from the training forward's).
+        """
+        jt = getattr(self, "joint_target", None)
+        if jt is None:
+            return self.loss_counts(batch)
+        if self.counts_use_argmax:
+            devices = [batch.input_ids.device] if batch.input_ids.is_cuda else []
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                batch = jt(batch)[0]
+        own = self.loss_counts(batch).to(torch.int64)
+        return torch.cat([own, jt.lm_count(batch).to(own.device).view(1)])
 
     def param_groups(self, lr: float) -> list[dict[str, Any]]:
         """Optimizer parameter groups: the drafter's trainable parameters at ``lr`` and, in joint mode,
@@ -341,7 +432,7 @@ class Drafter(nn.Module):
 
         Raises:
             SpeculatorsError: not a checkpoint, another family, another target (fingerprint), or
-                weights that do not fit.
+                weights that do not fit or are not finite.
         """
         path = Path(path)
         block = read_checkpoint_config(path, what="train.init_from: ")[TRAINING_KEY]
@@ -354,7 +445,9 @@ class Drafter(nn.Module):
             raise SpeculatorsError(f"train.init_from: {path} was trained for another target "
                                    f"({block.get('target', {}).get('name_or_path')!r}, fingerprint {fp}); "
                                    f"this recipe's target has fingerprint {self.meta.get('fingerprint')}")
-        self.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        weights = load_file(str(path / WEIGHTS_NAME))
+        check_finite_weights(weights, path / WEIGHTS_NAME)
+        self.load_export_state_dict(weights)
 
     # ---------------------------------------------------------------- inference
     def start(self, input_ids: torch.Tensor, features) -> Any:
@@ -484,7 +577,9 @@ class Drafter(nn.Module):
         """Load a checkpoint directory written by ``save_pretrained``.
 
         Raises:
-            SpeculatorsError: missing directory/files, unknown family, or weights that do not match.
+            SpeculatorsError: missing directory/files, unknown family, weights that do not match, or a
+                NaN/inf in a weight (of the drafter or of a joint run's target adapter), naming the file
+                and the tensor.
         """
         path = Path(path)
         cfg_file = path / CONFIG_NAME
@@ -498,6 +593,7 @@ class Drafter(nn.Module):
             weights = load_file(str(path / WEIGHTS_NAME))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise SpeculatorsError(f"{path / WEIGHTS_NAME}: cannot read weights ({e})") from None
+        check_finite_weights(weights, path / WEIGHTS_NAME)
         drafter = cls._build(cfg, raw[TRAINING_KEY]["target"], weights)
         drafter.load_export_state_dict(weights)
         adapter = raw[TRAINING_KEY].get("target_adapter")
@@ -505,5 +601,14 @@ class Drafter(nn.Module):
             if not (path / adapter / "adapter_config.json").is_file():
                 raise SpeculatorsError(f"{path}: a joint checkpoint without its target adapter "
                                        f"({path / adapter}/adapter_config.json is missing)")
+            from .joint import ADAPTER_WEIGHTS
+
+            adapter_file = path / adapter / ADAPTER_WEIGHTS
+            if adapter_file.is_file():
+                try:
+                    adapter_weights = load_file(str(adapter_file))
+                except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                    raise SpeculatorsError(f"{adapter_file}: cannot read the adapter weights ({e})") from None
+                check_finite_weights(adapter_weights, adapter_file)
             drafter.target_adapter_dir = path / adapter
         return drafter.eval()

@@ -196,13 +196,26 @@ class EagleDrafter(Drafter):
         return feats + ((u - 0.5) * scale).to(feats.dtype)
 
     # ------------------------------------------------------------------ training
-    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _valid_masks(self, batch) -> list[torch.Tensor]:
+        """``[B, T]`` bool per simulated step j: ``x_{t+2+j}`` is a real assistant token (step 0's mask is
+        the loss's; used by :meth:`loss` and :meth:`loss_counts`)."""
+        lm = batch.loss_mask & batch.attention_mask
+        return [shift_left(lm, 2 + j) for j in range(self.cfg.sim_steps)]
+
+    def loss_counts(self, batch) -> torch.Tensor:
+        """``[1]`` int64: the valid positions shared by the feature and token terms (see
+        :meth:`Drafter.loss_counts`)."""
+        return self._valid_masks(batch)[0].sum().view(1)
+
+    def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """``w_feat * SmoothL1(f[t+1], h_top[t+1]) + w_tok * softCE(lm_head(f[t+1]), p_{t+1})``.
 
         Index t (input ``(h_top[t], x_{t+1})``) is valid when ``x_{t+2}`` is an assistant token inside
         the sequence. SmoothL1 (beta 1) is averaged over the H features of a position, as EAGLE does;
-        both terms are summed over valid positions and divided by their number. Input features are
-        noised in training mode only (:meth:`add_noise`); the targets are always clean.
+        both terms are summed over valid positions and divided by ``norm[0]`` (default: their number;
+        see :meth:`Drafter.loss`). Input features are noised in training mode only
+        (:meth:`add_noise`); the targets are always clean. Metrics ``loss_feat``/``loss_tok`` are this
+        batch's means.
 
         Returns:
             loss (scalar) and metrics ``loss_feat, loss_tok, full_acc_j, cond_acc_j`` (j < sim_steps)
@@ -214,8 +227,7 @@ class EagleDrafter(Drafter):
         w = self._teacher_head
         if w is None:
             raise RuntimeError("attach_target(target) before training: the target's head is missing")
-        lm = batch.loss_mask & batch.attention_mask
-        valid = [shift_left(lm, 2 + j) for j in range(cfg.sim_steps)]
+        valid = self._valid_masks(batch)
         goal = [shift_left(batch.argmax, 1 + j) for j in range(cfg.sim_steps)]
         feats = batch.top
         if self.training:
@@ -237,14 +249,17 @@ class EagleDrafter(Drafter):
         steps = self._unroll(shift_left(batch.input_ids, 1), feats, shift_left(batch.attention_mask, 1),
                              cfg.sim_steps, rows_fn)
         f0, rows0, logits0 = steps[0]
-        n_valid = valid[0].sum().clamp(min=1)
+        counts = valid[0].sum().view(1)
+        n_valid = counts[0].clamp(min=1)
         with torch.no_grad():
             target_feat = shift_left(batch.top, 1)[rows0]
             teacher_p = torch.softmax(self.target_lm_head(target_feat).float(), dim=-1)
         feat_err = F.smooth_l1_loss(f0[rows0].float(), target_feat.float(), reduction="none", beta=1.0).mean(-1)
-        loss_feat = feat_err.sum() / n_valid
-        loss_tok = -(teacher_p * torch.log_softmax(logits0, dim=-1)).sum() / n_valid
-        total = cfg.w_feat * loss_feat + cfg.w_tok * loss_tok
+        sum_feat = feat_err.sum()
+        sum_tok = -(teacher_p * torch.log_softmax(logits0, dim=-1)).sum()
+        loss_feat, loss_tok = sum_feat.detach() / n_valid, sum_tok.detach() / n_valid
+        # one count for both terms: (w_feat * S_feat + w_tok * S_tok) / norm[0]
+        total, _ = self._combine_terms([cfg.w_feat * sum_feat + cfg.w_tok * sum_tok], [1.0], counts, norm)
         with torch.no_grad():  # the last step's accuracy (earlier ones were recorded by rows_fn)
             _, rows, logits = steps[-1]
             rows_fn(cfg.sim_steps, rows, logits.argmax(-1))

@@ -144,16 +144,32 @@ class Eagle3Drafter(Drafter):
         return h
 
     # ------------------------------------------------------------------ training
-    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+    @property
+    def counts_use_argmax(self) -> bool:
+        return True  # a position counts only if the target's argmax is in the draft vocabulary
+
+    def _valid_masks(self, batch) -> list[torch.Tensor]:
+        """``[B, T]`` bool per TTT step j: token ``t + 2 + j`` is a real assistant token and the target's
+        argmax at ``t + 1 + j`` lies in the draft vocabulary (used by :meth:`loss` and :meth:`loss_counts`)."""
+        in_vocab = self.t2d[batch.argmax.to(self.t2d.device)].to(batch.argmax.device)  # [B, T]
+        lm = batch.loss_mask & batch.attention_mask
+        return [shift_left(lm, 2 + j) & shift_left(in_vocab, 1 + j) for j in range(self.cfg.ttt_steps)]
+
+    def loss_counts(self, batch) -> torch.Tensor:
+        """``[ttt_steps]`` int64: valid positions of each TTT step's term (see :meth:`Drafter.loss_counts`)."""
+        return torch.stack([v.sum() for v in self._valid_masks(batch)])
+
+    def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """TTT loss: ``sum_j w^j * Loss_j``, Loss_j = soft CE (or CE) of step-j logits at t vs the
-        target distribution at ``t + 1 + j`` restricted to the draft vocab, averaged over valid positions.
+        target distribution at ``t + 1 + j`` restricted to the draft vocab, summed over valid positions
+        and divided by ``norm[j]`` (default: their count, i.e. the mean; see :meth:`Drafter.loss`).
 
         Valid (t, j): token ``t + 2 + j`` is a real assistant token and the target's argmax at
         ``t + 1 + j`` lies in the draft vocabulary.
 
         Returns:
-            loss (scalar) and metrics ``loss_j, full_acc_j, cond_acc_j, sim_tau`` (accuracies are the
-            top-1 agreement with the target's greedy token, in target-id space).
+            loss (scalar) and metrics ``loss_j`` (this batch's mean), ``full_acc_j, cond_acc_j, sim_tau``
+            (accuracies are the top-1 agreement with the target's greedy token, in target-id space).
         """
         cfg: Eagle3Config = self.cfg
         B, T = batch.input_ids.shape
@@ -165,14 +181,15 @@ class Eagle3Drafter(Drafter):
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
             teacher_logits = batch.top @ head.to(batch.top)[draft_ids].T  # [B, T, N]
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
-            in_vocab = self.t2d[batch.argmax]  # [B, T]
+        valids = self._valid_masks(batch)
+        counts = torch.stack([v.sum() for v in valids])
+        sums: list[torch.Tensor] = []
 
         g = self.fuse(batch.aux)
         key_valid = shift_left(batch.attention_mask, 1)
         hidden = g
         ks: list[list[torch.Tensor]] = [[] for _ in self.layers]
         vs: list[list[torch.Tensor]] = [[] for _ in self.layers]
-        total = torch.zeros((), device=dev)
         metrics: dict[str, float] = {}
         prev_full = None
         sim_tau = 1.0
@@ -189,16 +206,16 @@ class Eagle3Drafter(Drafter):
 
             hidden = self._run_layers(emb, hidden, cos, sin, attend)
             logits = self.lm_head(self.norm(hidden)).float()  # [B, T, N]
-            valid = shift_left(batch.loss_mask & batch.attention_mask, 2 + j) & shift_left(in_vocab, 1 + j)
-            n_valid = valid.sum().clamp(min=1)
+            valid = valids[j]
+            n_valid = counts[j].clamp(min=1)
             logp = torch.log_softmax(logits, dim=-1)
             if cfg.loss == "kl":
                 ce = -(shift_left(teacher_p, 1 + j) * logp).sum(-1)
             else:
                 tgt = torch.searchsorted(draft_ids, shift_left(batch.argmax, 1 + j).clamp(max=draft_ids[-1]))
                 ce = F.nll_loss(logp.transpose(1, 2), tgt, reduction="none")
-            loss_j = (ce * valid).sum() / n_valid
-            total = total + (cfg.ttt_decay ** j) * loss_j
+            sums.append((ce * valid).sum())
+            loss_j = sums[-1].detach() / n_valid
             with torch.no_grad():
                 pred = draft_ids[logits.argmax(-1)]
                 correct = pred == shift_left(batch.argmax, 1 + j)
@@ -215,6 +232,7 @@ class Eagle3Drafter(Drafter):
             else:
                 tokens = shift_left(batch.input_ids, 2 + j)
         metrics["sim_tau"] = sim_tau
+        total, _ = self._combine_terms(sums, [cfg.ttt_decay ** j for j in range(cfg.ttt_steps)], counts, norm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

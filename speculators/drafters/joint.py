@@ -121,18 +121,31 @@ class JointTarget(nn.Module):
     def lora_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft.parameters() if p.requires_grad]
 
-    def forward(self, batch):
+    @staticmethod
+    def label_positions(batch) -> torch.Tensor:
+        """``[B, T]`` bool: index ``t`` whose next token ``x_{t+1}`` is a real assistant token (the LM
+        loss's positions; the same mask for the loss and :meth:`lm_count`)."""
+        return shift_left(batch.loss_mask & batch.attention_mask, 1)
+
+    def lm_count(self, batch) -> torch.Tensor:
+        """Scalar int64: the number of LM-loss labels in ``batch`` (masks only, no forward)."""
+        return self.label_positions(batch).sum()
+
+    def forward(self, batch, norm: torch.Tensor | int | None = None):
         """Run the (adapted) target on ``batch.input_ids``.
 
         Args:
             batch: :class:`speculators.data.dataset.Batch`; only ``input_ids``, ``attention_mask`` and
                 ``loss_mask`` are read.
+            norm: divisor of the summed LM loss (the label count of a whole accumulation window, see
+                ``Drafter.training_loss_counts``); ``None`` = this batch's own label count.
         Returns:
             ``(batch', lm_loss, metrics)``: ``batch'`` is ``batch`` with ``top [B, T, H]`` (float32,
-            with gradients) and ``argmax [B, T]`` replaced by the live target's; ``lm_loss`` is the mean
+            with gradients) and ``argmax [B, T]`` replaced by the live target's; ``lm_loss`` is the summed
             cross entropy of the target's logits at ``t`` against ``x_{t+1}`` over the assistant tokens
-            ``x_{t+1}``; metrics ``lm_loss``, ``lm_nll_sum`` and ``lm_tokens`` (summed NLL and token
-            count: a held-out perplexity is ``exp(sum nll / sum tokens)`` over all batches).
+            ``x_{t+1}``, divided by ``norm`` (default: their count, i.e. the mean); metrics ``lm_loss``
+            (this batch's mean), ``lm_nll_sum`` and ``lm_tokens`` (summed NLL and token count: a
+            held-out perplexity is ``exp(sum nll / sum tokens)`` over all batches).
         """
         target = self._target
         att = batch.attention_mask
@@ -140,16 +153,17 @@ class JointTarget(nn.Module):
         argmax = torch.zeros_like(batch.input_ids)
         with torch.no_grad():  # the greedy token at every real position (metrics), no graph
             argmax[att] = target.lm_head(top.detach()[att]).argmax(-1)
-        label_pos = shift_left(batch.loss_mask & att, 1)  # [B, T]: x_{t+1} is an assistant token
+        label_pos = self.label_positions(batch)  # [B, T]: x_{t+1} is an assistant token
         labels = shift_left(batch.input_ids, 1)[label_pos]
         if labels.numel():
             nll = F.cross_entropy(target.lm_head(top[label_pos]).float(), labels, reduction="sum")
         else:
             nll = top.sum() * 0.0
         n = max(int(labels.numel()), 1)
-        lm_loss = nll / n
+        den = n if norm is None else max(float(norm), 1.0)
+        lm_loss = nll / den
         new = dataclasses.replace(batch, top=top.float(), argmax=argmax)
-        return new, lm_loss, {"lm_loss": float(lm_loss.detach()), "lm_nll_sum": float(nll.detach()),
+        return new, lm_loss, {"lm_loss": float(nll.detach()) / n, "lm_nll_sum": float(nll.detach()),
                               "lm_tokens": float(labels.numel())}
 
     def save_adapter(self, directory: Path) -> None:
@@ -160,7 +174,7 @@ class JointTarget(nn.Module):
         """Load adapter weights written by :meth:`save_adapter` (resume).
 
         Raises:
-            SpeculatorsError: the adapter file is missing.
+            SpeculatorsError: the adapter file is missing, or holds a NaN/inf.
         """
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -168,7 +182,11 @@ class JointTarget(nn.Module):
         f = Path(directory) / ADAPTER_WEIGHTS
         if not f.is_file():
             raise SpeculatorsError(f"{f}: missing; the checkpoint has no target adapter to resume from")
-        result = set_peft_model_state_dict(self.peft, load_file(str(f)))
+        from .base import check_finite_weights
+
+        weights = load_file(str(f))
+        check_finite_weights(weights, f)
+        result = set_peft_model_state_dict(self.peft, weights)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
             raise SpeculatorsError(f"{f}: adapter weights do not match this run's LoRA config "

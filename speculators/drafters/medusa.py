@@ -186,15 +186,40 @@ class MedusaDrafter(Drafter):
         return F.linear(top, rows)
 
     # ------------------------------------------------------------------ training
-    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Medusa-1 loss ``sum_k head_decay^(k-1) * loss_k`` (see the module docstring for the labels).
+    @property
+    def counts_use_argmax(self) -> bool:
+        # distillation skips positions whose target argmax is outside a reduced draft vocabulary
+        return bool(self.cfg.distill) and not self.full_vocab
+
+    def _valid_masks(self, batch) -> list[torch.Tensor]:
+        """Per head k = 1..K: ``[B, max(T - k - 1, 0)]`` bool, index t valid when ``x_{t+k+1}`` is an
+        assistant token and its label is in the draft vocabulary (``distill``: the target's argmax at
+        ``t + k``; otherwise the data token). Used by :meth:`loss` and :meth:`loss_counts`."""
+        T = batch.input_ids.shape[1]
+        assistant = batch.loss_mask & batch.attention_mask  # [B, T]: token at this index is to be predicted
+        t2d = self.t2d
+        if self.cfg.distill:
+            ok = t2d[batch.argmax.to(t2d.device)].to(assistant.device)  # [B, T]: argmax at t in the vocab
+            return [assistant[:, k + 1:] & ok[:, k:T - 1] for k in range(1, self.num_heads + 1)]
+        ok = t2d[batch.input_ids.to(t2d.device)].to(assistant.device)  # [B, T]: data token in the vocab
+        return [assistant[:, k + 1:] & ok[:, k + 1:] for k in range(1, self.num_heads + 1)]
+
+    def loss_counts(self, batch) -> torch.Tensor:
+        """``[num_heads]`` int64: valid positions of each head's term (see :meth:`Drafter.loss_counts`)."""
+        return torch.stack([v.sum() for v in self._valid_masks(batch)])
+
+    def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Medusa-1 loss ``sum_k head_decay^(k-1) * loss_k`` (see the module docstring for the labels);
+        ``loss_k`` sums head k's CE over its valid positions and divides by ``norm[k-1]`` (default: their
+        count, i.e. the mean; see :meth:`Drafter.loss`).
 
         Args:
             batch: :class:`speculators.data.dataset.Batch` (uses ``top``, ``input_ids``, ``loss_mask``,
                 ``attention_mask``, ``argmax``).
+            norm: ``[num_heads]`` divisors, see :meth:`loss_counts`.
         Returns:
             loss (scalar) and metrics, with ``j = k - 1`` (0-based draft position):
-            ``loss_j``; ``full_acc_j`` = fraction of assistant positions ``t+k+1`` where heads 1..k all
+            ``loss_j`` (this batch's mean); ``full_acc_j`` = fraction of assistant positions ``t+k+1`` where heads 1..k all
             predict the target's greedy token (``argmax[t+i]`` for head i, target-id space; a token
             outside the draft vocab counts as a miss); ``cond_acc_j`` = the same given heads 1..k-1 were
             right; ``sim_tau = 1 + sum_j full_acc_j`` (simulated greedy acceptance length).
@@ -203,18 +228,16 @@ class MedusaDrafter(Drafter):
         """
         cfg: MedusaConfig = self.cfg
         T = batch.input_ids.shape[1]
-        dev = batch.input_ids.device
         draft_ids = self.draft_ids
         assistant = batch.loss_mask & batch.attention_mask  # [B, T]: token at this index is to be predicted
         if cfg.distill:
             with torch.no_grad():
                 teacher_p = torch.softmax(self._teacher_logits(batch.top).float(), dim=-1)  # [B, T, N]
-                teacher_ok = self.t2d[batch.argmax]  # [B, T]: target argmax at t in the draft vocab
         # data token -> draft index (only meaningful where the token is in the draft vocab)
-        tok_in_vocab = self.t2d[batch.input_ids]
         tok_draft = torch.searchsorted(draft_ids, batch.input_ids.clamp(max=int(draft_ids[-1])))
-
-        total = torch.zeros((), device=dev)
+        valids = self._valid_masks(batch)
+        counts = torch.stack([v.sum() for v in valids])
+        sums: list[torch.Tensor] = []
         metrics: dict[str, float] = {}
         sim_tau = 1.0
         prev_full = None
@@ -223,15 +246,13 @@ class MedusaDrafter(Drafter):
             logits = self.lm_heads[k - 1](self.blocks[k - 1](batch.top[:, :L])).float()  # [B, L, N]
             logp = torch.log_softmax(logits, dim=-1)
             lbl_mask = assistant[:, k + 1:]  # [B, L]: x_{t+k+1} is an assistant token
+            valid = valids[k - 1]
             if cfg.distill:
-                valid = lbl_mask & teacher_ok[:, k:T - 1]
                 ce = -(teacher_p[:, k:T - 1] * logp).sum(-1)
             else:
-                valid = lbl_mask & tok_in_vocab[:, k + 1:]
                 ce = -logp.gather(-1, tok_draft[:, k + 1:].unsqueeze(-1)).squeeze(-1)
-            n_valid = valid.sum()
-            loss_k = (ce * valid).sum() / n_valid.clamp(min=1)
-            total = total + cfg.head_decay ** (k - 1) * loss_k
+            sums.append((ce * valid).sum())
+            loss_k = sums[-1].detach() / counts[k - 1].clamp(min=1)
             with torch.no_grad():
                 correct = draft_ids[logits.argmax(-1)] == batch.argmax[:, k:T - 1]  # [B, L]
                 full = correct if prev_full is None else prev_full[:, :L] & correct
@@ -245,6 +266,7 @@ class MedusaDrafter(Drafter):
                 sim_tau += full_acc
                 prev_full = full
         metrics["sim_tau"] = sim_tau
+        total, _ = self._combine_terms(sums, [cfg.head_decay ** j for j in range(self.num_heads)], counts, norm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

@@ -252,16 +252,27 @@ class MTPDrafter(Drafter):
             outs.append(hidden)
         return outs
 
-    def loss(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _valid_masks(self, batch) -> list[torch.Tensor]:
+        """``[B, T]`` bool per module k = 1..D: ``x_{t+k+1}`` is in the sequence and an assistant token
+        (used by :meth:`loss` and :meth:`loss_counts`)."""
+        real = batch.loss_mask & batch.attention_mask
+        return [shift_left(real, k + 1) for k in range(1, self.num_modules + 1)]
+
+    def loss_counts(self, batch) -> torch.Tensor:
+        """``[num_modules]`` int64: valid indices of each module's term (see :meth:`Drafter.loss_counts`)."""
+        return torch.stack([v.sum() for v in self._valid_masks(batch)])
+
+    def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """``lambda * (1/D) * sum_k w_k * CE_k`` (DeepSeek-V3 eq. 24-25 with per-module weights).
 
-        CE_k averages over the valid indices t of module k (token ``t + k + 1`` in the sequence and
-        an assistant token) the cross entropy of ``logits_k[t]`` against ``x_{t+k+1}`` (or, with
+        CE_k sums over the valid indices t of module k (token ``t + k + 1`` in the sequence and an
+        assistant token) and divides by ``norm[k-1]`` (default: their count, i.e. the mean; see
+        :meth:`Drafter.loss`) the cross entropy of ``logits_k[t]`` against ``x_{t+k+1}`` (or, with
         ``distill``, against ``softmax(target_lm_head(top[t+k]))``). Logits are computed only at the
         indices some metric or loss needs (the full-vocabulary head is the dominant cost).
 
         Returns:
-            loss (scalar) and metrics, for module k = j + 1: ``loss_j``; ``full_acc_j`` = fraction of
+            loss (scalar) and metrics, for module k = j + 1: ``loss_j`` (this batch's mean); ``full_acc_j`` = fraction of
             module k's valid indices t where EVERY module i <= k has top-1 ``== Batch.argmax[t + i]``
             (the target's greedy token after ``x_{<=t+i}``, i.e. greedy acceptance of the chain of
             drafts i = 1..k, teacher-forced on the data tokens); ``cond_acc_j`` = the same among indices
@@ -272,11 +283,12 @@ class MTPDrafter(Drafter):
         ids = batch.input_ids
         hs = self.module_hiddens(ids, batch.top)
         real = batch.loss_mask & batch.attention_mask
-        valid = [shift_left(real, k + 1) for k in range(1, D + 1)]  # valid[k-1][t] = real[t+k+1]
+        valid = self._valid_masks(batch)  # valid[k-1][t] = real[t+k+1]
+        counts = torch.stack([v.sum() for v in valid])
+        sums: list[torch.Tensor] = []
         need = list(valid)
         for i in range(D - 2, -1, -1):  # chained metrics need module i's correctness wherever k > i is valid
             need[i] = need[i] | need[i + 1]
-        total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         prev_full = None
         sim_tau = 1.0
@@ -285,15 +297,15 @@ class MTPDrafter(Drafter):
             sel = need[i]
             logits = self.head(hs[i][sel]).float()  # [N, V]
             v = valid[i][sel]
-            n_valid = v.sum().clamp(min=1)
+            n_valid = counts[i].clamp(min=1)
             if cfg.distill:
                 with torch.no_grad():
                     teacher = torch.softmax(self.target_lm_head(shift_left(batch.top, k)[sel]).float(), dim=-1)
                 ce = F.cross_entropy(logits, teacher, reduction="none")
             else:
                 ce = F.cross_entropy(logits, shift_left(ids, k + 1)[sel], reduction="none")
-            loss_k = (ce * v).sum() / n_valid
-            total = total + w * loss_k
+            sums.append((ce * v).sum())
+            loss_k = sums[-1].detach() / n_valid
             with torch.no_grad():
                 correct = torch.zeros_like(real)
                 correct[sel] = logits.argmax(-1) == shift_left(batch.argmax, k)[sel]
@@ -306,7 +318,8 @@ class MTPDrafter(Drafter):
                 sim_tau += full_acc
                 prev_full = full
         metrics["sim_tau"] = sim_tau
-        return cfg.loss_lambda * total / D, metrics
+        total, _ = self._combine_terms(sums, list(self.module_weights), counts, norm, scale=cfg.loss_lambda / D)
+        return total, metrics
 
     # ------------------------------------------------------------------ inference
     def _run(self, i: int, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
@@ -403,7 +416,9 @@ class MTPDrafter(Drafter):
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators-style ``mtp`` config (FORMATS.md)."""
         m, cfg = self.meta, self.cfg
-        layer = self.transformer_layer_config(m["target_config"])
+        # the target's config with the RoPE the block was trained with (layer_config drops partial rotary)
+        layer = self.transformer_layer_config(
+            layer_config(m["target_config"], num_hidden_layers=int(m["target_config"].get("num_hidden_layers", 1))))
         return {
             "architectures": ["MTPDraftModel"],
             "speculators_model_type": "mtp",

@@ -1,0 +1,322 @@
+"""Contracts every registered drafter family must meet (issue 10, item 8).
+
+Parametrised over ``registry.names()`` (plus a ``+joint`` variant for every family whose config has a
+``joint`` field), so a new family gets these tests for free:
+
+* greedy speculative decoding == plain greedy decoding, several prompt lengths, K in {1, 3, 5}, with a
+  briefly trained drafter that has both accepted and rejected drafts;
+* seeded sampling is reproducible (same seed -> same tokens, other seeds -> other tokens) and
+  ``Proposal.probs`` rows are distributions consistent with the sampled ids (support, top-k, and the
+  empirical frequency of the first draft);
+* ``save_pretrained`` -> ``Drafter.from_pretrained`` gives identical weights, config and proposals;
+* ``propose`` leaves the state unchanged, and ``advance`` after a ``propose`` equals ``advance`` alone;
+* CLI ``train`` -> ``eval`` on the family's tiny recipe (``recipes/tiny-*.yaml`` whose
+  ``drafter.algorithm`` is the family).
+
+The family-specific maths (label shifts, masks, losses by hand, export names) stays in the per-family
+test files. Every call of ``Drafter.propose`` goes through :func:`propose` below.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.errors import SpeculatorsError
+from speculators.generate import NGramProposer, Sampling, plain_decode, speculative_decode
+from speculators.target import build_tiny_target
+from conftest import batch_for, cli_train_then_eval
+
+V = 128            # tiny target: vocab 128, hidden 32, 2 layers (seconds for everything below)
+HIDDEN, LAYERS = 32, 2
+REDUCED = 64       # draft vocabulary for families that support one
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+GEN = 20           # new tokens per decoded request
+PROMPT_LENGTHS = (3, 8, 17)
+SAMPLING = Sampling(temperature=0.9, top_k=8, top_p=0.95)
+
+FAMILIES = registry.names()
+JOINT = [n for n in FAMILIES if "joint" in registry.get(n).config_class.model_fields]
+VARIANTS = [(n, False) for n in FAMILIES] + [(n, True) for n in JOINT]
+VARIANT_IDS = [n + ("+joint" if j else "") for n, j in VARIANTS]
+
+
+def propose(drafter, state, k: int, sampling: Sampling | None = None, generator: torch.Generator | None = None):
+    """The ONE call site of ``Drafter.propose`` in this module (greedy when ``sampling`` is None)."""
+    s = sampling or Sampling()
+    return drafter.propose(state, k, s.temperature, s.top_k, s.top_p, generator)
+
+
+def new_target():
+    """The tiny random Llama with an UNTIED random output head: with the tied head a random model just
+    repeats its last token, so every draft of "the same token again" would be accepted; untied, its
+    greedy chains are varied (they fall into a cycle of a dozen distinct tokens)."""
+    t = build_tiny_target(vocab_size=V, hidden_size=HIDDEN, num_layers=LAYERS, seed=1)
+    head = torch.randn(V, HIDDEN, generator=torch.Generator().manual_seed(1))
+    t.model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    t.model.config.tie_word_embeddings = False
+    return t
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy_data(target, n_other: int = 2):
+    """Training rows: prompts + the target's greedy continuation. The first two test prompts are
+    among them (memorised: drafts get accepted), the third is not (drafts get rejected)."""
+    ps = prompts()[:2] + [torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+                          for i in range(n_other)]
+    rows = [p + plain_decode(target, p, GEN + 8, eos_ids=set()).tokens for p in ps]
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.int64)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(ps, rows)):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, len(p):len(r)] = True
+    return ids, mask, [len(r) for r in rows]
+
+
+def build_drafter(name: str, joint: bool, train_steps: int = 15):
+    """A briefly trained drafter of family ``name`` (and its target, LoRA-adapted in place when
+    ``joint``), in eval mode. Uses a reduced draft vocabulary when the family accepts one."""
+    target = new_target()
+    family = registry.get(name)
+    kw: dict = {"algorithm": name}
+    if joint:
+        kw.update(joint=True, joint_target={"lora_r": 4, "lr": 3e-3})
+    ids, mask, lengths = greedy_data(target)
+    counts = torch.bincount(ids[mask], minlength=V) + 1  # the draft vocab covers the target's tokens
+    torch.manual_seed(0)
+    try:
+        cfg = family.config_class(**kw, draft_vocab_size=REDUCED)
+        d = family.from_target(cfg, target, DraftVocab.from_counts(counts, REDUCED))
+    except (ValueError, SpeculatorsError):  # full-vocabulary family
+        cfg = family.config_class(**kw)
+        d = family.from_target(cfg, target, DraftVocab.full(V))
+    d.enable_joint_training(target)
+    batch, _ = batch_for(target, ids, mask, lengths)
+    opt = torch.optim.AdamW(d.param_groups(1e-2))
+    d.train()
+    for _ in range(train_steps):
+        loss, _ = d.training_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    d.eval()
+    if joint:
+        with torch.no_grad():  # make sure the adapter really moved the verifier
+            for p in d.joint_target.lora_parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    return target, d
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=VARIANT_IDS)
+def family(request):
+    """``(name, joint, target, trained drafter)``, built once per variant."""
+    name, joint = request.param
+    target, d = build_drafter(name, joint)
+    return name, joint, target, d
+
+
+def started(target, d, prompt):
+    """The drafter state right after the prompt + the target's first greedy token (as the loop does)."""
+    sess = target.session()
+    logits, feats = sess.forward(torch.tensor(prompt))
+    first = int(logits[-1].argmax())
+    return d.start(torch.tensor(prompt + [first]), feats)
+
+
+def assert_same(a, b, path="state"):
+    """Deep equality of drafter states: tensors (shape, dtype, values), containers, dataclasses, objects."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif dataclasses.is_dataclass(a) or hasattr(a, "__dict__"):
+        assert type(a) is type(b), path
+        assert_same(vars(a), vars(b), path)
+    else:
+        assert a == b, path
+
+
+# ----------------------------------------------------------------------------- greedy == plain
+
+
+def test_greedy_speculative_equals_plain(family):
+    name, _, target, d = family
+    accepted = rejected = 0
+    for prompt in prompts():
+        plain = plain_decode(target, prompt, GEN)
+        for k in (1, 3, 5):
+            spec = speculative_decode(target, d, prompt, k, GEN)
+            assert spec.tokens == plain.tokens, (name, len(prompt), k)
+            assert len(spec.accepted) == len(spec.drafted) == spec.target_forwards
+            assert all(0 <= a <= n <= k for a, n in zip(spec.accepted, spec.drafted))
+            accepted += sum(spec.accepted)
+            rejected += sum(n - a for a, n in zip(spec.accepted, spec.drafted))
+    assert accepted > 0 and rejected > 0, (accepted, rejected)  # both verifier branches exercised
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_speculative_equals_plain(k):
+    target = new_target()
+    for prompt in prompts(1):
+        prompt = prompt + prompt  # repeats: the n-gram proposer finds matches
+        assert speculative_decode(target, NGramProposer(), prompt, k, GEN).tokens == \
+            plain_decode(target, prompt, GEN).tokens
+
+
+# ----------------------------------------------------------------------------- seeded sampling
+
+
+def test_seeded_sampling_is_reproducible(family):
+    _, _, target, d = family
+    prompt = prompts()[1]
+    runs = {s: speculative_decode(target, d, prompt, 3, GEN, SAMPLING, seed=s).tokens for s in range(3)}
+    assert speculative_decode(target, d, prompt, 3, GEN, SAMPLING, seed=0).tokens == runs[0]
+    assert all(len(t) == GEN for t in runs.values())
+    assert len({tuple(t) for t in runs.values()}) > 1  # other seeds give other tokens somewhere
+    state = started(target, d, prompt)
+    a = propose(d, state, 3, SAMPLING, torch.Generator().manual_seed(7))
+    b = propose(d, state, 3, SAMPLING, torch.Generator().manual_seed(7))
+    assert a.token_ids.tolist() == b.token_ids.tolist() and torch.equal(a.probs, b.probs)
+
+
+def test_proposal_probs_are_distributions_consistent_with_the_ids(family):
+    _, _, target, d = family
+    state = started(target, d, prompts()[2])
+    p = propose(d, state, 3, SAMPLING, torch.Generator().manual_seed(1))
+    n = p.token_ids.numel()
+    assert 1 <= n <= 3 and p.token_ids.dtype == torch.int64
+    assert p.probs is not None and p.probs.shape == (n, V) and p.probs.dtype == torch.float32
+    assert (p.probs >= 0).all()
+    torch.testing.assert_close(p.probs.sum(-1), torch.ones(n))
+    assert all(p.probs[i, p.token_ids[i]] > 0 for i in range(n))  # each id drawn from its own row
+    assert ((p.probs > 0).sum(-1) <= SAMPLING.top_k).all()  # the request's top-k applies to drafts
+    # the first draft's empirical frequency matches probs[0]
+    g = torch.Generator().manual_seed(2)
+    first = Sampling(temperature=1.0, top_k=4, top_p=1.0)
+    q = propose(d, state, 1, first, torch.Generator().manual_seed(0)).probs[0]
+    N = 400
+    counts = torch.bincount(torch.tensor([int(propose(d, state, 1, first, g).token_ids[0]) for _ in range(N)]),
+                            minlength=V).float()
+    assert counts[q == 0].sum() == 0
+    assert 0.5 * float((counts / N - q).abs().sum()) < 0.1
+    # greedy proposals carry no probabilities or point masses on the ids
+    gp = propose(d, state, 3)
+    if gp.probs is not None:
+        torch.testing.assert_close(gp.probs, torch.nn.functional.one_hot(gp.token_ids, V).float())
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def test_save_load_round_trip(family, tmp_path):
+    name, joint, target, d = family
+    path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n")
+    loaded = Drafter.from_pretrained(path)
+    assert type(loaded) is type(d) and loaded.algorithm == name
+    assert loaded.cfg == d.cfg
+    assert loaded.meta == json.loads(json.dumps(d.meta))  # as JSON stores it (int dict keys -> str)
+    mine, theirs = d.drafter_state_dict(), loaded.drafter_state_dict()
+    assert mine.keys() == theirs.keys()
+    for k, v in mine.items():
+        assert v.dtype == theirs[k].dtype and torch.equal(v, theirs[k]), k
+    if joint:
+        assert loaded.target_adapter_dir == path / "target_adapter"
+    loaded.attach_target(target)  # target-head families need the (same, here adapted) verifier
+    loaded.eval()
+    for prompt in prompts():
+        sa, sb = started(target, d, prompt), started(target, loaded, prompt)
+        assert propose(d, sa, 3).token_ids.tolist() == propose(loaded, sb, 3).token_ids.tolist()
+        a = propose(d, sa, 3, SAMPLING, torch.Generator().manual_seed(4))
+        b = propose(loaded, sb, 3, SAMPLING, torch.Generator().manual_seed(4))
+        assert a.token_ids.tolist() == b.token_ids.tolist() and torch.equal(a.probs, b.probs)
+    assert speculative_decode(target, loaded, prompts()[0], 3, GEN).accepted == \
+        speculative_decode(target, d, prompts()[0], 3, GEN).accepted
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp dir left behind
+
+
+# ----------------------------------------------------------------------------- propose is pure
+
+
+def test_propose_leaves_the_state_unchanged(family):
+    _, _, target, d = family
+    prompt = prompts()[2]
+    seq = prompt + plain_decode(target, prompt, 6, eos_ids=set()).tokens
+    n = len(prompt)
+    # the state after prompt + first token, then advanced by 3 verified tokens
+    sess = target.session()
+    _, feats = sess.forward(torch.tensor(seq))
+    state = d.start(torch.tensor(seq[:n + 1]), feats.slice(0, n))
+    d.advance(state, torch.tensor(seq[n + 1:n + 4]), feats.slice(n, n + 3))
+    before = copy.deepcopy(state)
+    g1 = propose(d, state, 5)
+    assert_same(state, before)
+    g2 = propose(d, state, 5)
+    assert g1.token_ids.tolist() == g2.token_ids.tolist()
+    propose(d, state, 4, SAMPLING, torch.Generator().manual_seed(0))
+    assert_same(state, before)
+    # advance after a propose == advance without one
+    clean = copy.deepcopy(before)
+    d.advance(state, torch.tensor(seq[n + 4:n + 6]), feats.slice(n + 3, n + 5))
+    d.advance(clean, torch.tensor(seq[n + 4:n + 6]), feats.slice(n + 3, n + 5))
+    assert_same(state, clean)
+    assert propose(d, state, 5).token_ids.tolist() == propose(d, clean, 5).token_ids.tolist()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def tiny_recipes() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for p in sorted(RECIPES.glob("tiny-*.yaml")):
+        algo = (yaml.safe_load(p.read_text()).get("drafter") or {}).get("algorithm")
+        out.setdefault(algo, p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One speculators cache for the module's CLI runs: the first regenerates, the others reuse it."""
+    mp = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("contract-cache")
+    mp.setenv("SPECULATORS_CACHE", str(path))
+    yield path
+    mp.undo()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cli_train_then_eval_on_the_tiny_recipe(name, tiny_target_dir, shared_cache, tmp_path):
+    recipe = tiny_recipes().get(name)
+    assert recipe is not None, f"family {name!r} has no recipes/tiny-*.yaml with drafter.algorithm: {name}"
+    k = yaml.safe_load(recipe.read_text())["eval"]["k"]
+    cfg, log, rep = cli_train_then_eval(recipe, tiny_target_dir, tmp_path / "run", "train.steps=3")
+    assert cfg.get("speculators_model_type", cfg.get("model_type")) == name
+    assert cfg["speculators_training"]["drafter"]["algorithm"] == name
+    train = {key.split("/", 1)[1] for row in log for key in row if key.startswith("train/")}
+    held = {key.split("/", 1)[1] for row in log for key in row if key.startswith("held_out/")}
+    assert {"loss", "sim_tau", "full_acc_0"} <= train
+    assert train - {"lr", "grad_norm", "tokens_per_s"} <= held  # every drafter metric is also held out
+    assert rep["k"] == k and rep["temperature"] == 0.0
+    assert rep["greedy_mismatches"] == []
+    dr = rep["drafter"]
+    assert dr["tokens"] == rep["plain"]["tokens"] > 0
+    assert dr["steps"] > 0 and 0 <= dr["accepted"] <= dr["drafted"] <= k * dr["steps"]
+    assert 1.0 <= dr["tau"] <= k + 1
