@@ -87,7 +87,8 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     On an exception the temporary directory is removed and ``final`` is left as it was, so a reader
     never sees a half-written directory. With ``overwrite`` an existing ``final`` is replaced (it is
     moved aside first and deleted only after the rename succeeded). ``final`` gets the mode a plain
-    ``mkdir`` would give under the user's umask (``0o755`` at umask ``0o022``), not ``mkdtemp``'s
+    ``mkdir`` would give under the user's umask (``0o755`` at umask ``0o022``; a replaced directory keeps
+    its own mode), not ``mkdtemp``'s
     private ``0o700``, and files or folders inside that a temp-file writer left private (safetensors'
     ``save_file`` makes ``0o600`` files) get plain modes too (see ``restore_plain_modes``), so other
     users (a serving process, teammates) can read what was written.
@@ -108,6 +109,8 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
         raise
     old = None
     if final.exists():
+        if final.is_dir():  # a replaced directory keeps its own (possibly chmod-ed) mode, as atomic_write_text does
+            os.chmod(tmp, final.stat().st_mode & 0o7777)
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
     os.replace(tmp, final)

@@ -102,3 +102,13 @@ def test_layer_config_keeps_theta_scaling_and_head_dim():
     assert "partial_rotary_factor" not in c.rope_parameters and "partial_rotary_factor" not in c.to_dict()
     c = layer_config(make_target(**TARGETS["head_dim_32"]).layer_config_dict())
     assert c.head_dim == 32 and c.rope_parameters["rope_theta"] == 20000.0
+
+
+@pytest.mark.parametrize("fields, theta", [({"rotary_emb_base": 50000}, 50000.0), ({"rope_ratio": 4}, 40000.0)])
+def test_other_architectures_theta_names_become_rope_theta(fields, theta):
+    """GPT-NeoX's ``rotary_emb_base`` and ChatGLM's ``rope_ratio`` set the draft layer's theta (never Llama's
+    default 10000 by omission)."""
+    tcfg = {k: v for k, v in make_target().layer_config_dict().items() if k not in ("rope_theta", "rope_parameters")}
+    c = layer_config({**tcfg, **fields})
+    assert c.rope_parameters["rope_theta"] == theta
+    assert not set(fields) & set(c.to_dict())

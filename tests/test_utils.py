@@ -162,3 +162,13 @@ def test_restore_plain_modes_only_touches_private_temp_modes(tmp_path):
         assert mode(tmp_path / "outside") == 0o600  # symlinks are not followed
     finally:
         os.umask(old)
+
+
+def test_atomic_dir_overwrite_keeps_the_replaced_directorys_mode(tmp_path):
+    final = tmp_path / "final"
+    with atomic_dir(final) as tmp:
+        (tmp / "a").write_text("1")
+    os.chmod(final, 0o750)
+    with atomic_dir(final, overwrite=True) as tmp:
+        (tmp / "a").write_text("2")
+    assert (final / "a").read_text() == "2" and mode(final) == 0o750

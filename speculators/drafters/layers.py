@@ -43,7 +43,9 @@ def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -
     transformers' Llama) rotates the whole head dim, so ``partial_rotary_factor`` (top level or inside
     ``rope_parameters`` / ``rope_scaling``) and other architectures' partial-rotary fields are removed,
     and the config (exported as ``transformer_layer_config``) describes exactly the trained layer: full
-    RoPE over ``head_dim``. ``overrides`` are applied last.
+    RoPE over ``head_dim``. Other architectures' theta names (GPT-NeoX ``rotary_emb_base``, ChatGLM
+    ``rope_ratio`` = theta / 10000) become ``rope_theta`` when the config has no ``rope_theta`` of its own,
+    so the draft layer never falls back to Llama's default theta. ``overrides`` are applied last.
 
     Returns:
         a ``LlamaConfig`` with ``num_hidden_layers`` layers.
@@ -55,6 +57,11 @@ def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -
     d = {k: v for k, v in target_config.items()
          if k not in ("architectures", "quantization_config", "_name_or_path", "auto_map")}
     d.pop("model_type", None)
+    has_theta = "rope_theta" in d or "rope_theta" in (d.get("rope_parameters") or {})
+    if not has_theta and "rotary_emb_base" in d:  # GPT-NeoX's name for theta
+        d["rope_theta"] = float(d["rotary_emb_base"])
+    elif not has_theta and "rope_ratio" in d:  # ChatGLM: theta = 10000 * rope_ratio
+        d["rope_theta"] = 10000.0 * float(d["rope_ratio"])
     for k in _NON_LLAMA_ROPE_FIELDS:
         d.pop(k, None)
     for k in ("rope_parameters", "rope_scaling"):
