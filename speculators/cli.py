@@ -1,7 +1,8 @@
 """Command line: ``speculators train RECIPE.yaml``, ``speculators eval CHECKPOINT``, ``speculators push``.
 
-Thin: parses arguments, calls library functions, prints. A :class:`SpeculatorsError` is printed as
-one ``error: ...`` line with exit status 2.
+Thin: parses arguments, calls one workflow of :mod:`speculators.workflows` (or ``hub.push_checkpoint``)
+and prints (log lines, progress, the eval report's tables, the final messages). A
+:class:`SpeculatorsError` is printed as one ``error: ...`` line with exit status 2.
 """
 
 from __future__ import annotations
@@ -79,57 +80,12 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="delete an existing run directory first"),
 ):
     """Train a drafter for a frozen target as described by RECIPE."""
-    from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
-    from .drafters import registry
     from .recipe import load_recipe
-    from .target import Target
-    from .train import Trainer, check_output_dir, prepare_output_dir
+    from .workflows import train_run
 
     rec = load_recipe(recipe, overrides or [])
-    out = Path(output_dir or rec.output_dir or Path("outputs") / recipe.stem)
-    check_output_dir(out, resume, overwrite)
-    if resume and (out / "recipe.yaml").is_file():
-        import yaml
-
-        old = yaml.safe_load((out / "recipe.yaml").read_text()) or {}
-        new = rec.model_dump(mode="json")
-        changed = [k for k in ("target", "data", "drafter") if old.get(k) != new.get(k)]
-        if changed:
-            raise SpeculatorsError(f"--resume: the recipe's {', '.join(changed)} section(s) differ from the run's "
-                                   f"{out / 'recipe.yaml'}; resume with the same recipe or use --overwrite")
-    log(f"recipe {recipe} -> {out} (drafter {rec.drafter['algorithm']})")
-    import torch
-
-    torch.manual_seed(rec.train.seed)
-    loaded = load_data(rec, log)  # the data's identity is its content (not the file names)
-    identity = dict(loaded[1])
-    if resume:
-        check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
-    target = Target.load(rec.target.model, rec.target.dtype, rec.target.aux_layer_ids, log=log)
-    identity["target (weights, config, chat template)"] = target.fingerprint
-    if resume and not check_run_identity(out, identity) and (out / "recipe.yaml").is_file():
-        log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
-    with _progress() as make:
-        data = prepare_data(rec, target, log=log, progress=make, loaded=loaded)
-    family = registry.get(rec.drafter["algorithm"])
-    torch.manual_seed(rec.train.seed)  # drafter init does not depend on what the data step consumed
-    drafter = family.from_target(rec.drafter_config(), target, data.vocab)
-    if rec.train.init_from:
-        drafter.init_from_checkpoint(rec.train.init_from)
-        log(f"drafter weights initialised from {rec.train.init_from}")
-    if drafter.trains_target and (data.held_out is None or len(data.held_out) == 0):
-        raise SpeculatorsError("drafter.joint: true trains the target, whose held-out perplexity must be "
-                               "measured: set data.held_out.fraction > 0")
-    drafter.enable_joint_training(target)
-    prepare_output_dir(out, resume, overwrite)
-    record_run_identity(out, identity)
-    groups = drafter.param_groups(rec.train.lr)
-    n_train = sum(p.numel() for p in groups[0]["params"])
-    log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
-    if drafter.trains_target:
-        log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
-            f"parameters at lr {groups[1]['lr']}")
-    final = Trainer(rec, drafter, data, out, log=log, console=console).train(resume=resume)
+    final = train_run(rec, output_dir, resume=resume, overwrite=overwrite, log=log, progress=_progress,
+                      console=console, recipe_file=recipe)
     console.print(f"[bold green]done[/bold green]: {final}  (next: speculators eval {final})")
 
 
@@ -140,35 +96,22 @@ def data(
     overrides: Optional[list[str]] = typer.Argument(None, help="key.path=value overrides"),
 ):
     """Run only the data pipeline of RECIPE (regeneration + feature extraction into the on-disk cache)."""
-    from .data.pipeline import prepare_data
     from .recipe import load_recipe
-    from .target import Target
+    from .workflows import data_run
 
-    rec = load_recipe(recipe, overrides or [])
-    target = Target.load(rec.target.model, rec.target.dtype, rec.target.aux_layer_ids, log=log)
-    with _progress() as make:
-        prepare_data(rec, target, log=log, progress=make)
+    data_run(load_recipe(recipe, overrides or []), log=log, progress=_progress)
 
 
 def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
-    from .hub import looks_like_hub_id, pull_checkpoint
-    from .train import checkpoints
+    """:func:`speculators.workflows.resolve_checkpoint`, logging to the console."""
+    from .workflows import resolve_checkpoint
 
-    if allow_hub and looks_like_hub_id(str(path)):  # no such local path: a pushed drafter's namespace/name
-        log(f"{path}: no such local directory; downloading it from the Hugging Face Hub")
-        return pull_checkpoint(str(path))
-    if (path / "config.json").is_file():
-        return path
-    if (path / "final" / "config.json").is_file():
-        return path / "final"
-    ck = checkpoints(path)
-    if ck:
-        return ck[-1]
-    diverged = sorted(p.name for p in (path / "checkpoints").glob("diverged-step-*")) if path.is_dir() else []
-    if diverged:  # set aside by the trainer: non-finite weights, or weights that gave a NaN/inf loss
-        raise SpeculatorsError(f"{str(path)!r} has no good checkpoint: the run diverged and {', '.join(diverged)} "
-                               "gave a NaN/inf loss or holds non-finite weights; retrain (e.g. lower train.lr)")
-    raise SpeculatorsError(f"{str(path)!r} is neither a drafter checkpoint nor a run directory with one")
+    return resolve_checkpoint(path, allow_hub=allow_hub, log=log)
+
+
+# eval options that override the recipe's eval section: EvalSpec field -> option name (named in errors)
+_EVAL_OPTIONS = {"k": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                 "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts"}
 
 
 @app.command("eval")
@@ -188,79 +131,13 @@ def eval_cmd(
     output: Optional[Path] = typer.Option(None, "--output", help="report directory"),
 ):
     """Measure acceptance (tau, per-position acceptance, speedup) by real speculative generation."""
-    import yaml
+    from .workflows import eval_run
 
-    from .data.chat import prompt_messages, render_prompt
-    from .data.pipeline import load_conversations, split_conversations
-    from .data.sources import load_source
-    from .drafters import Drafter
-    from .evaluate import run_eval, write_report
-    from .generate import Sampling
-    from .hub import looks_like_hub_id
-    from .recipe import recipe_from_dict
-    from .target import Target
-
-    from_hub = looks_like_hub_id(str(checkpoint))
-    ckpt = _resolve_checkpoint(checkpoint)
-    drafter = Drafter.from_pretrained(ckpt)
-    rec_file = ckpt / "recipe.yaml"
-    rec = recipe_from_dict(yaml.safe_load(rec_file.read_text()), str(rec_file)) if rec_file.is_file() else None
-    if rec is None and target_model is None:
-        raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target")
-    ev = rec.eval if rec is not None else None
-    k = k if k is not None else (ev.k if ev else 4)
-    for name, val, ok in (("-k", k, k is not None and k >= 1), ("--temperature", temperature, temperature is None or temperature >= 0),
-                          ("--top-p", top_p, top_p is None or 0 < top_p <= 1), ("--top-k", top_k, top_k is None or top_k >= 0),
-                          ("--max-new-tokens", max_new_tokens, max_new_tokens is None or max_new_tokens > 0),
-                          ("--num-prompts", num_prompts, num_prompts is None or num_prompts > 0)):
-        if not ok:
-            raise SpeculatorsError(f"{name} {val} is out of range")
-    sampling = Sampling(temperature if temperature is not None else (ev.temperature if ev else 0.0),
-                        top_k if top_k is not None else (ev.top_k if ev else 0),
-                        top_p if top_p is not None else (ev.top_p if ev else 1.0))
-    max_new = max_new_tokens if max_new_tokens is not None else (ev.max_new_tokens if ev else 128)
-    n_prompts = num_prompts if num_prompts is not None else (ev.num_prompts if ev else 16)
-    target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32", log=log)
-    drafter.check_target(target, warn=log)
-    drafter.prepare_target(target, log=log)  # joint checkpoints: verify against the fine-tuned target
-    drafter.attach_target(target)  # families that draft through the target's frozen head need it
-    template = rec.data.chat_template if rec else None
-    if template is not None:
-        target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
-    if prompts is not None:
-        convs = load_source(prompts)
-        label = prompts
-    else:
-        if rec is None:
-            raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
-        _, held = split_conversations(load_conversations(rec), rec)
-        convs = [c for c, _ in held]
-        label = "held-out split of the recipe's sources"
-        if not convs:
-            raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
-    seen, plist = set(), []
-    for c in convs:
-        pm = prompt_messages(c.messages)
-        if repr(pm) in seen:
-            continue
-        seen.add(repr(pm))
-        plist.append({"id": c.id, "input_ids": render_prompt(target.tokenizer, pm, template)})
-        if len(plist) >= n_prompts:
-            break
-    log(f"eval: {len(plist)} prompts ({label}), K={k}, temperature {sampling.temperature}, "
-        f"top_p {sampling.top_p}, top_k {sampling.top_k}, max_new_tokens {max_new}")
-    with _progress() as make:
-        report = run_eval(target, drafter, plist, k, max_new, sampling,
-                          ngram_max=ev.ngram_max if ev else 3, seed=ev.seed if ev else 0,
-                          log=log, progress=make("speculative vs plain decoding"))
-    report["checkpoint"] = str(ckpt)
-    report["target"] = {"name_or_path": target.name_or_path, "fingerprint": target.fingerprint,
-                        "adapter": None if drafter.target_adapter_dir is None else str(drafter.target_adapter_dir)}
-    report["prompts"] = label
-    # a pulled drafter lives in the Hub cache: its reports go under ./outputs/hub/ instead
-    base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
-    out = output or base / f"eval-k{k}-t{sampling.temperature:g}"
-    write_report(report, out, title=f"speculators eval: {ckpt}")
+    given = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+             "max_new_tokens": max_new_tokens, "num_prompts": num_prompts}
+    report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
+                           prompts=prompts, target_model=target_model, output=output, log=log,
+                           progress=_progress, override_names=_EVAL_OPTIONS)
     _print_report(report)
     log(f"report written to {out}/report.json and report.md")
     mm = report.get("greedy_mismatches")

@@ -145,7 +145,7 @@ class AcceptanceStats:
                 "tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
 
-def run_eval(target, drafter, prompts: list[dict], k: int, max_new_tokens: int, sampling, ngram_max: int = 3,
+def run_eval(target, drafter, prompts: list[dict], k: int, max_new_tokens: int, sampling=None, ngram_max: int = 3,
              seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None) -> dict:
     """Decode every prompt plainly, with ``drafter`` and with the n-gram proposer; return the report dict.
 
@@ -156,19 +156,26 @@ def run_eval(target, drafter, prompts: list[dict], k: int, max_new_tokens: int, 
     Args:
         prompts: ``[{"id", "input_ids"}]`` rendered prompts.
         k: max drafts per step. max_new_tokens: cap on generated tokens per prompt.
-        sampling: :class:`speculators.generate.Sampling`.
+        sampling: :class:`speculators.verify.SamplingParams` of one request (``SamplingParams.uniform(1,
+            temperature, top_k, top_p)``; ``None`` = greedy). Its generators are not used: prompt ``i``
+            is decoded three times, each from a fresh generator seeded with ``seed + i``.
         eos_ids: explicit stop ids (wins over the target's).
     Returns:
-        A JSON-serialisable report (see :func:`write_report`), with ``stop_token_ids`` (sorted).
+        A JSON-serialisable report (see :func:`write_report`), with ``stop_token_ids`` (sorted) and the
+        effective ``temperature``, ``top_k``, ``top_p`` (numbers).
+    Raises:
+        SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
     """
     from .generate import NGramProposer, plain_decode, resolve_stop_ids, speculative_decode
+    from .losses import sampling_values
 
+    temperature, top_k, top_p = sampling_values(sampling)
     stop = resolve_stop_ids(target, eos_ids)
     plain = AcceptanceStats(k)
     spec = AcceptanceStats(k)
     ngram = AcceptanceStats(k)
     mismatches = []
-    greedy = sampling.temperature == 0.0
+    greedy = temperature == 0.0
     ng = NGramProposer(max_n=ngram_max)
     for i, p in enumerate(prompts):
         ids = p["input_ids"]
@@ -188,7 +195,7 @@ def run_eval(target, drafter, prompts: list[dict], k: int, max_new_tokens: int, 
             progress(i + 1, len(prompts))
     return {
         "num_prompts": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "stop_token_ids": sorted(stop),
         "drafter": spec.as_dict(), "ngram": ngram.as_dict(),
         "plain": {"tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens, "seconds": plain.seconds,

@@ -18,16 +18,21 @@ was verified and what was emitted, so that the statistics count only emitted tok
 Plain decoding runs the same sampler with zero drafts, so both paths share one sampling code path:
 at temperature 0 the speculative output must equal plain greedy decoding token for token.
 
-A proposer is any object with ``start(input_ids, features)``, ``propose(state, k, temperature,
-top_k, top_p, generator) -> Proposal`` and ``advance(state, new_ids, features)`` (every
-:class:`speculators.drafters.Drafter`, and :class:`NGramProposer`).
+A proposer is anything that implements :class:`Proposer`: ``start(input_ids, features) -> state``,
+``propose(state, k, sampling, generator=None) -> Proposal`` and ``advance(state, new_ids, features)``
+(every :class:`speculators.drafters.Drafter`, and :class:`NGramProposer`). ``sampling`` is the
+verifier's own :class:`speculators.verify.SamplingParams` for the one request being decoded (the ONE
+sampling-settings type: eval and the CLI build it with ``SamplingParams.uniform(1, temperature, top_k,
+top_p, seed=...)``), so drafts and the verifier apply the same temperature / top-k / top-p.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -36,16 +41,56 @@ from .errors import SpeculatorsError
 from .verify import SamplingParams, rejection_sample
 
 
-@dataclass
-class Sampling:
-    """Per-request sampling settings (temperature 0 = greedy)."""
+@runtime_checkable
+class Proposer(Protocol):
+    """What the speculative loop needs from a proposer (a drafter family or a model-free proposer).
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    Inference protocol (features lag tokens by one): after ``start``/``advance`` the proposer has seen
+    tokens ``x_0..x_n`` and target features of positions ``0..n-1``; ``x_n`` is the newest (bonus or
+    recovered) token, not yet run through the target.
+    """
 
-    def params(self, seed: int | None = None) -> SamplingParams:
-        return SamplingParams.uniform(1, self.temperature, self.top_k, self.top_p, seed=seed)
+    def start(self, input_ids: torch.Tensor, features: Any) -> Any:
+        """Begin a request: ``input_ids [n+1]`` int64 (prompt + first target token), ``features`` the
+        target's :class:`speculators.target.TargetFeatures` of positions ``0..n-1``. Returns the
+        proposer's per-request state."""
+        ...
+
+    def propose(self, state: Any, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """Up to ``k`` drafts for the next positions, as a :class:`Proposal` (target-vocabulary ids
+        ``[k']``, ``k' <= k``, and the ``[k', V]`` float32 draft distributions or None for point
+        masses). ``sampling``: the request's :class:`speculators.verify.SamplingParams` (batch of one;
+        ``None`` = greedy); ``generator``: the torch generator to draw drafts from (default: the
+        request's own ``sampling.generators[0]``, else torch's global RNG). Must leave ``state`` as
+        it found it (what ``advance`` sees is the same with or without a ``propose`` before it)."""
+        ...
+
+    def advance(self, state: Any, new_ids: torch.Tensor, features: Any) -> None:
+        """Append the ``m`` verified tokens ``new_ids [m]`` (accepted drafts + the recovered/bonus
+        token) and the target features of positions ``n..n+m-1``; updates ``state`` in place."""
+        ...
+
+
+def _request_params(sampling: SamplingParams | None, seed: int | None) -> SamplingParams:
+    """The one request's sampling parameters a decode uses: ``sampling`` (greedy when None), with a
+    fresh generator seeded with ``seed`` when one is given (so every decode of a prompt starts from
+    the same random stream).
+
+    Raises:
+        SpeculatorsError: ``sampling`` is not a batch-of-one ``SamplingParams`` or holds invalid values.
+    """
+    if sampling is None:
+        sampling = SamplingParams.uniform(1)
+    elif not isinstance(sampling, SamplingParams):
+        raise SpeculatorsError(f"sampling: expected speculators.verify.SamplingParams (one request) or None, "
+                               f"got {type(sampling).__name__}")
+    sampling.validate(1)  # VerifyInputError (a SpeculatorsError) naming the field
+    if seed is not None:
+        seed = _check_int("seed", seed, -(2 ** 63))  # any integer torch.Generator.manual_seed takes
+        dev = sampling.temperature.device
+        sampling = dataclasses.replace(sampling, generators=[torch.Generator(device=dev).manual_seed(seed)])
+    return sampling
 
 
 @dataclass
@@ -114,7 +159,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 
 @torch.no_grad()
-def plain_decode(target, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+def plain_decode(target, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  eos_ids: set[int] | None = None, seed: int | None = None) -> GenerationResult:
     """Decode with the target alone, one token per forward (the baseline speculative decoding must match).
 
@@ -125,19 +170,22 @@ def plain_decode(target, prompt_ids: list[int], max_new_tokens: int, sampling: S
         target: :class:`speculators.target.Target`.
         prompt_ids: prompt token ids (rendered with the chat template).
         max_new_tokens: cap on generated tokens (>= 1).
-        sampling: temperature / top-k / top-p (temperature 0 = greedy).
+        sampling: the request's :class:`speculators.verify.SamplingParams` (batch of one: temperature /
+            top-k / top-p, temperature 0 = greedy, and optionally its generator); ``None`` = greedy.
         eos_ids: stop token ids; ``None`` = :func:`resolve_stop_ids` of the target (tokenizer EOS,
             ``generation_config`` EOS ids and the chat template's end-of-turn marker). An empty set
             never stops early.
-        seed: seed of the sampling generator (sampled decoding).
+        seed: when given, the request draws from a fresh ``torch.Generator`` seeded with it (instead of
+            ``sampling.generators``), so decodes with the same seed are reproducible.
     Returns:
         :class:`GenerationResult` (``tokens`` ends with the stop token when one was emitted).
     Raises:
-        SpeculatorsError: ``max_new_tokens`` < 1 or ``eos_ids`` not token ids.
+        SpeculatorsError: ``max_new_tokens`` < 1, ``eos_ids`` not token ids, a non-integer ``seed``, or
+            ``sampling`` not one request's valid ``SamplingParams``.
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     eos = resolve_stop_ids(target, eos_ids)
-    params = sampling.params(seed)
+    params = _request_params(sampling, seed)
     t0 = time.perf_counter()
     sess = target.session()
     logits, _ = sess.forward(torch.tensor(prompt_ids))
@@ -162,7 +210,7 @@ def plain_decode(target, prompt_ids: list[int], max_new_tokens: int, sampling: S
 
 @torch.no_grad()
 def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_tokens: int,
-                       sampling: Sampling = Sampling(), eos_ids: set[int] | None = None,
+                       sampling: SamplingParams | None = None, eos_ids: set[int] | None = None,
                        seed: int | None = None) -> GenerationResult:
     """Speculative decoding of one request with ``proposer`` drafting up to ``k`` tokens per step.
 
@@ -177,19 +225,21 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
 
     Args:
         target: :class:`speculators.target.Target`.
-        proposer: a drafter or :class:`NGramProposer` (``start`` / ``propose`` / ``advance``).
+        proposer: a :class:`Proposer` (a drafter or :class:`NGramProposer`); its ``propose`` gets the
+            request's ``SamplingParams`` and the request's generator (the verifier draws from the same
+            generator, after the drafts).
         prompt_ids: prompt token ids.
         k: max drafts per step (``num_speculative_tokens``, >= 0).
         max_new_tokens: cap on generated tokens (>= 1).
         sampling, eos_ids, seed: as :func:`plain_decode`.
     Raises:
-        SpeculatorsError: bad ``k`` / ``max_new_tokens`` / ``eos_ids``, or a proposer that returned
-            more drafts than asked for.
+        SpeculatorsError: bad ``k`` / ``max_new_tokens`` / ``eos_ids`` / ``seed`` / ``sampling``, or a
+            proposer that returned more drafts than asked for.
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     k = _check_int("k (drafts per step)", k, 0)
     eos = resolve_stop_ids(target, eos_ids)
-    params = sampling.params(seed)
+    params = _request_params(sampling, seed)
     gen = params.generators[0] if params.generators else None
     t0 = time.perf_counter()
     sess = target.session()
@@ -206,8 +256,7 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
     last = first
     while True:
         k_eff = min(k, max_new_tokens - len(out) - 1)
-        prop: Proposal = proposer.propose(state, k_eff, sampling.temperature, sampling.top_k,
-                                          sampling.top_p, gen) if k_eff > 0 else Proposal(empty)
+        prop: Proposal = proposer.propose(state, k_eff, params, gen) if k_eff > 0 else Proposal(empty)
         drafts = prop.token_ids.reshape(-1).to(torch.int64)
         n = int(drafts.numel())
         if n > max(k_eff, 0):
@@ -299,14 +348,20 @@ class NGramProposer:
         self.min_n = _check_int("NGramProposer min_n", min_n, 1)
         self.max_n = _check_int("NGramProposer max_n", max_n, self.min_n)
 
-    def start(self, input_ids: torch.Tensor, features=None) -> _NGramState:
+    def start(self, input_ids: torch.Tensor, features: Any = None) -> _NGramState:
+        """``input_ids [n+1]``: prompt + first token; ``features`` are not used."""
         return _NGramState(input_ids.reshape(-1).tolist())
 
-    def advance(self, state: _NGramState, new_ids: torch.Tensor, features=None) -> None:
+    def advance(self, state: _NGramState, new_ids: torch.Tensor, features: Any = None) -> None:
+        """Append the verified tokens ``new_ids [m]``; ``features`` are not used."""
         state.tokens.extend(new_ids.reshape(-1).tolist())
 
-    def propose(self, state: _NGramState, k: int, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, generator=None) -> Proposal:
+    def propose(self, state: _NGramState, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """Up to ``k`` drafts: the tokens that followed the most recent earlier match of the longest
+        suffix n-gram (``max_n`` down to ``min_n``); none without a match. Ids only (``probs=None``,
+        point masses) whatever ``sampling`` says, and no randomness (``generator`` unused). The state
+        is not modified."""
         toks = state.tokens
         L = len(toks)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):

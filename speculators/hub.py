@@ -21,11 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .drafters import registry
-from .drafters.base import (
+from .drafters.checkpoint import (
     CONFIG_NAME,
     RECIPE_NAME,
     TRAINING_KEY,
     WEIGHTS_NAME,
+    TargetMeta,
     read_checkpoint_config,
 )
 from .drafters.joint import ADAPTER_DIR
@@ -56,18 +57,26 @@ def checkpoint_files(ckpt: str | Path) -> list[str]:
 
 
 def _facts(cfg: dict) -> dict:
-    """Family (class or ``None`` when unknown), verifier, K and adapter of a checkpoint config (any layout)."""
+    """Family (class or ``None`` when unknown), verifier, K and adapter of a checkpoint config (any layout).
+
+    The verifier is the speculators block's, else the recorded target's (:class:`TargetMeta`), else ``"?"``
+    (a config from a newer or foreign speculators whose target facts do not validate).
+    """
     training = cfg[TRAINING_KEY]
-    algo = training.get("drafter", {}).get("algorithm", "?")
+    algo = (training.get("drafter") or {}).get("algorithm", "?")
     try:
         family = registry.get(algo)
     except SpeculatorsError:  # a config from a newer or foreign speculators: say nothing family-specific
         family = None
+    try:
+        recorded = TargetMeta.from_json(training.get("target")).name_or_path
+    except SpeculatorsError:
+        recorded = "?"
     spec = cfg.get("speculators_config") or {}
     return {
         "algorithm": algo,
         "family": family,
-        "verifier": spec.get("verifier", {}).get("name_or_path") or training.get("target", {}).get("name_or_path", "?"),
+        "verifier": (spec.get("verifier") or {}).get("name_or_path") or recorded,
         "k": family.speculative_tokens(cfg) if family is not None else None,
         "adapter": training.get("target_adapter"),
     }

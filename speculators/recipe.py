@@ -1,18 +1,23 @@
 """The recipe: one YAML file validated by pydantic (target, data, drafter, train, eval).
 
 Unknown keys and bad values are errors naming the field path (e.g. ``train.lr``) and what is allowed.
-The ``drafter`` section is validated by the config class that the chosen family registers
-(``speculators.drafters.registry``), so this module never names a family.
+The ``drafter`` section is validated ONCE, when the recipe is, by the config class that the chosen
+family registers (``speculators.drafters.registry``): ``Recipe.drafter`` is that family's typed
+:class:`~speculators.drafters.base.DrafterConfig` subclass instance, so this module never names a family.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
+from .drafters.base import DrafterConfig
 from .errors import SpeculatorsError
 
 
@@ -103,18 +108,45 @@ class EvalSpec(Strict):
 
 
 class Recipe(Strict):
+    """A validated recipe.
+
+    Attributes:
+        drafter: the family's config object (``registry.get(algorithm).config_class`` instance, e.g.
+            ``Eagle3Config``), validated from the ``drafter:`` mapping; dumped with all its fields.
+    """
+
     target: TargetSpec
     data: DataSpec
-    drafter: dict[str, Any]
+    drafter: SerializeAsAny[DrafterConfig]
     train: TrainSpec = TrainSpec()
     eval: EvalSpec = EvalSpec()
     output_dir: str | None = None
 
-    def drafter_config(self):
-        """The family's validated config object for ``drafter``."""
+    @field_validator("drafter", mode="before")
+    @classmethod
+    def _family_config(cls, v: Any) -> Any:
+        """Validate the ``drafter`` section with the config class of its ``algorithm``'s family.
+
+        Errors are located under ``drafter`` (``drafter.ttt_steps: ...``); a missing or unknown
+        ``algorithm`` names the registered families.
+        """
         from .drafters import registry
 
-        return registry.get(self.drafter["algorithm"]).config_class.model_validate(self.drafter)
+        if isinstance(v, DrafterConfig):
+            if v.algorithm in registry.names() and type(v) is registry.get(v.algorithm).config_class:
+                return v  # already the family's typed config
+            v = v.model_dump()  # a base DrafterConfig (or another class): validate its fields as the family's
+        if not isinstance(v, Mapping):
+            return v  # pydantic reports "a valid dictionary or instance of DrafterConfig"
+        algo = v.get("algorithm")
+        if algo is None:
+            err = PydanticCustomError("drafter_algorithm", f"required key is missing; allowed: {registry.names()}")
+        elif not isinstance(algo, str) or algo not in registry.names():
+            err = PydanticCustomError("drafter_algorithm",
+                                      f"{algo!r} is not a drafter family; allowed: {registry.names()}")
+        else:
+            return registry.get(algo).config_class.model_validate(dict(v))  # errors nest under drafter.
+        raise ValidationError.from_exception_data("drafter", [{"type": err, "loc": ("algorithm",), "input": algo}])
 
 
 def _format_validation_error(e: ValidationError, source: str) -> str:
@@ -250,24 +282,46 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
-    """Validate a recipe given as a dict (see ``load_recipe``)."""
-    from .drafters import registry
+    """Validate a recipe given as a dict (see ``load_recipe``).
 
+    Raises:
+        SpeculatorsError: one line naming ``source`` and every bad field path (``drafter.<field>`` for
+            the family's hyper-parameters; an unknown ``drafter.algorithm`` lists the families).
+    """
     try:
-        recipe = Recipe.model_validate(raw)
+        return Recipe.model_validate(raw)
     except ValidationError as e:
         raise SpeculatorsError(_format_validation_error(e, source)) from None
-    algo = recipe.drafter.get("algorithm")
-    if algo not in registry.names():
-        raise SpeculatorsError(f"{source}: drafter.algorithm: {algo!r} is not a drafter family; "
-                               f"allowed: {registry.names()}")
+
+
+def eval_spec_with(base: EvalSpec | None, overrides: Mapping[str, Any],
+                   names: Mapping[str, str] | None = None) -> EvalSpec:
+    """``base`` (a recipe's ``eval`` section; None = :class:`EvalSpec` defaults) with ``overrides``
+    applied, validated by the :class:`EvalSpec` schema (same ranges as a recipe's ``eval:``).
+
+    Args:
+        overrides: ``{field: value}``; a None value keeps the base's value.
+        names: how to name a field in errors, e.g. ``{"top_p": "--top-p"}`` for command-line options.
+    Raises:
+        SpeculatorsError: one line naming each bad override (its option name, value and ``eval.<field>``)
+            and what is allowed, e.g. ``--top-p 1.5: eval.top_p: Input should be less than or equal to 1``.
+    """
+    names = dict(names or {})
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        cfg = registry.get(algo).config_class.model_validate(recipe.drafter)
+        return EvalSpec.model_validate({**(base.model_dump() if base is not None else {}), **given})
     except ValidationError as e:
-        msg = _format_validation_error(e, source)
-        raise SpeculatorsError(msg.replace(f"{source}: ", f"{source}: drafter.")) from None
-    recipe.drafter = cfg.model_dump()
-    return recipe
+        parts = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            msg = "unknown key (misspelled?)" if err["type"] == "extra_forbidden" else err["msg"]
+            if field in given:
+                label = names.get(field, f"override {field}=")
+                sep = "" if label.endswith("=") else " "
+                parts.append(f"{label}{sep}{given[field]}: eval.{field}: {msg}")
+            else:
+                parts.append(f"eval.{field}: {msg}")
+        raise SpeculatorsError("; ".join(parts)) from None
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -275,8 +275,10 @@ class Target:
 
     @property
     def vllm_aux_layer_ids(self) -> list[int]:
-        """The aux taps in vLLM's convention (index of the layer whose input is tapped)."""
-        return [i + 1 for i in self.aux_layer_ids]
+        """The aux taps in vLLM's convention (index of the layer whose input is tapped; ours + 1)."""
+        from .export import vllm_aux_layer_ids
+
+        return vllm_aux_layer_ids(self.aux_layer_ids)
 
     # ------------------------------------------------------------------ stop tokens
     @property

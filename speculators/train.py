@@ -60,7 +60,7 @@ def checkpoints(output_dir: Path) -> list[Path]:
 def checkpoint_weights_problem(path: Path) -> str | None:
     """Why checkpoint ``path`` cannot be used: its drafter weights (or a joint run's target adapter)
     hold a NaN/inf, or cannot be read; ``None`` when every tensor is finite."""
-    from .drafters.base import WEIGHTS_NAME, check_finite_weights
+    from .drafters.checkpoint import WEIGHTS_NAME, check_finite_weights
     from .drafters.joint import ADAPTER_DIR, ADAPTER_WEIGHTS
 
     files = [path / WEIGHTS_NAME] + ([path / ADAPTER_DIR / ADAPTER_WEIGHTS]
@@ -180,7 +180,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         from safetensors.torch import load_file
 
-        from .drafters.base import WEIGHTS_NAME
+        from .drafters.checkpoint import WEIGHTS_NAME
 
         problem = checkpoint_weights_problem(path)
         if problem is not None:
@@ -469,7 +469,7 @@ def model_card(drafter, recipe, steps: int, tokens: int, seconds: float, before:
     """``final/README.md``: what was trained, on what, how long, and the last held-out metrics; for a
     joint run also the target's held-out perplexity before and after training (the target changed)."""
     m = drafter.meta
-    lines = [f"# {drafter.algorithm} drafter for {m.get('name_or_path')}", "",
+    lines = [f"# {drafter.algorithm} drafter for {m.name_or_path}", "",
              f"Trained by speculators from `recipe.yaml` (in this directory): {steps} steps, {tokens} tokens, "
              f"{seconds / 60:.1f} min.", ""]
     if drafter.trains_target:

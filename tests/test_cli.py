@@ -203,6 +203,82 @@ def test_eval_rejects_bad_sampling_args(trained):
     assert_user_error(r, "-k")
 
 
+@pytest.mark.parametrize("args, needles", [
+    (["-k", "0"], ["-k 0", "eval.k", "greater than 0"]),
+    (["-k", "65"], ["-k 65", "eval.k", "less than or equal to 64"]),  # the recipe schema's own bound
+    (["--top-p", "2"], ["--top-p 2.0", "eval.top_p", "less than or equal to 1"]),
+    (["--top-p", "0"], ["--top-p 0.0", "eval.top_p", "greater than 0"]),
+    (["--temperature", "-0.5"], ["--temperature -0.5", "eval.temperature"]),
+    (["--top-k", "-1"], ["--top-k -1", "eval.top_k"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens 0", "eval.max_new_tokens"]),
+])
+def test_eval_options_are_validated_by_the_recipes_eval_schema(trained, tmp_path, args, needles):
+    """The eval spec is built THROUGH ``EvalSpec`` (no hand-written range checks): one error line naming
+    the option, its value and the schema field; no target is loaded and nothing is written."""
+    out = tmp_path / "report"
+    r = invoke("eval", trained.dir, *args, "--output", out)
+    assert_user_error(r, *needles)
+    assert "eval: " not in r.output and "target " not in r.output  # stopped before the target loaded
+    assert not out.exists()
+
+
+def test_eval_default_prompts_are_the_data_layers_held_out_prompts(trained, tmp_path, monkeypatch):
+    """eval decodes ``held_out_prompts`` of the recipe's data (the list ``prepare_data`` gives training),
+    cut to ``--num-prompts``."""
+    import speculators.data.pipeline as pipeline
+    import speculators.evaluate as evaluate
+
+    calls, seen = [], []
+    real_held, real_eval = pipeline.held_out_prompts, evaluate.run_eval
+
+    def spy_held(*a, **kw):
+        out = real_held(*a, **kw)
+        calls.append((a, kw, out))
+        return out
+
+    def spy_eval(target, drafter, prompts, *a, **kw):
+        seen.append(prompts)
+        return real_eval(target, drafter, prompts, *a, **kw)
+
+    monkeypatch.setattr(pipeline, "held_out_prompts", spy_held)
+    monkeypatch.setattr(evaluate, "run_eval", spy_eval)
+    r = invoke("eval", trained.dir, "--num-prompts", "2", "-k", "2", "--max-new-tokens", "4", "--output",
+               tmp_path / "rep")
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    assert len(calls) == 1 and len(seen) == 1
+    (args, kw, got), = calls
+    rec = recipe_from_dict(yaml.safe_load((trained.dir / "recipe.yaml").read_text()))
+    assert args[0] == rec.data and kw.get("limit") == 2
+    every = real_held(rec.data, args[1], pipeline.load_data(rec.data)[0])
+    assert len(every) >= 2 and seen[0] == got == every[:2]
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["num_prompts"] == 2 and rep["prompts"] == "held-out split of the recipe's sources"
+
+
+def test_eval_prompts_from_a_source_are_deduplicated(trained, tmp_path, monkeypatch):
+    import speculators.evaluate as evaluate
+
+    rows = [{"id": i, "messages": [{"role": "user", "content": f"Say {i % 3}."},
+                                   {"role": "assistant", "content": "ok"}]} for i in range(7)]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    seen = []
+    real_eval = evaluate.run_eval
+    monkeypatch.setattr(evaluate, "run_eval", lambda t, d, prompts, *a, **kw: seen.append(prompts)
+                        or real_eval(t, d, prompts, *a, **kw))
+    out = tmp_path / "rep"
+    r = invoke("eval", trained.dir, "--prompts", src, "--num-prompts", "5", "-k", "2", "--max-new-tokens", "3",
+               "--output", out)
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    assert [p["id"] for p in seen[0]] == ["prompts/0", "prompts/1", "prompts/2"]  # 3 distinct prompts of 7 rows
+    assert json.loads((out / "report.json").read_text())["prompts"] == str(src)
+    r = invoke("eval", trained.dir, "--prompts", src, "--num-prompts", "2", "-k", "2", "--max-new-tokens", "3",
+               "--output", tmp_path / "rep2")
+    assert r.exit_code == 0 and [p["id"] for p in seen[1]] == ["prompts/0", "prompts/1"]
+    r = invoke("eval", trained.dir, "--prompts", tmp_path / "missing.jsonl", "--output", tmp_path / "rep3")
+    assert_user_error(r, "missing.jsonl")
+
+
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_eval_rejects_non_positive_num_prompts(trained, tmp_path, n):
     out = tmp_path / "report"

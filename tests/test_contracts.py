@@ -29,8 +29,10 @@ import torch
 import yaml
 
 from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters.checkpoint import TargetMeta
 from speculators.errors import SpeculatorsError
-from speculators.generate import NGramProposer, Sampling, plain_decode, speculative_decode
+from speculators.generate import NGramProposer, plain_decode, speculative_decode
+from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
 from conftest import batch_for, cli_train_then_eval
 
@@ -40,7 +42,7 @@ REDUCED = 64       # draft vocabulary for families that support one
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 GEN = 20           # new tokens per decoded request
 PROMPT_LENGTHS = (3, 8, 17)
-SAMPLING = Sampling(temperature=0.9, top_k=8, top_p=0.95)
+SAMPLING = SamplingParams.uniform(1, temperature=0.9, top_k=8, top_p=0.95)
 
 FAMILIES = registry.names()
 JOINT = [n for n in FAMILIES if "joint" in registry.get(n).config_class.model_fields]
@@ -48,10 +50,10 @@ VARIANTS = [(n, False) for n in FAMILIES] + [(n, True) for n in JOINT]
 VARIANT_IDS = [n + ("+joint" if j else "") for n, j in VARIANTS]
 
 
-def propose(drafter, state, k: int, sampling: Sampling | None = None, generator: torch.Generator | None = None):
+def propose(drafter, state, k: int, sampling: SamplingParams | None = None,
+            generator: torch.Generator | None = None):
     """The ONE call site of ``Drafter.propose`` in this module (greedy when ``sampling`` is None)."""
-    s = sampling or Sampling()
-    return drafter.propose(state, k, s.temperature, s.top_k, s.top_p, generator)
+    return drafter.propose(state, k, sampling, generator)
 
 
 def new_target():
@@ -211,7 +213,7 @@ def test_proposal_probs_are_distributions_consistent_with_the_ids(family):
     assert ((p.probs > 0).sum(-1) <= SAMPLING.top_k).all()  # the request's top-k applies to drafts
     # the first draft's empirical frequency matches probs[0]
     g = torch.Generator().manual_seed(2)
-    first = Sampling(temperature=1.0, top_k=4, top_p=1.0)
+    first = SamplingParams.uniform(1, temperature=1.0, top_k=4, top_p=1.0)
     q = propose(d, state, 1, first, torch.Generator().manual_seed(0)).probs[0]
     N = 400
     counts = torch.bincount(torch.tensor([int(propose(d, state, 1, first, g).token_ids[0]) for _ in range(N)]),
@@ -233,7 +235,9 @@ def test_save_load_round_trip(family, tmp_path):
     loaded = Drafter.from_pretrained(path)
     assert type(loaded) is type(d) and loaded.algorithm == name
     assert loaded.cfg == d.cfg
-    assert loaded.meta == json.loads(json.dumps(d.meta))  # as JSON stores it (int dict keys -> str)
+    # typed target facts survive the round trip exactly (target_config is stored JSON-normalised)
+    assert isinstance(loaded.meta, TargetMeta) and loaded.meta == d.meta
+    assert loaded.meta.to_json() == json.loads(json.dumps(d.meta.to_json()))
     mine, theirs = d.drafter_state_dict(), loaded.drafter_state_dict()
     assert mine.keys() == theirs.keys()
     for k, v in mine.items():

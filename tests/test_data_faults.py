@@ -91,7 +91,7 @@ def test_sharegpt_rows_without_answer_text_are_dropped_and_counted(tmp_path, smo
                   {"source": str(tmp_path / "openai.jsonl"), "regenerate": False},
                   {"source": str(tmp_path / "prompts.jsonl"), "regenerate": True}])
     logs = []
-    pairs, _ = load_data(rec, logs.append)
+    pairs, _ = load_data(rec.data, logs.append)
     kept = sorted(c.id for c, _ in pairs)
     assert kept == ["openai/fine#orig", "prompts/p1#regen", "prompts/p2#regen", "sharegpt/good#orig"]
     drops = [x for x in logs if x.startswith("data: dropped")]
@@ -99,7 +99,7 @@ def test_sharegpt_rows_without_answer_text_are_dropped_and_counted(tmp_path, smo
                      f"data: dropped 3 conversations of {tmp_path / 'openai.jsonl'}: assistant turn without text",
                      f"data: dropped 1 conversations of {tmp_path / 'prompts.jsonl'}: assistant turn without text"]
     # what is kept off-policy trains real answer tokens, not only the end-of-turn marker
-    for ex in tokenize(type("T", (), {"tokenizer": smol_tokenizer})(), [c for c, r in pairs if not r], rec):
+    for ex in tokenize(type("T", (), {"tokenizer": smol_tokenizer})(), [c for c, r in pairs if not r], rec.data):
         assert sum(ex.loss_mask) >= 3
 
 
@@ -127,7 +127,7 @@ def test_truncated_regeneration_trains_exactly_the_generated_ids(smol_tokenizer,
         logs = []
         out = regenerate(target, convs, "s", max_new_tokens=8, log=logs.append)
         assert ("cache hit" in logs[0]) == (attempt == 1)
-        exs = tokenize(target, out, rec)
+        exs = tokenize(target, out, rec.data)
         for c, ex in zip(convs, exs):
             prompt = render_prompt(smol_tokenizer, c.messages)
             gen = [hello, bang] * 4
@@ -217,15 +217,15 @@ def test_data_identity_follows_file_content(tmp_path):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
     f.write_text(json.dumps(row) + "\n")
     rec = recipe([{"source": str(f), "regenerate": False}, {"source": "humaneval", "max_examples": 2}])
-    _, ident = load_data(rec)
+    _, ident = load_data(rec.data)
     run = tmp_path / "run"
     record_run_identity(run, {**ident, "target": "abc"})
     assert check_run_identity(run, ident, prefix="data.")
-    assert check_run_identity(run, {**load_data(rec)[1], "target": "abc"})
+    assert check_run_identity(run, {**load_data(rec.data)[1], "target": "abc"})
     row2 = copy.deepcopy(row)
     row2["messages"][1]["content"] = "Hello there"
     f.write_text(json.dumps(row2) + "\n")  # same path, same id, new content
-    _, ident2 = load_data(rec)
+    _, ident2 = load_data(rec.data)
     with pytest.raises(SpeculatorsError, match=r"data\.sources\.0 .*chat\.jsonl.*changed") as e:
         check_run_identity(run, ident2, prefix="data.")
     assert "humaneval" not in str(e.value) and "--overwrite" in str(e.value)

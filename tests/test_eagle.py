@@ -228,17 +228,19 @@ def test_metrics_full_and_conditional_accuracy():
     steps = d._unroll(torch.cat([ids[:, 1:], torch.zeros(B, 1, dtype=torch.int64)], 1), batch.top,
                       batch.attention_mask, 3, lambda j, r, p: torch.ones(B, T, dtype=torch.bool))
     argmax = f.logits.argmax(-1)
-    full, tau = None, 1.0
+    full, live, tau = None, None, 1.0
     for j in range(3):
         pred = steps[j][2].argmax(-1).view(B, T)
         correct = torch.zeros(B, T, dtype=torch.bool)
         correct[:, :T - 1 - j] = pred[:, :T - 1 - j] == argmax[:, 1 + j:]
         valid = torch.zeros(B, T, dtype=torch.bool)
         valid[:, :T - 2 - j] = mask[:, 2 + j:]
-        new_full = correct & valid if full is None else full & correct & valid
-        acc = float(new_full.sum() / valid.sum())
+        # the one definition (speculators.losses.chained_acceptance): chains whose drafts 0..j are all labelled
+        live = valid if live is None else live & valid
+        new_full = correct & live if full is None else full & correct & live
+        acc = float(new_full.sum() / live.sum())
         assert m[f"full_acc_{j}"] == pytest.approx(acc)
-        den = valid.sum() if full is None else (full & valid).sum()
+        den = live.sum() if full is None else (full & live).sum()
         assert m[f"cond_acc_{j}"] == pytest.approx(float(new_full.sum() / den.clamp(min=1)))
         full = new_full
         tau += acc

@@ -13,6 +13,7 @@ import torch
 from speculators.drafters import DraftVocab, registry
 from speculators.generate import NGramProposer, plain_decode, speculative_decode
 from speculators.target import build_tiny_target
+from speculators.verify import SamplingParams
 from conftest import batch_for
 
 V = 96
@@ -61,7 +62,7 @@ def test_ttt_steps_match_inference_chain(target):
     prefix = torch.randint(0, V, (n + 1,), generator=g)
     feats = target.features(prefix[None])
     state = d.start(prefix, feats.slice(0, n))
-    prop = d.propose(state, 3, temperature=1.0, generator=g)  # sampled: probs = softmax(logits)
+    prop = d.propose(state, 3, SamplingParams.uniform(1, 1.0), g)  # sampled: probs = softmax(logits)
     seq = torch.cat([prefix, prop.token_ids, torch.randint(0, V, (3,), generator=g)])
     batch, _ = batch_for(target, seq[None])
     _, _, step_logits = capture_step_logits(d, batch)
@@ -124,6 +125,28 @@ def test_metrics_full_and_conditional_accuracy(target):
         full = new_full
         tau += acc
     assert m["sim_tau"] == pytest.approx(tau)
+
+
+def test_metrics_count_out_of_vocabulary_greedy_tokens_as_misses(target):
+    """Issue 10 item 4: full_acc_j's denominator is every labelled chain start, whatever the draft
+    vocabulary (a greedy token outside it is a miss, as greedy verification would see it); the LOSS
+    still skips those positions. The old EAGLE-3 divided by the in-vocabulary positions only (here
+    4/8 = 0.5 instead of 4/12)."""
+    d = make_drafter(target, ttt_steps=1, vocab_size=48)  # draft vocabulary = target ids 0..47
+    T = 14
+    ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(2))
+    batch, _ = batch_for(target, ids)
+    _, _, step_logits = capture_step_logits(d, batch)
+    pred = d.draft_ids[step_logits[0].argmax(-1)][0]  # [T] step-0 draft at t (target ids)
+    argmax = torch.zeros(1, T, dtype=torch.int64)
+    for t in range(T - 2):  # labelled chain starts: t + 2 < T -> 12 of them
+        kind = t % 3  # 0: the draft is right; 1: greedy token outside the draft vocab; 2: in-vocab miss
+        argmax[0, t + 1] = int(pred[t]) if kind == 0 else (90 if kind == 1 else (int(pred[t]) + 1) % 48)
+    batch.argmax = argmax
+    _, m = d.loss(batch)
+    assert m["full_acc_0"] == pytest.approx(4 / 12) and m["cond_acc_0"] == pytest.approx(4 / 12)
+    assert m["sim_tau"] == pytest.approx(1 + 4 / 12)
+    assert d.loss_counts(batch).tolist() == [8]  # the loss keeps only the in-vocabulary labels
 
 
 def test_training_reduces_loss_and_improves_acceptance(target):

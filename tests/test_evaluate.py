@@ -11,8 +11,9 @@ import torch
 from speculators.drafters.base import Proposal
 from speculators.errors import SpeculatorsError
 from speculators.evaluate import AcceptanceStats, report_markdown, run_eval
-from speculators.generate import GenerationResult, NGramProposer, Sampling, plain_decode
+from speculators.generate import GenerationResult, NGramProposer, plain_decode
 from speculators.target import build_tiny_target
+from speculators.verify import SamplingParams
 
 
 def result(steps, seconds, first=1):
@@ -140,11 +141,11 @@ def test_run_eval_counts_what_was_emitted():
         pytest.skip("no greedy continuation with a fresh token in range")
 
     class Oracle(NGramProposer):
-        def propose(self, state, k, *a, **kw):
+        def propose(self, state, k, sampling=None, generator=None):
             n_gen = len(state.tokens) - len(prompt)
             return Proposal(torch.tensor(cont[n_gen:n_gen + k], dtype=torch.int64))
 
-    rep = run_eval(target, Oracle(), [{"id": "p0", "input_ids": prompt}], K, 40, Sampling(), eos_ids={cont[j]})
+    rep = run_eval(target, Oracle(), [{"id": "p0", "input_ids": prompt}], K, 40, SamplingParams.uniform(1), eos_ids={cont[j]})
     d = rep["drafter"]
     assert rep["greedy_mismatches"] == [] and rep["stop_token_ids"] == [cont[j]]
     assert d["tokens"] == rep["plain"]["tokens"] == rep["ngram"]["tokens"] == j + 1

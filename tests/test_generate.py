@@ -15,12 +15,13 @@ from speculators.evaluate import AcceptanceStats
 from speculators.generate import (
     GenerationResult,
     NGramProposer,
-    Sampling,
+    Proposer,
     plain_decode,
     resolve_stop_ids,
     speculative_decode,
 )
 from speculators.target import build_tiny_target
+from speculators.verify import SamplingParams
 
 V = 96
 K = 6
@@ -47,7 +48,7 @@ class Oracle(NGramProposer):
         super().__init__()
         self.prompt, self.cont = list(prompt), list(continuation)
 
-    def propose(self, state, k, *a, **kw):
+    def propose(self, state, k, sampling=None, generator=None):
         assert state.tokens[:len(self.prompt)] == self.prompt
         n_gen = len(state.tokens) - len(self.prompt)
         return Proposal(torch.tensor(self.cont[n_gen:n_gen + k], dtype=torch.int64))
@@ -140,7 +141,7 @@ def test_ngram_steps_count_what_they_emit_with_frequent_stop_tokens(target, temp
     stop = set(range(10))
     for seed in range(6):
         prompt = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(seed)).tolist() * 2
-        r = speculative_decode(target, NGramProposer(), prompt, 4, 30, Sampling(temperature), eos_ids=stop,
+        r = speculative_decode(target, NGramProposer(), prompt, 4, 30, SamplingParams.uniform(1, temperature), eos_ids=stop,
                                seed=seed)
         check_steps(r)
         assert not set(r.tokens[:-1]) & stop
@@ -231,7 +232,7 @@ def test_max_new_tokens_zero_used_to_emit_a_token(target):
 
 def test_a_proposer_that_drafts_more_than_asked_is_refused(target):
     class Greedy(NGramProposer):
-        def propose(self, state, k, *a, **kw):
+        def propose(self, state, k, sampling=None, generator=None):
             return Proposal(torch.zeros(k + 2, dtype=torch.int64))
 
     with pytest.raises(SpeculatorsError, match="returned 5 drafts when asked for at most 3"):
@@ -242,3 +243,55 @@ def test_a_proposer_that_drafts_more_than_asked_is_refused(target):
 def test_ngram_rejects_bad_lengths(kw):
     with pytest.raises(SpeculatorsError, match="NGramProposer"):
         NGramProposer(**kw)
+
+
+# ----------------------------------------------------------------------------- the proposer protocol
+def _protocol_params(method) -> list[tuple[str, object]]:
+    import inspect
+
+    params = list(inspect.signature(method).parameters.values())
+    return [(p.name, p.default) for p in params if p.name != "self"]
+
+
+def test_every_family_and_the_ngram_proposer_implement_the_proposer_protocol():
+    """Issue 10 item 5: one protocol, one sampling type. Every registered family and NGramProposer are
+    Proposers (runtime isinstance) and their start / propose / advance have the protocol's parameters
+    (names, order, defaults): propose(state, k, sampling=None, generator=None) takes the verifier's
+    SamplingParams, not loose temperature / top_k / top_p arguments."""
+    import inspect
+
+    from speculators.drafters import registry
+
+    classes = [registry.get(n) for n in registry.names()] + [NGramProposer]
+    assert len(classes) >= 5
+    want = {name: _protocol_params(getattr(Proposer, name)) for name in ("start", "propose", "advance")}
+    assert want["propose"] == [("state", inspect.Parameter.empty), ("k", inspect.Parameter.empty),
+                               ("sampling", None), ("generator", None)]
+    for cls in classes:
+        for name, params in want.items():
+            got = _protocol_params(getattr(cls, name))
+            # parameter names and order must match; start/advance may default ``features`` (model-free)
+            assert [n for n, _ in got] == [n for n, _ in params], (cls.__name__, name, got)
+            if name == "propose":
+                assert got == params, (cls.__name__, got)
+    assert isinstance(NGramProposer(), Proposer)
+    for cls in classes[:-1]:  # the runtime check on an instance (no target needed: object.__new__)
+        assert isinstance(object.__new__(cls), Proposer), cls.__name__
+    assert not isinstance(object(), Proposer)
+
+
+def test_sampling_settings_are_the_verifiers_sampling_params(target):
+    """One sampling-settings type: decodes take ``SamplingParams`` (batch of one) or None (greedy), and
+    anything else is refused with an error naming ``sampling``."""
+    prompt = [5, 6, 7, 5, 6]
+    greedy = plain_decode(target, prompt, 8, eos_ids=set()).tokens
+    assert plain_decode(target, prompt, 8, SamplingParams.uniform(1), eos_ids=set()).tokens == greedy
+    assert speculative_decode(target, NGramProposer(), prompt, 3, 8, None, eos_ids=set()).tokens == greedy
+    sp = SamplingParams.uniform(1, 0.9, top_k=8)
+    a = speculative_decode(target, NGramProposer(), prompt, 3, 12, sp, eos_ids=set(), seed=4).tokens
+    assert a == speculative_decode(target, NGramProposer(), prompt, 3, 12, sp, eos_ids=set(), seed=4).tokens
+    for bad in ({"temperature": 0.9}, SamplingParams.uniform(2, 0.9)):
+        with pytest.raises(SpeculatorsError, match="sampling"):
+            plain_decode(target, prompt, 4, bad, eos_ids=set())
+        with pytest.raises(SpeculatorsError, match="sampling"):
+            speculative_decode(target, NGramProposer(), prompt, 3, 4, bad, eos_ids=set())

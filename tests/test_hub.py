@@ -259,3 +259,24 @@ def test_card_serving_line_per_family(algo, run_dir, tmp_path):
                 f'\'{{"model": "me/x", "num_speculative_tokens": 3, "method": "{algo}"}}\'') in card
     else:
         assert "vllm serve" not in card and "Not loadable by vLLM as written" in card
+
+
+@pytest.mark.parametrize("target_block", ["llama", ["x"], {"name_or_path": "me/base"}])
+def test_card_of_a_foreign_training_block(target_block, run_dir, tmp_path):
+    """A config from a newer or foreign writer (target facts that do not validate as TargetMeta, no
+    verifier in the speculators block) still gets a card: the verifier is then unknown ("?")."""
+    import json
+    import shutil
+
+    ckpt = tmp_path / "foreign"
+    shutil.copytree(run_dir / "final", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["speculators_training"]["target"] = target_block
+    del cfg["speculators_config"]["verifier"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    card = hub_card(ckpt, "me/x")
+    assert "(`eagle3`) for `?`" in card and "vllm serve ? --speculative-config" in card
+    # with a verifier in the speculators block, that one is named whatever the training block holds
+    cfg["speculators_config"]["verifier"] = {"name_or_path": "me/base", "architectures": ["LlamaForCausalLM"]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert "(`eagle3`) for `me/base`" in hub_card(ckpt, "me/x")

@@ -18,8 +18,10 @@ from safetensors.torch import load_file
 import speculators.drafters.medusa  # noqa: F401  (registers "medusa")
 from speculators.data.dataset import Batch
 from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters.checkpoint import TargetMeta
 from speculators.errors import SpeculatorsError
 from speculators.generate import plain_decode, speculative_decode
+from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
 from conftest import batch_for
 
@@ -106,7 +108,8 @@ def _hand_drafter():
     """H=2, V=N=3, two heads, identity blocks; head 1 logits = [h0, h1, 0], head 2 = [0, h0, h1]."""
     family = registry.get("medusa")
     cfg = family.config_class(algorithm="medusa", num_heads=2)
-    d = family(cfg, {"hidden_size": 2, "vocab_size": 3}, 3)
+    meta = TargetMeta(name_or_path="hand", hidden_size=2, vocab_size=3, aux_layer_ids=[], target_config={})
+    d = family(cfg, meta, 3)
     with torch.no_grad():
         for b in d.blocks:
             for lin in b.layers:
@@ -193,18 +196,20 @@ def test_metrics_full_and_conditional_accuracy(target):
     _, m, head_logits = capture_head_logits(d, batch)
     argmax = f.logits.argmax(-1)
     T = 16
-    full, tau = None, 1.0
+    full, live, tau = None, None, 1.0
     for k in range(1, K + 1):
         L = T - k - 1
         pred = d.draft_ids[head_logits[k - 1].argmax(-1)]  # [2, L]
         correct = pred == argmax[:, k:k + L]  # head k vs the target's greedy token at t+k
         lbl = mask[:, k + 1:]
+        # the one definition (speculators.losses.chained_acceptance): chains whose drafts 1..k are all labelled
+        live = lbl if live is None else live[:, :L] & lbl
         new_full = correct if full is None else full[:, :L] & correct
-        acc = float((new_full & lbl).sum() / lbl.sum())
+        acc = float((new_full & live).sum() / live.sum())
         assert m[f"full_acc_{k - 1}"] == pytest.approx(acc)
         if full is not None:
-            den = (full[:, :L] & lbl).sum()
-            assert m[f"cond_acc_{k - 1}"] == pytest.approx(float((new_full & lbl).sum() / den) if den else 0.0)
+            den = (full[:, :L] & live).sum()
+            assert m[f"cond_acc_{k - 1}"] == pytest.approx(float((new_full & live).sum() / den) if den else 0.0)
         full = new_full
         tau += acc
     assert m["sim_tau"] == pytest.approx(tau)
@@ -254,7 +259,7 @@ def test_training_logits_match_inference_proposal(target):
     seq = torch.randint(0, V, (n + K + 6,), generator=g)
     feats = target.features(seq[None])
     state = d.start(seq[:n + 1], feats.slice(0, n))
-    prop = d.propose(state, K, temperature=1.0, generator=g)
+    prop = d.propose(state, K, SamplingParams.uniform(1, 1.0), g)
     assert prop.token_ids.shape == (K,) and prop.probs.shape == (K, V)
     batch, _ = batch_for(target, seq[None])
     _, _, head_logits = capture_head_logits(d, batch)
@@ -265,7 +270,7 @@ def test_training_logits_match_inference_proposal(target):
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(K))
     # advance with m tokens: only the features of the last new position matter
     d.advance(state, seq[n + 1:n + 4], feats.slice(n, n + 3))
-    prop2 = d.propose(state, 2, temperature=1.0)
+    prop2 = d.propose(state, 2, SamplingParams.uniform(1, 1.0))
     torch.testing.assert_close(torch.softmax(head_logits[1][0, n + 2], -1), prop2.probs[1][d.draft_ids],
                                atol=2e-6, rtol=1e-5)
     greedy = d.propose(state, 9)  # k > K: only K drafts; greedy = each head's top-1
@@ -370,7 +375,7 @@ def test_save_load_round_trip_and_formats(target, tmp_path, export, vocab):
     from speculators.target import TargetFeatures
 
     state = d.start(torch.tensor([1, 2]), TargetFeatures(torch.zeros(1, 1, 3 * H), h[None]))
-    ours = d.propose(state, K, temperature=1.0).probs
+    ours = d.propose(state, K, SamplingParams.uniform(1, 1.0)).probs
     torch.testing.assert_close(torch.softmax(vllm_like_logits(cfg, w, h[0]), -1), ours, atol=1e-6, rtol=1e-5)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 

@@ -61,12 +61,11 @@ def test_tiny_recipe_parses_with_defaults_filled():
     assert rec.train.lr == pytest.approx(1e-3)
     assert rec.train.epochs is None  # steps given: no epoch default
     assert rec.eval.k == 3 and rec.eval.num_prompts == 3
-    # the drafter section is resolved by the family's config: every hyper-parameter is present
-    cfg = rec.drafter_config()
-    assert rec.drafter["algorithm"] == "eagle3" == cfg.algorithm
-    assert rec.drafter["ttt_steps"] == 2 == cfg.ttt_steps
-    assert rec.drafter["draft_vocab_size"] == 512
-    assert set(type(cfg).model_fields) == set(rec.drafter)
+    # the drafter section is validated once into the family's typed config: every hyper-parameter is present
+    cfg = rec.drafter
+    assert type(cfg) is registry.get("eagle3").config_class
+    assert cfg.algorithm == "eagle3" and cfg.ttt_steps == 2 and cfg.draft_vocab_size == 512
+    assert set(type(cfg).model_fields) == set(rec.model_dump()["drafter"])
 
 
 def test_epochs_default_when_no_length_given():
@@ -103,13 +102,13 @@ def test_overrides_dotted_paths_yaml_typed():
     assert rec.data.regenerate is False
     assert rec.data.held_out.fraction == 0.5
     assert rec.data.held_out.seed == 0  # untouched sibling of an overridden key
-    assert rec.drafter["ttt_steps"] == 5
+    assert rec.drafter.ttt_steps == 5
     assert rec.target.aux_layer_ids == [0, 2]
     assert rec.data.chat_template == "a=b"
     assert rec.output_dir is None
     assert rec.train.schedule == "linear"
     # untouched keys keep the file's values
-    assert rec.train.steps == 6 and rec.drafter["draft_vocab_size"] == 512
+    assert rec.train.steps == 6 and rec.drafter.draft_vocab_size == 512
 
 
 def test_parse_overrides_types():
@@ -309,7 +308,7 @@ def test_dump_round_trips():
     raw = yaml.safe_load(text)
     # the dump is resolved: defaults are written out
     assert raw["train"]["schedule"] == "cosine" and raw["data"]["max_length"] == 256
-    assert set(rec.drafter) <= set(raw["drafter"])
+    assert set(type(rec.drafter).model_fields) == set(raw["drafter"])  # the family's fields, not the base's
     rec2 = recipe_from_dict(raw, "dump")
     assert rec2 == rec
     assert rec2.model_dump() == rec.model_dump()
@@ -320,3 +319,73 @@ def test_dump_round_trips_through_load_recipe(tmp_path):
     rec = load_recipe(TINY, ["target.model=/some/target/dir"])
     p = write_recipe(tmp_path, dump_recipe(rec), "resolved.yaml")
     assert load_recipe(p) == rec
+
+
+# ----------------------------------------------------------------------------- typed drafter section
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "medusa", "mtp"])
+def test_drafter_section_is_the_familys_typed_config(algorithm):
+    """Validated once, through the registry, into ``config_class``; the dump keeps every family field
+    (``SerializeAsAny``: not only the base ``DrafterConfig``'s) and loads back equal."""
+    raw = tiny_raw()
+    raw["drafter"] = {"algorithm": algorithm}
+    rec = recipe_from_dict(raw)
+    cls = registry.get(algorithm).config_class
+    assert type(rec.drafter) is cls and rec.drafter.algorithm == algorithm
+    dumped = yaml.safe_load(dump_recipe(rec))["drafter"]
+    assert set(dumped) == set(cls.model_fields) and len(dumped) > 2
+    assert dumped == cls(algorithm=algorithm).model_dump(mode="json")  # the family's defaults, resolved
+    again = recipe_from_dict(yaml.safe_load(dump_recipe(rec)))
+    assert again == rec and type(again.drafter) is cls
+
+
+def test_drafter_assignment_is_validated_by_the_family():
+    rec = recipe_from_dict(tiny_raw())
+    rec.drafter = {"algorithm": "medusa", "num_heads": 2}
+    assert type(rec.drafter) is registry.get("medusa").config_class and rec.drafter.num_heads == 2
+    with pytest.raises(ValueError, match=r"drafter\.num_heads"):
+        rec.drafter = {"algorithm": "medusa", "num_heads": 0}
+    with pytest.raises(ValueError, match=r"drafter\.algorithm"):
+        rec.drafter = {"algorithm": "nope"}
+    # a base DrafterConfig is validated as its family's config (the family's defaults filled in)
+    from speculators.drafters import DrafterConfig
+
+    rec.drafter = DrafterConfig(algorithm="eagle3", draft_vocab_size=8)
+    assert type(rec.drafter) is registry.get("eagle3").config_class and rec.drafter.draft_vocab_size == 8
+
+
+@pytest.mark.parametrize("drafter, needles", [
+    ({"algorithm": "eagle3", "ttt_steps": 0, "bogus": 1}, ["drafter.ttt_steps", "drafter.bogus", "unknown key"]),
+    ({"algorithm": 3}, ["drafter.algorithm", "allowed", "eagle3"]),
+    ("eagle3", ["drafter:"]),
+])
+def test_bad_drafter_sections_name_the_field(drafter, needles):
+    raw = tiny_raw()
+    raw["drafter"] = drafter
+    msg = error_of(recipe_from_dict, raw, "r.yaml")
+    for n in needles:
+        assert n in msg, (n, msg)
+    assert "r.yaml: r.yaml" not in msg and "Value error" not in msg
+
+
+# ----------------------------------------------------------------------------- eval overrides
+
+
+def test_eval_spec_with_overrides_goes_through_the_schema():
+    from speculators.recipe import EvalSpec, eval_spec_with
+
+    base = recipe_from_dict(tiny_raw()).eval
+    ev = eval_spec_with(base, {"k": 5, "top_p": None})
+    assert ev.k == 5 and ev.top_p == base.top_p and ev.num_prompts == base.num_prompts  # None keeps the base
+    assert eval_spec_with(None, {}) == EvalSpec()  # no recipe: the schema's defaults
+    names = {"k": "-k", "top_p": "--top-p", "temperature": "--temperature"}
+    for overrides, needles in [({"k": 0}, ["-k 0", "eval.k", "greater than 0"]),
+                               ({"k": 65}, ["-k 65", "eval.k", "64"]),
+                               ({"top_p": 2.0}, ["--top-p 2.0", "eval.top_p", "less than or equal to 1"]),
+                               ({"temperature": -1.0, "top_p": 0}, ["--temperature -1.0", "--top-p 0"]),
+                               ({"num_prompts": 0}, ["override num_prompts=0", "eval.num_prompts"]),
+                               ({"kk": 1}, ["eval.kk", "unknown key"])]:
+        msg = error_of(eval_spec_with, base, overrides, names)
+        for n in needles:
+            assert n in msg, (n, msg)

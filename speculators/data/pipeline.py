@@ -2,6 +2,10 @@
 
 Everything expensive is cached on disk (regenerations, features), so a second run of the same
 recipe starts training within seconds of loading the target.
+
+The functions take the recipe's data spec (:class:`speculators.recipe.DataSpec`, or one of its
+sections), never the whole recipe, and this module imports nothing from ``speculators.drafters``:
+the draft vocabulary is :class:`speculators.data.vocab.DraftVocab`.
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..drafters.base import DraftVocab
 from ..errors import SpeculatorsError
 from ..utils import atomic_write_text
 from .chat import prompt_messages, render_prompt, render_with_mask
@@ -21,6 +25,10 @@ from .features import FeatureStore, TokenizedExample, extract_features
 from .regenerate import regenerate
 from .sources import (Conversation, conversations_identity, has_textless_assistant_turn, held_out_split,
                       load_source)
+from .vocab import DraftVocab
+
+if TYPE_CHECKING:  # types only: the recipe module imports the drafters (its drafter section is typed)
+    from ..recipe import DataSpec, HeldOutSpec
 
 RUN_IDENTITY_FILE = "data_identity.json"
 
@@ -32,7 +40,8 @@ class PreparedData:
     Attributes:
         train: features of the training conversations.
         held_out: features of the held-out conversations (same prompts never in ``train``), or None.
-        eval_prompts: held-out prompts as token ids (with the generation prompt), for ``speculators eval``.
+        eval_prompts: one per distinct held-out prompt, :func:`held_out_prompts` (the list
+            ``speculators eval`` decodes by default).
         vocab: draft vocabulary built from assistant-token frequencies of ``train``.
         token_counts: ``[V]`` int64 assistant-token frequencies.
         identity: content hash of every source's loaded conversations (:func:`load_data`), recorded
@@ -51,9 +60,9 @@ def _source_label(spec) -> str:
     return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, default=str)
 
 
-def load_data(recipe, log=None) -> tuple[list[tuple[Conversation, bool]], dict[str, str]]:
-    """Load every source of ``recipe``: its conversations with their ``regenerate`` flag, and the
-    identity of the data.
+def load_data(data_spec: DataSpec, log=None) -> tuple[list[tuple[Conversation, bool]], dict[str, str]]:
+    """Load every source of ``data_spec`` (a recipe's ``data`` section): its conversations with their
+    ``regenerate`` flag, and the identity of the data.
 
     Ids are suffixed by mode (``#regen`` / ``#orig``) so that one source may be listed twice, once
     regenerated and once off-policy. A conversation with an assistant turn that carries no text
@@ -70,8 +79,8 @@ def load_data(recipe, log=None) -> tuple[list[tuple[Conversation, bool]], dict[s
         SpeculatorsError: a source cannot be loaded (see :func:`speculators.data.sources.load_source`).
     """
     out, identity = [], {}
-    for n, s in enumerate(recipe.data.sources):
-        regen = recipe.data.regenerate if s.regenerate is None else s.regenerate
+    for n, s in enumerate(data_spec.sources):
+        regen = data_spec.regenerate if s.regenerate is None else s.regenerate
         try:
             convs = load_source(s.source, max_examples=s.max_examples)
         except SpeculatorsError:
@@ -86,12 +95,6 @@ def load_data(recipe, log=None) -> tuple[list[tuple[Conversation, bool]], dict[s
         tag = "regen" if regen else "orig"
         out.extend((replace(c, id=f"{c.id}#{tag}"), regen) for c in kept)
     return out, identity
-
-
-def load_conversations(recipe, log=None) -> list[tuple[Conversation, bool]]:
-    """All usable source conversations with their ``regenerate`` flag (:func:`load_data` without the
-    identity)."""
-    return load_data(recipe, log)[0]
 
 
 def check_run_identity(run_dir: str | Path, identity: dict[str, str], prefix: str = "") -> bool:
@@ -132,18 +135,72 @@ def record_run_identity(run_dir: str | Path, identity: dict[str, str]) -> None:
     atomic_write_text(Path(run_dir) / RUN_IDENTITY_FILE, json.dumps(identity, indent=1, sort_keys=True) + "\n")
 
 
-def split_conversations(pairs, recipe):
-    """Held-out split BY PROMPT over all sources (a prompt never lands on both sides)."""
+def split_conversations(pairs: list[tuple[Conversation, bool]], held_out_spec: HeldOutSpec
+                        ) -> tuple[list[tuple[Conversation, bool]], list[tuple[Conversation, bool]]]:
+    """Held-out split BY PROMPT over all sources (a prompt never lands on both sides).
+
+    Args:
+        pairs: ``(Conversation, regenerate)`` pairs of :func:`load_data`.
+        held_out_spec: the recipe's ``data.held_out`` (``fraction``, ``seed``).
+    Returns:
+        ``(train_pairs, held_out_pairs)``, each pair keeping its ``regenerate`` flag
+        (:func:`speculators.data.sources.held_out_split`).
+    """
     convs = [c for c, _ in pairs]
     flags = {c.id: r for c, r in pairs}
-    train, held = held_out_split(convs, recipe.data.held_out.fraction, recipe.data.held_out.seed)
+    train, held = held_out_split(convs, held_out_spec.fraction, held_out_spec.seed)
     return [(c, flags[c.id]) for c in train], [(c, flags[c.id]) for c in held]
 
 
-def _materialise(target, pairs, recipe, log, progress) -> list[Conversation]:
+def unique_prompts(convs: list[Conversation], tokenizer: Any, chat_template: str | None = None,
+                   limit: int | None = None) -> list[dict]:
+    """One generation prompt per distinct prompt of ``convs`` (first occurrence wins, order kept).
+
+    The prompt of a conversation is its messages before the last assistant turn
+    (:func:`speculators.data.chat.prompt_messages`); two conversations with the same prompt (a prompt
+    listed by two sources, or once regenerated and once off-policy) give one entry.
+
+    Args:
+        tokenizer: the target's tokenizer. chat_template: the recipe's ``data.chat_template`` (None =
+            the tokenizer's). limit: stop after this many prompts (None = all).
+    Returns:
+        ``[{"id", "messages", "input_ids"}]``: ``input_ids`` is a list of int token ids of the rendered
+        prompt with the generation prompt (:func:`speculators.data.chat.render_prompt`).
+    """
+    seen, out = set(), []
+    for c in convs:
+        if limit is not None and len(out) >= limit:
+            break
+        pm = prompt_messages(c.messages)
+        key = repr(pm)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"id": c.id, "messages": pm, "input_ids": render_prompt(tokenizer, pm, chat_template)})
+    return out
+
+
+def held_out_prompts(data_spec: DataSpec, tokenizer: Any, loaded_pairs: list[tuple[Conversation, bool]],
+                     limit: int | None = None) -> list[dict]:
+    """The held-out prompts of a recipe's data: the ONE definition used by :func:`prepare_data`
+    (``PreparedData.eval_prompts``) and by ``speculators eval`` (its default prompts).
+
+    Args:
+        data_spec: the recipe's ``data`` section (its ``held_out`` split and ``chat_template``).
+        tokenizer: the target's tokenizer.
+        loaded_pairs: ``(Conversation, regenerate)`` pairs of :func:`load_data` for ``data_spec``.
+        limit: at most this many prompts (None = all).
+    Returns:
+        :func:`unique_prompts` of the held-out side of :func:`split_conversations`, in split order.
+    """
+    _, held = split_conversations(loaded_pairs, data_spec.held_out)
+    return unique_prompts([c for c, _ in held], tokenizer, data_spec.chat_template, limit=limit)
+
+
+def _materialise(target, pairs, data_spec: DataSpec, log, progress) -> list[Conversation]:
     """Regenerate the flagged conversations (per source: pre-tokenized, exactly the ids the target
     produced), keep the others' own assistant text."""
-    spec = recipe.data.regeneration
+    spec = data_spec.regeneration
     by_source: dict[str, list[Conversation]] = {}
     out: dict[str, Conversation] = {}
     for c, regen in pairs:
@@ -157,58 +214,70 @@ def _materialise(target, pairs, recipe, log, progress) -> list[Conversation]:
             out[c.id] = c
     for source, convs in by_source.items():
         for c in regenerate(target, convs, source, spec.max_new_tokens, spec.temperature, spec.top_p,
-                            spec.batch_size, spec.seed, recipe.data.chat_template, log=log,
+                            spec.batch_size, spec.seed, data_spec.chat_template, log=log,
                             progress=progress(f"regenerating {source}") if progress else None):
             out[c.id] = c
     return [out[c.id] for c, _ in pairs]
 
 
-def tokenize(target, convs: list[Conversation], recipe) -> list[TokenizedExample]:
+def tokenize(target, convs: list[Conversation], data_spec: DataSpec) -> list[TokenizedExample]:
     """Token ids and assistant-only loss mask per conversation; drop examples with no loss tokens.
 
     A regenerated conversation carries its own ids (``Conversation.input_ids``: prompt ids + the
     target's response ids + its stop token when it stopped) and is only truncated to
     ``data.max_length``; the others are rendered with the chat template (:func:`render_with_mask`).
+
+    Args:
+        target: anything with the target's ``tokenizer``.
+        data_spec: the recipe's ``data`` section (``max_length``, ``chat_template``).
     """
     exs = []
-    max_len = recipe.data.max_length
+    max_len = data_spec.max_length
     for c in convs:
         if c.input_ids is not None:
             ids, mask = list(c.input_ids)[:max_len], list(c.loss_mask)[:max_len]
         else:
-            ids, mask = render_with_mask(target.tokenizer, c.messages, recipe.data.chat_template,
+            ids, mask = render_with_mask(target.tokenizer, c.messages, data_spec.chat_template,
                                          max_length=max_len)
         if sum(mask) > 0:
             exs.append(TokenizedExample(c.id, ids, mask))
     return exs
 
 
-def prepare_data(recipe, target, log=print, progress=None, loaded=None) -> PreparedData:
-    """Run the whole data pipeline of ``recipe`` for ``target`` (all steps cached on disk).
+def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, log=print, progress=None,
+                 loaded=None) -> PreparedData:
+    """Run the whole data pipeline of ``data_spec`` (a recipe's ``data`` section) for ``target``
+    (all steps cached on disk).
 
-    Sets ``target.chat_template`` to the recipe's ``data.chat_template`` (its stop tokens follow it).
+    Sets ``target.chat_template`` to ``data_spec.chat_template`` (its stop tokens follow it).
 
     Args:
+        data_spec: the recipe's ``data`` section.
+        target: the loaded :class:`speculators.target.Target`.
+        draft_vocab_size: N of the draft vocabulary (the recipe's ``drafter.draft_vocab_size``; None =
+            the target's whole vocabulary).
+        log: callable for log lines. progress: ``make(description) -> callable(done, total)`` or None.
         loaded: the result of :func:`load_data` when the caller already loaded the sources.
 
     Raises:
-        SpeculatorsError: no chat template, a source with zero examples, or no trainable tokens.
+        SpeculatorsError: no chat template, a source with zero examples, no trainable tokens, or a
+            ``draft_vocab_size`` above the target's vocabulary.
     """
     if target.tokenizer is None:
         raise SpeculatorsError("target has no tokenizer")
-    if recipe.data.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
+    if data_spec.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
         raise SpeculatorsError(
             f"target {target.name_or_path!r} has no chat template; set data.chat_template in the recipe")
-    target.chat_template = recipe.data.chat_template
-    pairs, identity = loaded if loaded is not None else load_data(recipe, log)
-    train_pairs, held_pairs = split_conversations(pairs, recipe)
-    log(f"data: {len(pairs)} conversations from {len(recipe.data.sources)} source(s): "
+    target.chat_template = data_spec.chat_template
+    pairs, identity = loaded if loaded is not None else load_data(data_spec, log)
+    train_pairs, held_pairs = split_conversations(pairs, data_spec.held_out)
+    log(f"data: {len(pairs)} conversations from {len(data_spec.sources)} source(s): "
         f"{len(train_pairs)} train, {len(held_pairs)} held-out (split by prompt)")
-    train_convs = _materialise(target, train_pairs, recipe, log, progress)
-    train_ex = tokenize(target, train_convs, recipe)
+    train_convs = _materialise(target, train_pairs, data_spec, log, progress)
+    train_ex = tokenize(target, train_convs, data_spec)
     if not train_ex:
         raise SpeculatorsError("data: the sources yield zero training examples with assistant tokens")
-    fb = recipe.data.feature_batch_tokens
+    fb = data_spec.feature_batch_tokens
     train = extract_features(target, train_ex, fb, log=log,
                              progress=progress("target features") if progress else None)
     held = None
@@ -217,24 +286,15 @@ def prepare_data(recipe, target, log=print, progress=None, loaded=None) -> Prepa
                          and not has_textless_assistant_turn(c.messages)]
     if held_with_answers:
         held_ex, seen_ids = [], set()
-        for e in tokenize(target, held_with_answers, recipe):  # a prompt listed by two sources: once
+        for e in tokenize(target, held_with_answers, data_spec):  # a prompt listed by two sources: once
             if tuple(e.input_ids) not in seen_ids:
                 seen_ids.add(tuple(e.input_ids))
                 held_ex.append(e)
         if held_ex:
             held = extract_features(target, held_ex, fb, log=log)
-    # held-out prompts for generation: one per distinct prompt
-    seen, eval_prompts = set(), []
-    for c in held_convs:
-        pm = prompt_messages(c.messages)
-        key = repr(pm)
-        if key in seen:
-            continue
-        seen.add(key)
-        eval_prompts.append({"id": c.id, "messages": pm,
-                             "input_ids": render_prompt(target.tokenizer, pm, recipe.data.chat_template)})
+    eval_prompts = held_out_prompts(data_spec, target.tokenizer, pairs)  # for generation: one per prompt
     counts = torch.bincount(train.input_ids[train.loss_mask], minlength=target.vocab_size)[:target.vocab_size]
-    vocab = DraftVocab.from_counts(counts, recipe.drafter_config().draft_vocab_size)
+    vocab = DraftVocab.from_counts(counts, draft_vocab_size)
     covered = float(counts[vocab.t2d].sum() / counts.sum().clamp(min=1))
     log(f"data: {train.num_tokens} train tokens ({train.num_loss_tokens} assistant), draft vocab "
         f"{vocab.size} covering {covered:.1%} of assistant tokens, {len(eval_prompts)} held-out prompts")

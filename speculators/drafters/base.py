@@ -1,17 +1,24 @@
-"""The drafter interface, the family registry, and checkpoint save/load.
+"""The drafter interface and the family registry.
 
 A family is one file in ``speculators/drafters/``: it subclasses :class:`Drafter`, declares its
 pydantic config (``config_class``) and registers itself with :func:`register`. The trainer, the
 generation loop, the evaluator and the CLI only use this interface (DESIGN.md, principles 1-2):
 
-* ``from_target(cfg, target, vocab)``: build a fresh drafter for a frozen target;
+* ``from_target(cfg, target, vocab)``: build a fresh drafter for a frozen target (its
+  :class:`~.checkpoint.TargetMeta` is ``TargetMeta.from_target(target)``);
 * ``loss(batch, norm=None) -> (loss, metrics)``: training objective on a
   :class:`speculators.data.dataset.Batch`, a weighted sum of terms each divided by ``norm[i]``;
   ``loss_counts(batch) -> [n_terms]``: each term's valid count from the masks (gradient accumulation
   normalises by the counts of the whole window);
-* ``start(input_ids, features) -> state``; ``propose(state, k, sampling) -> Proposal``;
+* ``start(input_ids, features) -> state``; ``propose(state, k, sampling, generator=None) -> Proposal``;
   ``advance(state, new_ids, features)``: inference, one request at a time;
-* ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir)``: the vLLM-loadable checkpoint format.
+* formats: ``export_config() -> dict`` (``config.json`` as vLLM loads it, built with the helpers of
+  :mod:`speculators.export`), ``export_state_dict()`` / ``load_export_state_dict(sd)`` (weights under
+  the serving engine's names), ``_build(cfg, meta, weights)`` (an empty module for a checkpoint), and
+  the class hooks ``vllm_serving(config)`` / ``speculative_tokens(config)``;
+* ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir)``: thin methods over
+  :mod:`speculators.drafters.checkpoint`, which owns the checkpoint directory (layout, atomic write,
+  finite-weight checks, the recorded target facts).
 
 Inference protocol (features lag tokens by one): after ``start``/``advance`` the drafter has seen
 tokens ``x_0..x_n`` and target features of positions ``0..n-1``; ``x_n`` is the newest (bonus or
@@ -21,24 +28,29 @@ tokens ``x_{n+1}..x_{n+m}`` together with the target features of positions ``n..
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .. import __version__
+from .. import export
+from ..data.vocab import DraftVocab  # noqa: F401  (moved to the data layer; re-exported)
 from ..errors import SpeculatorsError
-from ..utils import atomic_dir
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-RECIPE_NAME = "recipe.yaml"
-TRAINING_KEY = "speculators_training"  # our own extra block in config.json (vLLM ignores it)
+from ..verify import SamplingParams
+from . import checkpoint
+from .checkpoint import (  # noqa: F401  (old import paths of the checkpoint names keep working)
+    CONFIG_NAME,
+    RECIPE_NAME,
+    TRAINING_KEY,
+    WEIGHTS_NAME,
+    TargetMeta,
+    check_finite_weights,
+    read_checkpoint_config,
+)
 
 
 class DrafterConfig(BaseModel):
@@ -65,99 +77,7 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
-class DraftVocab:
-    """Draft vocabulary mapping (ALGORITHMS.md, "Draft vocabulary").
-
-    Attributes:
-        d2t: ``[N]`` int64 offsets: ``target_id = i + d2t[i]`` (vLLM's convention).
-        t2d: ``[V]`` bool, True for the N target ids in the draft vocabulary.
-    """
-
-    def __init__(self, d2t: torch.Tensor, t2d: torch.Tensor):
-        self.d2t = d2t.to(torch.int64)
-        self.t2d = t2d.to(torch.bool)
-        n = int(self.t2d.sum())
-        if n != self.d2t.numel():
-            raise SpeculatorsError(f"draft vocab: t2d has {n} True entries but d2t has {self.d2t.numel()}")
-
-    @property
-    def size(self) -> int:
-        return self.d2t.numel()
-
-    @property
-    def target_ids(self) -> torch.Tensor:
-        """``[N]`` int64 sorted target ids of the draft vocabulary."""
-        return torch.arange(self.size, dtype=torch.int64) + self.d2t
-
-    @classmethod
-    def full(cls, vocab_size: int) -> "DraftVocab":
-        return cls(torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool))
-
-    @classmethod
-    def from_counts(cls, counts: torch.Tensor, size: int | None) -> "DraftVocab":
-        """Keep the ``size`` most frequent ids (ties: lower id), sorted; ``size=None`` = full vocab.
-
-        Args:
-            counts: ``[V]`` int64 token frequencies on loss-masked (assistant) tokens.
-        Raises:
-            SpeculatorsError: ``size`` larger than the target vocabulary.
-        """
-        V = counts.numel()
-        if size is None or size == V:
-            return cls.full(V)
-        if size > V:
-            raise SpeculatorsError(f"drafter.draft_vocab_size {size} exceeds the target vocab {V}")
-        # stable descending sort by count keeps the lower id first among ties
-        order = torch.sort(-counts.to(torch.int64), stable=True).indices[:size]
-        ids = torch.sort(order).values
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids] = True
-        return cls(ids - torch.arange(size), t2d)
-
-
 _REGISTRY: dict[str, type["Drafter"]] = {}
-
-
-def read_checkpoint_config(path: str | Path, what: str = "", require_weights: bool = True) -> dict[str, Any]:
-    """``config.json`` of the checkpoint directory ``path``, checked to be one written by speculators.
-
-    ``require_weights``: ``model.safetensors`` must sit beside it (a Hub pull checks the config before
-    fetching the weights). ``what`` prefixes the error messages (e.g. ``"train.init_from: "``).
-
-    Raises:
-        SpeculatorsError: a missing ``config.json`` (or ``model.safetensors``), invalid JSON, or no
-            ``speculators_training`` block.
-    """
-    path = Path(path)
-    for name in (CONFIG_NAME, WEIGHTS_NAME) if require_weights else (CONFIG_NAME,):
-        if not (path / name).is_file():
-            raise SpeculatorsError(f"{what}{path} is not a drafter checkpoint: {name} is missing")
-    cfg_file = path / CONFIG_NAME
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise SpeculatorsError(f"{what}{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or TRAINING_KEY not in raw:
-        raise SpeculatorsError(f"{what}{cfg_file}: no {TRAINING_KEY!r} block; not written by speculators")
-    return raw
-
-
-def check_finite_weights(weights: dict[str, torch.Tensor], file: str | Path) -> None:
-    """Refuse a checkpoint whose weights are not all finite (a diverged run's).
-
-    Args:
-        weights: tensors as read from ``file`` (any dtype; integer tensors are always finite).
-        file: the file they came from (named in the error).
-    Raises:
-        SpeculatorsError: naming ``file``, the first tensor with a NaN/inf and how many of its values are.
-    """
-    for name, t in weights.items():
-        if t.is_floating_point() or t.is_complex():
-            bad = ~torch.isfinite(t)
-            if bool(bad.any()):
-                raise SpeculatorsError(f"{file}: tensor {name!r} has {int(bad.sum())} non-finite (NaN/inf) "
-                                       f"value(s) of {t.numel()}; the checkpoint comes from a diverged run "
-                                       "and cannot be used")
 
 
 def register(cls: type["Drafter"]) -> type["Drafter"]:
@@ -186,11 +106,16 @@ class Drafter(nn.Module):
     algorithm: ClassVar[str] = ""
     config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
 
-    def __init__(self, cfg: DrafterConfig, meta: dict[str, Any]):
+    def __init__(self, cfg: DrafterConfig, meta: TargetMeta | Mapping[str, Any]):
+        """``meta``: the facts about the target recorded in the checkpoint (:class:`TargetMeta`; a
+        mapping of its JSON keys is validated into one).
+
+        Raises:
+            SpeculatorsError: ``meta`` is a mapping with missing or invalid target facts.
+        """
         super().__init__()
         self.cfg = cfg
-        # meta: facts about the target recorded in the checkpoint (name, fingerprint, sizes, layer ids)
-        self.meta = dict(meta)
+        self.meta: TargetMeta = meta if isinstance(meta, TargetMeta) else TargetMeta.from_json(dict(meta), "meta")
         self._teacher_head: torch.Tensor | None = None
         # joint runs: directory of the target's LoRA adapter that came with a loaded checkpoint
         self.target_adapter_dir: Path | None = None
@@ -198,6 +123,12 @@ class Drafter(nn.Module):
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_target(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
+        """A fresh drafter of this family for the frozen ``target`` (a :class:`speculators.target.Target`)
+        and draft vocabulary ``vocab``; records ``TargetMeta.from_target(target)`` and attaches the target.
+
+        Raises:
+            SpeculatorsError: ``vocab`` is not one this family supports (e.g. reduced, for full-vocab families).
+        """
         raise NotImplementedError
 
     @classmethod
@@ -211,25 +142,11 @@ class Drafter(nn.Module):
         if vocab.size != target.vocab_size:
             raise SpeculatorsError(f"drafter.draft_vocab_size: {cls.algorithm} drafts over the full target "
                                    f"vocabulary ({target.vocab_size}); got a draft vocabulary of {vocab.size}")
-        d = cls(cfg, cls.target_meta(target))
+        d = cls(cfg, TargetMeta.from_target(target))
         with torch.no_grad():
             d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
         d.attach_target(target)
         return d
-
-    @staticmethod
-    def target_meta(target) -> dict[str, Any]:
-        """What a checkpoint records about its target, and checks at eval time."""
-        return {"name_or_path": target.verifier_name, "reference": target.name_or_path,
-                "architectures": list(getattr(target.config, "architectures", None) or
-                                      [target.architecture]),
-                "fingerprint": target.fingerprint, "vocab_size": target.vocab_size,
-                "hidden_size": target.hidden_size, "num_layers": target.num_layers,
-                "aux_layer_ids": list(target.aux_layer_ids),
-                "aux_layer_ids_convention": "0-based index of the decoder layer whose OUTPUT is tapped "
-                                            "(pre-norm residual, also for L-1; HF hidden_states[i+1] for "
-                                            "i < L-1); vLLM ids = these + 1",
-                "target_config": target.layer_config_dict()}
 
     def attach_target(self, target) -> None:
         """Give the drafter the frozen target pieces it may use: the output head (teacher
@@ -261,23 +178,36 @@ class Drafter(nn.Module):
         return norm(h)
 
     def check_target(self, target, warn=None) -> None:
-        """Raise SpeculatorsError if ``target`` cannot serve this drafter (vocab or hidden size differ);
-        call ``warn(message)`` when the shapes fit but the weights differ from the training target's."""
+        """Check that ``target`` can serve this drafter; only checks, never changes ``target``.
+
+        The target must be loaded with the checkpoint's aux layer ids:
+        ``Target.load(ref, dtype, aux_layer_ids=drafter.meta.aux_layer_ids)``.
+
+        Args:
+            target: a :class:`speculators.target.Target`.
+            warn: called with one message when the shapes fit but the weights differ from the training
+                target's (fingerprint); ``None`` = no warning.
+        Raises:
+            SpeculatorsError: the vocab or hidden size differs from the training target's, or the target
+                taps other aux layers than the drafter was trained on (naming both lists).
+        """
         m = self.meta
         problems = []
-        if m.get("vocab_size") != target.vocab_size:
-            problems.append(f"vocab size {m.get('vocab_size')} != target's {target.vocab_size}")
-        if m.get("hidden_size") != target.hidden_size:
-            problems.append(f"hidden size {m.get('hidden_size')} != target's {target.hidden_size}")
+        if m.vocab_size != target.vocab_size:
+            problems.append(f"vocab size {m.vocab_size} != target's {target.vocab_size}")
+        if m.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {m.hidden_size} != target's {target.hidden_size}")
         if problems:
             raise SpeculatorsError(
-                f"checkpoint was trained for {m.get('name_or_path')!r}, not {target.name_or_path!r}: "
-                + "; ".join(problems))
-        if warn is not None and m.get("fingerprint") not in (None, target.fingerprint):
+                f"checkpoint was trained for {m.name_or_path!r}, not {target.name_or_path!r}: " + "; ".join(problems))
+        if list(m.aux_layer_ids) != list(target.aux_layer_ids):
+            raise SpeculatorsError(
+                f"target.aux_layer_ids: the target taps layers {list(target.aux_layer_ids)} but this drafter was "
+                f"trained on layers {list(m.aux_layer_ids)}; load the target with "
+                f"aux_layer_ids={list(m.aux_layer_ids)} (the checkpoint's)")
+        if warn is not None and m.fingerprint not in (None, target.fingerprint):
             warn(f"warning: {target.name_or_path!r} is not the target this drafter was trained for "
-                 f"({m.get('name_or_path')!r}, fingerprint {m.get('fingerprint')}); acceptance may suffer")
-        if list(m.get("aux_layer_ids", target.aux_layer_ids)) != list(target.aux_layer_ids):
-            target.aux_layer_ids = list(m["aux_layer_ids"])
+                 f"({m.name_or_path!r}, fingerprint {m.fingerprint}); acceptance may suffer")
 
     # ---------------------------------------------------------------- training
     def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -434,26 +364,30 @@ class Drafter(nn.Module):
             SpeculatorsError: not a checkpoint, another family, another target (fingerprint), or
                 weights that do not fit or are not finite.
         """
-        path = Path(path)
-        block = read_checkpoint_config(path, what="train.init_from: ")[TRAINING_KEY]
-        algo = block.get("drafter", {}).get("algorithm")
-        if algo != self.algorithm:
-            raise SpeculatorsError(f"train.init_from: {path} is a {algo!r} checkpoint; this recipe trains "
-                                   f"{self.algorithm!r}")
-        fp = block.get("target", {}).get("fingerprint")
-        if fp != self.meta.get("fingerprint"):
-            raise SpeculatorsError(f"train.init_from: {path} was trained for another target "
-                                   f"({block.get('target', {}).get('name_or_path')!r}, fingerprint {fp}); "
-                                   f"this recipe's target has fingerprint {self.meta.get('fingerprint')}")
-        weights = load_file(str(path / WEIGHTS_NAME))
-        check_finite_weights(weights, path / WEIGHTS_NAME)
+        weights = checkpoint.read_init_weights(path, self.algorithm, self.meta.fingerprint)
         self.load_export_state_dict(weights)
 
     # ---------------------------------------------------------------- inference
     def start(self, input_ids: torch.Tensor, features) -> Any:
         raise NotImplementedError
 
-    def propose(self, state: Any, k: int, sampling=None, generator: torch.Generator | None = None) -> Proposal:
+    def propose(self, state: Any, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """Up to ``k`` drafts for one request (:class:`speculators.generate.Proposer`'s ``propose``).
+
+        Args:
+            state: this drafter's per-request state from :meth:`start` / :meth:`advance`; left as found.
+            k: max drafts (>= 0).
+            sampling: the request's :class:`speculators.verify.SamplingParams` (batch of one); ``None`` =
+                greedy. Families draw each draft with :func:`speculators.losses.sample_draft`.
+            generator: torch generator of the draws; ``None`` = the request's own
+                (``sampling.generators[0]``), else torch's global RNG.
+        Returns:
+            :class:`Proposal`: ``token_ids [k']`` int64 target ids (``k' <= k``) and ``probs [k', V]``
+            float32 draft distributions, or ``None`` when greedy.
+        Raises:
+            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
+        """
         raise NotImplementedError
 
     def advance(self, state: Any, new_ids: torch.Tensor, features) -> None:
@@ -471,50 +405,19 @@ class Drafter(nn.Module):
     def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
         """How vLLM serves a checkpoint of this family whose ``config.json`` is ``config``.
 
-        Returns ``(method, note)``: ``method`` is the ``--speculative-config`` ``"method"`` vLLM accepts
-        for this layout, or ``None`` when vLLM cannot load the checkpoint as written (``note`` says why
-        and what to do). Default: the class's ``vllm_method`` / ``vllm_note``.
+        Returns ``(method, note)`` (:func:`speculators.export.vllm_serving`): ``method`` is the
+        ``--speculative-config`` ``"method"`` vLLM accepts for this layout, or ``None`` when vLLM cannot
+        load the checkpoint as written (``note`` says why and what to do). Default: the class's
+        ``vllm_method`` / ``vllm_note``; a family with several layouts overrides this.
         """
-        if cls.vllm_method is not None:
-            return cls.vllm_method, ""
-        return None, cls.vllm_note or f"vLLM has no loader for speculators `{cls.algorithm}` checkpoints"
+        return export.vllm_serving(cls.algorithm, cls.vllm_method, cls.vllm_note)
 
     @classmethod
     def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
-        """K (``num_speculative_tokens``) that a checkpoint's ``config.json`` declares: the speculators
-        proposal method's ``speculative_tokens``; ``None`` when the layout does not say."""
-        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        return methods[0].get("speculative_tokens")
-
-    def speculators_config(self, num_speculative_tokens: int) -> dict[str, Any]:
-        """The ``speculators_config`` block of the vllm-project/speculators format (FORMATS.md):
-        algorithm, greedy proposal method with ``speculative_tokens`` (vLLM's
-        ``num_speculative_tokens``) and the verifier (hub id or path, architectures)."""
-        m = self.meta
-        return {"algorithm": self.algorithm, "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": m["name_or_path"], "architectures": m["architectures"]}}
-
-    @staticmethod
-    def transformer_layer_config(layer_cfg) -> dict[str, Any]:
-        """A drafter's decoder config as the plain HF Llama dict vLLM expects in
-        ``transformer_layer_config``: RoPE written explicitly as ``rope_theta`` / ``rope_scaling``
-        (older readers ignore transformers 5's ``rope_parameters`` and would silently fall back to
-        the default theta), bookkeeping keys dropped."""
-        d = layer_cfg.to_dict() if hasattr(layer_cfg, "to_dict") else dict(layer_cfg)
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-                    "_model_name_or_path", "quantization_config", "tie_word_embeddings"):
-            d.pop(key, None)
-        rp = d.get("rope_parameters") or {}
-        if "rope_theta" not in d and "rope_theta" in rp:
-            d["rope_theta"] = rp["rope_theta"]
-        if "rope_scaling" not in d:
-            d["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else \
-                {k: v for k, v in rp.items() if k != "rope_theta"}
-        d["model_type"] = "llama"
-        d["architectures"] = ["LlamaForCausalLM"]
-        return d
+        """K (``num_speculative_tokens``) that a checkpoint's ``config.json`` declares
+        (:func:`speculators.export.speculative_tokens`); ``None`` when the layout does not say. A family
+        with its own layout overrides this."""
+        return export.speculative_tokens(config)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the names vLLM expects (default: the module's own state dict)."""
@@ -539,76 +442,30 @@ class Drafter(nn.Module):
     def save_pretrained(self, path: str | Path, recipe_yaml: str | None = None,
                         extra_files: dict[str, str] | None = None, overwrite: bool = True,
                         extra=None) -> Path:
-        """Write ``config.json``, ``model.safetensors`` (and ``recipe.yaml``) atomically to ``path``.
+        """Write the checkpoint directory ``path`` atomically (:func:`.checkpoint.save_pretrained`):
+        ``config.json``, ``model.safetensors``, ``recipe.yaml`` when given, ``extra_files`` (name -> text),
+        a joint run's ``target_adapter/``; ``extra(tmp_dir)`` may write more files inside the same rename.
 
-        ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename.
-        A joint run also writes the target's LoRA adapter to ``target_adapter/`` (see ``joint.py``).
+        Raises:
+            SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory.
         """
-        from .joint import ADAPTER_DIR
-
-        jt = getattr(self, "joint_target", None)
-        cfg = self.export_config()
-        cfg["speculators_version"] = __version__
-        cfg[TRAINING_KEY] = {"drafter": self.cfg.model_dump(), "target": self.meta}
-        if jt is not None:
-            cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
-            if "speculators_config" in cfg:  # the verifier is the base model with this adapter merged
-                cfg["speculators_config"]["verifier"]["lora_adapter"] = ADAPTER_DIR
-        with atomic_dir(path, overwrite=overwrite) as tmp:
-            (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
-            save_file(self.export_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-            if recipe_yaml is not None:
-                (tmp / RECIPE_NAME).write_text(recipe_yaml)
-            for name, text in (extra_files or {}).items():
-                (tmp / name).write_text(text)
-            if jt is not None:
-                jt.save_adapter(tmp / ADAPTER_DIR)
-            if extra is not None:
-                extra(tmp)
-        return Path(path)
+        return checkpoint.save_pretrained(self, path, recipe_yaml=recipe_yaml, extra_files=extra_files,
+                                          overwrite=overwrite, extra=extra)
 
     @classmethod
-    def _build(cls, cfg: DrafterConfig, meta: dict[str, Any], weights: dict[str, torch.Tensor]) -> "Drafter":
-        """Construct an empty module of this family from a checkpoint's config and weights."""
+    def _build(cls, cfg: DrafterConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> "Drafter":
+        """Construct an empty module of this family from a checkpoint's config, target facts and weights
+        (``weights`` only to read sizes the config does not hold, e.g. the draft vocabulary's)."""
         raise NotImplementedError
 
     @staticmethod
     def from_pretrained(path: str | Path) -> "Drafter":
-        """Load a checkpoint directory written by ``save_pretrained``.
+        """Load a checkpoint directory written by ``save_pretrained`` (:func:`.checkpoint.from_pretrained`),
+        in eval mode, as the family its config names.
 
         Raises:
-            SpeculatorsError: missing directory/files, unknown family, weights that do not match, or a
-                NaN/inf in a weight (of the drafter or of a joint run's target adapter), naming the file
-                and the tensor.
+            SpeculatorsError: missing directory/files, unknown family, invalid config or target facts,
+                weights that do not match, or a NaN/inf in a weight (of the drafter or of a joint run's
+                target adapter), naming the file and the tensor.
         """
-        path = Path(path)
-        cfg_file = path / CONFIG_NAME
-        raw = read_checkpoint_config(path)
-        cls = registry.get(raw[TRAINING_KEY].get("drafter", {}).get("algorithm"))
-        try:
-            cfg = cls.config_class.model_validate(raw[TRAINING_KEY]["drafter"])
-        except ValueError as e:  # pydantic ValidationError
-            raise SpeculatorsError(f"{cfg_file}: invalid drafter config: {e}".splitlines()[0]) from None
-        try:
-            weights = load_file(str(path / WEIGHTS_NAME))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise SpeculatorsError(f"{path / WEIGHTS_NAME}: cannot read weights ({e})") from None
-        check_finite_weights(weights, path / WEIGHTS_NAME)
-        drafter = cls._build(cfg, raw[TRAINING_KEY]["target"], weights)
-        drafter.load_export_state_dict(weights)
-        adapter = raw[TRAINING_KEY].get("target_adapter")
-        if adapter is not None:
-            if not (path / adapter / "adapter_config.json").is_file():
-                raise SpeculatorsError(f"{path}: a joint checkpoint without its target adapter "
-                                       f"({path / adapter}/adapter_config.json is missing)")
-            from .joint import ADAPTER_WEIGHTS
-
-            adapter_file = path / adapter / ADAPTER_WEIGHTS
-            if adapter_file.is_file():
-                try:
-                    adapter_weights = load_file(str(adapter_file))
-                except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                    raise SpeculatorsError(f"{adapter_file}: cannot read the adapter weights ({e})") from None
-                check_finite_weights(adapter_weights, adapter_file)
-            drafter.target_adapter_dir = path / adapter
-        return drafter.eval()
+        return checkpoint.from_pretrained(path)

@@ -29,11 +29,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, field_validator
 from torch import nn
 
-from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from .. import export
+from ..data.vocab import DraftVocab
+from ..losses import chained_acceptance, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
+from ..verify import SamplingParams
+from .base import Drafter, DrafterConfig, Proposal, register
+from .checkpoint import TargetMeta
 from .layers import (
     DecoderLayer,
     KVCache,
@@ -93,11 +97,11 @@ class EagleDrafter(Drafter):
     vllm_note = ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
                  "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
 
-    def __init__(self, cfg: EagleConfig, meta: dict[str, Any]):
+    def __init__(self, cfg: EagleConfig, meta: TargetMeta):
         super().__init__(cfg, meta)
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-        self.layer_cfg = layer_config(meta["target_config"], num_hidden_layers=cfg.num_layers, **over)
-        H, V = self.layer_cfg.hidden_size, meta["vocab_size"]
+        self.layer_cfg = layer_config(self.meta.target_config, num_hidden_layers=cfg.num_layers, **over)
+        H, V = self.layer_cfg.hidden_size, self.meta.vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
@@ -115,7 +119,8 @@ class EagleDrafter(Drafter):
         return cls._from_target_full_vocab(cfg, target, vocab)
 
     @classmethod
-    def _build(cls, cfg, meta, weights):
+    def _build(cls, cfg: EagleConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> EagleDrafter:
+        """Empty module: every size comes from ``cfg`` and ``meta`` (full target vocabulary)."""
         return cls(cfg, meta)
 
     # ------------------------------------------------------------------ the network
@@ -219,9 +224,11 @@ class EagleDrafter(Drafter):
 
         Returns:
             loss (scalar) and metrics ``loss_feat, loss_tok, full_acc_j, cond_acc_j`` (j < sim_steps)
-            and ``sim_tau = 1 + sum_j full_acc_j``. ``full_acc_0`` is the top-1 agreement of the draft
-            with the target's greedy token at t+1; step j > 0 replays inference (own feature and
-            argmax fed back) and counts index t when steps 0..j are all valid and correct.
+            and ``sim_tau = 1 + sum_j full_acc_j`` (:func:`speculators.losses.chained_acceptance`).
+            Step j's draft at t is correct when it equals the target's greedy token at ``t + 1 + j``
+            and labelled when ``x_{t+2+j}`` is an assistant token; step j > 0 replays inference (own
+            feature and argmax fed back) and runs only at indices whose chain is still accepted and
+            labelled (the only ones the metric can count).
         """
         cfg: EagleConfig = self.cfg
         w = self._teacher_head
@@ -232,19 +239,16 @@ class EagleDrafter(Drafter):
         feats = batch.top
         if self.training:
             feats = self.add_noise(feats, batch.attention_mask)
-        metrics: dict[str, float] = {}
-        tau = [1.0]
+        corrects: list[torch.Tensor] = []  # per step: correct where the step computed logits, else False
 
         def rows_fn(j, prev_rows, prev_pred):
             if j == 0:
                 return valid[0]
-            full = torch.zeros_like(prev_rows)
-            full[prev_rows] = prev_pred == goal[j - 1][prev_rows]
-            n_den = valid[j - 1].sum().clamp(min=1)
-            metrics[f"full_acc_{j - 1}"] = float(full.sum() / n_den)
-            metrics[f"cond_acc_{j - 1}"] = float(full.sum() / prev_rows.sum().clamp(min=1))
-            tau[0] += metrics[f"full_acc_{j - 1}"]
-            return full & valid[j] if j < len(valid) else None
+            correct = torch.zeros_like(prev_rows)
+            correct[prev_rows] = prev_pred == goal[j - 1][prev_rows]
+            corrects.append(correct)
+            # step j only runs where the chain is still accepted and labelled: no other index can count
+            return correct & valid[j] if j < len(valid) else None
 
         steps = self._unroll(shift_left(batch.input_ids, 1), feats, shift_left(batch.attention_mask, 1),
                              cfg.sim_steps, rows_fn)
@@ -254,18 +258,17 @@ class EagleDrafter(Drafter):
         with torch.no_grad():
             target_feat = shift_left(batch.top, 1)[rows0]
             teacher_p = torch.softmax(self.target_lm_head(target_feat).float(), dim=-1)
-        feat_err = F.smooth_l1_loss(f0[rows0].float(), target_feat.float(), reduction="none", beta=1.0).mean(-1)
-        sum_feat = feat_err.sum()
-        sum_tok = -(teacher_p * torch.log_softmax(logits0, dim=-1)).sum()
+        sum_feat = smooth_l1_feature_loss(f0[rows0], target_feat, beta=1.0)
+        sum_tok = soft_cross_entropy(logits0, teacher_p)
         loss_feat, loss_tok = sum_feat.detach() / n_valid, sum_tok.detach() / n_valid
         # one count for both terms: (w_feat * S_feat + w_tok * S_tok) / norm[0]
         total, _ = self._combine_terms([cfg.w_feat * sum_feat + cfg.w_tok * sum_tok], [1.0], counts, norm)
-        with torch.no_grad():  # the last step's accuracy (earlier ones were recorded by rows_fn)
+        with torch.no_grad():  # the last step's correctness (earlier ones were recorded by rows_fn)
             _, rows, logits = steps[-1]
             rows_fn(cfg.sim_steps, rows, logits.argmax(-1))
+        metrics = chained_acceptance(corrects, valid)
         metrics["loss_feat"] = float(loss_feat.detach())
         metrics["loss_tok"] = float(loss_tok.detach())
-        metrics["sim_tau"] = tau[0]
         return total, metrics
 
     # ------------------------------------------------------------------ inference
@@ -298,26 +301,27 @@ class EagleDrafter(Drafter):
         state.last_feature, state.last_logits = f, logits
 
     @torch.no_grad()
-    def propose(self, state: EagleState, k: int, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+    def propose(self, state: EagleState, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
         """Autoregressive chain of ``k`` drafts; draft i > 0 feeds back ``(f, d_{i-1})``.
 
-        Greedy when ``temperature == 0`` (probs None); otherwise each draft is sampled from
-        ``apply_sampling`` of the draft logits (same temperature/top-k/top-p as the target) and the
-        ``[k, V]`` float32 distributions are returned for the verifier. The KV cache is rolled back.
-        """
-        from ..verify import apply_sampling
+        Each draft comes from :func:`speculators.losses.sample_draft` on the target-head logits under
+        ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of one; ``None``
+        = greedy): greedy gives the argmax and ``probs=None``; otherwise the draft is drawn under the
+        same temperature/top-k/top-p as the target, with ``generator`` (default: the request's own),
+        and the ``[k, V]`` float32 distributions are returned for the verifier. The KV cache is
+        rolled back.
 
+        Raises:
+            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
+        """
         feat, logits = state.last_feature, state.last_logits
         toks, probs = [], []
         for i in range(k):
-            if temperature == 0.0:
-                d = int(logits.argmax())
-            else:
-                q = apply_sampling(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
-                                   torch.tensor([top_p]))[0]
-                d = int(torch.multinomial(q, 1, generator=generator))
-                probs.append(q.float().cpu())
+            ids, q = sample_draft(logits, sampling, generator)
+            d = int(ids[0])
+            if q is not None:
+                probs.append(q[0])
             toks.append(d)
             if i + 1 < k:
                 emb = self.embed_tokens(torch.tensor([[d]], device=self.fc.weight.device))
@@ -333,14 +337,14 @@ class EagleDrafter(Drafter):
         (``fc.bias [H]`` when ``fc_bias``), ``layers.{i}.*`` (layer 0 without ``input_layernorm``),
         ``embed_tokens.weight [V, H]`` (vLLM skips it and shares the target's); no lm_head, no norm.
         """
-        cfg = self.cfg
-        layer = self.transformer_layer_config(self.layer_cfg)
+        m, cfg = self.meta, self.cfg
         return {
             "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
             "speculators_model_type": "eagle",
-            "speculators_config": self.speculators_config(cfg.num_speculative_tokens),
+            "speculators_config": export.speculators_config(self.algorithm, cfg.num_speculative_tokens,
+                                                            m.name_or_path, m.architectures),
             "transformer_layer_architecture": "LlamaDecoderLayer",
-            "transformer_layer_config": layer,
+            "transformer_layer_config": export.transformer_layer_config(self.layer_cfg),
             "layernorms": False,
             "fusion_bias": cfg.fc_bias,
             "tie_word_embeddings": False,

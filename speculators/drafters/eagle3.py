@@ -24,11 +24,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from .base import DraftVocab, Drafter, DrafterConfig, Proposal, register
+from .. import export
+from ..data.vocab import DraftVocab
+from ..errors import SpeculatorsError
+from ..losses import (
+    chained_acceptance,
+    draft_to_target,
+    hard_cross_entropy,
+    sample_draft,
+    soft_cross_entropy,
+    target_to_draft,
+)
+from ..verify import SamplingParams
+from .base import Drafter, DrafterConfig, Proposal, register
+from .checkpoint import TargetMeta
 from .layers import (
     DecoderLayer,
     KVCache,
@@ -86,12 +98,11 @@ class Eagle3Drafter(Drafter):
     config_class = Eagle3Config
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
 
-    def __init__(self, cfg: Eagle3Config, meta: dict[str, Any], draft_vocab_size: int):
+    def __init__(self, cfg: Eagle3Config, meta: TargetMeta, draft_vocab_size: int):
         super().__init__(cfg, meta)
-        tcfg = meta["target_config"]
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-        self.layer_cfg = layer_config(tcfg, num_hidden_layers=cfg.num_layers, **over)
-        H, V, n_aux = self.layer_cfg.hidden_size, meta["vocab_size"], len(meta["aux_layer_ids"])
+        self.layer_cfg = layer_config(self.meta.target_config, num_hidden_layers=cfg.num_layers, **over)
+        H, V, n_aux = self.layer_cfg.hidden_size, self.meta.vocab_size, len(self.meta.aux_layer_ids)
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
@@ -108,7 +119,7 @@ class Eagle3Drafter(Drafter):
     @classmethod
     def from_target(cls, cfg: Eagle3Config, target, vocab: DraftVocab) -> "Eagle3Drafter":
         """Fresh drafter: embedding copied (frozen), lm_head from the target's rows of the draft vocab."""
-        d = cls(cfg, cls.target_meta(target), vocab.size)
+        d = cls(cfg, TargetMeta.from_target(target), vocab.size)
         with torch.no_grad():
             d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
             d.lm_head.weight.copy_(target.lm_head_weight.float()[vocab.target_ids])
@@ -118,13 +129,21 @@ class Eagle3Drafter(Drafter):
         return d
 
     @classmethod
-    def _build(cls, cfg, meta, weights):
+    def _build(cls, cfg: Eagle3Config, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> "Eagle3Drafter":
+        """Empty module; the draft vocabulary size is ``lm_head.weight``'s row count.
+
+        Raises:
+            SpeculatorsError: the checkpoint has no ``lm_head.weight``.
+        """
+        if "lm_head.weight" not in weights:
+            raise SpeculatorsError("eagle3 checkpoint: model.safetensors has no 'lm_head.weight' "
+                                   "(needed for the draft vocabulary size)")
         return cls(cfg, meta, weights["lm_head.weight"].shape[0])
 
     @property
     def draft_ids(self) -> torch.Tensor:
         """``[N]`` target ids of the draft vocabulary."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``[..., n_aux*H]`` aux hidden states -> ``[..., H]`` fused features g."""
@@ -148,12 +167,18 @@ class Eagle3Drafter(Drafter):
     def counts_use_argmax(self) -> bool:
         return True  # a position counts only if the target's argmax is in the draft vocabulary
 
-    def _valid_masks(self, batch) -> list[torch.Tensor]:
-        """``[B, T]`` bool per TTT step j: token ``t + 2 + j`` is a real assistant token and the target's
-        argmax at ``t + 1 + j`` lies in the draft vocabulary (used by :meth:`loss` and :meth:`loss_counts`)."""
-        in_vocab = self.t2d[batch.argmax.to(self.t2d.device)].to(batch.argmax.device)  # [B, T]
+    def _label_masks(self, batch) -> list[torch.Tensor]:
+        """``[B, T]`` bool per TTT step j: token ``t + 2 + j`` (the one step j drafts) is a real assistant
+        token: the ``labelled`` masks of :func:`speculators.losses.chained_acceptance`."""
         lm = batch.loss_mask & batch.attention_mask
-        return [shift_left(lm, 2 + j) & shift_left(in_vocab, 1 + j) for j in range(self.cfg.ttt_steps)]
+        return [shift_left(lm, 2 + j) for j in range(self.cfg.ttt_steps)]
+
+    def _valid_masks(self, batch) -> list[torch.Tensor]:
+        """``[B, T]`` bool per TTT step j: the step's label mask (:meth:`_label_masks`) and the target's
+        argmax at ``t + 1 + j`` lies in the draft vocabulary (the LOSS's positions, used by :meth:`loss`
+        and :meth:`loss_counts`; the metrics count out-of-vocabulary tokens as misses instead)."""
+        in_vocab = self.t2d[batch.argmax.to(self.t2d.device)].to(batch.argmax.device)  # [B, T]
+        return [lab & shift_left(in_vocab, 1 + j) for j, lab in enumerate(self._label_masks(batch))]
 
     def loss_counts(self, batch) -> torch.Tensor:
         """``[ttt_steps]`` int64: valid positions of each TTT step's term (see :meth:`Drafter.loss_counts`)."""
@@ -164,12 +189,14 @@ class Eagle3Drafter(Drafter):
         target distribution at ``t + 1 + j`` restricted to the draft vocab, summed over valid positions
         and divided by ``norm[j]`` (default: their count, i.e. the mean; see :meth:`Drafter.loss`).
 
-        Valid (t, j): token ``t + 2 + j`` is a real assistant token and the target's argmax at
-        ``t + 1 + j`` lies in the draft vocabulary.
+        Valid (t, j) for the loss: token ``t + 2 + j`` is a real assistant token and the target's argmax
+        at ``t + 1 + j`` lies in the draft vocabulary (a label outside it cannot be learned).
 
         Returns:
             loss (scalar) and metrics ``loss_j`` (this batch's mean), ``full_acc_j, cond_acc_j, sim_tau``
-            (accuracies are the top-1 agreement with the target's greedy token, in target-id space).
+            from :func:`speculators.losses.chained_acceptance`: step j's draft at t is correct when it
+            equals the target's greedy token at ``t + 1 + j`` (target-id space, so a token outside the
+            draft vocabulary is a miss), labelled when token ``t + 2 + j`` is a real assistant token.
         """
         cfg: Eagle3Config = self.cfg
         B, T = batch.input_ids.shape
@@ -191,8 +218,7 @@ class Eagle3Drafter(Drafter):
         ks: list[list[torch.Tensor]] = [[] for _ in self.layers]
         vs: list[list[torch.Tensor]] = [[] for _ in self.layers]
         metrics: dict[str, float] = {}
-        prev_full = None
-        sim_tau = 1.0
+        corrects: list[torch.Tensor] = []
         tokens = shift_left(batch.input_ids, 1)
         for j in range(cfg.ttt_steps):
             pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
@@ -206,32 +232,20 @@ class Eagle3Drafter(Drafter):
 
             hidden = self._run_layers(emb, hidden, cos, sin, attend)
             logits = self.lm_head(self.norm(hidden)).float()  # [B, T, N]
-            valid = valids[j]
-            n_valid = counts[j].clamp(min=1)
-            logp = torch.log_softmax(logits, dim=-1)
+            goal = shift_left(batch.argmax, 1 + j)  # the target's greedy token at t + 1 + j
             if cfg.loss == "kl":
-                ce = -(shift_left(teacher_p, 1 + j) * logp).sum(-1)
+                sums.append(soft_cross_entropy(logits, shift_left(teacher_p, 1 + j), valids[j]))
             else:
-                tgt = torch.searchsorted(draft_ids, shift_left(batch.argmax, 1 + j).clamp(max=draft_ids[-1]))
-                ce = F.nll_loss(logp.transpose(1, 2), tgt, reduction="none")
-            sums.append((ce * valid).sum())
-            loss_j = sums[-1].detach() / n_valid
+                sums.append(hard_cross_entropy(logits, target_to_draft(goal, self.t2d)[0], valids[j]))
             with torch.no_grad():
                 pred = draft_ids[logits.argmax(-1)]
-                correct = pred == shift_left(batch.argmax, 1 + j)
-                full = correct if prev_full is None else (prev_full & correct)
-                full_acc = float((full & valid).sum() / n_valid)
-                cond_den = valid.sum() if prev_full is None else (prev_full & valid).sum()
-                metrics[f"loss_{j}"] = float(loss_j)
-                metrics[f"full_acc_{j}"] = full_acc
-                metrics[f"cond_acc_{j}"] = float((full & valid).sum() / cond_den.clamp(min=1))
-                sim_tau += full_acc
-                prev_full = full
+                corrects.append(pred == goal)  # target-id space: an out-of-vocabulary goal is a miss
+                metrics[f"loss_{j}"] = float(sums[-1].detach() / counts[j].clamp(min=1))
             if cfg.ttt_input == "draft":
                 tokens = pred.detach()
             else:
                 tokens = shift_left(batch.input_ids, 2 + j)
-        metrics["sim_tau"] = sim_tau
+        metrics.update(chained_acceptance(corrects, self._label_masks(batch)))
         total, _ = self._combine_terms(sums, [cfg.ttt_decay ** j for j in range(cfg.ttt_steps)], counts, norm)
         return total, metrics
 
@@ -268,33 +282,30 @@ class Eagle3Drafter(Drafter):
         state.last_hidden, state.last_logits = h[:, -1:], logits
 
     @torch.no_grad()
-    def propose(self, state: Eagle3State, k: int, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
-        """Autoregressive chain of ``k`` drafts with the drafter's own KV cache.
+    def propose(self, state: Eagle3State, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """Autoregressive chain of ``k`` drafts with the drafter's own KV cache (rolled back on return).
 
-        Greedy when ``temperature == 0`` (probs None: point-mass drafts); otherwise each draft is
-        sampled from the draft distribution processed with the same temperature/top-k/top-p as the
-        target, returned as full-vocabulary ``[k, V]`` probabilities for the verifier.
+        Each draft comes from :func:`speculators.losses.sample_draft` on the step's draft-vocabulary
+        logits under ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of
+        one; ``None`` = greedy): greedy gives the argmax and ``probs=None`` (point-mass drafts);
+        otherwise the draft is drawn from the same temperature/top-k/top-p transform the verifier
+        applies to the target, with ``generator`` (default: the request's own), and the ``[k, V]``
+        float32 full-vocabulary distributions (zero outside the draft vocabulary) are returned.
+
+        Raises:
+            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
         """
-        from ..verify import apply_sampling
-
-        draft_ids = self.draft_ids
         V = self.t2d.numel()
         hidden, logits = state.last_hidden, state.last_logits
         toks, probs = [], []
         for i in range(k):
-            if temperature == 0.0:
-                d = int(logits.argmax())
-            else:
-                q = apply_sampling(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
-                                   torch.tensor([top_p]))[0]
-                d = int(torch.multinomial(q, 1, generator=generator))
-                full = torch.zeros(V, dtype=torch.float32)
-                full[draft_ids] = q.float().cpu()
-                probs.append(full)
-            toks.append(int(draft_ids[d]))
+            ids, q = sample_draft(logits, sampling, generator, d2t=self.d2t, vocab_size=V)
+            toks.append(int(ids[0]))
+            if q is not None:
+                probs.append(q[0])
             if i + 1 < k:
-                emb = self.embed_tokens(draft_ids[d].reshape(1, 1))
+                emb = self.embed_tokens(ids.reshape(1, 1).to(self.embed_tokens.weight.device))
                 hidden, logits = self._forward_cached(state.cache, emb, hidden,
                                                       start_pos=state.num_positions + 1 + i)
         state.cache.crop(state.num_positions)
@@ -304,14 +315,14 @@ class Eagle3Drafter(Drafter):
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
         m, cfg = self.meta, self.cfg
-        layer = self.transformer_layer_config(self.layer_cfg)
         return {
             "architectures": ["Eagle3DraftModel"],
             "speculators_model_type": "eagle3",
-            "speculators_config": self.speculators_config(cfg.num_speculative_tokens),
-            "transformer_layer_config": layer,
+            "speculators_config": export.speculators_config(self.algorithm, cfg.num_speculative_tokens,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(self.layer_cfg),
             "draft_vocab_size": int(self.d2t.numel()),
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in m["aux_layer_ids"]],
+            "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
             "target_hidden_size": None,
             "norm_before_residual": False,
             "norm_before_fc": cfg.norm_before_fc,

@@ -182,7 +182,7 @@ class JointTarget(nn.Module):
         f = Path(directory) / ADAPTER_WEIGHTS
         if not f.is_file():
             raise SpeculatorsError(f"{f}: missing; the checkpoint has no target adapter to resume from")
-        from .base import check_finite_weights
+        from .checkpoint import check_finite_weights
 
         weights = load_file(str(f))
         check_finite_weights(weights, f)

@@ -46,8 +46,20 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from .. import export
+from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
-from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from ..losses import (
+    chained_acceptance,
+    draft_to_target,
+    hard_cross_entropy,
+    sample_draft,
+    soft_cross_entropy,
+    target_to_draft,
+)
+from ..verify import SamplingParams
+from .base import Drafter, DrafterConfig, Proposal, register
+from .checkpoint import TargetMeta
 from .joint import JointConfig
 from .layers import layer_config
 
@@ -100,18 +112,18 @@ class MedusaDrafter(Drafter):
     @classmethod
     def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
         """vLLM loads Medusa in its own layout (``export: vllm-medusa``, ``method: medusa``) only."""
-        if config.get("model_type") == "medusa":
-            return "medusa", ""
-        return None, "vLLM loads Medusa heads in its own layout: train with `drafter.export: vllm-medusa`"
+        method = "medusa" if config.get("model_type") == "medusa" else None
+        return export.vllm_serving(cls.algorithm, method, "vLLM loads Medusa heads in its own layout: train with "
+                                                          "`drafter.export: vllm-medusa`")
 
     @classmethod
     def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
         """vLLM's native Medusa config has no speculators block: K is its ``num_heads``."""
         return super().speculative_tokens(config) or config.get("num_heads")
 
-    def __init__(self, cfg: MedusaConfig, meta: dict[str, Any], draft_vocab_size: int):
+    def __init__(self, cfg: MedusaConfig, meta: TargetMeta, draft_vocab_size: int):
         super().__init__(cfg, meta)
-        H, V = int(meta["hidden_size"]), int(meta["vocab_size"])
+        H, V = self.meta.hidden_size, self.meta.vocab_size
         self.blocks = nn.ModuleList([_ResBlocks(H, cfg.num_layers) for _ in range(cfg.num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(H, draft_vocab_size, bias=False) for _ in range(cfg.num_heads)])
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
@@ -122,7 +134,7 @@ class MedusaDrafter(Drafter):
     def from_target(cls, cfg: MedusaConfig, target, vocab: DraftVocab) -> MedusaDrafter:
         """Fresh drafter: zero residual blocks (W and b), each head's lm_head = the target's rows of the
         draft vocabulary (so every head starts as the target's own next-token head)."""
-        d = cls(cfg, cls.target_meta(target), vocab.size)
+        d = cls(cfg, TargetMeta.from_target(target), vocab.size)
         with torch.no_grad():
             rows = target.lm_head_weight.detach().float()[vocab.target_ids]
             for head in d.lm_heads:
@@ -137,7 +149,7 @@ class MedusaDrafter(Drafter):
         return d
 
     @classmethod
-    def _build(cls, cfg: MedusaConfig, meta: dict[str, Any], weights: dict[str, torch.Tensor]) -> MedusaDrafter:
+    def _build(cls, cfg: MedusaConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> MedusaDrafter:
         """Empty module for either layout: the draft vocab size is ``d2t``'s length (speculators layout),
         else ``token_map``'s (vLLM layout with a truncated vocab), else the full target vocab."""
         if "d2t" in weights:
@@ -145,7 +157,7 @@ class MedusaDrafter(Drafter):
         elif "token_map" in weights:
             n = weights["token_map"].numel()
         else:
-            n = int(meta["vocab_size"])
+            n = meta.vocab_size
         return cls(cfg, meta, n)
 
     @property
@@ -159,7 +171,7 @@ class MedusaDrafter(Drafter):
     @property
     def draft_ids(self) -> torch.Tensor:
         """``[N]`` int64 target ids of the draft vocabulary (sorted)."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
 
     @property
     def full_vocab(self) -> bool:
@@ -219,10 +231,10 @@ class MedusaDrafter(Drafter):
             norm: ``[num_heads]`` divisors, see :meth:`loss_counts`.
         Returns:
             loss (scalar) and metrics, with ``j = k - 1`` (0-based draft position):
-            ``loss_j`` (this batch's mean); ``full_acc_j`` = fraction of assistant positions ``t+k+1`` where heads 1..k all
-            predict the target's greedy token (``argmax[t+i]`` for head i, target-id space; a token
-            outside the draft vocab counts as a miss); ``cond_acc_j`` = the same given heads 1..k-1 were
-            right; ``sim_tau = 1 + sum_j full_acc_j`` (simulated greedy acceptance length).
+            ``loss_j`` (this batch's mean); ``full_acc_j``, ``cond_acc_j``, ``sim_tau`` from
+            :func:`speculators.losses.chained_acceptance`: head i's draft at t is correct when it equals
+            the target's greedy token ``argmax[t+i]`` (target-id space; a token outside the draft vocab
+            counts as a miss), labelled when ``x_{t+i+1}`` is an assistant token.
         Raises:
             RuntimeError: ``distill`` without ``attach_target``.
         """
@@ -234,38 +246,26 @@ class MedusaDrafter(Drafter):
             with torch.no_grad():
                 teacher_p = torch.softmax(self._teacher_logits(batch.top).float(), dim=-1)  # [B, T, N]
         # data token -> draft index (only meaningful where the token is in the draft vocab)
-        tok_draft = torch.searchsorted(draft_ids, batch.input_ids.clamp(max=int(draft_ids[-1])))
+        tok_draft = target_to_draft(batch.input_ids, self.t2d)[0]
         valids = self._valid_masks(batch)
         counts = torch.stack([v.sum() for v in valids])
         sums: list[torch.Tensor] = []
         metrics: dict[str, float] = {}
-        sim_tau = 1.0
-        prev_full = None
+        corrects: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
         for k in range(1, self.num_heads + 1):
             L = max(T - k - 1, 0)  # positions t = 0..L-1 have a label at t+k+1 < T (empty when T is short)
             logits = self.lm_heads[k - 1](self.blocks[k - 1](batch.top[:, :L])).float()  # [B, L, N]
-            logp = torch.log_softmax(logits, dim=-1)
-            lbl_mask = assistant[:, k + 1:]  # [B, L]: x_{t+k+1} is an assistant token
-            valid = valids[k - 1]
             if cfg.distill:
-                ce = -(teacher_p[:, k:T - 1] * logp).sum(-1)
+                sums.append(soft_cross_entropy(logits, teacher_p[:, k:T - 1], valids[k - 1]))
             else:
-                ce = -logp.gather(-1, tok_draft[:, k + 1:].unsqueeze(-1)).squeeze(-1)
-            sums.append((ce * valid).sum())
-            loss_k = sums[-1].detach() / counts[k - 1].clamp(min=1)
+                sums.append(hard_cross_entropy(logits, tok_draft[:, k + 1:], valids[k - 1]))
             with torch.no_grad():
-                correct = draft_ids[logits.argmax(-1)] == batch.argmax[:, k:T - 1]  # [B, L]
-                full = correct if prev_full is None else prev_full[:, :L] & correct
-                n_lbl = lbl_mask.sum()
-                full_acc = float((full & lbl_mask).sum() / n_lbl.clamp(min=1))
-                cond_den = n_lbl if prev_full is None else (prev_full[:, :L] & lbl_mask).sum()
-                j = k - 1
-                metrics[f"loss_{j}"] = float(loss_k)
-                metrics[f"full_acc_{j}"] = full_acc
-                metrics[f"cond_acc_{j}"] = float((full & lbl_mask).sum() / cond_den.clamp(min=1))
-                sim_tau += full_acc
-                prev_full = full
-        metrics["sim_tau"] = sim_tau
+                # head k vs the target's greedy token at t+k (target-id space: out-of-vocab is a miss)
+                corrects.append(draft_ids[logits.argmax(-1)] == batch.argmax[:, k:T - 1])  # [B, L]
+                labels.append(assistant[:, k + 1:])  # [B, L]: x_{t+k+1} is an assistant token
+                metrics[f"loss_{k - 1}"] = float(sums[-1].detach() / counts[k - 1].clamp(min=1))
+        metrics.update(chained_acceptance(corrects, labels))
         total, _ = self._combine_terms(sums, [cfg.head_decay ** j for j in range(self.num_heads)], counts, norm)
         return total, metrics
 
@@ -290,30 +290,26 @@ class MedusaDrafter(Drafter):
         state.logits = self._run_heads(features)
 
     @torch.no_grad()
-    def propose(self, state: MedusaState, k: int, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+    def propose(self, state: MedusaState, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
         """Drafts ``x_{n+1}..x_{n+k'}`` from heads ``1..k'``, ``k' = min(k, num_heads)`` (one pass).
 
-        Greedy when ``temperature == 0`` (each head's top-1, probs None); otherwise draft i is sampled
-        from head i's distribution processed with the same temperature/top-k/top-p as the target and
-        returned as full-vocabulary ``[k', V]`` float32 probabilities (zero outside the draft vocab).
-        The state is not modified.
-        """
-        from ..verify import apply_sampling
+        The heads' draft-vocabulary logits go through :func:`speculators.losses.sample_draft` under
+        ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of one; ``None`` =
+        greedy): greedy gives each head's top-1 and ``probs=None``; otherwise draft i is drawn from head
+        i's distribution under the same temperature/top-k/top-p as the target (one multinomial call
+        for the k' rows, with ``generator``, default the request's own) and the ``[k', V]`` float32
+        full-vocabulary distributions (zero outside the draft vocab) are returned. The state is not
+        modified.
 
+        Raises:
+            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
+        """
         kk = max(0, min(int(k), self.num_heads))
-        draft_ids = self.draft_ids.cpu()
-        logits = state.logits[:kk]
         if kk == 0:
             return Proposal(torch.empty(0, dtype=torch.int64))
-        if temperature == 0.0:
-            return Proposal(draft_ids[logits.argmax(-1).cpu()])
-        q = apply_sampling(logits, torch.full((kk,), float(temperature)), torch.full((kk,), int(top_k)),
-                           torch.full((kk,), float(top_p))).float().cpu()
-        idx = torch.multinomial(q, 1, generator=generator).reshape(-1)
-        probs = torch.zeros(kk, self.t2d.numel(), dtype=torch.float32)
-        probs[:, draft_ids] = q
-        return Proposal(draft_ids[idx], probs)
+        ids, probs = sample_draft(state.logits[:kk], sampling, generator, d2t=self.d2t, vocab_size=self.t2d.numel())
+        return Proposal(ids, probs)
 
     # ------------------------------------------------------------------ formats
     def export_config(self) -> dict[str, Any]:
@@ -326,7 +322,7 @@ class MedusaDrafter(Drafter):
         -inf elsewhere).
         """
         m, cfg = self.meta, self.cfg
-        H, V, N = int(m["hidden_size"]), int(m["vocab_size"]), int(self.d2t.numel())
+        H, V, N = m.hidden_size, m.vocab_size, int(self.d2t.numel())
         # vLLM builds its ResidualBlock linears with a bias only when medusa_fc_bias is true
         heads = {"num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
                  "medusa_fc_bias": True, "original_lm_head": False}
@@ -336,12 +332,13 @@ class MedusaDrafter(Drafter):
             if N < V:
                 out["truncated_vocab_size"] = N
             return out
-        layer = self.transformer_layer_config(layer_config(m["target_config"], num_hidden_layers=cfg.num_layers))
+        layer = layer_config(m.target_config, num_hidden_layers=cfg.num_layers)
         return {
             "architectures": ["MedusaModel"],
             "speculators_model_type": "medusa",
-            "speculators_config": self.speculators_config(cfg.num_heads),
-            "transformer_layer_config": layer,
+            "speculators_config": export.speculators_config(self.algorithm, cfg.num_heads, m.name_or_path,
+                                                            m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(layer),
             "draft_vocab_size": N,
             "medusa_hidden_size": H,
             "medusa_vocab_size": V,

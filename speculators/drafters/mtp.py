@@ -68,7 +68,12 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
-from .base import Drafter, DrafterConfig, DraftVocab, Proposal, register
+from .. import export
+from ..data.vocab import DraftVocab
+from ..losses import chained_acceptance, hard_cross_entropy, sample_draft, soft_cross_entropy
+from ..verify import SamplingParams
+from .base import Drafter, DrafterConfig, Proposal, register
+from .checkpoint import TargetMeta
 from .joint import JointConfig
 from .layers import (
     DecoderLayer,
@@ -193,10 +198,10 @@ class MTPDrafter(Drafter):
     vllm_note = ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
                  "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
 
-    def __init__(self, cfg: MTPConfig, meta: dict[str, Any]):
+    def __init__(self, cfg: MTPConfig, meta: TargetMeta):
         super().__init__(cfg, meta)
-        self.layer_cfg = layer_config(meta["target_config"], num_hidden_layers=1)
-        H, V = self.layer_cfg.hidden_size, meta["vocab_size"]
+        self.layer_cfg = layer_config(self.meta.target_config, num_hidden_layers=1)
+        H, V = self.layer_cfg.hidden_size, self.meta.vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList([_MTPModule(self.layer_cfg) for _ in range(cfg.num_modules)])
@@ -213,7 +218,8 @@ class MTPDrafter(Drafter):
         return cls._from_target_full_vocab(cfg, target, vocab)
 
     @classmethod
-    def _build(cls, cfg, meta, weights):
+    def _build(cls, cfg: MTPConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> MTPDrafter:
+        """Empty module: every size comes from ``cfg`` and ``meta`` (full target vocabulary)."""
         return cls(cfg, meta)
 
     @property
@@ -269,55 +275,42 @@ class MTPDrafter(Drafter):
         assistant token) and divides by ``norm[k-1]`` (default: their count, i.e. the mean; see
         :meth:`Drafter.loss`) the cross entropy of ``logits_k[t]`` against ``x_{t+k+1}`` (or, with
         ``distill``, against ``softmax(target_lm_head(top[t+k]))``). Logits are computed only at the
-        indices some metric or loss needs (the full-vocabulary head is the dominant cost).
+        valid indices (the full-vocabulary head is the dominant cost).
 
         Returns:
-            loss (scalar) and metrics, for module k = j + 1: ``loss_j`` (this batch's mean); ``full_acc_j`` = fraction of
-            module k's valid indices t where EVERY module i <= k has top-1 ``== Batch.argmax[t + i]``
-            (the target's greedy token after ``x_{<=t+i}``, i.e. greedy acceptance of the chain of
-            drafts i = 1..k, teacher-forced on the data tokens); ``cond_acc_j`` = the same among indices
-            whose modules < k were all correct; ``sim_tau = 1 + sum_j full_acc_j``.
+            loss (scalar) and metrics, for module k = j + 1: ``loss_j`` (this batch's mean);
+            ``full_acc_j``, ``cond_acc_j``, ``sim_tau`` from :func:`speculators.losses.chained_acceptance`:
+            module k's draft at t is correct when its top-1 ``== Batch.argmax[t + k]`` (the target's
+            greedy token after ``x_{<=t+k}``; the chain is teacher-forced on the data tokens) and
+            labelled when ``x_{t+k+1}`` is an assistant token inside the sequence.
         """
         cfg: MTPConfig = self.cfg
         D = self.num_modules
         ids = batch.input_ids
         hs = self.module_hiddens(ids, batch.top)
-        real = batch.loss_mask & batch.attention_mask
-        valid = self._valid_masks(batch)  # valid[k-1][t] = real[t+k+1]
+        valid = self._valid_masks(batch)  # valid[k-1][t] = real[t+k+1]: the loss's and the metrics' labels
         counts = torch.stack([v.sum() for v in valid])
         sums: list[torch.Tensor] = []
-        need = list(valid)
-        for i in range(D - 2, -1, -1):  # chained metrics need module i's correctness wherever k > i is valid
-            need[i] = need[i] | need[i + 1]
         metrics: dict[str, float] = {}
-        prev_full = None
-        sim_tau = 1.0
-        for i, w in enumerate(self.module_weights):
+        corrects: list[torch.Tensor] = []
+        for i in range(D):
             k = i + 1
-            sel = need[i]
-            logits = self.head(hs[i][sel]).float()  # [N, V]
-            v = valid[i][sel]
-            n_valid = counts[i].clamp(min=1)
+            # the chained metric counts module k at t only where modules 1..k are all labelled, so the
+            # logits at module k's own valid indices serve both the loss and every metric
+            sel = valid[i]
+            logits = self.head(hs[i][sel]).float()  # [n_sel, V]
             if cfg.distill:
                 with torch.no_grad():
                     teacher = torch.softmax(self.target_lm_head(shift_left(batch.top, k)[sel]).float(), dim=-1)
-                ce = F.cross_entropy(logits, teacher, reduction="none")
+                sums.append(soft_cross_entropy(logits, teacher))
             else:
-                ce = F.cross_entropy(logits, shift_left(ids, k + 1)[sel], reduction="none")
-            sums.append((ce * v).sum())
-            loss_k = sums[-1].detach() / n_valid
+                sums.append(hard_cross_entropy(logits, shift_left(ids, k + 1)[sel]))
             with torch.no_grad():
-                correct = torch.zeros_like(real)
+                correct = torch.zeros_like(sel)
                 correct[sel] = logits.argmax(-1) == shift_left(batch.argmax, k)[sel]
-                full = correct if prev_full is None else prev_full & correct
-                full_acc = float((full & valid[i]).sum() / n_valid)
-                cond_den = valid[i].sum() if prev_full is None else (prev_full & valid[i]).sum()
-                metrics[f"loss_{i}"] = float(loss_k)
-                metrics[f"full_acc_{i}"] = full_acc
-                metrics[f"cond_acc_{i}"] = float((full & valid[i]).sum() / cond_den.clamp(min=1))
-                sim_tau += full_acc
-                prev_full = full
-        metrics["sim_tau"] = sim_tau
+                corrects.append(correct)
+                metrics[f"loss_{i}"] = float(sums[-1].detach() / counts[i].clamp(min=1))
+        metrics.update(chained_acceptance(corrects, valid))
         total, _ = self._combine_terms(sums, list(self.module_weights), counts, norm, scale=cfg.loss_lambda / D)
         return total, metrics
 
@@ -371,17 +364,20 @@ class MTPDrafter(Drafter):
             state.outs[i] = out if state.outs[i] is None else torch.cat([state.outs[i], out], dim=1)
 
     @torch.no_grad()
-    def propose(self, state: MTPState, k: int, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+    def propose(self, state: MTPState, k: int, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
         """Chain of ``k`` drafts through the modules at index ``n - 1`` (see module docstring).
 
-        Greedy when ``temperature == 0`` (probs None); otherwise draft j is sampled from
-        :func:`speculators.verify.apply_sampling` of module j's logits (same temperature/top-k/top-p
-        as the target) and the ``[k, V]`` float32 distributions are returned for the verifier.
-        The committed cache content is unchanged on return (speculative entries are cropped).
-        """
-        from ..verify import apply_sampling
+        Draft j comes from :func:`speculators.losses.sample_draft` on module j's logits under
+        ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of one; ``None``
+        = greedy): greedy gives the argmax and ``probs=None``; otherwise it is drawn under the same
+        temperature/top-k/top-p as the target, with ``generator`` (default: the request's own), and
+        the ``[k, V]`` float32 distributions are returned for the verifier. The committed cache
+        content is unchanged on return (speculative entries are cropped).
 
+        Raises:
+            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
+        """
         n, D = state.n, self.num_modules
         drafts: list[int] = []
         probs = []
@@ -399,15 +395,10 @@ class MTPDrafter(Drafter):
                 elif j > D:  # reuse the last module autoregressively: next index, its own output hidden
                     last = self._run(D - 1, state.caches[D - 1], torch.tensor([drafts[-1]]), last,
                                      n - 1 + j - D)
-                logits = self.head(last).float()[0, 0]
-                if temperature == 0.0:
-                    d = int(logits.argmax())
-                else:
-                    q = apply_sampling(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
-                                       torch.tensor([top_p]))[0]
-                    d = int(torch.multinomial(q, 1, generator=generator))
-                    probs.append(q.float().cpu())
-                drafts.append(d)
+                ids, q = sample_draft(self.head(last).float()[0], sampling, generator)  # [1, V] logits
+                if q is not None:
+                    probs.append(q[0])
+                drafts.append(int(ids[0]))
         finally:
             self._rollback(state)
         return Proposal(torch.tensor(drafts, dtype=torch.int64), torch.stack(probs) if probs else None)
@@ -417,15 +408,16 @@ class MTPDrafter(Drafter):
         """vllm-project/speculators-style ``mtp`` config (FORMATS.md)."""
         m, cfg = self.meta, self.cfg
         # the target's config with the RoPE the block was trained with (layer_config drops partial rotary)
-        layer = self.transformer_layer_config(
-            layer_config(m["target_config"], num_hidden_layers=int(m["target_config"].get("num_hidden_layers", 1))))
+        tcfg = m.target_config
+        layer = layer_config(tcfg, num_hidden_layers=int(tcfg.get("num_hidden_layers", 1)))
         return {
             "architectures": ["MTPDraftModel"],
             "speculators_model_type": "mtp",
-            "speculators_config": self.speculators_config(cfg.num_speculative_tokens or cfg.num_modules),
-            "transformer_layer_config": layer,
+            "speculators_config": export.speculators_config(self.algorithm, cfg.num_speculative_tokens or cfg.num_modules,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(layer),
             "num_nextn_predict_layers": cfg.num_modules,
-            "draft_vocab_size": m["vocab_size"],
+            "draft_vocab_size": m.vocab_size,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
         }

@@ -1,0 +1,284 @@
+"""Drafter checkpoints: the directory layout, save/load, and the target facts a checkpoint records.
+
+A checkpoint is a Hugging Face-style directory (FORMATS.md) that vLLM loads as written:
+
+* ``config.json``: the family's serving config (``Drafter.export_config``, built with
+  :mod:`speculators.export`), plus ``speculators_version`` and our own block ``speculators_training``
+  (vLLM ignores it): ``{"drafter": <the family's config>, "target": <TargetMeta>, "target_adapter":
+  <dir, joint runs only>}``;
+* ``model.safetensors``: ``Drafter.export_state_dict`` (the serving engine's weight names);
+* optionally ``recipe.yaml`` (how it was trained), a run card, a joint run's ``target_adapter/``
+  (peft LoRA), and a trainer's extra files (optimizer state).
+
+Writes are atomic (``utils.atomic_dir``: a temporary sibling renamed into place); every read refuses
+a weight file with a NaN/inf (a diverged run's). ``Drafter.save_pretrained`` / ``Drafter.from_pretrained``
+are thin methods over :func:`save_pretrained` / :func:`from_pretrained` (the transformers-style API).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import load_file, save_file
+
+from .. import __version__
+from ..errors import SpeculatorsError
+from ..export import AUX_LAYER_IDS_CONVENTION, vllm_aux_layer_ids, with_lora_verifier
+from ..utils import atomic_dir
+from .joint import ADAPTER_DIR, ADAPTER_WEIGHTS
+
+if TYPE_CHECKING:
+    from .base import Drafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+RECIPE_NAME = "recipe.yaml"
+TRAINING_KEY = "speculators_training"  # our own extra block in config.json (vLLM ignores it)
+
+
+class TargetMeta(BaseModel):
+    """What a checkpoint records about the target it was trained for (``speculators_training.target``).
+
+    Immutable; built from a live target with :meth:`from_target`, written with :meth:`to_json` under the
+    JSON keys below (plus ``aux_layer_ids_convention``, a sentence for readers), read back with
+    :meth:`from_json` (unknown keys ignored; checkpoints that lack the optional facts still load).
+
+    Attributes:
+        name_or_path: the verifier name exported configs carry (hub id for the SmolLM2 alias).
+        reference: how the target was referenced when training (path, hub id, alias, GGUF file).
+        architectures: the target's HF architectures (e.g. ``("LlamaForCausalLM",)``).
+        fingerprint: the target's weight/config/template hash (``Target.fingerprint``); eval warns when
+            it differs, ``train.init_from`` refuses.
+        vocab_size, hidden_size, num_layers: the target's sizes (eval refuses another vocab or hidden size).
+        aux_layer_ids: 0-based decoder layers whose OUTPUT the drafter was trained on, in tap order
+            (ALGORITHMS.md); eval must load the target with these (``Target.load(..., aux_layer_ids=...)``).
+        target_config: the target's HF config as a JSON-normalised dict (the drafter's layers copy RoPE,
+            eps and sizes from it).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    name_or_path: str
+    reference: str | None = None
+    architectures: tuple[str, ...] = ()
+    fingerprint: str | None = None
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_layers: int | None = Field(default=None, gt=0)
+    aux_layer_ids: tuple[int, ...]
+    target_config: dict[str, Any]
+
+    @classmethod
+    def from_target(cls, target) -> "TargetMeta":
+        """The facts of ``target`` (a :class:`speculators.target.Target`). ``target_config`` is stored as
+        JSON will hold it (int dict keys become strings), so a loaded checkpoint's meta equals this."""
+        return cls(name_or_path=target.verifier_name, reference=target.name_or_path,
+                   architectures=list(getattr(target.config, "architectures", None) or [target.architecture]),
+                   fingerprint=target.fingerprint, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                   num_layers=target.num_layers, aux_layer_ids=list(target.aux_layer_ids),
+                   target_config=json.loads(json.dumps(target.layer_config_dict(), default=str)))
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "speculators_training.target") -> "TargetMeta":
+        """Read the ``speculators_training.target`` block of a checkpoint's ``config.json``.
+
+        Raises:
+            SpeculatorsError: not a JSON object, or a missing/invalid fact, naming ``where`` and the field.
+        """
+        if not isinstance(data, dict):
+            raise SpeculatorsError(f"{where}: expected a JSON object of target facts, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise SpeculatorsError(f"{where}.{field}: {err['msg']}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to ``config.json`` (same keys and order as every earlier version)."""
+        return {"name_or_path": self.name_or_path, "reference": self.reference,
+                "architectures": list(self.architectures), "fingerprint": self.fingerprint,
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                "aux_layer_ids": list(self.aux_layer_ids), "aux_layer_ids_convention": AUX_LAYER_IDS_CONVENTION,
+                "target_config": self.target_config}
+
+    @property
+    def vllm_aux_layer_ids(self) -> list[int]:
+        """:attr:`aux_layer_ids` in vLLM's convention (+1: the layer whose input is tapped)."""
+        return vllm_aux_layer_ids(self.aux_layer_ids)
+
+
+def read_checkpoint_config(path: str | Path, what: str = "", require_weights: bool = True) -> dict[str, Any]:
+    """``config.json`` of the checkpoint directory ``path``, checked to be one written by speculators.
+
+    ``require_weights``: ``model.safetensors`` must sit beside it (a Hub pull checks the config before
+    fetching the weights). ``what`` prefixes the error messages (e.g. ``"train.init_from: "``).
+
+    Raises:
+        SpeculatorsError: a missing ``config.json`` (or ``model.safetensors``), invalid JSON, or no
+            ``speculators_training`` block.
+    """
+    path = Path(path)
+    for name in (CONFIG_NAME, WEIGHTS_NAME) if require_weights else (CONFIG_NAME,):
+        if not (path / name).is_file():
+            raise SpeculatorsError(f"{what}{path} is not a drafter checkpoint: {name} is missing")
+    cfg_file = path / CONFIG_NAME
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpeculatorsError(f"{what}{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get(TRAINING_KEY), dict):
+        raise SpeculatorsError(f"{what}{cfg_file}: no {TRAINING_KEY!r} block; not written by speculators")
+    return raw
+
+
+def read_target_meta(raw: dict[str, Any], cfg_file: str | Path) -> TargetMeta:
+    """The :class:`TargetMeta` of a checkpoint config ``raw`` (as :func:`read_checkpoint_config` returns).
+
+    Raises:
+        SpeculatorsError: the target block is missing or invalid, naming ``cfg_file`` and the field.
+    """
+    return TargetMeta.from_json(raw[TRAINING_KEY].get("target"), f"{cfg_file}: {TRAINING_KEY}.target")
+
+
+def check_finite_weights(weights: dict[str, torch.Tensor], file: str | Path) -> None:
+    """Refuse a checkpoint whose weights are not all finite (a diverged run's).
+
+    Args:
+        weights: tensors as read from ``file`` (any dtype; integer tensors are always finite).
+        file: the file they came from (named in the error).
+    Raises:
+        SpeculatorsError: naming ``file``, the first tensor with a NaN/inf and how many of its values are.
+    """
+    for name, t in weights.items():
+        if t.is_floating_point() or t.is_complex():
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                raise SpeculatorsError(f"{file}: tensor {name!r} has {int(bad.sum())} non-finite (NaN/inf) "
+                                       f"value(s) of {t.numel()}; the checkpoint comes from a diverged run "
+                                       "and cannot be used")
+
+
+def load_weights(file: str | Path, what: str = "weights") -> dict[str, torch.Tensor]:
+    """Read a safetensors file (CPU tensors) and check that every weight is finite.
+
+    Raises:
+        SpeculatorsError: the file cannot be read (``"{file}: cannot read {what} (...)"``) or holds a
+            NaN/inf (:func:`check_finite_weights`).
+    """
+    try:
+        weights = load_file(str(file))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise SpeculatorsError(f"{file}: cannot read {what} ({e})") from None
+    check_finite_weights(weights, file)
+    return weights
+
+
+def checkpoint_config(drafter: "Drafter") -> dict[str, Any]:
+    """The ``config.json`` of ``drafter``: its ``export_config()``, ``speculators_version`` and the
+    ``speculators_training`` block (family config, :class:`TargetMeta`, and a joint run's adapter dir)."""
+    cfg = drafter.export_config()
+    cfg["speculators_version"] = __version__
+    cfg[TRAINING_KEY] = {"drafter": drafter.cfg.model_dump(), "target": drafter.meta.to_json()}
+    if getattr(drafter, "joint_target", None) is not None:
+        cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
+        with_lora_verifier(cfg, ADAPTER_DIR)  # the verifier is the base model with this adapter merged
+    return cfg
+
+
+def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | None = None,
+                    extra_files: dict[str, str] | None = None, overwrite: bool = True, extra=None) -> Path:
+    """Write ``config.json`` (:func:`checkpoint_config`), ``model.safetensors`` (``export_state_dict``),
+    ``recipe.yaml`` (when given) and ``extra_files`` (name -> text) atomically to ``path``.
+
+    ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename. A joint
+    run also writes the target's LoRA adapter to ``target_adapter/`` (see ``joint.py``).
+
+    Raises:
+        SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory.
+    """
+    jt = getattr(drafter, "joint_target", None)
+    cfg = checkpoint_config(drafter)
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
+        save_file(drafter.export_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if recipe_yaml is not None:
+            (tmp / RECIPE_NAME).write_text(recipe_yaml)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if jt is not None:
+            jt.save_adapter(tmp / ADAPTER_DIR)
+        if extra is not None:
+            extra(tmp)
+    return Path(path)
+
+
+def from_pretrained(path: str | Path) -> "Drafter":
+    """Load a checkpoint directory written by :func:`save_pretrained` (in eval mode).
+
+    Raises:
+        SpeculatorsError: missing directory/files, unknown family, invalid drafter config or target
+            facts, weights that do not match, or a NaN/inf in a weight (of the drafter or of a joint
+            run's target adapter), naming the file and the tensor.
+    """
+    from .base import registry
+
+    path = Path(path)
+    cfg_file = path / CONFIG_NAME
+    raw = read_checkpoint_config(path)
+    block = raw[TRAINING_KEY]
+    cls = registry.get((block.get("drafter") or {}).get("algorithm"))
+    try:
+        cfg = cls.config_class.model_validate(block["drafter"])
+    except ValueError as e:  # pydantic ValidationError
+        raise SpeculatorsError(f"{cfg_file}: invalid drafter config: {e}".splitlines()[0]) from None
+    meta = read_target_meta(raw, cfg_file)
+    weights = load_weights(path / WEIGHTS_NAME)
+    drafter = cls._build(cfg, meta, weights)
+    drafter.load_export_state_dict(weights)
+    adapter = block.get("target_adapter")
+    if adapter is not None:
+        if not (path / adapter / "adapter_config.json").is_file():
+            raise SpeculatorsError(f"{path}: a joint checkpoint without its target adapter "
+                                   f"({path / adapter}/adapter_config.json is missing)")
+        adapter_file = path / adapter / ADAPTER_WEIGHTS
+        if adapter_file.is_file():
+            load_weights(adapter_file, "the adapter weights")
+        drafter.target_adapter_dir = path / adapter
+    return drafter.eval()
+
+
+def read_init_weights(path: str | Path, algorithm: str, fingerprint: str | None) -> dict[str, torch.Tensor]:
+    """Weights of checkpoint ``path`` for ``train.init_from``: it must be a checkpoint of the family
+    ``algorithm`` trained for the target whose fingerprint is ``fingerprint``. A relative path is relative
+    to the current working directory.
+
+    Returns:
+        The ``model.safetensors`` tensors (export names, CPU, all finite).
+    Raises:
+        SpeculatorsError: not a checkpoint, another family, another target (fingerprint), or weights that
+            cannot be read or are not finite; every message starts with ``train.init_from:``.
+    """
+    path = Path(path)
+    what = "train.init_from: "
+    raw = read_checkpoint_config(path, what=what)
+    block = raw[TRAINING_KEY]
+    algo = (block.get("drafter") or {}).get("algorithm")
+    if algo != algorithm:
+        raise SpeculatorsError(f"train.init_from: {path} is a {algo!r} checkpoint; this recipe trains "
+                               f"{algorithm!r}")
+    meta = read_target_meta(raw, f"train.init_from: {path / CONFIG_NAME}")
+    if meta.fingerprint != fingerprint:
+        raise SpeculatorsError(f"train.init_from: {path} was trained for another target "
+                               f"({meta.name_or_path!r}, fingerprint {meta.fingerprint}); "
+                               f"this recipe's target has fingerprint {fingerprint}")
+    return load_weights(path / WEIGHTS_NAME, "train.init_from weights")
+
+
+__all__ = ["CONFIG_NAME", "RECIPE_NAME", "TRAINING_KEY", "WEIGHTS_NAME", "TargetMeta", "check_finite_weights",
+           "checkpoint_config", "from_pretrained", "load_weights", "read_checkpoint_config", "read_init_weights",
+           "read_target_meta", "save_pretrained"]

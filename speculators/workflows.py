@@ -1,0 +1,287 @@
+"""The train, data and eval workflows: the one orchestration layer between the command line and the library.
+
+``speculators.cli`` parses arguments, calls one function here and prints; everything a command DOES
+(output-directory rules, ``--resume`` identity checks, loading the target and the data, building the
+drafter, training, evaluating) happens here, so it can be driven from Python as well::
+
+    from speculators.recipe import load_recipe
+    from speculators.workflows import eval_run, train_run
+
+    final = train_run(load_recipe("recipes/tiny-eagle3.yaml", ["target.model=DIR"]), "outputs/tiny")
+    report, report_dir = eval_run(final, eval_overrides={"k": 3})
+
+Nothing below this module imports it (nor the CLI).
+
+Callbacks shared by the workflows:
+    log: ``log(msg: str)`` for one plain log line (default :func:`print`).
+    progress: a zero-argument callable returning a context manager that yields
+        ``make(description) -> callable(done, total)`` (e.g. ``speculators.cli._progress``, backed by a
+        :class:`speculators.progress.ProgressReporter`), or None for no progress display. It is
+        entered only around the data pipeline and the eval decoding; the trainer draws its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import SpeculatorsError
+from .recipe import EvalSpec, Recipe, eval_spec_with, load_recipe
+
+RUN_RECIPE = "recipe.yaml"
+# the recipe sections that define what a run trains: --resume refuses a recipe that changed them
+RESUME_SECTIONS = ("target", "data", "drafter")
+
+
+def _progress_scope(progress):
+    return progress() if progress is not None else contextlib.nullcontext(None)
+
+
+def default_output_dir(recipe: Recipe, recipe_file: str | Path | None = None) -> Path:
+    """The run directory when none is given: ``recipe.output_dir``, else ``outputs/<recipe file stem>``.
+
+    Raises:
+        SpeculatorsError: neither is known (a recipe built in Python without ``output_dir``).
+    """
+    if recipe.output_dir:
+        return Path(recipe.output_dir)
+    if recipe_file is not None:
+        return Path("outputs") / Path(recipe_file).stem
+    raise SpeculatorsError("no run directory: pass output_dir (or set output_dir in the recipe)")
+
+
+def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
+    """``--resume``: refuse a recipe whose target, data or drafter section differs from the run's
+    ``run_dir/recipe.yaml`` (both compared as resolved JSON; nothing to check when the run has none).
+
+    Raises:
+        SpeculatorsError: naming the sections that differ and the recorded recipe file.
+    """
+    f = Path(run_dir) / RUN_RECIPE
+    if not f.is_file():
+        return
+    import yaml
+
+    try:
+        old = yaml.safe_load(f.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SpeculatorsError(f"--resume: {f} is not valid YAML ({str(e).splitlines()[0]}); use --overwrite") \
+            from None
+    if not isinstance(old, dict):
+        raise SpeculatorsError(f"--resume: {f} is not a recipe mapping; use --overwrite")
+    new = recipe.model_dump(mode="json")
+    changed = [k for k in RESUME_SECTIONS if old.get(k) != new.get(k)]
+    if changed:
+        raise SpeculatorsError(f"--resume: the recipe's {', '.join(changed)} section(s) differ from the run's "
+                               f"{f}; resume with the same recipe or use --overwrite")
+
+
+def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: bool = False,
+              overwrite: bool = False, log: Callable[[str], None] = print, progress=None, console=None,
+              recipe_file: str | Path | None = None) -> Path:
+    """Train the drafter of ``recipe`` for its frozen target (``speculators train``).
+
+    Steps: output-directory rules (:func:`speculators.train.check_output_dir`), ``--resume`` checks
+    (recipe sections, then the data's content before the target loads, then the target's fingerprint),
+    target load, data pipeline (:func:`speculators.data.pipeline.prepare_data`), drafter build
+    (seeded by ``train.seed``, independent of what the data step consumed), ``train.init_from``,
+    joint-training checks, then :class:`speculators.train.Trainer`.
+
+    Args:
+        recipe: the validated recipe (``recipe.drafter`` is the family's typed config).
+        output_dir: the run directory; None = :func:`default_output_dir`.
+        resume: continue from the run directory's last checkpoint. overwrite: delete it first.
+        log, progress: see the module docstring. console: the rich console the trainer draws on.
+        recipe_file: where the recipe came from (for the log line and the default run directory).
+    Returns:
+        The final checkpoint directory (``<run dir>/final``).
+    Raises:
+        SpeculatorsError: bad output directory / flags, a ``--resume`` whose recipe, data or target
+            changed, a target or data fault, a joint drafter without held-out data, a diverged run.
+    """
+    import torch
+
+    from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
+    from .drafters import registry
+    from .target import Target
+    from .train import Trainer, check_output_dir, prepare_output_dir
+
+    out = Path(output_dir) if output_dir is not None else default_output_dir(recipe, recipe_file)
+    check_output_dir(out, resume, overwrite)
+    if resume:
+        check_resume_recipe(out, recipe)
+    log(f"recipe {recipe_file if recipe_file is not None else '(in memory)'} -> {out} "
+        f"(drafter {recipe.drafter.algorithm})")
+    torch.manual_seed(recipe.train.seed)
+    loaded = load_data(recipe.data, log)  # the data's identity is its content (not the file names)
+    identity = dict(loaded[1])
+    if resume:
+        check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
+    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log)
+    identity["target (weights, config, chat template)"] = target.fingerprint
+    if resume and not check_run_identity(out, identity) and (out / RUN_RECIPE).is_file():
+        log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
+    with _progress_scope(progress) as make:
+        data = prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
+                            progress=make, loaded=loaded)
+    family = registry.get(recipe.drafter.algorithm)
+    torch.manual_seed(recipe.train.seed)  # drafter init does not depend on what the data step consumed
+    drafter = family.from_target(recipe.drafter, target, data.vocab)
+    if recipe.train.init_from:
+        drafter.init_from_checkpoint(recipe.train.init_from)
+        log(f"drafter weights initialised from {recipe.train.init_from}")
+    if drafter.trains_target and (data.held_out is None or len(data.held_out) == 0):
+        raise SpeculatorsError("drafter.joint: true trains the target, whose held-out perplexity must be "
+                               "measured: set data.held_out.fraction > 0")
+    drafter.enable_joint_training(target)
+    prepare_output_dir(out, resume, overwrite)
+    record_run_identity(out, identity)
+    groups = drafter.param_groups(recipe.train.lr)
+    n_train = sum(p.numel() for p in groups[0]["params"])
+    log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
+    if drafter.trains_target:
+        log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
+            f"parameters at lr {groups[1]['lr']}")
+    return Trainer(recipe, drafter, data, out, log=log, console=console).train(resume=resume)
+
+
+def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=None):
+    """Run only the data pipeline of ``recipe`` (``speculators data``): load the target, regenerate and
+    extract features into the on-disk cache.
+
+    Returns:
+        The :class:`speculators.data.pipeline.PreparedData`.
+    Raises:
+        SpeculatorsError: a target or data fault (see :func:`speculators.data.pipeline.prepare_data`).
+    """
+    from .data.pipeline import prepare_data
+    from .target import Target
+
+    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log)
+    with _progress_scope(progress) as make:
+        return prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
+                            progress=make)
+
+
+def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,
+                       log: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint directory that ``path`` names.
+
+    ``path`` is a checkpoint (``config.json`` in it), a run directory (its ``final/``, else its newest
+    good ``checkpoints/step-*``), or, with ``allow_hub`` and no such local path, a pushed drafter's Hub
+    id ``namespace/name`` (downloaded into the Hub cache).
+
+    Raises:
+        SpeculatorsError: none of these; a run that only left diverged checkpoints; a failed download.
+    """
+    from .hub import looks_like_hub_id, pull_checkpoint
+    from .train import checkpoints
+
+    path = Path(path)
+    if allow_hub and looks_like_hub_id(str(path)):  # no such local path: a pushed drafter's namespace/name
+        if log is not None:
+            log(f"{path}: no such local directory; downloading it from the Hugging Face Hub")
+        return pull_checkpoint(str(path))
+    if (path / "config.json").is_file():
+        return path
+    if (path / "final" / "config.json").is_file():
+        return path / "final"
+    ck = checkpoints(path)
+    if ck:
+        return ck[-1]
+    diverged = sorted(p.name for p in (path / "checkpoints").glob("diverged-step-*")) if path.is_dir() else []
+    if diverged:  # set aside by the trainer: non-finite weights, or weights that gave a NaN/inf loss
+        raise SpeculatorsError(f"{str(path)!r} has no good checkpoint: the run diverged and {', '.join(diverged)} "
+                               "gave a NaN/inf loss or holds non-finite weights; retrain (e.g. lower train.lr)")
+    raise SpeculatorsError(f"{str(path)!r} is neither a drafter checkpoint nor a run directory with one")
+
+
+def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
+             prompts: str | None = None, target_model: str | None = None, output: str | Path | None = None,
+             log: Callable[[str], None] = print, progress=None,
+             override_names: Mapping[str, str] | None = None) -> tuple[dict, Path]:
+    """Measure acceptance by real speculative generation against plain decoding (``speculators eval``).
+
+    The eval settings are the checkpoint recipe's ``eval`` section (:class:`speculators.recipe.EvalSpec`
+    defaults without a recipe) with ``eval_overrides`` applied THROUGH that schema
+    (:func:`speculators.recipe.eval_spec_with`): a value out of range is a one-line error.
+    The prompts are the recipe's held-out prompts (:func:`speculators.data.pipeline.held_out_prompts`,
+    the same list training computed) or, with ``prompts``, the distinct prompts of that data source;
+    at most ``num_prompts`` of them.
+
+    Args:
+        checkpoint: a checkpoint, a run directory, or a Hub id (:func:`resolve_checkpoint`).
+        eval_overrides: ``{EvalSpec field: value}`` (``k``, ``temperature``, ``top_p``, ``top_k``,
+            ``max_new_tokens``, ``num_prompts``, ...); None values are ignored.
+        prompts: a data source (``humaneval``, a .jsonl path, ``hf:NAME``) instead of the held-out prompts.
+        target_model: verify against this target instead of the recipe's.
+        output: the report directory; default ``<run dir>/eval-k<K>-t<temperature>`` (a Hub drafter's
+            under ``outputs/hub/<namespace>--<name>/``).
+        log, progress: see the module docstring.
+        override_names: how errors name an override, e.g. ``{"top_p": "--top-p"}``.
+    Returns:
+        ``(report, report_dir)``: the report dict of :func:`speculators.evaluate.run_eval` with
+        ``checkpoint``, ``target`` and ``prompts`` added, and the directory it was written to
+        (``report.json`` and ``report.md``).
+    Raises:
+        SpeculatorsError: a bad override, a checkpoint without a recipe and without ``target_model`` (or
+            ``prompts``), a checkpoint of another target, no held-out prompts, a bad prompt source.
+    """
+    from .data.pipeline import held_out_prompts, load_data, unique_prompts
+    from .data.sources import load_source
+    from .drafters import Drafter
+    from .evaluate import run_eval, write_report
+    from .hub import looks_like_hub_id
+    from .target import Target
+    from .verify import SamplingParams
+
+    from_hub = looks_like_hub_id(str(checkpoint))
+    ckpt = resolve_checkpoint(checkpoint, log=log)
+    rec_file = ckpt / RUN_RECIPE
+    rec = load_recipe(rec_file) if rec_file.is_file() else None
+    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, eval_overrides or {}, override_names)
+    if rec is None and target_model is None:
+        raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target")
+    if rec is None and prompts is None:
+        raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
+    drafter = Drafter.from_pretrained(ckpt)
+    sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)  # seeded per prompt by run_eval
+    # the verifier taps the layers this drafter was trained on (check_target only checks)
+    target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32",
+                         aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
+    drafter.check_target(target, warn=log)
+    drafter.prepare_target(target, log=log)  # joint checkpoints: verify against the fine-tuned target
+    drafter.attach_target(target)  # families that draft through the target's frozen head need it
+    template = rec.data.chat_template if rec else None
+    if template is not None:
+        target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
+    if prompts is not None:
+        try:
+            convs = load_source(prompts)
+        except SpeculatorsError:
+            raise
+        except ValueError as e:
+            raise SpeculatorsError(f"--prompts {prompts}: {e}") from None
+        plist = unique_prompts(convs, target.tokenizer, template, limit=ev.num_prompts)
+        label = prompts
+    else:
+        plist = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data)[0], limit=ev.num_prompts)
+        label = "held-out split of the recipe's sources"
+        if not plist:
+            raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
+    log(f"eval: {len(plist)} prompts ({label}), K={ev.k}, temperature {ev.temperature}, "
+        f"top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
+    with _progress_scope(progress) as make:
+        report = run_eval(target, drafter, plist, ev.k, ev.max_new_tokens, sampling, ngram_max=ev.ngram_max,
+                          seed=ev.seed, log=log, progress=make("speculative vs plain decoding") if make else None)
+    report["checkpoint"] = str(ckpt)
+    report["target"] = {"name_or_path": target.name_or_path, "fingerprint": target.fingerprint,
+                        "adapter": None if drafter.target_adapter_dir is None else str(drafter.target_adapter_dir)}
+    report["prompts"] = label
+    # a pulled drafter lives in the Hub cache: its reports go under ./outputs/hub/ instead
+    base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
+    out = Path(output) if output is not None else base / f"eval-k{ev.k}-t{ev.temperature:g}"
+    write_report(report, out, title=f"speculators eval: {ckpt}")
+    return report, out

@@ -1,0 +1,295 @@
+"""Issue 10 item 2: the serving-format helpers (speculators/export.py), the checkpoint module and its typed
+target facts (drafters/checkpoint.py: TargetMeta), and ``check_target`` that only checks.
+
+The fixtures in ``tests/fixtures/checkpoints_v0/`` are ``config.json`` files written by the code before
+this refactor (same tiny target and drafters as :func:`drafters` below): the format must not drift and
+old checkpoints must keep loading.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators import export
+from speculators.drafters import DraftVocab, registry
+from speculators.drafters.checkpoint import (
+    CONFIG_NAME,
+    TRAINING_KEY,
+    WEIGHTS_NAME,
+    TargetMeta,
+    checkpoint_config,
+    from_pretrained,
+    read_checkpoint_config,
+)
+from speculators.errors import SpeculatorsError
+from speculators.target import build_tiny_target
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "checkpoints_v0"
+V, AUX = 96, [0, 2, 3]
+COMMON = {"architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
+          "tie_word_embeddings", "torch_dtype", "speculators_version", TRAINING_KEY}
+# family-specific keys FORMATS.md lists (plus our own documented extras)
+FAMILY_KEYS = {
+    "eagle3": {"draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "norm_before_residual",
+               "norm_before_fc", "embed_requires_grad"},
+    "eagle": {"transformer_layer_architecture", "layernorms", "fusion_bias"},
+    "medusa": {"draft_vocab_size", "medusa_hidden_size", "medusa_vocab_size", "num_heads", "num_hidden_layers",
+               "medusa_fc_bias", "original_lm_head", "truncated_vocab_size", "head_weight_decay"},
+    "mtp": {"num_nextn_predict_layers", "draft_vocab_size"},
+}
+# vLLM's native Medusa layout: no speculators block (FORMATS.md, "Medusa")
+VLLM_MEDUSA_KEYS = {"model_type", "architectures", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers",
+                    "medusa_fc_bias", "original_lm_head", "truncated_vocab_size", "speculators_version",
+                    TRAINING_KEY}
+TARGET_KEYS = ["name_or_path", "reference", "architectures", "fingerprint", "vocab_size", "hidden_size",
+               "num_layers", "aux_layer_ids", "aux_layer_ids_convention", "target_config"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    t.aux_layer_ids = list(AUX)
+    return t
+
+
+def make(target, name: str, **kw):
+    """The drafter the v0 fixture of ``name`` was written from (seeded; reduced vocab where supported)."""
+    torch.manual_seed(0)
+    cls = registry.get(name.split("-")[0])
+    vocab = DraftVocab.from_counts(torch.arange(V, 0, -1), 64 if cls.algorithm in ("eagle3", "medusa") else None)
+    extra = {"ttt_steps": 2} if cls.algorithm == "eagle3" else {}
+    if name == "medusa-vllm":
+        extra["export"] = "vllm-medusa"
+    return cls.from_target(cls.config_class(algorithm=cls.algorithm, **extra, **kw), target, vocab)
+
+
+VARIANTS = sorted(registry.names()) + ["medusa-vllm"]
+
+
+# ----------------------------------------------------------------------------- helpers, one by one
+
+
+def test_vllm_aux_layer_ids_is_ours_plus_one():
+    assert export.vllm_aux_layer_ids([0, 2, 3]) == [1, 3, 4]
+    assert export.vllm_aux_layer_ids((1, 14, 26)) == [2, 15, 27]
+    assert export.vllm_aux_layer_ids([]) == []
+    for bad in ([-1], ["2"], [1.0], [True]):
+        with pytest.raises(SpeculatorsError, match="aux_layer_ids"):
+            export.vllm_aux_layer_ids(bad)
+
+
+def test_target_and_meta_use_the_same_rule(target):
+    meta = TargetMeta.from_target(target)
+    assert target.vllm_aux_layer_ids == meta.vllm_aux_layer_ids == [i + 1 for i in AUX]
+    d = make(target, "eagle3")
+    assert d.export_config()["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+def test_speculators_config_block():
+    block = export.speculators_config("eagle3", 5, "org/model", ("LlamaForCausalLM",))
+    assert block == {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5,
+                                           "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                     "verifier": {"name_or_path": "org/model", "architectures": ["LlamaForCausalLM"]}}
+    assert export.speculative_tokens({"speculators_config": block}) == 5
+    assert export.speculative_tokens({"model_type": "medusa"}) is None
+    with pytest.raises(SpeculatorsError, match="num_speculative_tokens"):
+        export.speculators_config("eagle3", 0, "x", [])
+
+
+def test_transformer_layer_config_writes_rope_explicitly_and_drops_bookkeeping():
+    src = {"hidden_size": 64, "torch_dtype": "float32", "_name_or_path": "x", "tie_word_embeddings": True,
+           "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}
+    before = json.loads(json.dumps(src))
+    out = export.transformer_layer_config(src)
+    assert src == before  # the input is not modified
+    assert out["rope_theta"] == 5e5 and out["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0}
+    assert out["model_type"] == "llama" and out["architectures"] == ["LlamaForCausalLM"]
+    assert not {"torch_dtype", "_name_or_path", "tie_word_embeddings"} & out.keys()
+    plain = export.transformer_layer_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain["rope_theta"] == 1e4 and plain["rope_scaling"] is None
+
+
+def test_vllm_serving_facts():
+    assert export.vllm_serving("eagle3", "eagle3") == ("eagle3", "")
+    assert export.vllm_serving("mtp", None, "needs a converter") == (None, "needs a converter")
+    method, note = export.vllm_serving("x", None)
+    assert method is None and "`x`" in note
+    medusa = registry.get("medusa")
+    assert medusa.vllm_serving({"model_type": "medusa"}) == ("medusa", "")
+    assert medusa.vllm_serving({"speculators_model_type": "medusa"})[0] is None
+    assert medusa.speculative_tokens({"model_type": "medusa", "num_heads": 3}) == 3
+
+
+# ----------------------------------------------------------------------------- round trip per family
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_config_keys_per_family_and_round_trip(target, name, tmp_path):
+    d = make(target, name)
+    path = d.save_pretrained(tmp_path / name)
+    cfg = json.loads((path / CONFIG_NAME).read_text())
+    assert cfg == json.loads(json.dumps(checkpoint_config(d), default=str))
+    if name == "medusa-vllm":
+        assert set(cfg) == VLLM_MEDUSA_KEYS
+        assert cfg["model_type"] == "medusa" and cfg["hidden_size"] == 64 and cfg["vocab_size"] == V
+    else:
+        assert set(cfg) == COMMON | FAMILY_KEYS[name]
+        assert cfg["speculators_model_type"] == name
+        sc = cfg["speculators_config"]
+        assert sc["algorithm"] == name and sc["verifier"]["name_or_path"] == target.verifier_name
+        assert sc["proposal_methods"][0]["speculative_tokens"] == registry.get(name).speculative_tokens(cfg) >= 1
+        layer = cfg["transformer_layer_config"]
+        assert layer["model_type"] == "llama" and layer["rope_theta"] == 10000.0 and "rope_scaling" in layer
+        assert layer["hidden_size"] == 64 and layer["vocab_size"] == V
+    # the training block: the typed target facts under today's keys and order
+    tblock = cfg[TRAINING_KEY]["target"]
+    assert list(tblock) == TARGET_KEYS
+    assert tblock["aux_layer_ids"] == AUX and tblock["aux_layer_ids_convention"] == export.AUX_LAYER_IDS_CONVENTION
+    loaded = from_pretrained(path)
+    assert type(loaded) is type(d) and loaded.meta == d.meta and loaded.cfg == d.cfg
+    assert loaded.meta.vllm_aux_layer_ids == [i + 1 for i in loaded.meta.aux_layer_ids]
+    again = loaded.save_pretrained(tmp_path / f"{name}-again")
+    assert (again / CONFIG_NAME).read_text() == (path / CONFIG_NAME).read_text()
+    assert (again / WEIGHTS_NAME).read_bytes() == (path / WEIGHTS_NAME).read_bytes()
+
+
+def _strip(cfg: dict) -> dict:
+    """A config without what legitimately changes between versions of our dependencies: our version, the
+    target fingerprint (weight sums), and the HF config dicts beyond the keys FORMATS.md names."""
+    cfg = json.loads(json.dumps(cfg))
+    cfg.pop("speculators_version", None)
+    tb = cfg[TRAINING_KEY]["target"]
+    tb.pop("fingerprint")
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "num_hidden_layers",
+            "vocab_size", "model_type", "architectures")
+    for holder, key in ((cfg, "transformer_layer_config"), (tb, "target_config")):
+        if key in holder:
+            holder[key] = {k: holder[key].get(k) for k in keep}
+    return cfg
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_config_is_what_the_previous_version_wrote(target, name, tmp_path):
+    old = json.loads((FIXTURES / f"{name}.json").read_text())
+    new = json.loads((make(target, name).save_pretrained(tmp_path / name) / CONFIG_NAME).read_text())
+    assert list(new) == list(old)  # same keys, same order
+    assert _strip(new) == _strip(old)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_checkpoint_written_by_the_previous_version_loads(target, name, tmp_path):
+    d = make(target, name)
+    path = d.save_pretrained(tmp_path / name)
+    shutil.copy(FIXTURES / f"{name}.json", path / CONFIG_NAME)  # today's weights beside the old config
+    old_block = json.loads((FIXTURES / f"{name}.json").read_text())[TRAINING_KEY]["target"]
+    loaded = from_pretrained(path)
+    assert isinstance(loaded.meta, TargetMeta)
+    assert loaded.meta.to_json() == old_block  # read by attribute, written back under the same keys
+    assert loaded.meta.aux_layer_ids == tuple(AUX) and loaded.meta.vocab_size == V
+    assert loaded.meta.name_or_path == old_block["name_or_path"]
+
+
+def test_older_target_block_without_optional_facts_loads(target, tmp_path):
+    path = make(target, "eagle").save_pretrained(tmp_path / "ck")
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    for key in ("reference", "fingerprint", "num_layers", "aux_layer_ids_convention", "architectures"):
+        del raw[TRAINING_KEY]["target"][key]
+    raw[TRAINING_KEY]["target"]["some_future_fact"] = 1  # unknown keys are ignored
+    (path / CONFIG_NAME).write_text(json.dumps(raw))
+    meta = from_pretrained(path).meta
+    assert meta.fingerprint is None and meta.reference is None and meta.architectures == ()
+    assert meta.hidden_size == 64 and meta.to_json()["aux_layer_ids_convention"] == export.AUX_LAYER_IDS_CONVENTION
+
+
+# ----------------------------------------------------------------------------- bad checkpoints: one clear error
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda t: t.pop("target_config"), ["speculators_training.target.target_config", "required"]),
+    (lambda t: t.update(vocab_size=-3), ["speculators_training.target.vocab_size", "greater than 0"]),
+    (lambda t: t.update(aux_layer_ids="1,2"), ["speculators_training.target.aux_layer_ids"]),
+])
+def test_invalid_target_facts_name_the_file_and_field(target, tmp_path, edit, needles):
+    path = make(target, "eagle3").save_pretrained(tmp_path / "ck")
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    edit(raw[TRAINING_KEY]["target"])
+    (path / CONFIG_NAME).write_text(json.dumps(raw))
+    with pytest.raises(SpeculatorsError) as e:
+        from_pretrained(path)
+    assert str(path / CONFIG_NAME) in str(e.value)
+    for needle in needles:
+        assert needle in str(e.value)
+
+
+def test_training_block_that_is_not_an_object(target, tmp_path):
+    path = make(target, "mtp").save_pretrained(tmp_path / "ck")
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    raw[TRAINING_KEY] = ["not", "an", "object"]
+    (path / CONFIG_NAME).write_text(json.dumps(raw))
+    with pytest.raises(SpeculatorsError, match="no 'speculators_training' block"):
+        read_checkpoint_config(path)
+    with pytest.raises(SpeculatorsError, match="no 'speculators_training' block"):
+        from_pretrained(path)
+
+
+def test_eagle3_weights_without_lm_head(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make(target, "eagle3").save_pretrained(tmp_path / "ck")
+    w = load_file(str(path / WEIGHTS_NAME))
+    del w["lm_head.weight"]
+    save_file(w, str(path / WEIGHTS_NAME))
+    with pytest.raises(SpeculatorsError, match="lm_head.weight"):
+        from_pretrained(path)
+
+
+def test_drafter_meta_is_typed_and_a_mapping_is_validated(target):
+    d = make(target, "mtp")
+    assert isinstance(d.meta, TargetMeta)
+    with pytest.raises(Exception):  # frozen: the recorded facts cannot drift after construction
+        d.meta.vocab_size = 3
+    cls = registry.get("mtp")
+    rebuilt = cls(d.cfg, d.meta.to_json())
+    assert rebuilt.meta == d.meta
+    with pytest.raises(SpeculatorsError, match="meta.hidden_size"):
+        cls(d.cfg, {k: v for k, v in d.meta.to_json().items() if k != "hidden_size"})
+
+
+# ----------------------------------------------------------------------------- check_target only checks
+
+
+def test_check_target_never_changes_the_target(target):
+    d = make(target, "eagle3")
+    other = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)  # default taps [1, 1, 0]
+    assert other.aux_layer_ids != AUX
+    with pytest.raises(SpeculatorsError) as e:
+        d.check_target(other)
+    assert other.aux_layer_ids == [1, 1, 0]  # not rewritten behind the caller's back
+    assert "target.aux_layer_ids" in str(e.value) and "[0, 2, 3]" in str(e.value) and "[1, 1, 0]" in str(e.value)
+    # the eval path: load the target with the checkpoint's ids, then the check passes
+    right = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    right.aux_layer_ids = list(d.meta.aux_layer_ids)
+    warnings = []
+    d.check_target(right, warn=warnings.append)
+    assert warnings == [] and right.aux_layer_ids == AUX
+
+
+def test_check_target_sizes_and_fingerprint(target):
+    d = make(target, "medusa")
+    small = build_tiny_target(vocab_size=V, hidden_size=32, num_layers=4, seed=1)
+    small.aux_layer_ids = list(AUX)
+    with pytest.raises(SpeculatorsError, match="hidden size 64 != target's 32"):
+        d.check_target(small)
+    fine_tuned = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=2)
+    fine_tuned.aux_layer_ids = list(AUX)
+    warnings = []
+    d.check_target(fine_tuned, warn=warnings.append)
+    assert len(warnings) == 1 and "fingerprint" in warnings[0]

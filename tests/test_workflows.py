@@ -1,0 +1,227 @@
+"""The orchestration layer and the layering rules (issue 10 items 1 and 6).
+
+* Import layering, read from the source with ``ast``: only ``cli.py`` imports ``speculators.cli`` or
+  ``speculators.workflows``; nothing under ``speculators/data/`` imports ``speculators.drafters`` (nor
+  the recipe's ``Recipe``), also checked at run time in a fresh interpreter.
+* ``DraftVocab`` lives in the data layer and is re-exported by ``speculators.drafters``.
+* The held-out prompt list has ONE definition (``held_out_prompts``), used by ``prepare_data``; the data
+  functions take the data spec, not the recipe.
+* The workflows' own rules (default run directory, ``--resume`` recipe check).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from speculators.errors import SpeculatorsError
+from speculators.recipe import recipe_from_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "speculators"
+TINY = ROOT / "recipes" / "tiny-eagle3.yaml"
+
+
+# ----------------------------------------------------------------------------- import layering
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, list[str], bool]]:
+    """``(absolute module, imported names, under TYPE_CHECKING)`` of every import statement in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    type_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            type_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], id(node) in type_only) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            names = [a.name for a in node.names]
+            out.append((mod, names, id(node) in type_only))
+            out += [(f"{mod}.{n}", [], id(node) in type_only) for n in names]  # from pkg import submodule
+    return out
+
+
+def sources(under: Path = PKG) -> list[Path]:
+    return sorted(p for p in under.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def importers_of(module: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in sources()
+                  if any(m == module or m.startswith(module + ".") for m, _, _ in imports_of(p)))
+
+
+def test_import_resolution_of_the_checker():
+    """The checker itself sees relative imports (or the tests below could pass vacuously)."""
+    mods = {m for m, _, _ in imports_of(PKG / "cli.py")}
+    assert "speculators.workflows" in mods and "speculators.errors" in mods
+    assert importers_of("speculators.errors"), "no importer of speculators.errors found"
+    assert "speculators/drafters/base.py" in importers_of("speculators.data.vocab")
+
+
+def test_only_the_cli_imports_the_cli_and_the_workflows():
+    assert (PKG / "workflows.py").is_file()
+    assert importers_of("speculators.cli") == []
+    assert importers_of("speculators.workflows") == ["speculators/cli.py"]
+
+
+def test_data_layer_imports_no_drafters_and_no_recipe():
+    data_files = sources(PKG / "data")
+    assert len(data_files) >= 7, data_files
+    bad = []
+    for p in data_files:
+        for mod, names, type_only in imports_of(p):
+            if mod == "speculators.drafters" or mod.startswith("speculators.drafters."):
+                bad.append(f"{p.relative_to(ROOT)}: {mod}")
+            if mod == "speculators.recipe" and (not type_only or "Recipe" in names):
+                bad.append(f"{p.relative_to(ROOT)}: {mod} {names} (only DataSpec types, for type checking)")
+    assert not bad, bad
+
+
+def test_data_layer_loads_without_drafters_or_recipe():
+    """At run time too: importing every data module pulls in neither the drafters nor the recipe."""
+    mods = [_module_name(p) for p in sources(PKG / "data")]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
+            + "print(sorted(m for m in sys.modules if m.startswith(('speculators.drafters', 'speculators.recipe',"
+              " 'speculators.cli', 'speculators.workflows'))))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_draft_vocab_lives_in_the_data_layer_and_is_re_exported():
+    import speculators.drafters as drafters
+    import speculators.drafters.base as base
+    from speculators.data import DraftVocab as from_data_pkg
+    from speculators.data.vocab import DraftVocab
+
+    assert DraftVocab.__module__ == "speculators.data.vocab"
+    assert drafters.DraftVocab is DraftVocab is base.DraftVocab is from_data_pkg
+    v = DraftVocab.from_counts(torch.tensor([5, 0, 9, 9, 1]), 3)
+    assert v.target_ids.tolist() == [0, 2, 3] and v.t2d.tolist() == [True, False, True, True, False]
+    with pytest.raises(SpeculatorsError, match="drafter.draft_vocab_size 6 exceeds the target vocab 5"):
+        DraftVocab.from_counts(torch.ones(5), 6)
+
+
+# ----------------------------------------------------------------------------- data functions take the data spec
+
+
+def _recipe(tmp_path: Path, **data):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["target"]["model"] = "unused"
+    raw["data"].update(data)
+    return recipe_from_dict(raw, "test")
+
+
+def _chat_file(tmp_path: Path) -> Path:
+    rows = []
+    for i in range(20):
+        q = f"Question {i % 8}?"  # 8 distinct prompts, most listed more than once
+        rows.append({"id": i, "messages": [{"role": "user", "content": q},
+                                           {"role": "assistant", "content": f"Answer number {i}, fine."}]})
+    f = tmp_path / "chat.jsonl"
+    import json
+
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_unique_prompts_dedups_by_prompt_and_limits(tmp_path, smol_tokenizer):
+    from speculators.data.chat import render_prompt
+    from speculators.data.pipeline import load_data, unique_prompts
+
+    rec = _recipe(tmp_path, sources=[{"source": str(_chat_file(tmp_path)), "regenerate": False}])
+    pairs, _ = load_data(rec.data)
+    convs = [c for c, _ in pairs]
+    all_p = unique_prompts(convs, smol_tokenizer)
+    assert [p["id"] for p in all_p] == [f"chat/{i}#orig" for i in range(8)]  # first occurrence, input order
+    assert all_p[3]["messages"] == [{"role": "user", "content": "Question 3?"}]
+    assert all_p[3]["input_ids"] == render_prompt(smol_tokenizer, all_p[3]["messages"])
+    assert unique_prompts(convs, smol_tokenizer, limit=3) == all_p[:3]
+
+
+def test_prepare_data_takes_the_data_spec_and_its_eval_prompts_are_held_out_prompts(
+        tmp_path, smol_tokenizer, isolated_cache):
+    from speculators.data.pipeline import PreparedData, held_out_prompts, load_data, prepare_data, split_conversations
+    from speculators.target import build_tiny_target
+
+    rec = _recipe(tmp_path, sources=[{"source": str(_chat_file(tmp_path)), "regenerate": False}],
+                  held_out={"fraction": 0.3, "seed": 1})
+    target = build_tiny_target(vocab_size=len(smol_tokenizer), hidden_size=32, num_layers=2, seed=0)
+    target.tokenizer = smol_tokenizer
+    logs = []
+    data = prepare_data(rec.data, target, draft_vocab_size=40, log=logs.append)
+    assert isinstance(data, PreparedData) and data.vocab.size == 40
+    pairs, _ = load_data(rec.data)
+    expected = held_out_prompts(rec.data, smol_tokenizer, pairs)
+    assert data.eval_prompts == expected and len(expected) >= 2  # one definition, used by training and eval
+    _, held = split_conversations(pairs, rec.data.held_out)
+    held_prompts = {repr(c.messages[:-1]) for c, _ in held}
+    assert {repr(p["messages"]) for p in expected} == held_prompts and len(expected) == len(held_prompts)
+    assert held_out_prompts(rec.data, smol_tokenizer, pairs, limit=1) == expected[:1]
+    assert f"{len(expected)} held-out prompts" in logs[-1]
+    full = prepare_data(rec.data, target, draft_vocab_size=None, log=logs.append)
+    assert full.vocab.size == target.vocab_size
+
+
+# ----------------------------------------------------------------------------- workflow rules
+
+
+def test_default_output_dir(tmp_path):
+    from speculators.workflows import default_output_dir
+
+    rec = _recipe(tmp_path)
+    assert default_output_dir(rec, "recipes/tiny-eagle3.yaml") == Path("outputs/tiny-eagle3")
+    rec.output_dir = str(tmp_path / "mine")
+    assert default_output_dir(rec, "recipes/tiny-eagle3.yaml") == tmp_path / "mine"
+    rec.output_dir = None
+    with pytest.raises(SpeculatorsError, match="output_dir"):
+        default_output_dir(rec)
+
+
+def test_resume_recipe_check_names_the_changed_sections(tmp_path):
+    from speculators.recipe import dump_recipe
+    from speculators.workflows import check_resume_recipe
+
+    rec = _recipe(tmp_path)
+    check_resume_recipe(tmp_path, rec)  # no recorded recipe: nothing to compare
+    (tmp_path / "recipe.yaml").write_text(dump_recipe(rec))
+    check_resume_recipe(tmp_path, rec)
+    rec.train.lr = 1e-5  # the train section may change on --resume
+    check_resume_recipe(tmp_path, rec)
+    rec.drafter = {**rec.model_dump()["drafter"], "ttt_steps": 3}
+    rec.data.max_length = 128
+    with pytest.raises(SpeculatorsError, match=r"data, drafter section\(s\) differ") as e:
+        check_resume_recipe(tmp_path, rec)
+    assert "--overwrite" in str(e.value) and "target" not in str(e.value).split("differ")[0]
+
+
+def test_eval_taps_the_layers_the_checkpoint_was_trained_on(tmp_path, tiny_target_dir, isolated_cache):
+    """A drafter trained with non-default ``target.aux_layer_ids`` is evaluated with the target loaded at
+    those taps (``check_target`` only checks, it no longer rewrites the target)."""
+    from conftest import cli_train_then_eval
+
+    cfg, _, report = cli_train_then_eval(TINY, tiny_target_dir, tmp_path / "run", "target.aux_layer_ids=[0, 2, 3]",
+                                         "train.steps=2")
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert report["greedy_mismatches"] == []
