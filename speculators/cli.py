@@ -110,8 +110,25 @@ def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
 
 
 # eval options that override the recipe's eval section: EvalSpec field -> option name (named in errors)
-_EVAL_OPTIONS = {"k": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-                 "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts"}
+_EVAL_OPTIONS = {"k": "-k", "k_sweep": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                 "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts", "batch_size": "--batch-size"}
+
+
+def _parse_k(value: str | None) -> dict:
+    """``-k 4`` -> ``{"k": 4}``; ``-k 1,2,4`` -> ``{"k_sweep": [1, 2, 4]}`` (validated by EvalSpec).
+
+    Raises:
+        SpeculatorsError: not comma-separated integers.
+    """
+    if value is None:
+        return {}
+    parts = [p.strip() for p in str(value).split(",")]
+    try:
+        ks = [int(p) for p in parts]
+    except ValueError:
+        raise SpeculatorsError(f"-k {value}: expected an integer or comma-separated integers, e.g. -k 4 or "
+                               f"-k 1,2,4,6,8") from None
+    return {"k": ks[0]} if len(ks) == 1 else {"k_sweep": ks}
 
 
 @app.command("eval")
@@ -119,9 +136,16 @@ _EVAL_OPTIONS = {"k": "-k", "temperature": "--temperature", "top_p": "--top-p", 
 def eval_cmd(
     checkpoint: Path = typer.Argument(..., help="drafter checkpoint, a run directory (uses final/), or a "
                                       "pushed drafter's Hub id (namespace/name)"),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="data source of prompts (default: the "
-                                          "recipe's held-out prompts)"),
-    k: Optional[int] = typer.Option(None, "-k", "--num-speculative-tokens", help="drafts per step (K)"),
+    prompts: Optional[list[str]] = typer.Option(None, "--prompts", help="data source of prompts, repeatable: "
+                                                "JSONL/JSON (OpenAI messages or ShareGPT), hf:NAME[:SPLIT], "
+                                                "humaneval, chatterbot (default: the recipe's held-out prompts)"),
+    k: Optional[str] = typer.Option(None, "-k", "--k", "--num-speculative-tokens",
+                                    help="drafts per step (K), or a sweep: -k 1,2,4,6,8 (one row per K)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="loaded batch size reported beside "
+                                             "batch 1 (default: 16 on CUDA, 8 on CPU)"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
+    compare: Optional[list[str]] = typer.Option(None, "--compare", help="another checkpoint / run directory / "
+                                                "Hub id to compare on the same prompts (repeatable)"),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
     top_p: Optional[float] = typer.Option(None, "--top-p"),
     top_k: Optional[int] = typer.Option(None, "--top-k"),
@@ -130,16 +154,17 @@ def eval_cmd(
     target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
     output: Optional[Path] = typer.Option(None, "--output", help="report directory"),
 ):
-    """Measure acceptance (tau, per-position acceptance, speedup) by real speculative generation."""
+    """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
+    real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
     from .workflows import eval_run
 
-    given = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-             "max_new_tokens": max_new_tokens, "num_prompts": num_prompts}
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
+             "num_prompts": num_prompts, "batch_size": batch_size, **_parse_k(k)}
     report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
-                           prompts=prompts, target_model=target_model, output=output, log=log,
-                           progress=_progress, override_names=_EVAL_OPTIONS)
+                           prompts=prompts or None, target_model=target_model, output=output, log=log,
+                           progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or ())
     _print_report(report)
-    log(f"report written to {out}/report.json and report.md")
+    log(f"report written to {out}/report.json, report.md and the plots")
     mm = report.get("greedy_mismatches")
     if mm:
         console.print(f"[bold red]error:[/bold red] speculative output differs from plain greedy decoding "
@@ -166,27 +191,50 @@ def push(
 
 
 def _print_report(report: dict) -> None:
-    t = Table(title=f"acceptance (K={report['k']}, temperature {report['temperature']})")
-    for col in ("method", "tau", "acc. rate", "tokens/s", "speedup"):
-        t.add_column(col)
-    d, n = report["drafter"], report["ngram"]
-    t.add_row("drafter", f"{d['tau']:.3f}", f"{d['acceptance_rate']:.3f}", f"{d['tokens_per_s']:.1f}",
-              f"{report['speedup']:.2f}x")
-    t.add_row("n-gram", f"{n['tau']:.3f}", f"{n['acceptance_rate']:.3f}", f"{n['tokens_per_s']:.1f}",
-              f"{report['ngram_speedup']:.2f}x")
-    t.add_row("plain", "1.000", "-", f"{report['plain']['tokens_per_s']:.1f}", "1.00x")
-    console.print(t)
-    p = Table(title="per-position acceptance")
+    """Print the eval report: one table per batch size (a row per method and K, ★ on each method's best
+    K), per-position acceptance at batch 1 and the largest K, the compare table, the losslessness line."""
+    from .evaluate import METHOD_LABELS
+
+    def tau(r):
+        lo, hi = r["tau_ci"]
+        return f"{r['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    for b in report["batch_sizes"]:
+        plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
+        t = Table(title=f"batch size {b} (temperature {report['temperature']}, {report['num_prompts']} prompts; "
+                        f"speedup vs plain at batch {b})")
+        for col in ("method", "K", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
+            t.add_column(col)
+        for m in report["methods"]:
+            for r in sorted((r for r in report["rows"] if r["method"] == m and r["batch_size"] == b),
+                            key=lambda r: r["k"]):
+                t.add_row(METHOD_LABELS[m], f"{r['k']}{' ★' if r['best_k'] else ''}", tau(r),
+                          f"{r['acceptance_rate']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
+        t.add_row("plain", "-", "1.000", "-", f"{plain['tokens_per_s']:.1f}", "1.00x")
+        console.print(t)
+    kmax, b1 = max(report["ks"]), report["batch_sizes"][0]
+    p = Table(title=f"per-position acceptance (batch {b1}, K={kmax})")
     p.add_column("")
-    for i in range(report["k"]):
+    for i in range(kmax):
         p.add_column(str(i + 1))
-    p.add_row("drafter acc_k", *[f"{x:.3f}" for x in d["per_position"]])
-    p.add_row("drafter cond acc_k", *[f"{x:.3f}" for x in d["conditional"]])
-    p.add_row("n-gram acc_k", *[f"{x:.3f}" for x in n["per_position"]])
+    for m in report["methods"]:
+        r = next(r for r in report["rows"] if r["method"] == m and r["batch_size"] == b1 and r["k"] == kmax)
+        p.add_row(f"{m} acc_k", *[f"{x:.3f}" for x in r["per_position"]])
+        p.add_row(f"{m} cond acc_k", *[f"{x:.3f}" for x in r["conditional"]])
     console.print(p)
+    if report.get("compare"):
+        c = Table(title="compare (same prompts and settings)")
+        for col in ("checkpoint", "method", "batch", "K", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
+            c.add_column(col)
+        for r in report["compare"]["rows"]:
+            c.add_row(r["checkpoint"], METHOD_LABELS[r["method"]], str(r["batch_size"]),
+                      f"{r['k']}{' ★' if r['best_k'] else ''}", tau(r), f"{r['acceptance_rate']:.3f}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
+        console.print(c)
     mm = report.get("greedy_mismatches")
     if mm is not None and not mm:
-        console.print("greedy losslessness: speculative output == plain greedy output on every prompt")
+        console.print("greedy losslessness: every proposer's output == plain greedy output on every prompt "
+                      "(every K and batch size)")
 
 
 def main() -> None:  # pragma: no cover

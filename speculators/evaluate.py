@@ -1,11 +1,15 @@
 """Acceptance statistics and reports from real speculative generation.
 
-For each held-out prompt the target decodes plainly, then speculatively with the drafter, then with
-the n-gram (prompt lookup) proposer. Reported (ALGORITHMS.md, "Acceptance metrics"): tau (mean
-acceptance length, bonus included), acceptance rate (accepted / drafted), per-position acceptance
+The prompts are decoded through the batched loop (:func:`speculators.generate.speculative_generate`)
+at batch size 1 and at the chosen batch size: plainly (once per batch size), then for every K of the
+sweep with the drafter, the n-gram (prompt lookup) proposer, suffix decoding and the hybrid proposer
+(:mod:`speculators.proposers`). Reported (ALGORITHMS.md, "Acceptance metrics"): tau (mean
+acceptance length, bonus included), acceptance rate (verifier-accepted / drafted, with ``accepted`` and
+``accepted_emitted`` counts beside it), per-position acceptance
 ``acc_k = P(draft k accepted)``, conditional per-position acceptance, tokens/s of each method and the
-speedup over plain decoding, and at temperature 0 the number of prompts whose speculative output
-differs from plain greedy decoding (must be zero: lossless).
+speedup over plain decoding at the same batch size, tau's 95% bootstrap confidence interval over
+prompts, and at temperature 0 every prompt whose output differs from plain greedy decoding (must be
+none: lossless). :func:`write_report` writes ``report.json``, ``report.md`` and two PNG plots.
 
 Every decode stops at the first stop token (the target's stop ids: tokenizer EOS, ``generation_config``
 EOS ids, chat-template end-of-turn) and at ``max_new_tokens``; tau, tokens and tokens/s count only the
@@ -28,22 +32,24 @@ class AcceptanceStats:
     """Accumulates the verification steps of one proposer over many prompts.
 
     Definitions (per step, from :class:`speculators.generate.GenerationResult`): ``drafted`` = drafts
-    the target verified; ``verifier_accepted`` = drafts the rejection sampler accepted; ``emitted`` =
-    tokens the step appended to the output, cut at the first stop token and at ``max_new_tokens``
-    (accepted drafts and the recovered/bonus token up to the cut); ``accepted`` = accepted drafts
-    that were emitted = ``min(verifier_accepted, emitted)``.
+    the target verified; ``accepted`` = drafts the rejection sampler accepted (the step's
+    ``GenerationResult.verifier_accepted``); ``emitted`` = tokens the step appended to the output, cut
+    at the first stop token and at ``max_new_tokens`` (accepted drafts and the recovered/bonus token up
+    to the cut); ``accepted_emitted`` = accepted drafts that were also emitted =
+    ``min(accepted, emitted)`` (the step's ``GenerationResult.accepted``).
 
-    Two views, chosen per metric:
+    The counts are self-consistent: ``acceptance_rate == accepted / drafted`` and
+    ``tau == emitted / steps``. Two views, chosen per metric:
 
-    * what was EMITTED (what a user gets): ``tau = emitted / steps`` (mean acceptance length, bonus
-      included), ``accepted`` (accepted-and-emitted drafts), ``tokens`` and ``tokens_per_s``. Tokens
-      after a stop token accepted inside a draft block are never counted here.
-    * what the VERIFIER SAW (the drafter's agreement with the target): ``acceptance_rate =
-      verifier_accepted / drafted``, per-position ``acc_k`` and conditional ``acc_k``. Drafts verified
-      after a stop token ended the request are counted as drafted, and as accepted when the verifier
-      accepted them: they were verified, so counting them in the denominator only (as misses) would
-      make the rate depend on where requests happen to end. In this view
+    * what the VERIFIER SAW (the drafter's agreement with the target): ``accepted``,
+      ``acceptance_rate = accepted / drafted``, per-position ``acc_k`` and conditional ``acc_k``.
+      Drafts verified after a stop token ended the request are counted as drafted, and as accepted
+      when the verifier accepted them: they were verified, so counting them in the denominator only
+      (as misses) would make the rate depend on where requests happen to end. In this view
       ``acceptance_rate == sum(pos_accepted) / sum(pos_drafted)``.
+    * what was EMITTED (what a user gets): ``tau = emitted / steps`` (mean acceptance length, bonus
+      included), ``accepted_emitted``, ``tokens`` and ``tokens_per_s``. Tokens after a stop token
+      accepted inside a draft block are never counted here.
 
     ``steps`` are target forwards after the prefill; the prefill's first token is in ``tokens`` but in
     no step (``tokens == steps' emitted + 1`` per request that generated anything).
@@ -53,8 +59,10 @@ class AcceptanceStats:
         steps: number of verification steps.
         emitted: tokens emitted by those steps.
         drafted: drafts verified.
-        accepted: accepted drafts that were emitted.
-        verifier_accepted: drafts the verifier accepted (emitted or not).
+        accepted: drafts the verifier accepted (emitted or not); ``accepted / drafted`` is the
+            acceptance rate. (``verifier_accepted`` is a read-only alias.)
+        accepted_emitted: accepted drafts that were emitted (``<= accepted``; smaller only when a
+            stop token or ``max_new_tokens`` cut a step inside its accepted drafts).
         tokens: generated tokens (prefill token and stop tokens included), seconds: wall time.
         pos_drafted[i]: steps that drafted >= i+1 tokens.
         pos_accepted[i]: steps whose verifier accepted >= i+1 drafts.
@@ -66,7 +74,7 @@ class AcceptanceStats:
     emitted: int = 0
     drafted: int = 0
     accepted: int = 0
-    verifier_accepted: int = 0
+    accepted_emitted: int = 0
     tokens: int = 0
     seconds: float = 0.0
     pos_drafted: list[int] = field(default_factory=list)
@@ -80,6 +88,9 @@ class AcceptanceStats:
 
     def add(self, result) -> None:
         """Add the steps and tokens of one :class:`speculators.generate.GenerationResult`.
+
+        The result's ``verifier_accepted`` list is added to :attr:`accepted`, its ``accepted`` list
+        (accepted and emitted) to :attr:`accepted_emitted`.
 
         Raises:
             SpeculatorsError: the result's per-step lists differ in length, or a step is inconsistent
@@ -104,8 +115,8 @@ class AcceptanceStats:
             self.steps += 1
             self.emitted += e
             self.drafted += n
-            self.accepted += a
-            self.verifier_accepted += va
+            self.accepted += va
+            self.accepted_emitted += a
             for i in range(n):
                 self.pos_drafted[i] += 1
                 if va >= i:  # drafts 1..i all accepted and draft i+1 proposed: it was judged
@@ -114,14 +125,19 @@ class AcceptanceStats:
                 self.pos_accepted[i] += 1
 
     @property
+    def verifier_accepted(self) -> int:
+        """Alias of :attr:`accepted` (drafts the verifier accepted, emitted or not)."""
+        return self.accepted
+
+    @property
     def tau(self) -> float:
         """Mean tokens emitted per verification step (bonus included; 1.0 when there is no step)."""
         return self.emitted / self.steps if self.steps else 1.0
 
     @property
     def acceptance_rate(self) -> float:
-        """``verifier_accepted / drafted`` (the verifier's view; 0.0 when nothing was drafted)."""
-        return self.verifier_accepted / self.drafted if self.drafted else 0.0
+        """``accepted / drafted`` (the verifier's view; 0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def per_position(self) -> list[float]:
@@ -139,101 +155,444 @@ class AcceptanceStats:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def as_dict(self) -> dict:
+        """The report block of this proposer (JSON-serialisable).
+
+        Keys: ``tau`` (= ``emitted / steps``), ``acceptance_rate`` (= ``accepted / drafted``),
+        ``per_position``, ``conditional`` (lists of ``k`` floats), ``steps``, ``emitted``, ``drafted``,
+        ``accepted`` (verifier-accepted drafts), ``accepted_emitted`` (accepted drafts that were emitted),
+        ``tokens``, ``seconds`` (wall time, s), ``tokens_per_s``. (Reports written before
+        ``accepted_emitted`` existed used ``accepted`` for accepted-and-emitted drafts and
+        ``verifier_accepted`` for the verifier's count.)
+        """
         return {"tau": self.tau, "acceptance_rate": self.acceptance_rate, "per_position": self.per_position,
                 "conditional": self.conditional, "steps": self.steps, "emitted": self.emitted,
-                "drafted": self.drafted, "accepted": self.accepted, "verifier_accepted": self.verifier_accepted,
+                "drafted": self.drafted, "accepted": self.accepted, "accepted_emitted": self.accepted_emitted,
                 "tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
 
-def run_eval(target, drafter, prompts: list[dict], k: int, max_new_tokens: int, sampling=None, ngram_max: int = 3,
-             seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None) -> dict:
-    """Decode every prompt plainly, with ``drafter`` and with the n-gram proposer; return the report dict.
+# the proposers every report compares (report keys and table labels)
+METHODS = ("drafter", "ngram", "suffix", "hybrid")
+METHOD_LABELS = {"drafter": "drafter", "ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding",
+                 "hybrid": "hybrid (suffix, else drafter)", "plain": "plain target"}
 
-    All three decodes of a prompt stop on the same stop ids (``eos_ids``, default the target's
-    :func:`speculators.generate.resolve_stop_ids`) and at ``max_new_tokens``; every count in the
-    report is of emitted tokens (see :class:`AcceptanceStats`).
+
+def bootstrap_tau_ci(emitted: list[int], steps: list[int], resamples: int = 1000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of tau over prompts (Efron & Tibshirani, 1993, ch. 13).
+
+    Resample the prompts with replacement ``resamples`` times (``numpy.random.default_rng(seed)
+    .integers(0, n, size=(resamples, n))``); the tau of a resample is its emitted tokens / its steps
+    (1.0 for a resample without steps, as :attr:`AcceptanceStats.tau`); the interval is the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles (numpy's linear interpolation).
 
     Args:
-        prompts: ``[{"id", "input_ids"}]`` rendered prompts.
-        k: max drafts per step. max_new_tokens: cap on generated tokens per prompt.
-        sampling: :class:`speculators.verify.SamplingParams` of one request (``SamplingParams.uniform(1,
-            temperature, top_k, top_p)``; ``None`` = greedy). Its generators are not used: prompt ``i``
-            is decoded three times, each from a fresh generator seeded with ``seed + i``.
-        eos_ids: explicit stop ids (wins over the target's).
+        emitted, steps: per prompt, tokens emitted by its verification steps and its number of steps.
+        resamples: >= 1. seed: the resampling RNG's seed (fixed: the same report gives the same CI).
+        level: in (0, 1).
     Returns:
-        A JSON-serialisable report (see :func:`write_report`), with ``stop_token_ids`` (sorted) and the
-        effective ``temperature``, ``top_k``, ``top_p`` (numbers).
+        ``(low, high)`` floats; ``(1.0, 1.0)`` without prompts.
     Raises:
-        SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
+        SpeculatorsError: lists of different lengths, ``resamples`` < 1 or ``level`` outside (0, 1).
     """
-    from .generate import NGramProposer, plain_decode, resolve_stop_ids, speculative_decode
+    import numpy as np
+
+    if len(emitted) != len(steps):
+        raise SpeculatorsError(f"bootstrap_tau_ci: {len(emitted)} emitted counts for {len(steps)} step counts")
+    if int(resamples) < 1 or not 0.0 < float(level) < 1.0:
+        raise SpeculatorsError(f"bootstrap_tau_ci: resamples must be >= 1 and level in (0, 1), got "
+                               f"{resamples}, {level}")
+    n = len(emitted)
+    if n == 0:
+        return 1.0, 1.0
+    e, s = np.asarray(emitted, dtype=np.float64), np.asarray(steps, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, n, size=(int(resamples), n))
+    se, ss = e[idx].sum(axis=1), s[idx].sum(axis=1)
+    taus = np.where(ss > 0, se / np.maximum(ss, 1.0), 1.0)
+    lo, hi = np.quantile(taus, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(lo), float(hi)
+
+
+def default_batch_size(device: str | None) -> int:
+    """The eval's default ``--batch-size``: 16 on CUDA, 8 elsewhere (``device`` None = CUDA when present)."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return 16 if str(device).startswith("cuda") else 8
+
+
+def _as_k_list(k) -> list[int]:
+    ks = [k] if isinstance(k, int) and not isinstance(k, bool) else list(k)
+    if not ks or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ks):
+        raise SpeculatorsError(f"k: expected an integer >= 1 or a non-empty list of them, got {k!r}")
+    return sorted(dict.fromkeys(ks))
+
+
+def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tokens: int, temperature: float,
+              top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None):
+    """One decode pass of every prompt through the batched loop; ``(results in prompt order, wall seconds)``.
+
+    Prompt ``i`` draws from its own generator seeded with ``seed + i`` (so its output does not depend
+    on the batch it ran in); ``proposer=None`` is plain decoding through the same loop.
+    """
+    from .generate import speculative_generate
+    from .verify import SamplingParams
+
+    sampling = SamplingParams.uniform(len(prompt_ids), temperature, top_k, top_p)
+    out = speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling, batch_size,
+                               eos_ids=stop, seeds=[seed + i for i in range(len(prompt_ids))], progress=progress)
+    return out.results, out.seconds
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampling=None, ngram_max: int = 3,
+             seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
+             methods=METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000) -> dict:
+    """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
+
+    For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
+    :func:`speculators.generate.speculative_generate`), plain decoding runs ONCE (the baseline at that
+    batch size), then every method of ``methods`` runs for every K of ``k``: ``drafter`` (the neural
+    drafter), ``ngram`` (:class:`speculators.generate.NGramProposer`, prompt lookup), ``suffix``
+    (:class:`speculators.proposers.SuffixProposer`, suffix decoding) and ``hybrid``
+    (:class:`speculators.proposers.HybridProposer`: the suffix draft where its match has at least
+    ``hybrid_min_match`` tokens, the drafter elsewhere). Every decode of a prompt stops on the same stop
+    ids (``eos_ids``, default the target's :func:`speculators.generate.resolve_stop_ids`) and at
+    ``max_new_tokens``; every count is of emitted tokens (see :class:`AcceptanceStats`).
+
+    Per row (method, K, batch size): :meth:`AcceptanceStats.as_dict` with ``seconds`` the wall time of
+    the whole pass (so ``tokens_per_s`` is the throughput at that batch size), ``tau_ci`` (95%
+    bootstrap CI over prompts, :func:`bootstrap_tau_ci` with ``seed``), ``speedup`` (tokens/s over
+    plain decoding's at the SAME batch size) and ``best_k`` (True on the K with the best speedup of
+    that method and batch size). At temperature 0 every output is compared with plain greedy decoding
+    at batch 1 (plain at ``batch_size`` included): ``greedy_mismatches`` lists each difference.
+
+    Args:
+        target: :class:`speculators.target.Target`. drafter: a batched proposer (a drafter family);
+            None only when ``methods`` has neither ``drafter`` nor ``hybrid``.
+        prompts: ``[{"id", "input_ids"}]`` rendered prompts.
+        k: max drafts per step, an int or a list of them (the K sweep; each >= 1).
+        max_new_tokens: cap on generated tokens per prompt.
+        sampling: :class:`speculators.verify.SamplingParams` of one request (``None`` = greedy); its
+            temperature / top-k / top-p apply to every prompt; prompt ``i`` draws from a fresh
+            generator seeded with ``seed + i`` in every pass.
+        ngram_max: the n-gram proposer's longest n-gram. eos_ids: explicit stop ids.
+        batch_size: the loaded batch size (>= 1; 1 = batch 1 only).
+        methods: the subset of :data:`METHODS` to run, in that order.
+        progress: ``progress(done, total)`` in prompts decoded over all passes.
+    Returns:
+        A JSON-serialisable report: ``num_prompts``, ``ks``, ``batch_size``, ``batch_sizes``,
+        ``methods``, ``rows`` (one dict per method, K and batch size, with ``method``, ``k``,
+        ``batch_size``), ``plain_rows`` (one per batch size), ``best_k`` (``{batch: {method: K}}``,
+        string keys), sampling values, ``stop_token_ids``, ``greedy_mismatches`` (None when sampling)
+        and the HEADLINE (the largest batch size and the drafter's best K there; the first method's
+        when there is no drafter): ``k``, one block per method (``report["drafter"]`` ...),
+        ``plain``, ``speedup`` (the drafter's) and ``<method>_speedup``.
+    Raises:
+        SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``; bad ``k``,
+            ``batch_size``, ``methods``; no prompts; a drafter method without a drafter.
+    """
+    from .generate import NGramProposer, resolve_stop_ids
     from .losses import sampling_values
+    from .proposers import HybridProposer, SuffixProposer
 
     temperature, top_k, top_p = sampling_values(sampling)
+    ks = _as_k_list(k)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise SpeculatorsError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    methods = tuple(methods)
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise SpeculatorsError(f"methods: {bad or 'none given'}; allowed: {list(METHODS)}")
+    methods = tuple(m for m in METHODS if m in methods)
+    if drafter is None and ({"drafter", "hybrid"} & set(methods)):
+        raise SpeculatorsError("run_eval: the drafter and hybrid rows need a drafter")
+    if not prompts:
+        raise SpeculatorsError("run_eval: no prompts to decode")
     stop = resolve_stop_ids(target, eos_ids)
-    plain = AcceptanceStats(k)
-    spec = AcceptanceStats(k)
-    ngram = AcceptanceStats(k)
-    mismatches = []
+    ids = [list(p["input_ids"]) for p in prompts]
+    n = len(ids)
     greedy = temperature == 0.0
-    ng = NGramProposer(max_n=ngram_max)
-    for i, p in enumerate(prompts):
-        ids = p["input_ids"]
-        r_plain = plain_decode(target, ids, max_new_tokens, sampling, eos_ids=stop, seed=seed + i)
-        r_spec = speculative_decode(target, drafter, ids, k, max_new_tokens, sampling, eos_ids=stop, seed=seed + i)
-        r_ng = speculative_decode(target, ng, ids, k, max_new_tokens, sampling, eos_ids=stop, seed=seed + i)
-        plain.add(r_plain)
-        spec.add(r_spec)
-        ngram.add(r_ng)
-        if greedy:
-            for name, r in (("drafter", r_spec), ("ngram", r_ng)):
-                if r.tokens != r_plain.tokens:
-                    first = next((j for j, (a, b) in enumerate(zip(r.tokens, r_plain.tokens)) if a != b),
-                                 min(len(r.tokens), len(r_plain.tokens)))
-                    mismatches.append({"prompt": p["id"], "proposer": name, "first_diff": first})
+    batch_sizes = sorted({1, batch_size})
+    total = n * len(batch_sizes) * (1 + len(ks) * len(methods))
+    done = [0]
+
+    def pass_progress():
+        base = done[0]
+        return (lambda d, t: progress(base + d, total)) if progress else None
+
+    def run(proposer, kk, b):
+        res, secs = _generate(target, proposer, ids, kk, max_new_tokens, temperature, top_k, top_p, b, stop, seed,
+                              progress=pass_progress())
+        done[0] += n
         if progress:
-            progress(i + 1, len(prompts))
-    return {
-        "num_prompts": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "stop_token_ids": sorted(stop),
-        "drafter": spec.as_dict(), "ngram": ngram.as_dict(),
-        "plain": {"tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens, "seconds": plain.seconds,
-                  "tokens_per_s": plain.tokens_per_s},
-        "speedup": spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
-        "ngram_speedup": ngram.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
+            progress(done[0], total)
+        return res, secs
+
+    def make(method):
+        if method == "drafter":
+            return drafter
+        if method == "ngram":
+            return NGramProposer(max_n=ngram_max)
+        if method == "suffix":
+            return SuffixProposer()
+        return HybridProposer(drafter, SuffixProposer(), min_match=hybrid_min_match)
+
+    from .generate import speculative_generate
+
+    # warm-up (discarded): the first decode pays one-off costs (allocator, kernels) that would
+    # otherwise be charged to batch 1's plain baseline and inflate every speedup
+    speculative_generate(target, None, ids[:1], 0, min(4, max_new_tokens), None, 1, eos_ids=stop)
+    rows, plain_rows, mismatches, reference = [], [], [], None
+    for b in batch_sizes:
+        res, secs = run(None, 0, b)
+        plain = AcceptanceStats(1)
+        for r in res:
+            plain.add(r)
+        plain.seconds = secs
+        plain_rows.append({"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
+                           "seconds": secs, "tokens_per_s": plain.tokens_per_s})
+        if reference is None:
+            reference = [r.tokens for r in res]  # plain greedy at batch 1: what every output must equal
+        elif greedy:
+            mismatches += [{"prompt": p["id"], "proposer": "plain", "k": 0, "batch_size": b,
+                            "first_diff": _first_diff(r.tokens, ref)}
+                           for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
+        log(f"eval: batch {b}, plain decoding: {plain.tokens_per_s:.1f} tokens/s")
+        for method in methods:
+            for kk in ks:
+                proposer = make(method)
+                res, secs = run(proposer, kk, b)
+                st = AcceptanceStats(kk)
+                for r in res:
+                    st.add(r)
+                st.seconds = secs
+                row = {"method": method, "k": kk, "batch_size": b, **st.as_dict()}
+                row["tau_ci"] = list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
+                                                      bootstrap_resamples, seed))
+                row["speedup"] = st.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+                row["best_k"] = False
+                if method == "hybrid":
+                    row["proposals"] = dict(proposer.counts)  # how many steps each part drafted
+                rows.append(row)
+                if greedy:
+                    mismatches += [{"prompt": p["id"], "proposer": method, "k": kk, "batch_size": b,
+                                    "first_diff": _first_diff(r.tokens, ref)}
+                                   for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
+                log(f"eval: batch {b}, {method} K={kk}: tau {st.tau:.3f}, {st.tokens_per_s:.1f} tokens/s "
+                    f"({row['speedup']:.2f}x)")
+    best_k: dict[str, dict[str, int]] = {}
+    for b in batch_sizes:
+        for method in methods:
+            cand = [r for r in rows if r["batch_size"] == b and r["method"] == method]
+            best = max(cand, key=lambda r: (r["speedup"], -r["k"]))
+            best["best_k"] = True
+            best_k.setdefault(str(b), {})[method] = best["k"]
+    head_b = batch_sizes[-1]
+    head_k = best_k[str(head_b)][methods[0]]
+    report = {
+        "num_prompts": n, "k": head_k, "ks": ks, "batch_size": batch_size, "batch_sizes": batch_sizes,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "seed": seed, "stop_token_ids": sorted(stop), "methods": list(methods), "hybrid_min_match": hybrid_min_match,
+        "bootstrap": {"resamples": bootstrap_resamples, "level": 0.95, "seed": seed, "over": "prompts"},
+        "rows": rows, "plain_rows": plain_rows, "best_k": best_k,
+        "headline": {"batch_size": head_b, "k": head_k},
+        "plain": next(p for p in plain_rows if p["batch_size"] == head_b),
         "greedy_mismatches": mismatches if greedy else None,
     }
+    for method in methods:
+        row = next(r for r in rows if r["batch_size"] == head_b and r["k"] == head_k and r["method"] == method)
+        report[method] = row
+        report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
+    return report
 
 
-def report_markdown(report: dict, title: str = "speculators eval") -> str:
-    """The report as Markdown (also printed as a table by the CLI)."""
-    d, n = report["drafter"], report["ngram"]
+PLOT_FILES = {"per_position": "per_position_acceptance.png", "tau_vs_k": "tau_vs_k.png"}
+
+
+def _rows(report: dict, method: str | None = None, batch: int | None = None, k: int | None = None) -> list[dict]:
+    return [r for r in report["rows"] if (method is None or r["method"] == method)
+            and (batch is None or r["batch_size"] == batch) and (k is None or r["k"] == k)]
+
+
+def _fmt_tau(r: dict) -> str:
+    lo, hi = r.get("tau_ci") or (r["tau"], r["tau"])
+    return f"{r['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def report_markdown(report: dict, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
+    """The report of :func:`run_eval` as Markdown.
+
+    Sections: one table per batch size (a row per method and K: tau with its 95% bootstrap CI,
+    acceptance rate, tokens/s, speedup over plain decoding at that batch size; ★ marks each method's
+    best K), the counts table of the headline rows (steps, drafted, accepted, accepted & emitted,
+    emitted), per-position and conditional acceptance at batch 1 and the largest K, the plots
+    (``plots``, default ``report["plots"]``: ``{"per_position" | "tau_vs_k": relative PNG path}``,
+    embedded as images), the compare table (``report["compare"]``) and the greedy losslessness line.
+    """
+    plots = plots if plots is not None else report.get("plots")
+    methods = report["methods"]
+    ks = report["ks"]
+    head = report["headline"]
     lines = [f"# {title}", "",
-             f"{report['num_prompts']} prompts, K={report['k']}, temperature {report['temperature']}, "
-             f"top_p {report['top_p']}, top_k {report['top_k']}, max_new_tokens {report['max_new_tokens']}", "",
-             "| method | tau | acceptance rate | tokens/s | speedup |", "|---|---|---|---|---|",
-             f"| drafter | {d['tau']:.3f} | {d['acceptance_rate']:.3f} | {d['tokens_per_s']:.1f} | "
-             f"{report['speedup']:.2f}x |",
-             f"| n-gram (prompt lookup) | {n['tau']:.3f} | {n['acceptance_rate']:.3f} | {n['tokens_per_s']:.1f} | "
-             f"{report['ngram_speedup']:.2f}x |",
-             f"| plain target | {report['plain'].get('tau', 1.0):.3f} | - | "
-             f"{report['plain']['tokens_per_s']:.1f} | 1.00x |", "",
-             "| position | " + " | ".join(str(i + 1) for i in range(report["k"])) + " |",
-             "|---|" + "---|" * report["k"],
-             "| drafter acc_k | " + " | ".join(f"{x:.3f}" for x in d["per_position"]) + " |",
-             "| drafter cond acc_k | " + " | ".join(f"{x:.3f}" for x in d["conditional"]) + " |",
-             "| n-gram acc_k | " + " | ".join(f"{x:.3f}" for x in n["per_position"]) + " |", ""]
+             f"{report['num_prompts']} prompts" + (f" ({report['prompts']})" if report.get("prompts") else "")
+             + f", temperature {report['temperature']}, top_p {report['top_p']}, top_k {report['top_k']}, "
+             f"max_new_tokens {report['max_new_tokens']}; K in {ks}; batch sizes {report['batch_sizes']}.", "",
+             "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
+             f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
+             "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
+             "★ = the K with the best speedup of that method and batch size.", ""]
+    for b in report["batch_sizes"]:
+        plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
+        lines += [f"## Batch size {b}", "", "| method | K | tau [95% CI] | acceptance rate | tokens/s | speedup |",
+                  "|---|---|---|---|---|---|"]
+        for m in methods:
+            for r in sorted(_rows(report, m, b), key=lambda r: r["k"]):
+                lines.append(f"| {METHOD_LABELS[m]} | {r['k']}{' ★' if r.get('best_k') else ''} | {_fmt_tau(r)} | "
+                             f"{r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+        lines += [f"| plain target | - | {plain.get('tau', 1.0):.3f} | - | {plain['tokens_per_s']:.1f} | 1.00x |", ""]
+    lines += [f"## Counts (batch size {head['batch_size']}, K={head['k']})", "",
+              "accepted & emitted <= accepted (accepted drafts after a stop token or max_new_tokens are not emitted).",
+              "", "| method | steps | drafted | accepted | accepted & emitted | emitted |", "|---|---|---|---|---|---|"]
+    for m in methods:
+        s = report[m]
+        lines.append(f"| {m} | {s.get('steps', '-')} | {s.get('drafted', '-')} | {s.get('accepted', '-')} | "
+                     f"{s.get('accepted_emitted', '-')} | {s.get('emitted', '-')} |")
+    hy = report.get("hybrid")
+    if hy is not None and hy.get("proposals"):
+        c = hy["proposals"]
+        lines += ["", f"hybrid: {c.get('suffix', 0)} drafts from the suffix tree (match >= "
+                      f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter."]
+    kmax, b1 = max(ks), report["batch_sizes"][0]
+    lines += ["", f"## Per-position acceptance (batch size {b1}, K={kmax})", "",
+              "acc_k = P(draft k accepted | draft k proposed); cond acc_k = P(draft k accepted | drafts 1..k-1 "
+              "accepted).", "", "| position | " + " | ".join(str(i + 1) for i in range(kmax)) + " |",
+              "|---|" + "---|" * kmax]
+    for m in methods:
+        r = _rows(report, m, b1, kmax)[0]
+        lines.append(f"| {m} acc_k | " + " | ".join(f"{x:.3f}" for x in r["per_position"]) + " |")
+        lines.append(f"| {m} cond acc_k | " + " | ".join(f"{x:.3f}" for x in r["conditional"]) + " |")
+    lines.append("")
+    for key, alt in (("per_position", "per-position acceptance"), ("tau_vs_k", "tau and speedup vs K")):
+        if plots and plots.get(key):
+            lines += [f"![{alt}]({plots[key]})", ""]
+    if report.get("compare"):
+        lines += ["## Compare (same prompts and settings)", "", compare_markdown(report["compare"]["rows"])]
     mm = report.get("greedy_mismatches")
     if mm is not None:
-        lines.append("Greedy losslessness: " + ("speculative output == plain greedy output on every prompt."
-                                                if not mm else f"ERROR: {len(mm)} mismatches: {mm}"))
+        lines.append("Greedy losslessness: " + (
+            "every proposer's output == plain greedy output on every prompt, at every K and batch size."
+            if not mm else f"ERROR: {len(mm)} mismatches: {mm}"))
     return "\n".join(lines) + "\n"
 
 
+def write_plots(report: dict, directory: str | Path) -> dict[str, str]:
+    """Draw the report's plots as PNGs into ``directory`` (matplotlib's Agg canvas; pyplot's global
+    state is not touched).
+
+    * ``per_position_acceptance.png``: acc_k per position, one bar group per position and one bar per
+      method (batch size 1, the largest K);
+    * ``tau_vs_k.png``: tau (with its 95% CI as error bars, batch size 1) and speedup (every batch size)
+      against K, one line per method.
+
+    Returns:
+        ``{"per_position": file name, "tau_vs_k": file name}`` relative to ``directory``.
+    """
+    from matplotlib.figure import Figure
+
+    directory = Path(directory)
+    methods, ks = report["methods"], report["ks"]
+    kmax, b1 = max(ks), report["batch_sizes"][0]
+    fig = Figure(figsize=(max(5.0, 1.1 * kmax + 2), 3.6), dpi=110)
+    ax = fig.add_subplot()
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        r = _rows(report, m, b1, kmax)[0]
+        ax.bar([i + 1 + (j - (len(methods) - 1) / 2) * width for i in range(kmax)], r["per_position"], width,
+               label=METHOD_LABELS[m])
+    ax.set_xticks(range(1, kmax + 1))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acc_k = P(draft k accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"per-position acceptance (K={kmax}, batch {b1}, T={report['temperature']:g})")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(directory / PLOT_FILES["per_position"])
+
+    fig = Figure(figsize=(9.0, 3.6), dpi=110)
+    ax_tau, ax_sp = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    styles = ["-", "--", ":", "-."]
+    for j, m in enumerate(methods):
+        rows = sorted(_rows(report, m, b1), key=lambda r: r["k"])
+        taus = [r["tau"] for r in rows]
+        err = [[r["tau"] - r["tau_ci"][0] for r in rows], [r["tau_ci"][1] - r["tau"] for r in rows]]
+        ax_tau.errorbar([r["k"] for r in rows], taus, yerr=err, marker="o", capsize=3, label=METHOD_LABELS[m])
+        for bi, b in enumerate(report["batch_sizes"]):
+            rb = sorted(_rows(report, m, b), key=lambda r: r["k"])
+            ax_sp.plot([r["k"] for r in rb], [r["speedup"] for r in rb], marker="o", color=f"C{j}",
+                       linestyle=styles[bi % len(styles)], label=f"{m}, batch {b}")
+    ax_tau.set_xlabel("K (drafts per step)")
+    ax_tau.set_ylabel("tau (tokens per step, 95% CI)")
+    ax_tau.set_title(f"tau vs K (batch {b1})")
+    ax_tau.legend(fontsize="small")
+    ax_sp.axhline(1.0, color="grey", linewidth=0.8)
+    ax_sp.set_xlabel("K (drafts per step)")
+    ax_sp.set_ylabel("speedup vs plain (same batch)")
+    ax_sp.set_title("speedup vs K")
+    ax_sp.legend(fontsize="x-small")
+    for a in (ax_tau, ax_sp):
+        a.set_xticks(ks)
+    fig.tight_layout()
+    fig.savefig(directory / PLOT_FILES["tau_vs_k"])
+    return dict(PLOT_FILES)
+
+
 def write_report(report: dict, output: str | Path, title: str = "speculators eval") -> Path:
-    """Write ``report.json`` and ``report.md`` into ``output`` (atomically replaced)."""
+    """Write ``report.json``, the two PNG plots (:func:`write_plots`) and ``report.md`` (embedding them
+    with relative links) into ``output``, atomically replaced. Sets ``report["plots"]``."""
     with atomic_dir(output, overwrite=True) as tmp:
+        if report.get("rows"):  # a report of run_eval (anything else has nothing to plot)
+            report["plots"] = write_plots(report, tmp)
         (tmp / "report.json").write_text(json.dumps(report, indent=2))
         (tmp / "report.md").write_text(report_markdown(report, title))
     return Path(output)
+
+
+def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
+    """One row per checkpoint, batch size and K of the drafter (and hybrid) rows of several reports on the
+    same prompts, then the model-free baselines of the first report: ``{"checkpoint", "method", "batch_size",
+    "k", "tau", "tau_ci", "acceptance_rate", "tokens_per_s", "speedup", "best_k"}``.
+
+    Raises:
+        SpeculatorsError: the reports were not made on the same prompts / settings (``num_prompts``,
+            ``max_new_tokens``, sampling values differ).
+    """
+    keys = ("num_prompts", "max_new_tokens", "temperature", "top_p", "top_k", "prompts")
+    first = reports[0][1]
+    for label, rep in reports[1:]:
+        diff = [k for k in keys if rep.get(k) != first.get(k)]
+        if diff:
+            raise SpeculatorsError(f"--compare: {label} was evaluated with other {', '.join(diff)} than "
+                                   f"{reports[0][0]}; compare checkpoints on the same prompts and settings")
+    out = []
+    fields = ("method", "batch_size", "k", "tau", "tau_ci", "acceptance_rate", "tokens_per_s", "speedup", "best_k")
+    for i, (label, rep) in enumerate(reports):
+        for r in rep["rows"]:
+            if r["method"] in ("drafter", "hybrid") or i == 0:
+                out.append({"checkpoint": label if r["method"] in ("drafter", "hybrid") else "-",
+                            **{f: r[f] for f in fields}})
+    return out
+
+
+def compare_markdown(rows: list[dict]) -> str:
+    """The rows of :func:`compare_rows` as one Markdown table."""
+    lines = ["| checkpoint | method | batch | K | tau [95% CI] | acceptance rate | tokens/s | speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['checkpoint']} | {METHOD_LABELS[r['method']]} | {r['batch_size']} | "
+                     f"{r['k']}{' ★' if r['best_k'] else ''} | {_fmt_tau(r)} | {r['acceptance_rate']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"

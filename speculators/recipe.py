@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator,
@@ -81,7 +81,9 @@ class TrainSpec(Strict):
     batch_tokens: int = Field(default=4096, gt=0, description="tokens per optimizer micro-batch (padded)")
     grad_accum: int = Field(default=1, gt=0)
     grad_clip: float = Field(default=1.0, gt=0.0)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        default="fp32", description="auto: bf16 autocast where the hardware runs it fast (CUDA with bf16, CPUs "
+                                    "with AVX512-BF16/AMX), fp32 elsewhere (on AVX2-only CPUs bf16 is ~10x slower)")
     seed: int = 0
     checkpoint_every: int = Field(default=200, gt=0, description="steps between checkpoints")
     eval_every: int = Field(default=100, gt=0, description="steps between held-out evaluations")
@@ -105,6 +107,17 @@ class EvalSpec(Strict):
     max_new_tokens: int = Field(default=128, gt=0)
     ngram_max: int = Field(default=3, gt=0, description="prompt-lookup baseline: longest n-gram matched")
     seed: int = 0
+    k_sweep: list[Annotated[int, Field(gt=0, le=64)]] | None = Field(
+        default=None, min_length=1, description="K values swept in one eval (one report row each); None = [k]")
+    batch_size: int | None = Field(default=None, gt=0, le=4096, description="the loaded batch size reported "
+                                   "beside batch 1; None = 16 on CUDA, 8 elsewhere")
+    hybrid_min_match: int = Field(default=3, gt=0, le=32, description="hybrid proposer: shortest suffix match "
+                                  "that drafts instead of the neural drafter")
+
+    @property
+    def ks(self) -> list[int]:
+        """The K values an eval runs: ``k_sweep`` (sorted, distinct) or ``[k]``."""
+        return sorted(set(self.k_sweep)) if self.k_sweep else [self.k]
 
 
 class Recipe(Strict):
@@ -315,10 +328,13 @@ def eval_spec_with(base: EvalSpec | None, overrides: Mapping[str, Any],
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"])
             msg = "unknown key (misspelled?)" if err["type"] == "extra_forbidden" else err["msg"]
-            if field in given:
-                label = names.get(field, f"override {field}=")
+            top = str(err["loc"][0]) if err["loc"] else field  # k_sweep.1 -> the option that set k_sweep
+            if top in given:
+                label = names.get(top, f"override {top}=")
                 sep = "" if label.endswith("=") else " "
-                parts.append(f"{label}{sep}{given[field]}: eval.{field}: {msg}")
+                value = given[top]
+                value = ",".join(map(str, value)) if isinstance(value, list) else value
+                parts.append(f"{label}{sep}{value}: eval.{field}: {msg}")
             else:
                 parts.append(f"eval.{field}: {msg}")
         raise SpeculatorsError("; ".join(parts)) from None

@@ -7,8 +7,14 @@ the generation loop need:
 * ``features(input_ids)``: aux hidden states (multi-layer fusion taps), the final (post-norm) hidden
   state and optionally logits, in one forward;
 * ``embed`` / ``lm_head``: the frozen token embedding and output head;
+* LoRA for joint training (peft): ``adapt_lora(cfg)`` once when the run builds the target,
+  ``lora_parameters()``, ``train_forward(...)`` (hidden states, argmax and LM loss with gradients),
+  ``save_adapter`` / ``load_adapter``, and ``merge_adapter(dir)`` for eval (the fine-tuned verifier);
 * ``DecodeSession``: batch-1 incremental decoding with a KV cache that can be rolled back after
-  rejected drafts (as a serving engine does).
+  rejected drafts (as a serving engine does);
+* ``BatchDecodeSession`` (``Target.batch_session(max_batch)``): the same for a ragged batch of requests
+  over one KV cache, with requests joining and leaving between forwards (continuous batching);
+* ``Target.load(..., device=None)``: CUDA when present, else CPU (:func:`resolve_device`).
 
 Layer-id convention (ALGORITHMS.md): ``aux_layer_ids`` are 0-based indices of decoder layers whose
 OUTPUT is tapped: the PRE-norm residual stream leaving decoder layer ``l`` (read with a forward hook on
@@ -39,6 +45,7 @@ from .utils import atomic_dir, cache_root, stable_hash
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the weight file of a peft adapter directory (save_adapter)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -54,6 +61,37 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise SpeculatorsError(f"unknown dtype {name!r}; allowed: {sorted(_DTYPES)}") from None
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The torch device a target (and its drafter) runs on: ``device``, or by default ``"cuda"`` when
+    ``torch.cuda.is_available()`` and ``"cpu"`` otherwise (the ``--device`` default).
+
+    Args:
+        device: ``None``, a ``torch.device`` or a device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``).
+    Returns:
+        ``torch.device``.
+    Raises:
+        SpeculatorsError: not a device string torch understands, or a CUDA / MPS device this machine
+            does not have (naming ``device`` and what is available).
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SpeculatorsError(f"device: {device!r} is not a torch device (allowed: 'cpu', 'cuda', 'cuda:N', "
+                               f"'mps', or None for cuda when available else cpu)") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise SpeculatorsError(f"device: {device!r} requested but CUDA is not available here; use 'cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise SpeculatorsError(f"device: {device!r} requested but only {n} CUDA device(s) exist "
+                                   f"(cuda:0..cuda:{n - 1})")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise SpeculatorsError(f"device: {device!r} requested but MPS is not available here; use 'cpu'")
+    return dev
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -164,6 +202,24 @@ class Generation(NamedTuple):
     stop: int | None
 
 
+class LoraForward(NamedTuple):
+    """What :meth:`Target.train_forward` returns (the adapted target's forward, with gradients).
+
+    Attributes:
+        top: ``[B, T, H]`` final post-norm hidden states (model or autocast dtype), with gradients.
+        argmax: ``[B, T]`` int64 greedy next token at every real position (0 on padding), no graph.
+        lm_loss: scalar, the summed LM cross entropy over the label positions divided by ``norm``.
+        nll_sum: that summed cross entropy as a float (nats).
+        n_labels: the number of labels (assistant tokens ``x_{t+1}``) it was summed over.
+    """
+
+    top: torch.Tensor
+    argmax: torch.Tensor
+    lm_loss: torch.Tensor
+    nll_sum: float
+    n_labels: int
+
+
 def _layer_output(out) -> torch.Tensor:
     """The hidden state a decoder layer returns (a tensor in transformers 5, a tuple before)."""
     return out[0] if isinstance(out, (tuple, list)) else out
@@ -203,18 +259,29 @@ class Target:
         self._stop_override: list[int] | None = None
         self._marker_cache: dict[str | None, int | None] = {}
         self._fingerprint: str | None = None
+        self._lora = None  # the peft model wrapping self.model after adapt_lora (joint training)
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, ref: str, dtype: str = "float32", aux_layer_ids: list[int] | None = None,
-             log=print) -> "Target":
+             log=print, device: str | torch.device | None = None) -> "Target":
         """Load a target from a hub id, local directory, GGUF file or the SmolLM2 alias.
 
+        Args:
+            ref: the model reference (:func:`resolve_model_ref`).
+            dtype: weight dtype name (:func:`torch_dtype`); ``bfloat16`` is the usual choice on a GPU.
+            aux_layer_ids: 0-based decoder layers whose outputs are tapped (default per ALGORITHMS.md).
+            log: called with one line describing the loaded model.
+            device: where the model lives (:func:`resolve_device`): ``None`` = ``"cuda"`` when
+                ``torch.cuda.is_available()``, else ``"cpu"``. A drafter used with this target must be
+                moved to the same device by whoever loads it (``drafter.to(target.device)``).
         Raises:
-            SpeculatorsError: missing path, missing package for the alias, or a load failure.
+            SpeculatorsError: missing path, missing package for the alias, a load failure, or a device
+                that is not a torch device string or is not available here.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        dev = resolve_device(device)
         directory, gguf = resolve_model_ref(ref)
         t0 = time.time()
         td = torch_dtype(dtype)
@@ -230,8 +297,10 @@ class Target:
             raise
         except Exception as e:  # noqa: BLE001 - surface as a one-line user error
             raise SpeculatorsError(f"target.model: could not load {ref!r}: {type(e).__name__}: {e}") from e
+        if dev.type != "cpu":
+            model = model.to(dev)
         log(f"target {ref}: {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
-            f"vocab {model.config.vocab_size} ({how}, {time.time() - t0:.1f}s)")
+            f"vocab {model.config.vocab_size} ({how}, {dtype} on {dev}, {time.time() - t0:.1f}s)")
         return cls(model, tok, ref, aux_layer_ids)
 
     @property
@@ -352,19 +421,188 @@ class Target:
         d.pop("quantization_config", None)
         return d
 
-    # ------------------------------------------------------------------ features
-    def top_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Final post-norm hidden states WITH autograd (joint training through adapters in the model).
+    # ------------------------------------------------------------------ LoRA (joint training)
+    def adapt_lora(self, cfg, where: str = "drafter.joint_target") -> None:
+        """Inject LoRA adapters into the target IN PLACE (peft ``get_peft_model``), to fine-tune it together
+        with a drafter: Medusa-2 (Cai et al., arXiv 2401.10774, section 2.3.2) and DeepSeek-V3 MTP
+        (arXiv 2412.19437, section 2.2). Done once, when the target is built for a run (as torchtune builds
+        a LoRA model), before the optimizer is built.
+
+        The adapters start as the identity (peft: ``B = 0``), so until the first update every forward equals
+        the frozen target's. Only the LoRA matrices require gradients; the embedding, final norm and output
+        head stay frozen (drafters share them). :attr:`fingerprint` keeps naming the BASE model (it is fixed
+        before the injection): a checkpoint records the base target plus its adapter, and
+        :meth:`merge_adapter` on a fresh base target gives the fine-tuned verifier.
 
         Args:
-            input_ids: ``[B, T]`` int64, right-padded; attention_mask: ``[B, T]`` bool or 0/1.
-        Returns:
-            ``[B, T, H]`` in the model's dtype (or the autocast dtype).
+            cfg: the LoRA settings, read as attributes: ``lora_r`` (rank), ``lora_alpha`` (scale =
+                alpha / r), ``lora_dropout`` (probability), ``lora_modules`` (names of linear layers, e.g.
+                ``["q_proj", "v_proj"]``); e.g. a :class:`speculators.drafters.joint.JointTargetConfig`.
+            where: the recipe path of ``cfg``, named in errors.
+        Raises:
+            SpeculatorsError: the target is already adapted; a name of ``lora_modules`` does not exist in
+                the model, or peft cannot adapt it.
         """
-        out = self.model.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.long().to(self.device),
-                               use_cache=False)
-        return out.last_hidden_state
+        from peft import LoraConfig, get_peft_model
 
+        if self._lora is not None:
+            raise SpeculatorsError(f"{where}: the target already has LoRA adapters (adapt_lora is called once)")
+        _ = self.fingerprint  # the base model's identity, fixed before the adapters join the state dict
+        names = {n.rsplit(".", 1)[-1] for n, _m in self.model.named_modules()}
+        missing = [m for m in cfg.lora_modules if m not in names]
+        if missing:
+            raise SpeculatorsError(f"{where}.lora_modules: {missing} not found in the target "
+                                   f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})")
+        lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_modules), bias="none")
+        try:
+            self._lora = get_peft_model(self.model, lcfg)
+        except (ValueError, TypeError) as e:
+            raise SpeculatorsError(f"{where}.lora_modules: peft cannot adapt {list(cfg.lora_modules)}: {e}") from None
+
+    @property
+    def adapted(self) -> bool:
+        """True after :meth:`adapt_lora`: the target carries trainable LoRA adapters."""
+        return self._lora is not None
+
+    @property
+    def lora_module(self) -> torch.nn.Module:
+        """The adapted model as one ``nn.Module`` (LoRA matrices trainable, base weights frozen). A training
+        unit registers it as a submodule so that ``train()``/``eval()`` (LoRA dropout), device moves and
+        data-parallel wrappers reach the adapters; everything else goes through this class's methods.
+
+        Raises:
+            SpeculatorsError: the target is not adapted (:meth:`adapt_lora`).
+        """
+        return self._adapted("lora_module")
+
+    def _adapted(self, what: str):
+        if self._lora is None:
+            raise SpeculatorsError(f"Target.{what}: the target has no LoRA adapters; call adapt_lora(cfg) first")
+        return self._lora
+
+    def lora_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable LoRA parameters (peft's ``lora_A`` / ``lora_B`` matrices), in module order.
+
+        Raises:
+            SpeculatorsError: the target is not adapted.
+        """
+        return [p for p in self._adapted("lora_parameters").parameters() if p.requires_grad]
+
+    @staticmethod
+    def lm_label_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool: positions ``t`` whose next token ``x_{t+1}`` is a real assistant token, i.e. the
+        positions of the LM loss of :meth:`train_forward` (logits at ``t`` against ``x_{t+1}``; the last
+        position never has a label). Masks only, no forward.
+
+        Args:
+            attention_mask, loss_mask: ``[B, T]`` bool (or 0/1): real tokens, assistant tokens.
+        """
+        m = attention_mask.bool() & loss_mask.bool()
+        pos = torch.zeros_like(m)
+        pos[:, :-1] = m[:, 1:]
+        return pos
+
+    def train_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                      norm: torch.Tensor | float | None = None) -> "LoraForward":
+        """The adapted target's forward WITH gradients through the LoRA adapters (joint training).
+
+        Args:
+            input_ids: ``[B, T]`` int64, right-padded; attention_mask: ``[B, T]`` bool, True on real tokens;
+                loss_mask: ``[B, T]`` bool, True on assistant tokens (the LM loss's labels).
+            norm: divisor of the summed LM loss (the label count of a whole gradient-accumulation window);
+                ``None`` = this call's own label count (the loss is then the mean NLL per label).
+        Returns:
+            :class:`LoraForward`: ``top [B, T, H]`` post-norm hidden states (model or autocast dtype, with
+            gradients), ``argmax [B, T]`` int64 greedy token at every real position (0 on padding, no
+            graph), ``lm_loss`` (scalar: summed cross entropy of the logits at ``t`` against ``x_{t+1}``
+            over :meth:`lm_label_positions`, divided by ``norm``), ``nll_sum`` (float, nats) and
+            ``n_labels`` (int).
+        Raises:
+            SpeculatorsError: the target is not adapted.
+        """
+        import torch.nn.functional as F
+
+        self._adapted("train_forward")
+        att = attention_mask.to(self.device).bool()
+        ids = input_ids.to(self.device)
+        out = self.model.model(input_ids=ids, attention_mask=att.long(), use_cache=False)
+        top = out.last_hidden_state  # [B, T, H] after the final norm, with gradients
+        argmax = torch.zeros_like(ids)
+        with torch.no_grad():  # the greedy token at every real position (metrics, masks), no graph
+            argmax[att] = self.lm_head(top.detach()[att]).argmax(-1)
+        label_pos = self.lm_label_positions(att, loss_mask.to(self.device))
+        labels = ids[:, 1:][label_pos[:, :-1]]  # x_{t+1} for every label position t
+        if labels.numel():
+            nll = F.cross_entropy(self.lm_head(top[label_pos]).float(), labels, reduction="sum")
+        else:
+            nll = top.sum() * 0.0  # keeps the graph (and the device) for a batch without labels
+        n = int(labels.numel())
+        den = max(n, 1) if norm is None else max(float(norm), 1.0)
+        return LoraForward(top, argmax, nll / den, float(nll.detach()), n)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write the LoRA adapter into ``directory`` in peft's format (``adapter_config.json`` +
+        ``adapter_model.safetensors``, what ``PeftModel.from_pretrained`` reads).
+
+        Raises:
+            SpeculatorsError: the target is not adapted.
+        """
+        self._adapted("save_adapter").save_pretrained(str(directory))
+
+    def load_adapter(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Load adapter weights written by :meth:`save_adapter` into this adapted target (resume).
+
+        Args:
+            directory: the adapter directory.
+            weights: its ``adapter_model.safetensors`` tensors when the caller already read (and checked)
+                them; ``None`` = read them here.
+        Raises:
+            SpeculatorsError: not adapted; the adapter file is missing; its tensors do not match this
+                target's LoRA config.
+        """
+        from peft import set_peft_model_state_dict
+
+        lora = self._adapted("load_adapter")
+        f = Path(directory) / ADAPTER_WEIGHTS
+        if weights is None:
+            if not f.is_file():
+                raise SpeculatorsError(f"{f}: missing; there is no target adapter to load")
+            from safetensors.torch import load_file
+
+            weights = load_file(str(f))
+        result = set_peft_model_state_dict(lora, weights)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise SpeculatorsError(f"{f}: adapter weights do not match this run's LoRA config "
+                                   f"(unexpected {unexpected[:3]})")
+
+    def merge_adapter(self, directory: str | Path) -> None:
+        """Merge a LoRA adapter written by :meth:`save_adapter` into this (base) target, in place
+        (peft ``merge_and_unload``): the target becomes the fine-tuned model, frozen and in eval mode, and
+        its :attr:`fingerprint` is recomputed. This is the verifier a joint checkpoint's drafter was
+        trained with, and the model to serve it with.
+
+        Raises:
+            SpeculatorsError: the target carries trainable adapters (merge into a freshly loaded base
+                target); the adapter cannot be read or does not fit the target.
+        """
+        from peft import PeftModel
+
+        if self._lora is not None:
+            raise SpeculatorsError(f"{directory}: cannot merge an adapter into a target that is being trained "
+                                   "with its own LoRA adapters; load the base target again")
+        try:
+            merged = PeftModel.from_pretrained(self.model, str(directory)).merge_and_unload()
+        except Exception as e:  # noqa: BLE001 - peft raises several types for a bad adapter
+            raise SpeculatorsError(f"{directory}: cannot apply the target adapter ({type(e).__name__}: {e})") from None
+        merged.eval()
+        for p in merged.parameters():
+            p.requires_grad_(False)
+        self.model = merged
+        self._fingerprint = None
+
+    # ------------------------------------------------------------------ features
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  with_logits: bool = False) -> TargetFeatures:
@@ -516,6 +754,25 @@ class Target:
         """A fresh batch-1 incremental decoding session with its own KV cache."""
         return DecodeSession(self)
 
+    def batch_session(self, max_batch: int) -> "BatchDecodeSession":
+        """A fresh ragged-batch decoding session (:class:`BatchDecodeSession`) for at most ``max_batch``
+        requests at a time (continuous batching: requests join and leave between forwards).
+
+        A model whose KV cache the batch session cannot gather and pad (sliding-window or
+        linear-attention layers) still decodes one request at a time: with ``max_batch == 1`` it gets
+        the same interface over the batch-1 :class:`DecodeSession`.
+
+        Raises:
+            SpeculatorsError: ``max_batch`` is not an integer >= 1, or ``max_batch > 1`` for a model whose
+                KV cache is not the plain full-attention kind (e.g. sliding-window layers).
+        """
+        try:
+            return BatchDecodeSession(self, max_batch)
+        except SpeculatorsError as e:
+            if max_batch == 1 and "DynamicLayer" in str(e):
+                return SingleRequestSession(self)
+            raise
+
 
 def _cache_kwarg() -> str:
     """Name of the KV-cache argument of HF model forwards (``cache`` in transformers >= 5.2x,
@@ -584,6 +841,436 @@ class DecodeSession:
             self.length = n
 
 
+class SingleRequestSession:
+    """:class:`BatchDecodeSession`'s interface for ONE request at a time over the batch-1
+    :class:`DecodeSession` (``crop`` for :meth:`keep`): what ``Target.batch_session(1)`` returns for
+    models whose KV cache the batch session cannot gather (sliding-window layers), so batch-1 decoding
+    works for every model it worked for before batching."""
+
+    max_batch = 1
+
+    def __init__(self, target: Target):
+        self.target = target
+        self._rid = None
+        self._sess: DecodeSession | None = None
+
+    @property
+    def request_ids(self) -> list:
+        return [] if self._sess is None else [self._rid]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __contains__(self, request_id) -> bool:
+        return self._sess is not None and request_id == self._rid
+
+    @property
+    def width(self) -> int:
+        return 0 if self._sess is None else self._sess.length
+
+    def length(self, request_id) -> int:
+        """Visible tokens of the request. Raises SpeculatorsError: not the request in the session."""
+        self._check(request_id)
+        return self._sess.length
+
+    def _check(self, request_id) -> None:
+        if request_id not in self:
+            raise SpeculatorsError(f"batch session: request {request_id!r} is not in the batch "
+                                   f"(in the batch: {self.request_ids})")
+
+    def add(self, request_id, prompt_ids) -> tuple[torch.Tensor, TargetFeatures]:
+        """Prefill ONE request (see :meth:`BatchDecodeSession.add`). Raises SpeculatorsError: the
+        session already holds a request, or an empty prompt."""
+        if self._sess is not None:
+            raise SpeculatorsError(f"batch session: the batch is full (max_batch=1); remove a request before "
+                                   f"adding {request_id!r}")
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            raise SpeculatorsError(f"batch session: the prompt of request {request_id!r} is empty")
+        sess = DecodeSession(self.target)
+        logits, feats = sess.forward(ids)
+        self._rid, self._sess = request_id, sess
+        return logits[-1], feats
+
+    def add_many(self, request_ids: list, prompts: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
+        """:meth:`add` for a list of at most one request."""
+        if len(request_ids) != len(prompts):
+            raise SpeculatorsError(f"batch session add: {len(request_ids)} request ids but {len(prompts)} prompts")
+        out = [self.add(r, p) for r, p in zip(request_ids, prompts)]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    def forward(self, request_ids: list, ids_list: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
+        """See :meth:`BatchDecodeSession.forward` (at most the one request)."""
+        if len(request_ids) != len(ids_list):
+            raise SpeculatorsError(f"batch session forward: {len(request_ids)} request ids but {len(ids_list)} "
+                                   f"token lists")
+        for r in request_ids:
+            self._check(r)
+        out = [self._sess.forward(torch.as_tensor(x, dtype=torch.int64)) for x in ids_list]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    def keep(self, request_id, n_valid: int) -> None:
+        """Crop the request's KV cache to its first ``n_valid`` tokens."""
+        self._check(request_id)
+        if isinstance(n_valid, bool) or not isinstance(n_valid, int) or not 1 <= n_valid <= self._sess.length:
+            raise SpeculatorsError(f"batch session keep: n_valid must be an integer in [1, {self._sess.length}] "
+                                   f"for request {request_id!r}, got {n_valid!r}")
+        self._sess.crop(n_valid)
+
+    def remove(self, request_id) -> None:
+        self._check(request_id)
+        self._rid, self._sess = None, None
+
+    def compact(self, repack: bool = True) -> None:
+        """Nothing to reclaim: the batch-1 cache is cropped in place."""
+
+
+def _takes_cache_position() -> bool:
+    """True for transformers versions whose decoder forward still takes ``cache_position`` (< 5.2x):
+    there the causal mask is built from it, so the batch session passes the slot indices."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    return "cache_position" in inspect.signature(LlamaModel.forward).parameters
+
+
+_TAKES_CACHE_POSITION = _takes_cache_position()
+
+
+def _pad_slots(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [B, H, S, D]`` zero-padded on the right of the slot axis to ``[B, H, width, D]``."""
+    return x if x.shape[2] == width else torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[2]))
+
+
+class BatchDecodeSession:
+    """Ragged-batch incremental decoding over ONE transformers KV cache (continuous batching).
+
+    The cache holds one row per request; its key/value tensors are ``[B, kv_heads, S, head_dim]`` per
+    layer, ``S`` cache *slots*. A per-row validity mask ``valid [B, S]`` says which slots hold a token of
+    that row's sequence: rejected drafts and padding stay in the cache but are invisible. Each forward
+    appends ``M = max m_i`` slots to every row, passes the 2-D attention mask ``[valid, new]`` over
+    ``[cached + new]`` slots (causal by slot, as transformers builds it) and per-row position ids = the
+    row's count of valid tokens (so RoPE positions are the positions of the row's own sequence, and a
+    row computes exactly what a batch-1 :class:`DecodeSession` over the same tokens computes, up to
+    floating-point reassociation).
+
+    * :meth:`add` prefills a prompt alone (its own cache), then pads it along the slot axis and
+      concatenates it to the batch (the request joins); :meth:`add_many` prefills several joining
+      prompts in one forward (right-padded) and concatenates them together;
+    * :meth:`forward` runs ONE forward over the new tokens of the listed requests (right-padded);
+      rows not listed take part with padding only;
+    * :meth:`keep` rolls a request back to its first ``n_valid`` tokens (rejected drafts become invisible);
+    * :meth:`remove` index-selects the other rows (the request leaves);
+    * :meth:`compact` drops slots no row uses and re-packs every row's valid slots to the front; it runs
+      automatically before a forward once more than ``slack`` slots (or 1/8 of the longest row) would
+      be wasted, so the cache does not grow without bound.
+
+    Aux taps come from :meth:`Target.tap_layers` (pre-norm outputs of every ``aux_layer_ids`` layer).
+    Same engine idea as vLLM's / TGI's ragged batches, on a padded cache instead of paged blocks.
+
+    Args:
+        target: the :class:`Target`.
+        max_batch: the most requests in the batch at a time (>= 1).
+        slack: wasted slots tolerated before an automatic :meth:`compact` (>= 0).
+    Raises:
+        SpeculatorsError: ``max_batch`` / ``slack`` out of range, or a model whose KV cache is not made of
+            plain full-attention ``DynamicLayer`` s (sliding-window or linear-attention layers cannot be
+            gathered and padded per slot).
+    """
+
+    def __init__(self, target: Target, max_batch: int, slack: int = 16):
+        from transformers import DynamicCache
+
+        for name, v, lo in (("max_batch", max_batch, 1), ("slack", slack, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise SpeculatorsError(f"batch_session: {name} must be an integer >= {lo}, got {v!r}")
+        self.target = target
+        self.max_batch = max_batch
+        self.slack = slack
+        self._check_layers(DynamicCache(config=target.config))
+        self.cache = None  # the batch's DynamicCache (None while the batch is empty)
+        self._rows: list = []  # request id of each cache row
+        self._lengths: list[int] = []  # valid tokens per row (= the next token's position)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=target.device)
+        self.compactions = 0  # automatic + explicit re-packs (for tests and diagnostics)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _check_layers(self, cache) -> list:
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
+            raise SpeculatorsError(
+                f"batch decoding: {type(self.target.model).__name__} uses KV-cache layers {kinds}; the batch "
+                f"session needs plain full-attention DynamicLayer caches (use the batch-1 session instead)")
+        return list(layers)
+
+    @property
+    def request_ids(self) -> list:
+        """The ids of the requests in the batch, in cache-row order."""
+        return list(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._rows
+
+    @property
+    def width(self) -> int:
+        """Number of cache slots ``S`` (>= the longest row's valid tokens)."""
+        return int(self.valid.shape[1])
+
+    def length(self, request_id) -> int:
+        """Valid (visible) tokens of ``request_id``: prompt + kept tokens; the next token's position.
+
+        Raises:
+            SpeculatorsError: the request is not in the batch.
+        """
+        return self._lengths[self._row(request_id)]
+
+    def _row(self, request_id) -> int:
+        try:
+            return self._rows.index(request_id)
+        except ValueError:
+            raise SpeculatorsError(f"batch session: request {request_id!r} is not in the batch "
+                                   f"(in the batch: {self._rows})") from None
+
+    def _ids(self, ids, what: str) -> torch.Tensor:
+        t = torch.as_tensor(ids)
+        if t.dim() > 1:
+            t = t.reshape(-1)
+        if t.dim() != 1 or (t.numel() and (t.is_floating_point() or t.dtype == torch.bool)):
+            raise SpeculatorsError(f"batch session: {what} must be a 1-D sequence of token ids, got "
+                                   f"{tuple(t.shape)} {t.dtype}")
+        t = t.to(torch.int64)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.target.vocab_size):
+            raise SpeculatorsError(f"batch session: {what} holds token ids outside [0, {self.target.vocab_size})")
+        return t
+
+    def _run(self, ids: torch.Tensor, cache, pos: torch.Tensor, attention_mask=None, start_slot: int = 0):
+        """One decoder forward with the aux taps: ``ids [B, M]``, ``pos [B, M]`` -> (top, aux)."""
+        kw = {_CACHE_KW: cache}
+        if _TAKES_CACHE_POSITION:
+            kw["cache_position"] = torch.arange(start_slot, start_slot + ids.shape[1], device=ids.device)
+        with self.target.tap_layers() as taps:
+            out = self.target.model.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos,
+                                          use_cache=True, **kw)
+        return out.last_hidden_state, taps.aux()
+
+    # ------------------------------------------------------------------ join / step / leave
+    @torch.no_grad()
+    def add(self, request_id, prompt_ids) -> tuple[torch.Tensor, TargetFeatures]:
+        """Prefill ``prompt_ids`` alone, then join the batch as a new row (:meth:`add_many` of one).
+
+        Args:
+            request_id: any hashable id not already in the batch.
+            prompt_ids: ``[n]`` token ids (n >= 1; a list or an int64 tensor).
+        Returns:
+            ``(logits [V] float32 of the last prompt position, TargetFeatures of the prompt)`` with
+            ``aux [1, n, n_aux * H]`` and ``top [1, n, H]`` in the model's dtype (``logits`` None).
+        Raises:
+            SpeculatorsError: a request id already in the batch, a full batch (``max_batch``), an empty
+                prompt or token ids outside the vocabulary.
+        """
+        logits, feats = self.add_many([request_id], [prompt_ids])
+        return logits[0], feats[0]
+
+    @torch.no_grad()
+    def add_many(self, request_ids: list, prompts: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
+        """Prefill the joining requests' prompts together (ONE forward over their own fresh cache,
+        right-padded, padding invisible), then pad along the slot axis and concatenate them to the batch.
+
+        Args:
+            request_ids: ids not already in the batch (distinct).
+            prompts: per request, ``[n_i]`` token ids (``n_i >= 1``).
+        Returns:
+            per request (in order): ``logits [V]`` float32 of its last prompt position and its prompt's
+            :class:`TargetFeatures` (``aux [1, n_i, n_aux * H]``, ``top [1, n_i, H]``).
+        Raises:
+            SpeculatorsError: see :meth:`add`; also lists of different lengths or a repeated id.
+        """
+        from transformers import DynamicCache
+
+        if len(request_ids) != len(prompts):
+            raise SpeculatorsError(f"batch session add: {len(request_ids)} request ids but {len(prompts)} prompts")
+        if len(set(request_ids)) != len(request_ids):
+            raise SpeculatorsError(f"batch session add: a request id is repeated in {list(request_ids)}")
+        for rid in request_ids:
+            if rid in self._rows:
+                raise SpeculatorsError(f"batch session: request {rid!r} is already in the batch")
+        if len(self._rows) + len(request_ids) > self.max_batch:
+            raise SpeculatorsError(f"batch session: the batch is full (max_batch={self.max_batch}, "
+                                   f"{len(self._rows)} in it); remove requests before adding {list(request_ids)}")
+        ids = [self._ids(p, f"prompt of request {rid!r}") for rid, p in zip(request_ids, prompts)]
+        for rid, t in zip(request_ids, ids):
+            if t.numel() == 0:
+                raise SpeculatorsError(f"batch session: the prompt of request {rid!r} is empty")
+        if not ids:
+            return [], []
+        dev = self.target.device
+        n = [int(t.numel()) for t in ids]
+        J, T = len(ids), max(n)
+        inp = torch.zeros(J, T, dtype=torch.int64)
+        for j, t in enumerate(ids):
+            inp[j, :n[j]] = t
+        steps = torch.arange(T, device=dev)
+        valid = steps.unsqueeze(0) < torch.tensor(n, device=dev).unsqueeze(1)  # [J, T]
+        cache = DynamicCache(config=self.target.config)
+        top, aux = self._run(inp.to(dev), cache, steps.unsqueeze(0).expand(J, T),
+                             attention_mask=None if min(n) == T else valid)
+        last = top[torch.arange(J, device=dev), torch.tensor(n, device=dev) - 1]  # [J, H]
+        logits = self.target.lm_head(last).float()
+        self._join(cache, valid)
+        self._rows.extend(request_ids)
+        self._lengths.extend(n)
+        return list(logits.unbind(0)), [TargetFeatures(aux[j:j + 1, :n[j]], top[j:j + 1, :n[j]]) for j in range(J)]
+
+    def _join(self, cache, valid: torch.Tensor) -> None:
+        """Concatenate the rows of ``cache`` (slot validity ``valid [J, T]``) to the batch."""
+        new_layers = self._check_layers(cache)
+        if self.cache is None:
+            self.cache = cache
+            self.valid = valid
+            return
+        n = valid.shape[1]
+        width = max(self.width, n)
+        for old, new in zip(self._check_layers(self.cache), new_layers):
+            old.keys = torch.cat([_pad_slots(old.keys, width), _pad_slots(new.keys, width)], dim=0)
+            old.values = torch.cat([_pad_slots(old.values, width), _pad_slots(new.values, width)], dim=0)
+        pad = torch.nn.functional.pad
+        self.valid = torch.cat([pad(self.valid, (0, width - self.width)), pad(valid, (0, width - n))], dim=0)
+
+    @torch.no_grad()
+    def forward(self, request_ids: list, ids_list: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
+        """ONE target forward over the new tokens of the listed requests (right-padded to ``M = max m_i``).
+
+        The tokens are appended after each request's visible tokens (positions ``length .. length+m_i-1``)
+        and stay visible until :meth:`keep` rolls them back.
+
+        Args:
+            request_ids: requests in the batch (each at most once); unlisted rows only carry padding.
+            ids_list: per listed request, ``[m_i]`` new token ids (``m_i >= 0``).
+        Returns:
+            ``(logits, features)``: per listed request, in ``request_ids`` order, ``logits [m_i, V]``
+            float32 and :class:`TargetFeatures` with batch dimension 1 (``aux [1, m_i, n_aux * H]``,
+            ``top [1, m_i, H]``, views into the batch's tensors), as :meth:`DecodeSession.forward` returns.
+        Raises:
+            SpeculatorsError: unknown or repeated request ids, lengths that differ, or bad token ids.
+        """
+        if len(request_ids) != len(ids_list):
+            raise SpeculatorsError(f"batch session forward: {len(request_ids)} request ids but {len(ids_list)} "
+                                   f"token lists")
+        rows = [self._row(r) for r in request_ids]
+        if len(set(rows)) != len(rows):
+            raise SpeculatorsError(f"batch session forward: a request is listed twice in {list(request_ids)}")
+        new = [self._ids(x, f"new tokens of request {r!r}") for r, x in zip(request_ids, ids_list)]
+        B = len(self._rows)
+        m = [0] * B
+        for row, t in zip(rows, new):
+            m[row] = int(t.numel())
+        M = max(m, default=0)
+        dev = self.target.device
+        if M == 0:
+            H = self.target.hidden_size
+            empty = torch.empty(0, self.target.vocab_size, dtype=torch.float32, device=dev)
+            feats = TargetFeatures(torch.empty(1, 0, H * len(self.target.aux_layer_ids), dtype=self.target.dtype,
+                                               device=dev), torch.empty(1, 0, H, dtype=self.target.dtype, device=dev))
+            return [empty for _ in rows], [feats for _ in rows]
+        self._maybe_compact()
+        inp = torch.zeros(B, M, dtype=torch.int64)
+        for row, t in zip(rows, new):
+            inp[row, :t.numel()] = t
+        inp = inp.to(dev)
+        steps = torch.arange(M, device=dev)
+        new_valid = steps.unsqueeze(0) < torch.tensor(m, device=dev).unsqueeze(1)  # [B, M]
+        pos = torch.tensor(self._lengths, device=dev).unsqueeze(1) + steps.unsqueeze(0)
+        mask = torch.cat([self.valid, new_valid], dim=1)
+        top, aux = self._run(inp, self.cache, pos, attention_mask=mask, start_slot=self.width)
+        self.valid = mask
+        for row in range(B):
+            self._lengths[row] += m[row]
+        # the output head only on real tokens: [sum m_i, H] -> [sum m_i, V], then split per row
+        logits_rows = self.target.lm_head(top[new_valid]).float().split(m)
+        logits = [logits_rows[row] for row in rows]
+        feats = [TargetFeatures(aux[row:row + 1, :m[row]], top[row:row + 1, :m[row]]) for row in rows]
+        return logits, feats
+
+    def keep(self, request_id, n_valid: int) -> None:
+        """Keep only the first ``n_valid`` visible tokens of ``request_id`` (roll back rejected drafts);
+        the dropped slots become invisible and are reclaimed by the next compaction.
+
+        Raises:
+            SpeculatorsError: the request is not in the batch, or ``n_valid`` is not an integer in
+                ``[1, length(request_id)]``.
+        """
+        row = self._row(request_id)
+        L = self._lengths[row]
+        if isinstance(n_valid, bool) or not isinstance(n_valid, int) or not 1 <= n_valid <= L:
+            raise SpeculatorsError(f"batch session keep: n_valid must be an integer in [1, {L}] for request "
+                                   f"{request_id!r}, got {n_valid!r}")
+        if n_valid < L:
+            v = self.valid[row]
+            self.valid[row] = v & (v.cumsum(0) <= n_valid)
+            self._lengths[row] = n_valid
+
+    def remove(self, request_id) -> None:
+        """``request_id`` leaves the batch (its cache row is dropped by an index-select).
+
+        Raises:
+            SpeculatorsError: the request is not in the batch.
+        """
+        row = self._row(request_id)
+        others = [i for i in range(len(self._rows)) if i != row]
+        del self._rows[row], self._lengths[row]
+        if not others:
+            self.cache = None
+            self.valid = self.valid[:0, :0]
+            return
+        idx = torch.tensor(others, device=self.valid.device)
+        for layer in self._check_layers(self.cache):
+            layer.keys = layer.keys.index_select(0, idx)
+            layer.values = layer.values.index_select(0, idx)
+        self.valid = self.valid.index_select(0, idx)
+
+    def _maybe_compact(self) -> None:
+        if self.cache is not None:
+            longest = max(self._lengths)
+            if self.width - longest > max(self.slack, longest // 8):
+                self.compact()
+
+    @torch.no_grad()
+    def compact(self, repack: bool = True) -> None:
+        """Reclaim cache slots: drop the slots no row uses and, with ``repack`` (default), move every
+        row's valid slots to the front in order (width = the longest row's valid tokens). Visible
+        tokens, their order and their positions are unchanged, so logits and features are too."""
+        if self.cache is None:
+            return
+        if repack:
+            width = max(self._lengths)
+            # the valid slots of each row first, in slot order (stable sort of "invalid" flags)
+            order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+            lengths = torch.tensor(self._lengths, device=self.valid.device)
+            self.valid = torch.arange(width, device=self.valid.device).unsqueeze(0) < lengths.unsqueeze(1)
+            for layer in self._check_layers(self.cache):
+                B, Hk, _, D = layer.keys.shape
+                idx = order[:, None, :, None].expand(B, Hk, width, D)
+                layer.keys = layer.keys.gather(2, idx)
+                layer.values = layer.values.gather(2, idx)
+        else:
+            used = self.valid.any(0)
+            if bool(used.all()):
+                return
+            idx = used.nonzero()[:, 0]
+            for layer in self._check_layers(self.cache):
+                layer.keys = layer.keys.index_select(2, idx)
+                layer.values = layer.values.index_select(2, idx)
+            self.valid = self.valid.index_select(1, idx)
+        self.compactions += 1
+
+
 def _template_end_of_turn_id(tokenizer, chat_template: str | None) -> int | None:
     """The single-token end-of-turn marker the chat template writes right after an assistant content
     (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...), or None (no template, no known marker
@@ -637,7 +1324,8 @@ def build_tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: 
     return Target(model, tokenizer, name_or_path=f"tiny-random-{model_type}-{seed}")
 
 
-__all__ = ["Target", "TargetFeatures", "Generation", "DecodeSession", "default_aux_layer_ids", "resolve_model_ref",
-           "build_tiny_target", "torch_dtype", "SMOLLM2_ALIAS"]
+__all__ = ["Target", "TargetFeatures", "Generation", "LoraForward", "DecodeSession", "BatchDecodeSession",
+           "SingleRequestSession", "resolve_device", "default_aux_layer_ids",
+           "resolve_model_ref", "build_tiny_target", "torch_dtype", "SMOLLM2_ALIAS", "ADAPTER_WEIGHTS"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

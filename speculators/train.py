@@ -3,8 +3,11 @@
 AdamW, warmup + cosine/linear/constant schedule, gradient clipping and accumulation, fp32/bf16,
 seeded, periodic held-out evaluation, atomic checkpoints every N steps, ``--resume`` from the last
 checkpoint with the same optimizer/scheduler/RNG/data position, a rich progress bar (loss, acceptance
-metrics, tokens/s) and TensorBoard scalars. The trainer never looks at the family: it only calls
-``drafter.training_loss_counts(batch)`` and ``drafter.training_loss(batch, norm)``.
+metrics, tokens/s) and TensorBoard scalars. The trainer steps ONE training unit
+(:class:`speculators.training_unit.TrainingUnit`: the drafter plus, for a joint run, the LoRA-adapted
+target) and never looks at the family nor at whether the target trains: it calls the unit's
+``loss_counts(batch)``, ``loss(batch, norm)``, ``param_groups(lr)``, ``save(path)`` / ``load(path)``, and
+logs what the unit reports (``metrics_summary``, ``summary``, ``card_lines``).
 
 Gradient accumulation is by tokens: each loss term of every micro-batch is divided by that term's count
 over the whole accumulation window (all micro-batches, all processes), so the accumulated gradient
@@ -39,8 +42,10 @@ from pathlib import Path
 import torch
 
 from .data.dataset import make_batch, plan_batches
+from .drafters.checkpoint import RECIPE_NAME, check_weights
 from .errors import SpeculatorsError
 from .recipe import dump_recipe
+from .training_unit import TrainingUnit
 from .utils import atomic_write_text
 
 STATE_NAME = "trainer_state.pt"
@@ -58,23 +63,34 @@ def checkpoints(output_dir: Path) -> list[Path]:
 
 
 def checkpoint_weights_problem(path: Path) -> str | None:
-    """Why checkpoint ``path`` cannot be used: its drafter weights (or a joint run's target adapter)
-    hold a NaN/inf, or cannot be read; ``None`` when every tensor is finite."""
-    from .drafters.checkpoint import WEIGHTS_NAME, check_finite_weights
-    from .drafters.joint import ADAPTER_DIR, ADAPTER_WEIGHTS
-
-    files = [path / WEIGHTS_NAME] + ([path / ADAPTER_DIR / ADAPTER_WEIGHTS]
-                                     if (path / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() else [])
+    """Why checkpoint ``path`` cannot be used: one of its weight files cannot be read or holds a NaN/inf
+    (:func:`speculators.drafters.checkpoint.check_weights`); ``None`` when every tensor is finite."""
     try:
-        from safetensors.torch import load_file
-
-        for f in files:
-            check_finite_weights(load_file(str(f)), f)
+        check_weights(path)
     except SpeculatorsError as e:
         return str(e)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        return f"cannot read its weights ({type(e).__name__}: {e})"
     return None
+
+
+def fast_bf16() -> bool:
+    """True when bf16 autocast is faster than fp32 here: a CUDA device with bf16 support, or a CPU with
+    native bf16 matrix instructions (``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``). On an
+    AVX2-only CPU torch emulates bf16 matmuls, ~10x slower than fp32 (measured on this project's AMD EPYC
+    machines)."""
+    if torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported())
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str) -> str:
+    """``train.precision`` -> ``"fp32"`` or ``"bf16"`` (``"auto"``: bf16 where :func:`fast_bf16`)."""
+    if precision == "auto":
+        return "bf16" if fast_bf16() else "fp32"
+    return precision
 
 
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -103,25 +119,32 @@ def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
 
 
 class Trainer:
-    """Train ``drafter`` on ``data`` following ``recipe.train`` and write checkpoints to ``output_dir``.
+    """Train one training unit on ``data`` following ``recipe.train`` and write checkpoints to ``output_dir``.
 
     Args:
         recipe: the validated :class:`speculators.recipe.Recipe`.
-        drafter: a :class:`speculators.drafters.Drafter` with its target attached.
+        unit: the :class:`speculators.training_unit.TrainingUnit` to train (a bare frozen-target
+            :class:`speculators.drafters.Drafter` is wrapped into one).
         data: :class:`speculators.data.pipeline.PreparedData`.
         output_dir: run directory (see module docstring).
         log: callable for log lines.
+    Raises:
+        SpeculatorsError: a bare drafter that trains the target (build its unit with the adapted target).
     """
 
-    def __init__(self, recipe, drafter, data, output_dir: str | Path, log=print, console=None):
+    def __init__(self, recipe, unit, data, output_dir: str | Path, log=print, console=None):
         from accelerate import Accelerator
+
+        if not isinstance(unit, TrainingUnit):
+            unit = TrainingUnit(unit)
 
         self.recipe, self.spec = recipe, recipe.train
         self.data = data
         self.output_dir = Path(output_dir)
         self.log = log
         self.console = console
-        self.accelerator = Accelerator(mixed_precision="bf16" if self.spec.precision == "bf16" else "no",
+        self.precision = resolve_precision(self.spec.precision)
+        self.accelerator = Accelerator(mixed_precision="bf16" if self.precision == "bf16" else "no",
                                        cpu=not torch.cuda.is_available(),
                                        gradient_accumulation_steps=self.spec.grad_accum)
         self.device = self.accelerator.device
@@ -131,10 +154,12 @@ class Trainer:
         else:
             self.total_steps = max(1, math.ceil(self.spec.epochs * self.batches_per_epoch / self.spec.grad_accum))
         torch.manual_seed(self.spec.seed)
-        self.optimizer = torch.optim.AdamW(drafter.param_groups(self.spec.lr), lr=self.spec.lr,
-                                           weight_decay=self.spec.weight_decay, betas=(0.9, 0.95))
+        groups = unit.param_groups(self.spec.lr)
+        self.group_names = [g.get("name", f"group{i}") for i, g in enumerate(groups)]  # train/lr_<name>
+        self.optimizer = torch.optim.AdamW(groups, lr=self.spec.lr, weight_decay=self.spec.weight_decay,
+                                           betas=(0.9, 0.95))
         self.scheduler = self._scheduler()
-        self.drafter, self.optimizer = self.accelerator.prepare(drafter, self.optimizer)
+        self.prepared, self.optimizer = self.accelerator.prepare(unit, self.optimizer)
         self.step, self.epoch, self.batch_idx = 0, 0, 0
         self.tb = None
         self.held_out_before: dict[str, float] = {}
@@ -149,18 +174,19 @@ class Trainer:
                              num_training_steps=self.total_steps)
 
     @property
-    def model(self):
-        return self.accelerator.unwrap_model(self.drafter)
+    def unit(self) -> TrainingUnit:
+        """The training unit (unwrapped from accelerate's data-parallel wrapper, if any)."""
+        return self.accelerator.unwrap_model(self.prepared)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step-NNNNNN`` (drafter, adapter, trainer state) and keep the two newest.
+        """Write ``checkpoints/step-NNNNNN`` (the unit's checkpoint + trainer state) and keep the two newest.
 
         Raises:
             SpeculatorsError: a trainable weight is NaN/inf after update ``step`` (nothing is written;
                 the message names the last good checkpoint, see :meth:`_diverged`).
         """
-        bad = next((n for n, p in self.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()),
+        bad = next((n for n, p in self.unit.named_parameters() if p.requires_grad and not torch.isfinite(p).all()),
                    None)
         if bad is not None:
             raise self._diverged(f"weight {bad!r} became NaN/inf after the update of step {self.step}",
@@ -171,23 +197,24 @@ class Trainer:
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                  "total_steps": self.total_steps, "held_out_before": self.held_out_before,
                  "held_out_last": self.held_out_last}
-        self.model.save_pretrained(path, recipe_yaml=dump_recipe(self.recipe),
-                                   extra=lambda tmp: torch.save(state, tmp / STATE_NAME))
+        self.unit.save(path, recipe_yaml=dump_recipe(self.recipe),
+                       extra=lambda tmp: torch.save(state, tmp / STATE_NAME))
         for old in checkpoints(self.output_dir)[:-2]:  # keep the two newest
             shutil.rmtree(old, ignore_errors=True)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        from safetensors.torch import load_file
+        """``--resume``: restore the unit's weights (``TrainingUnit.load``), the optimizer, scheduler, RNG
+        states, data position and held-out history of checkpoint ``path``.
 
-        from .drafters.checkpoint import WEIGHTS_NAME
-
-        problem = checkpoint_weights_problem(path)
-        if problem is not None:
-            raise SpeculatorsError(f"--resume: checkpoint {path} is not good: {problem}; delete it (or rename it "
-                                   f"to {DIVERGED_PREFIX}{path.name}) to resume from an older one")
-        self.model.load_export_state_dict(load_file(str(path / WEIGHTS_NAME)))
-        self.model.load_target_adapter(path)
+        Raises:
+            SpeculatorsError: a weight file of ``path`` is unreadable, holds a NaN/inf, or does not fit.
+        """
+        try:
+            self.unit.load(path)
+        except SpeculatorsError as e:
+            raise SpeculatorsError(f"--resume: checkpoint {path} is not good: {e}; delete it (or rename it "
+                                   f"to {DIVERGED_PREFIX}{path.name}) to resume from an older one") from None
         state = torch.load(path / STATE_NAME, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -202,41 +229,30 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate_held_out(self, max_batches: int = 8) -> dict[str, float]:
-        """Metrics of ``drafter.training_loss`` on up to ``max_batches`` held-out batches (fp32, no
-        autocast; in joint mode ``held_out/ppl`` is the adapted target's perplexity).
+        """Metrics of the unit's loss on up to ``max_batches`` held-out batches (fp32, no autocast), under
+        ``held_out/`` names, plus ``step``; ``{}`` without held-out data.
 
         Weighted by tokens, not by batches: ``held_out/loss`` is the loss of all these batches as one
-        batch (every term normalised by its count over all of them, as in :meth:`_backward_window`),
-        ``held_out/lm_loss`` is the summed NLL over all LM labels; the other metrics (accuracies,
-        per-term losses, ``sim_tau``) are averaged with each batch weighted by its count of the first
-        loss term (its first-draft positions).
+        batch (every term normalised by its count over all of them, as in :meth:`_backward_window`); the
+        other metrics are the unit's :meth:`~speculators.training_unit.TrainingUnit.metrics_summary` of the
+        batches (for a joint run it includes the target's perplexity ``held_out/ppl``).
         """
         store = self.data.held_out
         if store is None or len(store) == 0:
             return {}
-        self.drafter.eval()
+        self.prepared.eval()
         plan = plan_batches(store, self.spec.batch_tokens, 0, 0)[:max_batches]
         batches = [make_batch(store, idx) for idx in plan]
         counts = [self._counts(b) for b in batches]
         norm = torch.stack(counts).sum(0)  # every process evaluates the same batches: no reduction
-        loss_sum, sums, weight = 0.0, {}, 0.0
+        loss_sum, parts = 0.0, []
         for b, c in zip(batches, counts):
-            loss, metrics = self.model.training_loss(b.to(self.device), norm)
+            loss, metrics = self.unit.loss(b.to(self.device), norm)
             loss_sum += float(loss)
-            w = float(c[0])
-            weight += w
-            for k, v in metrics.items():
-                if k in ("lm_nll_sum", "lm_tokens"):
-                    sums[k] = sums.get(k, 0.0) + v
-                else:
-                    sums[k] = sums.get(k, 0.0) + w * v
-        self.drafter.train()
+            parts.append((c, metrics))
+        self.prepared.train()
         out = {"held_out/loss": loss_sum}
-        out.update({f"held_out/{k}": v / max(weight, 1.0) for k, v in sums.items()
-                    if k not in ("lm_nll_sum", "lm_tokens")})
-        if sums.get("lm_tokens"):  # joint runs: the target's perplexity over all held-out assistant tokens
-            out["held_out/lm_loss"] = sums["lm_nll_sum"] / sums["lm_tokens"]
-            out["held_out/ppl"] = math.exp(out["held_out/lm_loss"])
+        out.update({f"held_out/{k}": v for k, v in self.unit.metrics_summary(parts).items()})
         out["step"] = self.step
         return out
 
@@ -249,7 +265,7 @@ class Trainer:
                                  condemn_from=self.step)
         if ev:
             self._log_scalars({k.replace("held_out/", prefix): v for k, v in ev.items() if k != "step"})
-            self.log(f"step {self.step}: held-out " + _summary(ev))
+            self.log(f"step {self.step}: held-out " + self.unit.summary(_unprefixed(ev)))
         return ev
 
     # ------------------------------------------------------------------ loop
@@ -278,11 +294,11 @@ class Trainer:
         return window
 
     def _counts(self, batch) -> torch.Tensor:
-        """``[n_terms]`` int64 loss-term counts of one CPU batch (``Drafter.training_loss_counts``), on
-        the device; only the masks travel (the features are not needed, except in joint mode where the
-        drafter reruns the live target itself)."""
+        """``[n_terms]`` int64 loss-term counts of one CPU batch (``TrainingUnit.loss_counts``), on the
+        device; only the masks travel (the cached features are not needed: a unit that needs the live
+        target's reruns it itself)."""
         light = dataclasses.replace(batch, aux=batch.aux[..., :0], top=batch.top[..., :0])
-        return self.model.training_loss_counts(light.to(self.device)).to(device=self.device, dtype=torch.int64)
+        return self.unit.loss_counts(light.to(self.device)).to(device=self.device, dtype=torch.int64)
 
     def _reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Sum ``counts`` over processes (every rank's micro-batches share one normaliser)."""
@@ -300,7 +316,7 @@ class Trainer:
 
         Returns:
             ``(window_loss, metrics)``: the window's loss (sum of the micro-batch losses, = the loss of
-            the window as one batch) and the family's metrics of the last micro-batch (its own means).
+            the window as one batch) and the unit's metrics of the last micro-batch (its own means).
         Raises:
             SpeculatorsError: a micro-batch loss is NaN/inf (see :meth:`_diverged`).
         """
@@ -309,13 +325,13 @@ class Trainer:
         total, metrics = 0.0, {}
         for i, cpu_batch in enumerate(window):
             batch = cpu_batch.to(self.device)
-            with self.accelerator.accumulate(self.drafter):
+            with self.accelerator.accumulate(self.prepared):
                 if self.accelerator.sync_gradients != (i == len(window) - 1):
                     raise RuntimeError(f"gradient accumulation out of step: micro-batch {i + 1}/{len(window)} "
                                        f"with accelerate's gradient_accumulation_steps "
                                        f"{self.accelerator.gradient_accumulation_steps}")
                 with self.accelerator.autocast():
-                    loss, metrics = self.model.training_loss(batch, norm)
+                    loss, metrics = self.unit.loss(batch, norm)
                 if not torch.isfinite(loss):
                     raise self._diverged(f"loss became {float(loss.detach())}", at_step=self.step + 1,
                                          condemn_from=self.step)
@@ -329,7 +345,7 @@ class Trainer:
         Raises:
             SpeculatorsError: the gradient norm is NaN/inf (nothing is updated).
         """
-        gnorm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), self.spec.grad_clip)
+        gnorm = self.accelerator.clip_grad_norm_(self.prepared.parameters(), self.spec.grad_clip)
         if not torch.isfinite(torch.as_tensor(gnorm)):
             raise self._diverged(f"gradient norm became {float(gnorm)} (before the update)",
                                  at_step=self.step + 1, condemn_from=None)
@@ -383,25 +399,25 @@ class Trainer:
         """
         from .progress import ProgressReporter
 
-        atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(self.recipe))
+        atomic_write_text(self.output_dir / RECIPE_NAME, dump_recipe(self.recipe))
         ckpts = checkpoints(self.output_dir) if resume else []
         if ckpts:
             self.load_checkpoint(ckpts[-1])
         elif resume:
             self.log("resume: no checkpoint found, starting from scratch")
-        if self.model.trains_target and self.step == 0:
+        if self.unit.trains_target and self.step == 0:
             # the target changes in this run: record its held-out quality before the first update
             self.held_out_before = self._held_out_eval(prefix="held_out_before/")
         crash_at = int(os.environ.get("SPECULATORS_TEST_CRASH_AT_STEP", "0"))  # test hook: simulate a kill
         spec = self.spec
-        self.drafter.train()
+        self.prepared.train()
         t_start, tokens_seen, t_window, tok_window = time.time(), 0, time.time(), 0
         metrics: dict[str, float] = {}
         stop = self.step >= self.total_steps
         # a rich bar on a terminal, periodic plain lines in a log file/pipe, off with SPECULATORS_NO_PROGRESS=1
         progress = ProgressReporter(console=self.console, log=self.log)
         self.log(f"train: {self.total_steps} steps, {self.batches_per_epoch} batches/epoch of <= "
-                 f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}, lr {spec.lr}, {self.device}")
+                 f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}, lr {spec.lr}, {self.precision}, {self.device}")
         with progress:
             task = progress.add_task("train", total=self.total_steps, completed=self.step, unit="steps", info="")
             while not stop:
@@ -421,7 +437,7 @@ class Trainer:
                     # train/loss: the whole window's loss (= the loss of its micro-batches as one batch);
                     # the family's metrics (loss_j, accuracies, sim_tau): the window's last micro-batch
                     scal = {"train/loss": loss_value, "train/lr": lrs[0],
-                            **({"train/lr_target": lrs[1]} if len(lrs) > 1 else {}),
+                            **{f"train/lr_{n}": lr for n, lr in zip(self.group_names[1:], lrs[1:])},
                             "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
                             **{f"train/{k}": v for k, v in metrics.items()}}
                     self._log_scalars(scal)
@@ -446,46 +462,33 @@ class Trainer:
             self.held_out_last = self._held_out_eval() or self.held_out_last
         self.save_checkpoint()
         final = self.output_dir / "final"
-        card = model_card(self.model, self.recipe, self.step, tokens_seen, dt, self.held_out_before,
-                          self.held_out_last)
-        self.model.save_pretrained(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card})
+        card = model_card(self.unit, self.step, tokens_seen, dt, self.held_out_before, self.held_out_last)
+        self.unit.save(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card})
         if self.tb is not None:
             self.tb.close()
         self.log(f"train: final drafter written to {final}")
         return final
 
 
-def _summary(ev: dict[str, float]) -> str:
-    """One log line of held-out metrics (joint runs add the target's perplexity)."""
-    line = (f"loss {ev['held_out/loss']:.3f} sim_tau {ev.get('held_out/sim_tau', 0):.3f} "
-            f"acc0 {ev.get('held_out/full_acc_0', 0):.3f}")
-    if "held_out/ppl" in ev:
-        line += f" target ppl {ev['held_out/ppl']:.3f}"
-    return line
+def _unprefixed(ev: dict[str, float], prefix: str = "held_out/") -> dict[str, float]:
+    """Held-out metrics without their ``held_out/`` prefix (and without ``step``)."""
+    return {k[len(prefix):]: v for k, v in ev.items() if k.startswith(prefix)}
 
 
-def model_card(drafter, recipe, steps: int, tokens: int, seconds: float, before: dict[str, float],
+def model_card(unit: TrainingUnit, steps: int, tokens: int, seconds: float, before: dict[str, float],
                after: dict[str, float]) -> str:
-    """``final/README.md``: what was trained, on what, how long, and the last held-out metrics; for a
-    joint run also the target's held-out perplexity before and after training (the target changed)."""
-    m = drafter.meta
-    lines = [f"# {drafter.algorithm} drafter for {m.name_or_path}", "",
-             f"Trained by speculators from `recipe.yaml` (in this directory): {steps} steps, {tokens} tokens, "
+    """``final/README.md``: what was trained, on what, how long, the unit's own lines
+    (``TrainingUnit.card_lines``: for a joint run the adapter and the target's held-out perplexity before
+    and after training) and the last held-out metrics (``before`` / ``after``: ``held_out/`` names)."""
+    m = unit.drafter.meta
+    lines = [f"# {unit.drafter.algorithm} drafter for {m.name_or_path}", "",
+             f"Trained by speculators from `{RECIPE_NAME}` (in this directory): {steps} steps, {tokens} tokens, "
              f"{seconds / 60:.1f} min.", ""]
-    if drafter.trains_target:
-        from .drafters.joint import ADAPTER_DIR
-
-        lines += ["Joint run: the target was fine-tuned with LoRA together with the drafter. The adapter is in "
-                  f"`{ADAPTER_DIR}/`; `speculators eval` merges it into the base target and verifies against the "
-                  "fine-tuned model, which is also the model to serve with this drafter.", ""]
+    lines += unit.card_lines(_unprefixed(before), _unprefixed(after))
     if after:
         lines += ["| held-out metric | before training | after training |", "|---|---|---|"]
         for k in sorted(k for k in after if k != "step"):
             name = k.replace("held_out/", "")
             b = before.get(k)
             lines.append(f"| {name} | {'-' if b is None else f'{b:.4f}'} | {after[k]:.4f} |")
-        if "held_out/ppl" in after and "held_out/ppl" in before:
-            rel = after["held_out/ppl"] / before["held_out/ppl"] - 1
-            lines += ["", f"Target held-out perplexity: {before['held_out/ppl']:.4f} -> {after['held_out/ppl']:.4f} "
-                          f"({100 * rel:+.2f}%)."]
     return "\n".join(lines) + "\n"

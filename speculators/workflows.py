@@ -86,8 +86,10 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     Steps: output-directory rules (:func:`speculators.train.check_output_dir`), ``--resume`` checks
     (recipe sections, then the data's content before the target loads, then the target's fingerprint),
     target load, data pipeline (:func:`speculators.data.pipeline.prepare_data`), drafter build
-    (seeded by ``train.seed``, independent of what the data step consumed), ``train.init_from``,
-    joint-training checks, then :class:`speculators.train.Trainer`.
+    (seeded by ``train.seed``, independent of what the data step consumed), ``train.init_from``; with
+    ``drafter.joint: true`` the target is adapted with LoRA (``Target.adapt_lora(drafter.joint_target)``,
+    after its features were cached); then the :class:`speculators.training_unit.TrainingUnit` (drafter
+    plus adapted target) is trained by :class:`speculators.train.Trainer`.
 
     Args:
         recipe: the validated recipe (``recipe.drafter`` is the family's typed config).
@@ -107,6 +109,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     from .drafters import registry
     from .target import Target
     from .train import Trainer, check_output_dir, prepare_output_dir
+    from .training_unit import TrainingUnit
 
     out = Path(output_dir) if output_dir is not None else default_output_dir(recipe, recipe_file)
     check_output_dir(out, resume, overwrite)
@@ -120,31 +123,36 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     if resume:
         check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
     target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log)
+    family = registry.get(recipe.drafter.algorithm)
+    if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (before features are cached)
+        target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, recipe.drafter)
     identity["target (weights, config, chat template)"] = target.fingerprint
     if resume and not check_run_identity(out, identity) and (out / RUN_RECIPE).is_file():
         log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
     with _progress_scope(progress) as make:
         data = prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
                             progress=make, loaded=loaded)
-    family = registry.get(recipe.drafter.algorithm)
     torch.manual_seed(recipe.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(recipe.drafter, target, data.vocab)
     if recipe.train.init_from:
         drafter.init_from_checkpoint(recipe.train.init_from)
         log(f"drafter weights initialised from {recipe.train.init_from}")
-    if drafter.trains_target and (data.held_out is None or len(data.held_out) == 0):
+    joint = bool(getattr(recipe.drafter, "joint", False))  # drafter.joint: the target is fine-tuned too
+    if joint and (data.held_out is None or len(data.held_out) == 0):
         raise SpeculatorsError("drafter.joint: true trains the target, whose held-out perplexity must be "
                                "measured: set data.held_out.fraction > 0")
-    drafter.enable_joint_training(target)
+    if joint:  # the run's target becomes a LoRA model (after its features were cached, before the optimizer)
+        target.adapt_lora(recipe.drafter.joint_target)
+    unit = TrainingUnit(drafter, target if joint else None)
     prepare_output_dir(out, resume, overwrite)
     record_run_identity(out, identity)
-    groups = drafter.param_groups(recipe.train.lr)
+    groups = unit.param_groups(recipe.train.lr)
     n_train = sum(p.numel() for p in groups[0]["params"])
     log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
-    if drafter.trains_target:
+    if joint:
         log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
             f"parameters at lr {groups[1]['lr']}")
-    return Trainer(recipe, drafter, data, out, log=log, console=console).train(resume=resume)
+    return Trainer(recipe, unit, data, out, log=log, console=console).train(resume=resume)
 
 
 def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=None):
@@ -157,9 +165,13 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
         SpeculatorsError: a target or data fault (see :func:`speculators.data.pipeline.prepare_data`).
     """
     from .data.pipeline import prepare_data
+    from .drafters import registry
     from .target import Target
 
     target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log)
+    if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (as train_run extracts them)
+        target.aux_layer_ids = registry.get(recipe.drafter.algorithm).default_aux_layer_ids(
+            target.num_layers, recipe.drafter)
     with _progress_scope(progress) as make:
         return prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
                             progress=make)
@@ -198,45 +210,109 @@ def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,
     raise SpeculatorsError(f"{str(path)!r} is neither a drafter checkpoint nor a run directory with one")
 
 
+def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, device: str | None,
+                   log: Callable[[str], None]):
+    """The checkpoint's drafter and its target, ready to decode: ``(drafter, target, target fingerprint
+    as loaded)``. The target taps the layers the drafter was trained on, loads on ``device`` (None =
+    CUDA when present, else CPU; :meth:`speculators.target.Target.load`), merges a joint checkpoint's
+    LoRA adapter, and the drafter is moved to the target's device."""
+    from .drafters import Drafter
+    from .target import Target
+
+    drafter = Drafter.from_pretrained(ckpt)
+    # the verifier taps the layers this drafter was trained on (check_target only checks)
+    target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32",
+                         aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log, device=device)
+    fingerprint = target.fingerprint
+    drafter.check_target(target, warn=log)
+    if drafter.target_adapter_dir is not None:  # joint checkpoint: verify against the fine-tuned target
+        target.merge_adapter(drafter.target_adapter_dir)
+        log(f"target: merged the jointly trained LoRA adapter {drafter.target_adapter_dir} "
+            f"(verifying against the fine-tuned target)")
+    drafter.to(target.device)
+    drafter.attach_target(target)  # families that draft through the target's frozen head need it
+    template = rec.data.chat_template if rec else None
+    if template is not None:
+        target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
+    return drafter, target, fingerprint
+
+
+def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: int) -> tuple[list[dict], str]:
+    """``(prompt list, label)``: the distinct prompts of the ``prompts`` data sources (in order), else the
+    recipe's held-out prompts; at most ``limit``."""
+    from .data.pipeline import held_out_prompts, load_data, unique_prompts
+    from .data.sources import load_source
+
+    template = rec.data.chat_template if rec else None
+    if prompts:
+        convs = []
+        for src in prompts:
+            try:
+                convs += load_source(src)
+            except SpeculatorsError:
+                raise
+            except ValueError as e:
+                raise SpeculatorsError(f"--prompts {src}: {e}") from None
+        plist = unique_prompts(convs, target.tokenizer, template, limit=limit)
+        if not plist:
+            raise SpeculatorsError(f"--prompts {', '.join(prompts)}: no prompts in these sources")
+        return plist, ", ".join(prompts)
+    plist = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data)[0], limit=limit)
+    if not plist:
+        raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
+    return plist, "held-out split of the recipe's sources"
+
+
 def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
-             prompts: str | None = None, target_model: str | None = None, output: str | Path | None = None,
-             log: Callable[[str], None] = print, progress=None,
-             override_names: Mapping[str, str] | None = None) -> tuple[dict, Path]:
+             prompts: str | list[str] | None = None, target_model: str | None = None,
+             output: str | Path | None = None, log: Callable[[str], None] = print, progress=None,
+             override_names: Mapping[str, str] | None = None, device: str | None = None,
+             compare: list[str | Path] | tuple = ()) -> tuple[dict, Path]:
     """Measure acceptance by real speculative generation against plain decoding (``speculators eval``).
 
     The eval settings are the checkpoint recipe's ``eval`` section (:class:`speculators.recipe.EvalSpec`
     defaults without a recipe) with ``eval_overrides`` applied THROUGH that schema
     (:func:`speculators.recipe.eval_spec_with`): a value out of range is a one-line error.
     The prompts are the recipe's held-out prompts (:func:`speculators.data.pipeline.held_out_prompts`,
-    the same list training computed) or, with ``prompts``, the distinct prompts of that data source;
-    at most ``num_prompts`` of them.
+    the same list training computed) or, with ``prompts``, the distinct prompts of those data sources
+    (JSONL / JSON files with OpenAI ``messages`` or ShareGPT ``conversations``, ``hf:NAME[:SPLIT]``
+    datasets, ``humaneval``, ``chatterbot``); at most ``num_prompts`` of them.
+    :func:`speculators.evaluate.run_eval` decodes them through the batched loop at batch size 1 and at
+    ``batch_size`` (EvalSpec; None = 16 on CUDA, 8 elsewhere), for every K of ``ks`` (``k_sweep`` or
+    ``[k]``), with the drafter, n-gram, suffix and hybrid proposers.
+
+    With ``compare``, every listed checkpoint's drafter (and its hybrid) is measured on the SAME prompts
+    and settings; ``report["compare"]`` holds one table (:func:`speculators.evaluate.compare_rows`).
 
     Args:
         checkpoint: a checkpoint, a run directory, or a Hub id (:func:`resolve_checkpoint`).
-        eval_overrides: ``{EvalSpec field: value}`` (``k``, ``temperature``, ``top_p``, ``top_k``,
-            ``max_new_tokens``, ``num_prompts``, ...); None values are ignored.
-        prompts: a data source (``humaneval``, a .jsonl path, ``hf:NAME``) instead of the held-out prompts.
-        target_model: verify against this target instead of the recipe's.
-        output: the report directory; default ``<run dir>/eval-k<K>-t<temperature>`` (a Hub drafter's
-            under ``outputs/hub/<namespace>--<name>/``).
+        eval_overrides: ``{EvalSpec field: value}`` (``k``, ``k_sweep``, ``batch_size``, ``temperature``,
+            ``top_p``, ``top_k``, ``max_new_tokens``, ``num_prompts``, ...); None values are ignored.
+        prompts: one data source or a list of them, instead of the held-out prompts.
+        target_model: verify against this target instead of the recipe's (every compared checkpoint too).
+        output: the report directory; default ``<run dir>/eval-k<K[-K...]>-t<temperature>`` (a Hub
+            drafter's under ``outputs/hub/<namespace>--<name>/``).
         log, progress: see the module docstring.
         override_names: how errors name an override, e.g. ``{"top_p": "--top-p"}``.
+        device: where the target and the drafter run (``"cpu"``, ``"cuda"``, ``"cuda:1"``; None = CUDA
+            when present, else CPU).
+        compare: further checkpoints / run directories / Hub ids to compare with ``checkpoint``.
     Returns:
         ``(report, report_dir)``: the report dict of :func:`speculators.evaluate.run_eval` with
-        ``checkpoint``, ``target`` and ``prompts`` added, and the directory it was written to
-        (``report.json`` and ``report.md``).
+        ``checkpoint``, ``target``, ``prompts``, ``device`` (and ``compare``) added, and the directory it
+        was written to (``report.json``, ``report.md`` and the PNG plots).
     Raises:
         SpeculatorsError: a bad override, a checkpoint without a recipe and without ``target_model`` (or
-            ``prompts``), a checkpoint of another target, no held-out prompts, a bad prompt source.
+            ``prompts``), a checkpoint of another target, no held-out prompts, a bad prompt source, a
+            compared checkpoint whose target differs.
     """
-    from .data.pipeline import held_out_prompts, load_data, unique_prompts
-    from .data.sources import load_source
-    from .drafters import Drafter
-    from .evaluate import run_eval, write_report
+    from .evaluate import compare_rows, default_batch_size, run_eval, write_report
     from .hub import looks_like_hub_id
-    from .target import Target
     from .verify import SamplingParams
 
+    if isinstance(prompts, (str, Path)):
+        prompts = [str(prompts)]
+    prompts = [str(p) for p in prompts] if prompts else None
     from_hub = looks_like_hub_id(str(checkpoint))
     ckpt = resolve_checkpoint(checkpoint, log=log)
     rec_file = ckpt / RUN_RECIPE
@@ -246,42 +322,46 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target")
     if rec is None and prompts is None:
         raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
-    drafter = Drafter.from_pretrained(ckpt)
+    others = [resolve_checkpoint(c, log=log) for c in compare]  # fail early on a bad --compare path
     sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)  # seeded per prompt by run_eval
-    # the verifier taps the layers this drafter was trained on (check_target only checks)
-    target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32",
-                         aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
-    drafter.check_target(target, warn=log)
-    drafter.prepare_target(target, log=log)  # joint checkpoints: verify against the fine-tuned target
-    drafter.attach_target(target)  # families that draft through the target's frozen head need it
-    template = rec.data.chat_template if rec else None
-    if template is not None:
-        target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
-    if prompts is not None:
-        try:
-            convs = load_source(prompts)
-        except SpeculatorsError:
-            raise
-        except ValueError as e:
-            raise SpeculatorsError(f"--prompts {prompts}: {e}") from None
-        plist = unique_prompts(convs, target.tokenizer, template, limit=ev.num_prompts)
-        label = prompts
-    else:
-        plist = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data)[0], limit=ev.num_prompts)
-        label = "held-out split of the recipe's sources"
-        if not plist:
-            raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
-    log(f"eval: {len(plist)} prompts ({label}), K={ev.k}, temperature {ev.temperature}, "
-        f"top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
-    with _progress_scope(progress) as make:
-        report = run_eval(target, drafter, plist, ev.k, ev.max_new_tokens, sampling, ngram_max=ev.ngram_max,
-                          seed=ev.seed, log=log, progress=make("speculative vs plain decoding") if make else None)
-    report["checkpoint"] = str(ckpt)
-    report["target"] = {"name_or_path": target.name_or_path, "fingerprint": target.fingerprint,
-                        "adapter": None if drafter.target_adapter_dir is None else str(drafter.target_adapter_dir)}
-    report["prompts"] = label
+    drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log)
+    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
+    batch = ev.batch_size or default_batch_size(str(target.device))
+    log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
+        f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
+
+    def measure(t, d, methods, what):
+        with _progress_scope(progress) as make:
+            return run_eval(t, d, plist, ev.ks, ev.max_new_tokens, sampling, ngram_max=ev.ngram_max, seed=ev.seed,
+                            log=log, progress=make(f"speculative vs plain decoding{what}") if make else None,
+                            batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match)
+
+    def describe(rep, path, d, t):
+        rep["checkpoint"] = str(path)
+        rep["target"] = {"name_or_path": t.name_or_path, "fingerprint": t.fingerprint,
+                         "adapter": None if d.target_adapter_dir is None else str(d.target_adapter_dir)}
+        rep["prompts"] = label
+        rep["device"] = str(t.device)
+        return rep
+
+    report = describe(measure(target, drafter, ("drafter", "ngram", "suffix", "hybrid"), ""), ckpt, drafter, target)
+    if others:
+        reports = [(str(checkpoint), report)]
+        del drafter, target
+        for given, other in zip(compare, others):
+            orec = load_recipe(other / RUN_RECIPE) if (other / RUN_RECIPE).is_file() else rec
+            od, ot, ofp = _load_for_eval(other, orec, target_model or (rec.target.model if rec else None), device, log)
+            if ofp != fingerprint:
+                raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
+                                       "compare checkpoints of the same target (or pass --target)")
+            orep = describe(measure(ot, od, ("drafter", "hybrid"), f" ({given})"), other, od, ot)
+            reports.append((str(given), orep))
+            if report["greedy_mismatches"] is not None:  # every checkpoint's outputs must equal plain greedy
+                report["greedy_mismatches"] += [{**m, "checkpoint": str(given)} for m in orep["greedy_mismatches"]]
+            del od, ot
+        report["compare"] = {"checkpoints": [c for c, _ in reports], "rows": compare_rows(reports)}
     # a pulled drafter lives in the Hub cache: its reports go under ./outputs/hub/ instead
     base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
-    out = Path(output) if output is not None else base / f"eval-k{ev.k}-t{ev.temperature:g}"
+    out = Path(output) if output is not None else base / f"eval-k{'-'.join(map(str, ev.ks))}-t{ev.temperature:g}"
     write_report(report, out, title=f"speculators eval: {ckpt}")
     return report, out

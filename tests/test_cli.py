@@ -429,3 +429,45 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
     assert ckpts == ["step-000002"]
     assert not (out / "final").exists()
     assert (out / "checkpoints" / "step-000002" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- issue 11: eval sweep / batch / compare
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["-k", "1,x"], ["-k 1,x", "comma-separated integers"]),
+    (["-k", "2,0"], ["-k 2,0", "eval.k_sweep.1", "greater than 0"]),
+    (["-k", "1,65"], ["-k 1,65", "eval.k_sweep.1", "less than or equal to 64"]),
+    (["--batch-size", "0"], ["--batch-size 0", "eval.batch_size", "greater than 0"]),
+])
+def test_eval_sweep_and_batch_options_are_validated(trained, tmp_path, args, needles):
+    out = tmp_path / "report"
+    r = invoke("eval", trained.dir, *args, "--output", out)
+    assert_user_error(r, *needles)
+    assert "eval: " not in r.output and not out.exists()  # stopped before the target loaded
+
+
+def test_eval_sweep_batches_compare_and_sources(trained, tmp_path):
+    """-k 1,2 (one row per K, best K marked), --batch-size 2 (batch 1 and 2), two --prompts sources (OpenAI
+    messages and ShareGPT), --compare (one table, same prompts), --device cpu; PNG plots beside report.md."""
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}]}) + "\n"
+                         for i in range(2)))
+    b = tmp_path / "b.jsonl"
+    b.write_text(json.dumps({"conversations": [{"from": "human", "value": "Name a color."},
+                                               {"from": "gpt", "value": "Red."}]}) + "\n")
+    out = tmp_path / "rep"
+    r = invoke("eval", trained.dir, "-k", "2,1", "--batch-size", "2", "--prompts", a, "--prompts", b,
+               "--compare", trained.dir / "final", "--device", "cpu", "--max-new-tokens", "5", "--output", out)
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["ks"] == [1, 2] and rep["batch_sizes"] == [1, 2] and rep["num_prompts"] == 3
+    assert rep["device"] == "cpu" and rep["greedy_mismatches"] == []
+    assert {r_["method"] for r_ in rep["rows"]} == {"drafter", "ngram", "suffix", "hybrid"}
+    assert len(rep["rows"]) == 4 * 2 * 2
+    assert rep["compare"]["checkpoints"] == [str(trained.dir), str(trained.dir / "final")]
+    same = [row for row in rep["compare"]["rows"] if row["method"] == "drafter"]
+    assert len(same) == 2 * 2 * 2  # two checkpoints x two batch sizes x two K
+    for name in rep["plots"].values():
+        assert (out / name).is_file() and f"]({name})" in (out / "report.md").read_text()
+    assert "★" in r.output and "compare" in r.output and "suffix decoding" in r.output

@@ -5,6 +5,9 @@ Parametrised over ``registry.names()`` (plus a ``+joint`` variant for every fami
 
 * greedy speculative decoding == plain greedy decoding, several prompt lengths, K in {1, 3, 5}, with a
   briefly trained drafter that has both accepted and rejected drafts;
+* batched (issue 11): B > 1 with prompts of different lengths, per-request K and continuous batching
+  (batch_size < number of prompts) gives every request its plain greedy output; the batched
+  ``propose`` / ``advance`` equal the batch-of-one calls under mixed per-request sampling settings;
 * seeded sampling is reproducible (same seed -> same tokens, other seeds -> other tokens) and
   ``Proposal.probs`` rows are distributions consistent with the sampled ids (support, top-k, and the
   empirical frequency of the first draft);
@@ -14,7 +17,7 @@ Parametrised over ``registry.names()`` (plus a ``+joint`` variant for every fami
   ``drafter.algorithm`` is the family).
 
 The family-specific maths (label shifts, masks, losses by hand, export names) stays in the per-family
-test files. Every call of ``Drafter.propose`` goes through :func:`propose` below.
+test files. Every per-request call of ``Drafter.propose`` goes through :func:`propose` below (a batch of one).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import yaml
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.drafters.checkpoint import TargetMeta
 from speculators.errors import SpeculatorsError
-from speculators.generate import NGramProposer, plain_decode, speculative_decode
+from speculators.drafters.base import request_sampling
+from speculators.generate import NGramProposer, plain_decode, speculative_decode, speculative_generate
 from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
+from speculators.training_unit import TrainingUnit
 from conftest import batch_for, cli_train_then_eval
 
 V = 128            # tiny target: vocab 128, hidden 32, 2 layers (seconds for everything below)
@@ -52,8 +57,16 @@ VARIANT_IDS = [n + ("+joint" if j else "") for n, j in VARIANTS]
 
 def propose(drafter, state, k: int, sampling: SamplingParams | None = None,
             generator: torch.Generator | None = None):
-    """The ONE call site of ``Drafter.propose`` in this module (greedy when ``sampling`` is None)."""
-    return drafter.propose(state, k, sampling, generator)
+    """ONE request through the batched ``Drafter.propose`` (a batch of one; greedy when ``sampling`` is
+    None): the call site of the per-request view in this module."""
+    out = drafter.propose([state], [k], sampling, None if generator is None else [generator])
+    assert isinstance(out, list) and len(out) == 1
+    return out[0]
+
+
+def advance(drafter, state, new_ids, features) -> None:
+    """ONE request through the batched ``Drafter.advance`` (a batch of one)."""
+    drafter.advance([state], [new_ids], [features])
 
 
 def new_target():
@@ -104,19 +117,21 @@ def build_drafter(name: str, joint: bool, train_steps: int = 15):
     except (ValueError, SpeculatorsError):  # full-vocabulary family
         cfg = family.config_class(**kw)
         d = family.from_target(cfg, target, DraftVocab.full(V))
-    d.enable_joint_training(target)
+    if joint:
+        target.adapt_lora(cfg.joint_target)
+    unit = TrainingUnit(d, target if joint else None)
     batch, _ = batch_for(target, ids, mask, lengths)
-    opt = torch.optim.AdamW(d.param_groups(1e-2))
-    d.train()
+    opt = torch.optim.AdamW(unit.param_groups(1e-2))
+    unit.train()
     for _ in range(train_steps):
-        loss, _ = d.training_loss(batch)
+        loss, _ = unit.loss(batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    d.eval()
+    unit.eval()
     if joint:
         with torch.no_grad():  # make sure the adapter really moved the verifier
-            for p in d.joint_target.lora_parameters():
+            for p in target.lora_parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
     return target, d
 
@@ -184,6 +199,109 @@ def test_ngram_greedy_speculative_equals_plain(k):
             plain_decode(target, prompt, GEN).tokens
 
 
+# ----------------------------------------------------------------------------- batched (B > 1)
+BATCH_LENGTHS = (3, 8, 17, 5, 12)
+BATCH_KS = [1, 3, 5, 0, 4]  # per request; 0 = plain decoding inside the speculative batch
+
+
+def batch_prompts(seed: int = 0) -> list[list[int]]:
+    """The contract prompts (two memorised by the drafter) plus two more, of different lengths."""
+    g = torch.Generator().manual_seed(50 + seed)
+    extra = [torch.randint(0, V, (n,), generator=g).tolist() for n in BATCH_LENGTHS[3:]]
+    return prompts(seed) + extra
+
+
+def check_result_steps(r, k: int) -> None:
+    n = r.target_forwards
+    assert len(r.accepted) == len(r.drafted) == len(r.emitted) == len(r.verifier_accepted) == n
+    assert all(0 <= va <= d <= k and 1 <= e <= va + 1 for va, d, e in zip(r.verifier_accepted, r.drafted, r.emitted))
+    assert len(r.tokens) == (1 + sum(r.emitted) if r.tokens else 0)
+
+
+@pytest.mark.parametrize("batch_size", [2, 5])
+def test_batched_greedy_equals_plain(family, batch_size):
+    """Issue 11: B > 1 with prompts of different lengths, per-request K (one of them 0) and continuous
+    batching (batch_size < number of prompts: requests join as others finish): every request's greedy
+    output equals its plain greedy output, and its steps are recorded as a batch-1 decode records them."""
+    name, _, target, d = family
+    ps = batch_prompts()
+    plain = [plain_decode(target, p, GEN).tokens for p in ps]
+    # different lengths per request too, so requests leave at different steps
+    max_new = [GEN, GEN - 7, GEN, GEN - 3, GEN]
+    out = speculative_generate(target, d, ps, BATCH_KS, max_new, None, batch_size)
+    assert [len(r.tokens) for r in out.results] == max_new  # no stop ids on the tiny target
+    accepted = rejected = 0
+    for i, r in enumerate(out.results):
+        assert r.tokens == plain[i][:max_new[i]], (name, i, len(ps[i]), BATCH_KS[i])
+        check_result_steps(r, BATCH_KS[i])
+        accepted += sum(r.verifier_accepted)
+        rejected += sum(n - a for n, a in zip(r.drafted, r.verifier_accepted))
+    assert sum(out.results[3].drafted) == 0  # k = 0: plain steps
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+    assert out.target_forwards < sum(r.target_forwards for r in out.results)  # steps were shared
+
+
+def test_batched_propose_and_advance_equal_per_request(family):
+    """The batched ``propose`` / ``advance`` of a family (its own or the default loop) give every request
+    what a batch of one gives it: same ids, same probabilities, same state afterwards. Mixed per-request
+    sampling (one greedy, one top-k, one top-p), per-request generators, ragged K (one 0)."""
+    _, _, target, d = family
+    ps = batch_prompts()[:4]
+    sp = SamplingParams(temperature=torch.tensor([0.9, 0.0, 1.2, 0.7]), top_k=torch.tensor([8, 0, 0, 5]),
+                        top_p=torch.tensor([1.0, 1.0, 0.9, 1.0]))
+    ks = [3, 2, 5, 0]
+
+    def states():
+        return [started(target, d, p) for p in ps]
+
+    def gens(seed):
+        return [torch.Generator().manual_seed(seed + i) for i in range(len(ps))]
+
+    batched = d.propose(states(), ks, sp, gens(7))
+    assert isinstance(batched, list) and len(batched) == len(ps)
+    assert batched[3].token_ids.numel() == 0
+    for i, (state, k) in enumerate(zip(states(), ks)):
+        one = propose(d, state, k, request_sampling(sp, i), gens(7)[i])
+        assert batched[i].token_ids.tolist() == one.token_ids.tolist(), i
+        if one.probs is None or one.token_ids.numel() == 0:
+            assert batched[i].probs is None or batched[i].token_ids.numel() == 0, i
+        else:
+            torch.testing.assert_close(batched[i].probs, one.probs, atol=1e-5, rtol=1e-4)
+    assert batched[1].probs is None  # the greedy request: point masses
+    # batched advance with ragged new tokens == advance one at a time (same proposals afterwards)
+    seqs = [p + plain_decode(target, p, 6, eos_ids=set()).tokens for p in ps]
+    feats = [target.session().forward(torch.tensor(s))[1] for s in seqs]
+    m = [1, 3, 2, 4]
+    a_states, b_states = [], []
+    for s, f, mi, p in zip(seqs, feats, m, ps):
+        n = len(p)
+        a_states.append(d.start(torch.tensor(s[:n + 1]), f.slice(0, n)))
+        b_states.append(d.start(torch.tensor(s[:n + 1]), f.slice(0, n)))
+    new_ids = [torch.tensor(s[len(p) + 1:len(p) + 1 + mi]) for s, p, mi in zip(seqs, ps, m)]
+    new_feats = [f.slice(len(p), len(p) + mi) for f, p, mi in zip(feats, ps, m)]
+    d.advance(a_states, new_ids, new_feats)
+    for st, ids, f in zip(b_states, new_ids, new_feats):
+        advance(d, st, ids, f)
+    after_a = d.propose(a_states, [3] * 4)
+    after_b = [propose(d, st, 3) for st in b_states]
+    assert [p.token_ids.tolist() for p in after_a] == [p.token_ids.tolist() for p in after_b]
+    with pytest.raises(SpeculatorsError, match="ks"):
+        d.propose(states(), [1, 2], None)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_ngram_batched_greedy_equals_plain(batch_size):
+    target = new_target()
+    ps = [p + p for p in batch_prompts(1)]  # repeats: the n-gram proposer finds matches
+    out = speculative_generate(target, NGramProposer(), ps, [2, 4, 1, 3, 5], GEN, None, batch_size)
+    drafted = 0
+    for p, r, k in zip(ps, out.results, [2, 4, 1, 3, 5]):
+        assert r.tokens == plain_decode(target, p, GEN).tokens
+        check_result_steps(r, k)
+        drafted += sum(r.drafted)
+    assert drafted > 0
+
+
 # ----------------------------------------------------------------------------- seeded sampling
 
 
@@ -231,7 +349,7 @@ def test_proposal_probs_are_distributions_consistent_with_the_ids(family):
 
 def test_save_load_round_trip(family, tmp_path):
     name, joint, target, d = family
-    path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n")
+    path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n", target=target)  # joint: + its adapter
     loaded = Drafter.from_pretrained(path)
     assert type(loaded) is type(d) and loaded.algorithm == name
     assert loaded.cfg == d.cfg
@@ -269,7 +387,7 @@ def test_propose_leaves_the_state_unchanged(family):
     sess = target.session()
     _, feats = sess.forward(torch.tensor(seq))
     state = d.start(torch.tensor(seq[:n + 1]), feats.slice(0, n))
-    d.advance(state, torch.tensor(seq[n + 1:n + 4]), feats.slice(n, n + 3))
+    advance(d, state, torch.tensor(seq[n + 1:n + 4]), feats.slice(n, n + 3))
     before = copy.deepcopy(state)
     g1 = propose(d, state, 5)
     assert_same(state, before)
@@ -279,8 +397,8 @@ def test_propose_leaves_the_state_unchanged(family):
     assert_same(state, before)
     # advance after a propose == advance without one
     clean = copy.deepcopy(before)
-    d.advance(state, torch.tensor(seq[n + 4:n + 6]), feats.slice(n + 3, n + 5))
-    d.advance(clean, torch.tensor(seq[n + 4:n + 6]), feats.slice(n + 3, n + 5))
+    advance(d, state, torch.tensor(seq[n + 4:n + 6]), feats.slice(n + 3, n + 5))
+    advance(d, clean, torch.tensor(seq[n + 4:n + 6]), feats.slice(n + 3, n + 5))
     assert_same(state, clean)
     assert propose(d, state, 5).token_ids.tolist() == propose(d, clean, 5).token_ids.tolist()
 

@@ -103,6 +103,64 @@ def test_sharegpt_rows_without_answer_text_are_dropped_and_counted(tmp_path, smo
         assert sum(ex.loss_mask) >= 3
 
 
+def test_tokenize_counts_every_dropped_conversation_by_source_and_reason(smol_tokenizer):
+    """Review finding: ``tokenize`` dropped conversations without loss tokens (``if sum(mask) > 0``)
+    with no count. Each drop is now counted by source and reason, one log line per pair."""
+    rec = recipe([{"source": "chatterbot"}], max_length=40)
+    tok = type("T", (), {"tokenizer": smol_tokenizer})()
+    long_q = "Please tell me, in great detail and at length, everything you know about cats and dogs."
+    assert len(render_prompt(smol_tokenizer, [{"role": "user", "content": long_q}])) > 40  # 49 tokens
+    assert len(render_prompt(smol_tokenizer, [{"role": "user", "content": "Hi"}])) < 36  # 31 (system prompt)
+    ok = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    beyond = [{"role": "user", "content": long_q}, {"role": "assistant", "content": "Yes."}]
+    convs = [
+        Conversation("a/ok", "a", ok),
+        Conversation("a/long1", "a", beyond),  # the whole answer lies past data.max_length
+        Conversation("a/long2", "a", beyond[:1] + [{"role": "assistant", "content": "No."}]),
+        Conversation("b/none", "b", [{"role": "user", "content": "Hi"}]),  # off-policy, no assistant turn
+        Conversation("b/regen", "b", beyond, input_ids=[5] * 45 + [7, 8], loss_mask=[0] * 45 + [1, 1]),
+        Conversation("b/ok", "b", ok, input_ids=[5] * 10 + [7, 8], loss_mask=[0] * 10 + [1, 1]),
+    ]
+    logs = []
+    exs = tokenize(tok, convs, rec.data, log=logs.append)
+    assert [e.id for e in exs] == ["a/ok", "b/ok"]
+    assert all(len(e.input_ids) <= 40 and sum(e.loss_mask) > 0 for e in exs)
+    assert logs == ["data: dropped 2 train conversations of a: whole answer beyond data.max_length=40",
+                    "data: dropped 1 train conversations of b: no assistant turn",
+                    "data: dropped 1 train conversations of b: whole answer beyond data.max_length=40"]
+    assert [e.id for e in tokenize(tok, convs, rec.data)] == ["a/ok", "b/ok"]  # no log: same result
+
+
+def test_prepare_data_logs_held_out_conversations_without_loss_examples(tmp_path, smol_tokenizer, isolated_cache):
+    """The held-out side: prompts without a reference answer serve as eval prompts only, and that is
+    logged per source; a held-out answer past data.max_length is logged as a drop."""
+    long_q = "Please tell me, in great detail and at length, everything you know about cats and dogs."
+    chat = [{"id": i, "messages": [{"role": "user", "content": f"Question {i}?"},
+                                   {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(6)]
+    chat.append({"id": "long", "messages": [{"role": "user", "content": long_q},
+                                            {"role": "assistant", "content": "Yes."}]})
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    rec = recipe([{"source": str(tmp_path / "chat.jsonl"), "regenerate": False}], max_length=40,
+                 held_out={"fraction": 0.5, "seed": 0})
+    pairs, _ = load_data(rec.data)
+    # the held-out side must hold the long conversation and at least one ordinary one: pick the seed
+    from speculators.data.pipeline import split_conversations
+    for seed in range(50):
+        rec.data.held_out.seed = seed
+        train, held = split_conversations(pairs, rec.data.held_out)
+        held_ids = {c.id for c, _ in held}
+        if "chat/long#orig" in held_ids and len(held_ids) >= 2 and train:
+            break
+    else:
+        pytest.skip("no split with the long conversation held out")
+    target = build_tiny_target(vocab_size=len(smol_tokenizer), hidden_size=32, num_layers=2, seed=0)
+    target.tokenizer = smol_tokenizer
+    logs = []
+    data = prepare_data(rec.data, target, draft_vocab_size=None, log=logs.append)
+    assert data.held_out is not None
+    assert "data: dropped 1 held-out conversations of chat: whole answer beyond data.max_length=40" in logs
+
+
 def test_textless_assistant_turn_kinds():
     assert has_textless_assistant_turn([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
     assert has_textless_assistant_turn([{"role": "user", "content": "x"}, {"role": "assistant"}])

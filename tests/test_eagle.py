@@ -93,7 +93,7 @@ def test_shapes(target):
     state = d.start(seq, feats.slice(0, 10))
     assert state.num_positions == 10 and state.cache.length == 10
     assert state.last_feature.shape == (1, 1, 64) and state.last_logits.shape == (V,)
-    assert d.propose(state, 3).probs is None  # greedy: point-mass drafts
+    assert d._propose_one(state, 3).probs is None  # greedy: point-mass drafts
     batch, _ = batch_for(target, seq[None])
     steps = d._unroll(batch.input_ids, batch.top, batch.attention_mask, 3,
                       lambda j, r, p: torch.ones(1, 11, dtype=torch.bool))
@@ -123,7 +123,7 @@ def test_training_steps_match_inference_chain(target):
 
     d.target_lm_head = spy
     try:
-        prop = d.propose(state, 3)
+        prop = d._propose_one(state, 3)
     finally:
         del d.target_lm_head
     batch, _ = batch_for(target, seq[None])
@@ -136,8 +136,8 @@ def test_training_steps_match_inference_chain(target):
         assert int(steps[j][2][t].argmax()) == int(prop.token_ids[j])
     # advance() with m real tokens == step 0 at the last of them
     state2 = d.start(seq[:n + 1], feats.slice(0, n))
-    d.propose(state2, 2)
-    d.advance(state2, seq[n + 1:n + 4], feats.slice(n, n + 3))
+    d._propose_one(state2, 2)
+    d._advance_one(state2, seq[n + 1:n + 4], feats.slice(n, n + 3))
     torch.testing.assert_close(state2.last_logits, steps[0][2][n + 2], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state2.last_feature[0, 0], steps[0][0][0, n + 2], atol=1e-4, rtol=1e-4)
 

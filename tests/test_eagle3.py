@@ -62,7 +62,7 @@ def test_ttt_steps_match_inference_chain(target):
     prefix = torch.randint(0, V, (n + 1,), generator=g)
     feats = target.features(prefix[None])
     state = d.start(prefix, feats.slice(0, n))
-    prop = d.propose(state, 3, SamplingParams.uniform(1, 1.0), g)  # sampled: probs = softmax(logits)
+    prop = d._propose_one(state, 3, SamplingParams.uniform(1, 1.0), g)  # sampled: probs = softmax(logits)
     seq = torch.cat([prefix, prop.token_ids, torch.randint(0, V, (3,), generator=g)])
     batch, _ = batch_for(target, seq[None])
     _, _, step_logits = capture_step_logits(d, batch)
@@ -221,3 +221,142 @@ def test_greedy_accepts_everything_when_drafter_is_the_target_chain(target):
     assert spec.tokens == plain.tokens
     assert all(a == n for a, n in zip(spec.accepted[:-1], spec.drafted[:-1]))
     assert spec.accepted[0] == 4
+
+
+# ----------------------------------------------------------------------------- batched inference (issue 11)
+
+PROMPT_LENS = (5, 12, 3, 9)
+
+
+def batched_states(target, d, lens=PROMPT_LENS, seed=11, advance_by=(0, 2, 3, 1)):
+    """One state per prompt length (different context lengths), each advanced per request by a few
+    verified tokens so the caches hold ragged numbers of real-feature entries."""
+    g = torch.Generator().manual_seed(seed)
+    states = []
+    for n, m in zip(lens, advance_by):
+        seq = torch.randint(0, V, (n + 1 + m,), generator=g)
+        feats = target.features(seq[None])
+        s = d.start(seq[:n + 1], feats.slice(0, n))
+        if m:
+            d._propose_one(s, 3)  # a chain before advance: its speculative entries must not survive
+            d._advance_one(s, seq[n + 1:], feats.slice(n, n + m))
+        states.append(s)
+    return states
+
+
+def assert_states_equal(a, b, exact=True):
+    assert a.num_positions == b.num_positions
+    assert a.cache.length == b.cache.length == a.num_positions
+    check = torch.equal if exact else (lambda x, y: torch.allclose(x, y, atol=1e-5, rtol=1e-4))
+    for x, y in zip(a.cache.k + a.cache.v + [a.last_hidden, a.last_logits],
+                    b.cache.k + b.cache.v + [b.last_hidden, b.last_logits]):
+        assert x.shape == y.shape and check(x, y)
+
+
+@pytest.mark.parametrize("num_layers,vocab_size", [(1, None), (2, 48)])
+def test_batched_greedy_propose_equals_per_request(target, num_layers, vocab_size):
+    """ONE forward per draft step over ragged ks (incl. 0) and different context lengths gives each
+    request exactly its own greedy chain; the states are left as found."""
+    import copy
+
+    d = make_drafter(target, num_layers=num_layers, vocab_size=vocab_size).eval()
+    states = batched_states(target, d)
+    before = copy.deepcopy(states)
+    ks = [3, 0, 5, 1]
+    calls = []
+    hook = d.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    try:
+        props = d.propose(states, ks)
+    finally:
+        hook.remove()
+    assert calls == [2, 2, 1, 1]  # one forward per chain step for the rows still drafting (k=5 and k=3, then k=5)
+    for s, b in zip(states, before):
+        assert_states_equal(s, b)
+    for i, (s, k) in enumerate(zip(states, ks)):
+        alone = d._propose_one(copy.deepcopy(s), k)
+        assert props[i].token_ids.dtype == torch.int64 and props[i].probs is None
+        assert props[i].token_ids.tolist() == alone.token_ids.tolist(), i
+    assert props[1].token_ids.shape == (0,)
+    if vocab_size:  # draft ids are mapped to target ids inside the draft vocabulary
+        assert all(bool(d.t2d[t]) for p in props for t in p.token_ids.tolist())
+
+
+def test_batched_seeded_sampling_equals_per_request(target):
+    """Mixed per-request settings: every request draws only from its own generator and gets the tokens
+    and q rows it gets alone (a leak of one request's randomness or cache into another's fails)."""
+    import copy
+
+    d = make_drafter(target, num_layers=2, vocab_size=48).eval()
+    states = batched_states(target, d)
+    sampling = SamplingParams(temperature=torch.tensor([0.8, 0.0, 1.0, 1.3]), top_k=torch.tensor([8, 0, 0, 5]),
+                              top_p=torch.tensor([1.0, 1.0, 0.9, 0.95]))
+    ks = [4, 2, 0, 3]
+    seeds = [3, 4, 5, 6]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    before = copy.deepcopy(states)
+    props = d.propose(states, ks, sampling, gens)
+    for s, b in zip(states, before):
+        assert_states_equal(s, b)
+    for i in range(4):
+        one = SamplingParams(temperature=sampling.temperature[i:i + 1], top_k=sampling.top_k[i:i + 1],
+                             top_p=sampling.top_p[i:i + 1])
+        g = torch.Generator().manual_seed(seeds[i])
+        alone = d._propose_one(copy.deepcopy(states[i]), ks[i], one, g)
+        assert props[i].token_ids.tolist() == alone.token_ids.tolist(), i
+        if ks[i] and i != 1:
+            assert props[i].probs.shape == (ks[i], V) and props[i].probs.dtype == torch.float32
+            torch.testing.assert_close(props[i].probs, alone.probs, atol=1e-5, rtol=0)
+            assert torch.equal(gens[i].get_state(), g.get_state())  # the same number of draws, from its own
+        else:
+            assert props[i].probs is None
+    # sampling.generators are used when no generators argument is given
+    sampling.generators = [torch.Generator().manual_seed(s) for s in seeds]
+    again = d.propose(states, ks, sampling)
+    assert [p.token_ids.tolist() for p in again] == [p.token_ids.tolist() for p in props]
+
+
+def test_batched_advance_equals_per_request(target):
+    """ONE forward appends every request's m_i verified positions; the states equal _advance_one's and
+    the next proposals agree."""
+    import copy
+
+    d = make_drafter(target, num_layers=2, vocab_size=48).eval()
+    states = batched_states(target, d)
+    g = torch.Generator().manual_seed(21)
+    ms = [3, 1, 4, 2]
+    new_ids, feats = [], []
+    for m in ms:
+        seq = torch.randint(0, V, (m + 1,), generator=g)
+        new_ids.append(seq[1:])
+        feats.append(target.features(seq[None]).slice(0, m))
+    alone = copy.deepcopy(states)
+    d.propose(states, [2, 2, 2, 2])  # speculative entries of a batched chain must not leak into advance
+    for s, ids, f in zip(alone, new_ids, feats):
+        d._advance_one(s, ids, f)
+    d.advance(states, new_ids, feats)
+    for s, a in zip(states, alone):
+        assert_states_equal(s, a, exact=False)
+    ks = [3, 2, 4, 1]
+    assert [p.token_ids.tolist() for p in d.propose(states, ks)] == \
+        [d._propose_one(a, k).token_ids.tolist() for a, k in zip(alone, ks)]
+
+
+def test_batched_propose_and_advance_reject_bad_input(target):
+    from speculators.errors import SpeculatorsError
+
+    d = make_drafter(target).eval()
+    states = batched_states(target, d, lens=(4, 6), advance_by=(0, 0))
+    with pytest.raises(SpeculatorsError, match="ks"):
+        d.propose(states, [1])
+    with pytest.raises(SpeculatorsError, match=r"ks\[1\]"):
+        d.propose(states, [1, -2])
+    with pytest.raises(SpeculatorsError, match="temperature"):
+        d.propose(states, [1, 1], SamplingParams.uniform(3, 1.0))
+    with pytest.raises(SpeculatorsError, match="generators"):
+        d.propose(states, [1, 1], SamplingParams.uniform(2, 1.0), [None])
+    f = target.features(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(SpeculatorsError, match="request 1: new_ids"):
+        d.advance(states, [torch.tensor([5]), torch.tensor([], dtype=torch.int64)], [f.slice(0, 1), f.slice(0, 0)])
+    with pytest.raises(SpeculatorsError, match="request 0: features.aux"):
+        d.advance(states, [torch.tensor([5, 6]), torch.tensor([7])], [f.slice(0, 1), f.slice(0, 1)])
+    assert d.propose([], []) == []

@@ -11,7 +11,8 @@ import torch
 from speculators.drafters.base import Proposal
 from speculators.errors import SpeculatorsError
 from speculators.evaluate import AcceptanceStats, report_markdown, run_eval
-from speculators.generate import GenerationResult, NGramProposer, plain_decode
+from speculators.generate import GenerationResult, plain_decode
+from speculators.proposers import SuffixProposer
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 
@@ -55,10 +56,10 @@ def test_tau_counts_emitted_tokens_per_step(stats):
 
 def test_acceptance_rate_is_the_verifiers_view(stats):
     # drafted: A 3+3+0+2, B 2+3 = 13; verifier accepted: A 3+1+0+0, B 1+3 = 8
-    assert stats.drafted == 13 and stats.verifier_accepted == 8
-    assert stats.acceptance_rate == 8 / 13
-    # accepted and emitted: A 3+1+0+0, B 1+2 = 7
-    assert stats.accepted == 7
+    assert stats.drafted == 13 and stats.accepted == stats.verifier_accepted == 8
+    assert stats.acceptance_rate == 8 / 13 == stats.accepted / stats.drafted
+    # accepted and emitted: A 3+1+0+0, B 1+2 = 7 (B's 3rd accepted draft came after the stop token)
+    assert stats.accepted_emitted == 7
 
 
 def test_per_position_acceptance(stats):
@@ -95,15 +96,31 @@ def test_plain_and_empty_results():
 
 def test_as_dict_and_markdown(stats):
     d = stats.as_dict()
-    assert d["tau"] == 2.0 and d["emitted"] == 12 and d["accepted"] == 7 and d["verifier_accepted"] == 8
+    assert d["tau"] == 2.0 and d["emitted"] == 12 and d["accepted"] == 8 and d["accepted_emitted"] == 7
     assert d["drafted"] == 13 and d["tokens_per_s"] == 7.0 and d["conditional"] == [0.8, 0.5, 1.0]
     json.dumps(d)
-    rep = {"num_prompts": 2, "k": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 9,
-           "drafter": d, "ngram": d, "plain": {"tau": 1.0, "tokens_per_s": 3.5}, "speedup": 2.0,
-           "ngram_speedup": 2.0, "greedy_mismatches": []}
-    md = report_markdown(rep)
-    assert "| drafter | 2.000 | 0.615 | 7.0 | 2.00x |" in md
+    row = {**d, "method": "drafter", "k": 3, "batch_size": 1, "tau_ci": [1.5, 2.5], "speedup": 2.0, "best_k": True}
+    rep = {"num_prompts": 2, "k": 3, "ks": [3], "batch_size": 1, "batch_sizes": [1], "temperature": 0.0,
+           "top_p": 1.0, "top_k": 0, "max_new_tokens": 9, "methods": ["drafter"], "rows": [row],
+           "plain_rows": [{"batch_size": 1, "tau": 1.0, "tokens_per_s": 3.5}], "headline": {"batch_size": 1, "k": 3},
+           "bootstrap": {"resamples": 1000}, "drafter": row, "greedy_mismatches": []}
+    md = report_markdown(rep, plots={"per_position": "pp.png"})
+    assert "| drafter | 3 ★ | 2.000 [1.500, 2.500] | 0.615 | 7.0 | 2.00x |" in md  # tau with its CI; best K
+    assert "| plain target | - | 1.000 | - | 3.5 | 1.00x |" in md
+    assert "![per-position acceptance](pp.png)" in md and "tau_vs_k" not in md
     assert "| drafter cond acc_k | 0.800 | 0.500 | 1.000 |" in md
+    assert "| drafter | 6 | 13 | 8 | 7 | 12 |" in md  # steps, drafted, accepted, accepted & emitted, emitted
+
+
+def test_report_counts_are_self_consistent(stats):
+    """Review finding: the report's ``accepted`` counted only accepted-AND-emitted drafts (7 here), so
+    accepted / drafted (7/13) disagreed with acceptance_rate (8/13). Now accepted / drafted is the rate,
+    and the emitted view has its own field."""
+    d = stats.as_dict()
+    assert d["accepted"] / d["drafted"] == d["acceptance_rate"] == 8 / 13
+    assert d["emitted"] / d["steps"] == d["tau"]
+    assert d["accepted_emitted"] == 7 < d["accepted"]
+    assert "verifier_accepted" not in d  # one name per count
 
 
 @pytest.mark.parametrize("mutate, match", [
@@ -140,10 +157,10 @@ def test_run_eval_counts_what_was_emitted():
     else:
         pytest.skip("no greedy continuation with a fresh token in range")
 
-    class Oracle(NGramProposer):
-        def propose(self, state, k, sampling=None, generator=None):
-            n_gen = len(state.tokens) - len(prompt)
-            return Proposal(torch.tensor(cont[n_gen:n_gen + k], dtype=torch.int64))
+    class Oracle(SuffixProposer):  # batched protocol; the state's tokens are prompt + generated
+        def propose(self, states, ks, sampling=None, generators=None):
+            return [Proposal(torch.tensor(cont[len(s.tokens) - len(prompt):][:k], dtype=torch.int64))
+                    for s, k in zip(states, ks)]
 
     rep = run_eval(target, Oracle(), [{"id": "p0", "input_ids": prompt}], K, 40, SamplingParams.uniform(1), eos_ids={cont[j]})
     d = rep["drafter"]
@@ -151,6 +168,170 @@ def test_run_eval_counts_what_was_emitted():
     assert d["tokens"] == rep["plain"]["tokens"] == rep["ngram"]["tokens"] == j + 1
     assert d["steps"] == 2 and d["emitted"] == j
     assert d["tau"] == (d["tokens"] - 1) / d["steps"] == j / 2  # the old report said 7.0
-    assert d["acceptance_rate"] == 1.0 and d["accepted"] == K + j - 7 and d["verifier_accepted"] == 2 * K
+    assert d["acceptance_rate"] == 1.0 and d["accepted"] == 2 * K and d["accepted_emitted"] == K + j - 7
+    assert d["accepted"] / d["drafted"] == d["acceptance_rate"]
     assert rep["plain"]["tau"] == 1.0 and rep["plain"]["steps"] == j
     assert rep["ngram"]["emitted"] == j
+
+
+# ----------------------------------------------------------------------------- issue 11: the batched report
+
+
+def test_bootstrap_ci_is_the_documented_percentile_bootstrap():
+    """The CI equals a plain loop over the documented resamples (numpy default_rng(seed), prompts drawn
+    with replacement, tau of a resample = its emitted / its steps), and behaves like a CI."""
+    import numpy as np
+
+    from speculators.evaluate import bootstrap_tau_ci
+
+    emitted, steps = [10, 4, 30, 7, 12], [5, 4, 10, 7, 3]
+    lo, hi = bootstrap_tau_ci(emitted, steps, resamples=200, seed=3)
+    idx = np.random.default_rng(3).integers(0, 5, size=(200, 5))
+    taus = sorted(sum(emitted[i] for i in row) / sum(steps[i] for i in row) for row in idx)
+    assert (lo, hi) == pytest.approx((float(np.quantile(taus, 0.025)), float(np.quantile(taus, 0.975))))
+    assert lo < sum(emitted) / sum(steps) < hi
+    assert bootstrap_tau_ci(emitted, steps, resamples=200, seed=3) == (lo, hi)  # fixed seed: reproducible
+    assert bootstrap_tau_ci([6, 6, 6], [3, 3, 3]) == (2.0, 2.0)  # identical prompts: no spread
+    assert bootstrap_tau_ci([], []) == (1.0, 1.0)
+    with pytest.raises(SpeculatorsError, match="step counts"):
+        bootstrap_tau_ci([1], [1, 2])
+
+
+class RandomDrafter:
+    """A batched drafter drafting from its own per-request generator with a uniform q (the neural path:
+    probabilities given)."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def start(self, input_ids, features):
+        return None
+
+    def propose(self, states, ks, sampling=None, generators=None):
+        out = []
+        for i, k in enumerate(ks):
+            g = generators[i] if generators else None
+            ids = torch.randint(0, self.vocab, (k,), generator=g)
+            out.append(Proposal(ids, torch.full((k, self.vocab), 1.0 / self.vocab)))
+        return out
+
+    def advance(self, states, new_ids, features):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=2)
+    prompts = [{"id": f"p{i}", "input_ids": torch.randint(0, 64, (5 + 2 * i,),
+                                                          generator=torch.Generator().manual_seed(i)).tolist()}
+               for i in range(3)]
+    return target, prompts
+
+
+def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
+    import speculators.evaluate as ev
+
+    target, prompts = tiny
+    calls = []
+    real = ev._generate
+
+    def spy(target, proposer, ids, k, *a, **kw):
+        calls.append((type(proposer).__name__, k, a[4]))  # proposer, K, batch size
+        return real(target, proposer, ids, k, *a, **kw)
+
+    monkeypatch.setattr(ev, "_generate", spy)
+    rep = run_eval(target, RandomDrafter(64), prompts, [2, 1], 8, batch_size=2, eos_ids=set())
+    # plain decoding runs ONCE per batch size; every method once per K and batch size
+    assert [c for c in calls if c[0] == "NoneType"] == [("NoneType", 0, 1), ("NoneType", 0, 2)]
+    assert len(calls) == 2 * (1 + 4 * 2)
+    assert rep["ks"] == [1, 2] and rep["batch_sizes"] == [1, 2] and rep["methods"] == list(ev.METHODS)
+    assert len(rep["rows"]) == 2 * 4 * 2
+    assert rep["greedy_mismatches"] == []  # every proposer, K and batch size == plain greedy at batch 1
+    for b in (1, 2):
+        plain = next(p for p in rep["plain_rows"] if p["batch_size"] == b)
+        for m in ev.METHODS:
+            rows = [r for r in rep["rows"] if r["batch_size"] == b and r["method"] == m]
+            assert sorted(r["k"] for r in rows) == [1, 2]
+            best = [r for r in rows if r["best_k"]]
+            assert len(best) == 1 and best[0]["speedup"] == max(r["speedup"] for r in rows)
+            assert rep["best_k"][str(b)][m] == best[0]["k"]
+            for r in rows:
+                assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])  # same batch size
+                assert r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1]
+                assert r["tokens"] == plain["tokens"] == 3 * 8
+                assert len(r["per_position"]) == r["k"]
+    # headline: the largest batch size and the drafter's best K there
+    assert rep["headline"] == {"batch_size": 2, "k": rep["best_k"]["2"]["drafter"]} and rep["k"] == rep["headline"]["k"]
+    assert rep["drafter"]["batch_size"] == 2 and rep["plain"]["batch_size"] == 2
+    hy = [r for r in rep["rows"] if r["method"] == "hybrid"]
+    assert all(sum(r["proposals"].values()) > 0 for r in hy)
+    json.dumps(rep)
+
+
+def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
+    """The losslessness check can fail: a pass whose output differs from plain greedy is reported with its
+    proposer, K and batch size."""
+    import speculators.evaluate as ev
+
+    target, prompts = tiny
+    real = ev._generate
+
+    def corrupt(target, proposer, ids, k, *a, **kw):
+        res, secs = real(target, proposer, ids, k, *a, **kw)
+        if type(proposer).__name__ == "SuffixProposer" and k == 2:
+            res[1].tokens[3] = (res[1].tokens[3] + 1) % 64
+        return res, secs
+
+    monkeypatch.setattr(ev, "_generate", corrupt)
+    rep = run_eval(target, RandomDrafter(64), prompts, [1, 2], 6, eos_ids=set(), methods=("suffix",))
+    assert rep["greedy_mismatches"] == [{"prompt": "p1", "proposer": "suffix", "k": 2, "batch_size": 1,
+                                         "first_diff": 3}]
+    assert "ERROR: 1 mismatches" in report_markdown(rep)
+
+
+def test_run_eval_sampled_has_no_greedy_check(tiny):
+    target, prompts = tiny
+    rep = run_eval(target, RandomDrafter(64), prompts, 2, 6, SamplingParams.uniform(1, 0.8), eos_ids=set(),
+                   methods=("drafter", "hybrid"))
+    assert rep["greedy_mismatches"] is None and rep["temperature"] == pytest.approx(0.8)
+    assert {r["method"] for r in rep["rows"]} == {"drafter", "hybrid"} and "ngram" not in rep
+
+
+@pytest.mark.parametrize("kw, match", [({"k": 0}, "k: expected"), ({"k": []}, "k: expected"),
+                                       ({"batch_size": 0}, "batch_size"), ({"methods": ("medusa",)}, "allowed"),
+                                       ({"prompts": []}, "no prompts")])
+def test_run_eval_bad_arguments(tiny, kw, match):
+    target, prompts = tiny
+    args = {"k": 2, "prompts": prompts, **kw}
+    with pytest.raises(SpeculatorsError, match=match):
+        run_eval(target, RandomDrafter(64), args.pop("prompts"), args.pop("k"), 4, **args)
+
+
+def test_write_report_embeds_the_plots(tiny, tmp_path):
+    from speculators.evaluate import PLOT_FILES, write_report
+
+    target, prompts = tiny
+    rep = run_eval(target, RandomDrafter(64), prompts[:2], [1, 3], 6, eos_ids=set(), batch_size=2)
+    out = write_report(rep, tmp_path / "rep")
+    md = (out / "report.md").read_text()
+    for name in PLOT_FILES.values():
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in md  # embedded with a relative link
+    assert json.loads((out / "report.json").read_text())["plots"] == PLOT_FILES
+    assert "## Batch size 1" in md and "## Batch size 2" in md and "suffix decoding" in md and "hybrid" in md
+    assert md.count(" ★ |") == 2 * 4  # one best K per method and batch size
+
+
+def test_compare_rows(tiny):
+    from speculators.evaluate import compare_markdown, compare_rows
+
+    target, prompts = tiny
+    a = run_eval(target, RandomDrafter(64), prompts[:2], 1, 5, eos_ids=set())
+    b = run_eval(target, RandomDrafter(64), prompts[:2], 1, 5, eos_ids=set(), methods=("drafter", "hybrid"))
+    rows = compare_rows([("A", a), ("B", b)])
+    assert [(r["checkpoint"], r["method"]) for r in rows] == [
+        ("A", "drafter"), ("-", "ngram"), ("-", "suffix"), ("A", "hybrid"), ("B", "drafter"), ("B", "hybrid")]
+    assert "| B | drafter | 1 | 1 ★ |" in compare_markdown(rows)
+    c = run_eval(target, RandomDrafter(64), prompts[:2], 1, 4, eos_ids=set(), methods=("drafter",))
+    with pytest.raises(SpeculatorsError, match="max_new_tokens"):
+        compare_rows([("A", a), ("C", c)])

@@ -41,6 +41,10 @@ FAMILY_KEYS = {
     "medusa": {"draft_vocab_size", "medusa_hidden_size", "medusa_vocab_size", "num_heads", "num_hidden_layers",
                "medusa_fc_bias", "original_lm_head", "truncated_vocab_size", "head_weight_decay"},
     "mtp": {"num_nextn_predict_layers", "draft_vocab_size"},
+    "peagle": {"draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "norm_before_residual",
+               "norm_before_fc", "embed_requires_grad", "mask_token_id"},
+    "dflash": {"block_size", "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "draft_vocab_size",
+               "target_hidden_size"},
 }
 # vLLM's native Medusa layout: no speculators block (FORMATS.md, "Medusa")
 VLLM_MEDUSA_KEYS = {"model_type", "architectures", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers",
@@ -69,6 +73,8 @@ def make(target, name: str, **kw):
 
 
 VARIANTS = sorted(registry.names()) + ["medusa-vllm"]
+# the families that existed when the v0 fixtures were written (newer families have no previous version)
+V0_VARIANTS = [n for n in VARIANTS if (FIXTURES / f"{n}.json").is_file()]
 
 
 # ----------------------------------------------------------------------------- helpers, one by one
@@ -146,7 +152,7 @@ def test_config_keys_per_family_and_round_trip(target, name, tmp_path):
         assert sc["algorithm"] == name and sc["verifier"]["name_or_path"] == target.verifier_name
         assert sc["proposal_methods"][0]["speculative_tokens"] == registry.get(name).speculative_tokens(cfg) >= 1
         layer = cfg["transformer_layer_config"]
-        assert layer["model_type"] == "llama" and layer["rope_theta"] == 10000.0 and "rope_scaling" in layer
+        assert layer["model_type"] in ("llama", "qwen3") and layer["rope_theta"] == 10000.0 and "rope_scaling" in layer
         assert layer["hidden_size"] == 64 and layer["vocab_size"] == V
     # the training block: the typed target facts under today's keys and order
     tblock = cfg[TRAINING_KEY]["target"]
@@ -176,7 +182,7 @@ def _strip(cfg: dict) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", V0_VARIANTS)
 def test_config_is_what_the_previous_version_wrote(target, name, tmp_path):
     old = json.loads((FIXTURES / f"{name}.json").read_text())
     new = json.loads((make(target, name).save_pretrained(tmp_path / name) / CONFIG_NAME).read_text())
@@ -184,7 +190,7 @@ def test_config_is_what_the_previous_version_wrote(target, name, tmp_path):
     assert _strip(new) == _strip(old)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", V0_VARIANTS)
 def test_checkpoint_written_by_the_previous_version_loads(target, name, tmp_path):
     d = make(target, name)
     path = d.save_pretrained(tmp_path / name)
@@ -293,3 +299,73 @@ def test_check_target_sizes_and_fingerprint(target):
     warnings = []
     d.check_target(fine_tuned, warn=warnings.append)
     assert len(warnings) == 1 and "fingerprint" in warnings[0]
+
+
+# ----------------------------------------------------------------------------- tap convention of old checkpoints
+
+OLD_CONVENTION = ("0-based index of the decoder layer whose OUTPUT is tapped (HF hidden_states[i+1]); "
+                  "vLLM ids = these + 1")  # written by speculators before the L-1 tap became pre-norm
+
+
+def _old_checkpoint(target, tmp_path, name: str, convention: str | None, aux=None) -> Path:
+    """Today's weights beside a v0 fixture config, its convention sentence (and taps) replaced."""
+    path = make(target, name).save_pretrained(tmp_path / name)
+    raw = json.loads((FIXTURES / f"{name}.json").read_text())
+    tb = raw[TRAINING_KEY]["target"]
+    assert tb["num_layers"] == 4 and tb["aux_layer_ids"] == AUX  # L-1 = 3 is tapped
+    if convention is None:
+        del tb["aux_layer_ids_convention"]
+    else:
+        tb["aux_layer_ids_convention"] = convention
+    if aux is not None:
+        tb["aux_layer_ids"] = aux
+    (path / CONFIG_NAME).write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize("name", ["eagle3", "medusa", "mtp"])
+def test_old_convention_checkpoint_tapping_the_last_layer_warns_once(target, name, tmp_path):
+    """Review finding: the L-1 tap changed from post-norm to pre-norm; a checkpoint recorded under the old
+    convention that taps L-1 would silently be served other features. It loads with one warning naming the
+    file and the layer."""
+    import warnings
+
+    path = _old_checkpoint(target, tmp_path, name, OLD_CONVENTION)
+    with pytest.warns(UserWarning) as rec:
+        loaded = from_pretrained(path)
+    msgs = [str(w.message) for w in rec if "aux_layer_ids_convention" in str(w.message)]
+    assert len(msgs) == 1
+    assert str(path / CONFIG_NAME) in msgs[0] and "aux layer 3" in msgs[0] and "PRE-norm" in msgs[0]
+    assert loaded.meta.aux_layer_ids_convention == OLD_CONVENTION
+    assert loaded.meta.tap_convention_problem()[0] == 3
+    # re-saved, it keeps the convention it was trained under (no silent upgrade of the record)
+    again = loaded.save_pretrained(tmp_path / f"{name}-again")
+    assert json.loads((again / CONFIG_NAME).read_text())[TRAINING_KEY]["target"]["aux_layer_ids_convention"] \
+        == OLD_CONVENTION
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_pretrained(path)  # once per file and layer: the second load is silent
+
+
+@pytest.mark.parametrize("convention, aux", [
+    (export.AUX_LAYER_IDS_CONVENTION, None),  # today's sentence, L-1 tapped: the v0 fixtures as written
+    (None, None),  # no sentence recorded: today's assumed
+    (OLD_CONVENTION, [0, 1, 2]),  # old sentence, but L-1 not tapped: the same features
+])
+def test_other_checkpoints_load_silently(target, tmp_path, convention, aux):
+    import warnings
+
+    path = _old_checkpoint(target, tmp_path, "eagle3", convention, aux)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        meta = from_pretrained(path).meta
+    assert meta.tap_convention_problem() is None
+    assert meta.to_json()["aux_layer_ids_convention"] == (convention or export.AUX_LAYER_IDS_CONVENTION)
+
+
+def test_tap_convention_problem_falls_back_to_the_target_config_layer_count(target):
+    tb = dict(make(target, "eagle3").meta.to_json(), aux_layer_ids_convention=OLD_CONVENTION, num_layers=None)
+    meta = TargetMeta.from_json(tb)
+    assert meta.num_layers is None and meta.target_config["num_hidden_layers"] == 4
+    assert meta.tap_convention_problem()[0] == 3
+    assert TargetMeta.from_json(dict(tb, aux_layer_ids=[0, 1])).tap_convention_problem() is None

@@ -95,7 +95,7 @@ def test_tau_counts_only_tokens_emitted_before_an_accepted_stop_token(target):
     assert stats.steps == 2 and stats.tokens == j + 1
     assert stats.tau == (len(spec.tokens) - 1) / stats.steps == j / 2  # the old code said 7.0
     assert stats.tau < K + 1
-    assert stats.accepted == K + j - 7 and stats.verifier_accepted == 2 * K
+    assert stats.accepted_emitted == K + j - 7 and stats.accepted == stats.verifier_accepted == 2 * K
     assert stats.acceptance_rate == 1.0  # every verified draft was the target's greedy token
     assert stats.per_position == [1.0] * K and stats.conditional == [1.0] * K
 
@@ -167,6 +167,9 @@ class FakeTarget:
 
     def session(self):
         return self._inner.session()
+
+    def batch_session(self, max_batch):
+        return self._inner.batch_session(max_batch)
 
 
 @pytest.mark.parametrize("kind", ["property", "method"])
@@ -254,20 +257,29 @@ def _protocol_params(method) -> list[tuple[str, object]]:
 
 
 def test_every_family_and_the_ngram_proposer_implement_the_proposer_protocol():
-    """Issue 10 item 5: one protocol, one sampling type. Every registered family and NGramProposer are
-    Proposers (runtime isinstance) and their start / propose / advance have the protocol's parameters
-    (names, order, defaults): propose(state, k, sampling=None, generator=None) takes the verifier's
-    SamplingParams, not loose temperature / top_k / top_p arguments."""
+    """Issue 10 item 5 / issue 11: one BATCHED protocol, one sampling type. Every registered family and
+    NGramProposer are Proposers (runtime isinstance) and their start / propose / advance have the
+    protocol's parameters (names, order, defaults): propose(states, ks, sampling=None, generators=None)
+    takes lists of per-request states and draft counts and the verifier's SamplingParams of the batch;
+    every family also has the per-request _propose_one / _advance_one the default batched loops call."""
     import inspect
 
-    from speculators.drafters import registry
+    from speculators.drafters import Drafter, registry
 
     classes = [registry.get(n) for n in registry.names()] + [NGramProposer]
     assert len(classes) >= 5
     want = {name: _protocol_params(getattr(Proposer, name)) for name in ("start", "propose", "advance")}
-    assert want["propose"] == [("state", inspect.Parameter.empty), ("k", inspect.Parameter.empty),
-                               ("sampling", None), ("generator", None)]
+    assert want["propose"] == [("states", inspect.Parameter.empty), ("ks", inspect.Parameter.empty),
+                               ("sampling", None), ("generators", None)]
+    assert [n for n, _ in want["advance"]] == ["states", "new_ids", "features"]
+    one = [("state", inspect.Parameter.empty), ("k", inspect.Parameter.empty), ("sampling", None),
+           ("generator", None)]
     for cls in classes:
+        assert _protocol_params(cls._propose_one) == one, cls.__name__
+        assert [n for n, _ in _protocol_params(cls._advance_one)] == ["state", "new_ids", "features"], cls.__name__
+        if cls is not NGramProposer:
+            assert cls._propose_one is not Drafter._propose_one, cls.__name__
+            assert cls._advance_one is not Drafter._advance_one, cls.__name__
         for name, params in want.items():
             got = _protocol_params(getattr(cls, name))
             # parameter names and order must match; start/advance may default ``features`` (model-free)

@@ -259,7 +259,7 @@ def test_training_logits_match_inference_proposal(target):
     seq = torch.randint(0, V, (n + K + 6,), generator=g)
     feats = target.features(seq[None])
     state = d.start(seq[:n + 1], feats.slice(0, n))
-    prop = d.propose(state, K, SamplingParams.uniform(1, 1.0), g)
+    prop = d._propose_one(state, K, SamplingParams.uniform(1, 1.0), g)
     assert prop.token_ids.shape == (K,) and prop.probs.shape == (K, V)
     batch, _ = batch_for(target, seq[None])
     _, _, head_logits = capture_head_logits(d, batch)
@@ -269,14 +269,14 @@ def test_training_logits_match_inference_proposal(target):
     assert float(prop.probs[:, ~d.t2d].abs().sum()) == 0.0
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(K))
     # advance with m tokens: only the features of the last new position matter
-    d.advance(state, seq[n + 1:n + 4], feats.slice(n, n + 3))
-    prop2 = d.propose(state, 2, SamplingParams.uniform(1, 1.0))
+    d._advance_one(state, seq[n + 1:n + 4], feats.slice(n, n + 3))
+    prop2 = d._propose_one(state, 2, SamplingParams.uniform(1, 1.0))
     torch.testing.assert_close(torch.softmax(head_logits[1][0, n + 2], -1), prop2.probs[1][d.draft_ids],
                                atol=2e-6, rtol=1e-5)
-    greedy = d.propose(state, 9)  # k > K: only K drafts; greedy = each head's top-1
+    greedy = d._propose_one(state, 9)  # k > K: only K drafts; greedy = each head's top-1
     assert greedy.probs is None and greedy.token_ids.tolist() == [
         int(d.draft_ids[head_logits[k][0, n + 2].argmax()]) for k in range(K)]
-    assert d.propose(state, 0).token_ids.numel() == 0
+    assert d._propose_one(state, 0).token_ids.numel() == 0
 
 
 def test_untrained_heads_get_accepted_on_a_repetitive_target(target):
@@ -375,7 +375,7 @@ def test_save_load_round_trip_and_formats(target, tmp_path, export, vocab):
     from speculators.target import TargetFeatures
 
     state = d.start(torch.tensor([1, 2]), TargetFeatures(torch.zeros(1, 1, 3 * H), h[None]))
-    ours = d.propose(state, K, SamplingParams.uniform(1, 1.0)).probs
+    ours = d._propose_one(state, K, SamplingParams.uniform(1, 1.0)).probs
     torch.testing.assert_close(torch.softmax(vllm_like_logits(cfg, w, h[0]), -1), ours, atol=1e-6, rtol=1e-5)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 

@@ -76,8 +76,8 @@ def test_shapes(target):
     assert set(m) == {"loss_0", "loss_1", "full_acc_0", "full_acc_1", "cond_acc_0", "cond_acc_1", "sim_tau"}
     d.eval()
     state = d.start(ids[0, :6], target.features(ids[:1, :5]))
-    assert d.propose(state, 4).token_ids.shape == (4,)  # k > num_modules: the chain goes on
-    assert d.propose(state, 3).probs is None  # greedy: point-mass drafts
+    assert d._propose_one(state, 4).token_ids.shape == (4,)  # k > num_modules: the chain goes on
+    assert d._propose_one(state, 3).probs is None  # greedy: point-mass drafts
 
 
 def test_eh_proj_input_is_enorm_embedding_then_hnorm_hidden(target):
@@ -118,12 +118,12 @@ def test_modules_match_inference_chain(target, num_modules):
     seq0 = torch.randint(0, V, (n0 + m + 1,), generator=g)
     feats = target.features(seq0[None])
     state = d.start(seq0[:n0 + 1], feats.slice(0, n0))
-    d.propose(state, num_modules + 2, SamplingParams.uniform(1, 1.0), g)  # speculative entries must be dropped
-    d.advance(state, seq0[n0 + 1:], feats.slice(n0, n0 + m))
+    d._propose_one(state, num_modules + 2, SamplingParams.uniform(1, 1.0), g)  # speculative entries must be dropped
+    d._advance_one(state, seq0[n0 + 1:], feats.slice(n0, n0 + m))
     n = n0 + m
     lengths = [c.length for c in state.caches]
     assert lengths == [max(0, n - k + 1) for k in range(1, num_modules + 1)]
-    prop = d.propose(state, num_modules + 2, SamplingParams.uniform(1, 1.0), g)
+    prop = d._propose_one(state, num_modules + 2, SamplingParams.uniform(1, 1.0), g)
     assert [c.length for c in state.caches] == lengths
     seq = torch.cat([seq0, prop.token_ids, torch.randint(0, V, (2,), generator=g)])
     batch, _ = batch_for(target, seq[None])

@@ -7,6 +7,8 @@
 * A "last good checkpoint" is good: finite weights that gave a finite loss. A NaN loss at step s+1
   condemns checkpoint s (renamed ``diverged-step-N``, skipped by ``--resume`` and ``speculators eval``);
   non-finite weights are never written, never resumed from and refused by ``Drafter.from_pretrained``.
+* The trainer steps one training unit (issue 10 item 3): what it logs and writes about the target comes
+  from the unit (held-out perplexity, model card lines, per-group learning rates).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe
 from speculators.target import build_tiny_target
-from speculators.train import Trainer, checkpoints
+from speculators.train import Trainer, checkpoints, model_card
+from speculators.training_unit import TrainingUnit
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 96
@@ -53,13 +56,25 @@ CASES = [(a, a, {}, False) for a in registry.names()] + [
 ]
 
 
-def make_drafter(target, algorithm: str, overrides: dict, joint: bool, counts: torch.Tensor) -> Drafter:
+def family_fields(algorithm: str) -> set[str]:
+    return set(registry.get(algorithm).config_class.model_fields)
+
+
+def make_drafter(target, algorithm: str, overrides: dict, joint: bool, counts: torch.Tensor) -> TrainingUnit:
+    """The training unit of a fresh ``algorithm`` drafter (with ``joint``: and ``target`` adapted with
+    LoRA in place, its adapters perturbed)."""
     raw = yaml.safe_load(tiny_recipe(algorithm).read_text())["drafter"]
     raw.update(overrides)
     if raw.get("draft_vocab_size"):
         raw["draft_vocab_size"] = N_DRAFT
     if algorithm == "eagle":
         raw["noise"] = 0.0  # random feature noise is drawn per padded batch shape: not split-invariant
+    # families that SAMPLE their training elements (P-EAGLE's COD depths, DFlash's anchors) draw per batch: keep
+    # every element so that the loss is a deterministic function of the data and a split can be compared
+    if "r_min" in family_fields(algorithm):
+        raw.update(r=1.0, r_min=1.0)
+    if "num_anchors" in family_fields(algorithm):
+        raw["num_anchors"] = 100_000
     if joint:
         raw["joint"] = True
     family = registry.get(algorithm)
@@ -67,12 +82,12 @@ def make_drafter(target, algorithm: str, overrides: dict, joint: bool, counts: t
     torch.manual_seed(0)
     d = family.from_target(cfg, target, DraftVocab.from_counts(counts, cfg.draft_vocab_size))
     if joint:
-        d.enable_joint_training(target)
+        target.adapt_lora(cfg.joint_target)
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():  # B = 0 at init: perturb so that the live target differs from the cache
-            for p in d.joint_target.lora_parameters():
+            for p in target.lora_parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    return d
+    return TrainingUnit(d, target if joint else None)
 
 
 def feature_store(target, lengths=LENGTHS, n_assistant=N_ASSISTANT, seed: int = 0) -> FeatureStore:
@@ -150,7 +165,7 @@ def test_accumulated_gradient_equals_the_big_batch_gradient(case, tmp_path):
 
     # the example discriminates: averaging the micro-batches' own means (the old behaviour) differs
     for b in window:
-        loss, _ = d.training_loss(b)
+        loss, _ = d.loss(b)
         (loss / len(window)).backward()
     assert cosine(grads(d), g_big) < 0.999
     zero_grads(d)
@@ -165,15 +180,15 @@ def test_loss_counts_match_the_default_normalisation(case):
     counts = torch.bincount(store.input_ids, minlength=V)
     d = make_drafter(target, algorithm, overrides, joint, counts)
     batch = collate([store.example(0), store.example(1)])
-    c = d.training_loss_counts(batch)
+    c = d.loss_counts(batch)
     assert c.dtype == torch.int64 and (c > 0).all()
-    ref, _ = d.training_loss(batch)
-    same, _ = d.training_loss(batch, c)
+    ref, _ = d.loss(batch)
+    same, _ = d.loss(batch, c)
     torch.testing.assert_close(same, ref)
-    double, _ = d.training_loss(batch, 2 * c)
+    double, _ = d.loss(batch, 2 * c)
     torch.testing.assert_close(double, ref / 2)
     with pytest.raises(SpeculatorsError, match="norm"):
-        d.loss(batch, torch.ones(len(c) + 3, dtype=torch.int64))
+        d.drafter.loss(batch, torch.ones(len(c) + 3, dtype=torch.int64))
 
 
 def test_held_out_loss_is_per_token_not_per_batch(tmp_path):
@@ -185,11 +200,49 @@ def test_held_out_loss_is_per_token_not_per_batch(tmp_path):
     ev = t.evaluate_held_out()
     with torch.no_grad():
         d.eval()
-        whole, _ = d.training_loss(collate([store.example(0), store.example(1)]))
-        per_batch = [float(d.training_loss(collate([store.example(i)]))[0]) for i in range(2)]
+        whole, _ = d.loss(collate([store.example(0), store.example(1)]))
+        per_batch = [float(d.loss(collate([store.example(i)]))[0]) for i in range(2)]
         d.train()
     assert ev["held_out/loss"] == pytest.approx(float(whole), rel=1e-5)
     assert abs(sum(per_batch) / 2 - float(whole)) > 1e-3  # a per-batch mean would be wrong here
+
+
+def test_joint_held_out_perplexity_log_line_and_card_come_from_the_unit(tmp_path):
+    """Issue 10 item 3: the trainer steps a training unit and reports what the unit gives. For a joint
+    unit ``held_out/ppl`` is the target's perplexity over ALL held-out assistant tokens (summed NLL /
+    summed tokens, not a mean of per-batch perplexities), the summary line and the model card carry it;
+    a frozen-target unit adds no target line."""
+    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    store = feature_store(target)
+    counts = torch.bincount(store.input_ids, minlength=V) + torch.bincount(store.argmax, minlength=V)
+    unit = make_drafter(target, "mtp", {}, True, counts)
+    t = trainer(tmp_path, "mtp", unit, store, grad_accum=1, batch_tokens=64, held_out=store)
+    ev = t.evaluate_held_out()
+    with torch.no_grad():
+        outs = [target.train_forward(b.input_ids, b.attention_mask, b.loss_mask)
+                for b in (collate([store.example(i)]) for i in range(2))]  # the two held-out batches
+    nll, n = sum(o.nll_sum for o in outs), sum(o.n_labels for o in outs)
+    assert n == sum(N_ASSISTANT)  # every assistant token is a label (none is the first token)
+    assert ev["held_out/lm_loss"] == pytest.approx(nll / n, rel=1e-5)
+    assert ev["held_out/ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert abs(sum(math.exp(o.nll_sum / o.n_labels) for o in outs) / 2 - ev["held_out/ppl"]) > 1e-3
+    assert not [k for k in ev if k.endswith(("lm_nll_sum", "lm_tokens"))]  # sums are not metrics
+    assert "drafter_loss" in " ".join(ev)
+    lines = []
+    t.log = lines.append
+    t._held_out_eval()
+    assert lines and f"target ppl {ev['held_out/ppl']:.3f}" in lines[-1]
+
+    before = {**ev, "held_out/ppl": 2.0 * ev["held_out/ppl"]}
+    card = model_card(t.unit, 3, 100, 60.0, before, ev)
+    assert f"Target held-out perplexity: {before['held_out/ppl']:.4f} -> {ev['held_out/ppl']:.4f} (-50.00%)." in card
+    assert "`target_adapter/`" in card and "| ppl |" in card and "# mtp drafter for" in card
+
+    frozen = make_drafter(target, "eagle3", {}, False, counts)
+    assert frozen.card_lines({"ppl": 2.0}, {"ppl": 1.0}) == []
+    plain = model_card(frozen, 3, 100, 60.0, {}, {"held_out/loss": 1.0, "step": 3})
+    assert "perplexity" not in plain and "target_adapter" not in plain and "| loss | - | 1.0000 |" in plain
+    assert "target ppl" not in frozen.summary({"loss": 1.0, "sim_tau": 1.5})
 
 
 # ----------------------------------------------------------------------------- item 8
@@ -198,7 +251,7 @@ def test_held_out_loss_is_per_token_not_per_batch(tmp_path):
 def _nan_checkpoint(tmp_path: Path) -> tuple[Path, str]:
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=2, seed=1)
     d = make_drafter(target, "eagle3", {}, False, torch.ones(V, dtype=torch.int64))
-    path = d.save_pretrained(tmp_path / "ck")
+    path = d.save(tmp_path / "ck")
     w = load_file(str(path / "model.safetensors"))
     name = sorted(k for k, v in w.items() if v.is_floating_point())[0]
     w[name].view(-1)[0] = float("nan")
@@ -214,7 +267,7 @@ def test_from_pretrained_and_init_from_refuse_non_finite_weights(tmp_path):
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=2, seed=1)
     d = make_drafter(target, "eagle3", {}, False, torch.ones(V, dtype=torch.int64))
     with pytest.raises(SpeculatorsError, match=name):
-        d.init_from_checkpoint(path)
+        d.drafter.init_from_checkpoint(path)
 
 
 def _invoke(*args):
@@ -297,3 +350,84 @@ def test_resume_refuses_a_checkpoint_with_non_finite_weights(tmp_path):
     problem = checkpoint_weights_problem(path)
     assert problem is not None and name in problem
     assert checkpoint_weights_problem(tmp_path / "nope") is not None
+
+
+# ----------------------------------------------------------------------------- multi-process normalisation
+
+
+def test_two_process_gradient_equals_the_one_batch_gradient(tmp_path):
+    """Two DDP processes simulated in one: each rank accumulates its own micro-batches with the counts
+    summed over both ranks (``accelerator.reduce``, patched) and its backward scaled by
+    ``gradient_accumulation_steps * num_processes``; the DDP average of the two ranks' gradients must be
+    the gradient of all four conversations as one batch. Without the ``num_processes`` factor the
+    average is half of it; without the reduction each rank normalises by its own tokens only."""
+    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    everything = feature_store(target, lengths=(12, 64, 40, 30), n_assistant=(3, 57, 10, 25))
+    counts = torch.bincount(everything.input_ids, minlength=V) + torch.bincount(everything.argmax, minlength=V)
+    d = make_drafter(target, "eagle3", {}, False, counts)
+
+    def subset(store: FeatureStore, idx: list[int]) -> FeatureStore:
+        ex = [store.example(i) for i in idx]
+        offsets = torch.tensor([0, *torch.tensor([len(e["input_ids"]) for e in ex]).cumsum(0).tolist()])
+        keys = ("input_ids", "loss_mask", "argmax", "aux", "top")
+        return FeatureStore([store.ids[i] for i in idx], offsets, *(torch.cat([e[k] for e in ex]) for k in keys))
+
+    class Rank:
+        """The trainer's accelerator as rank ``r`` of 2 sees it (everything else is the real one)."""
+
+        def __init__(self, real, other_counts: torch.Tensor):
+            self._real, self._other, self.reduced = real, other_counts, []
+
+        num_processes = 2
+
+        def reduce(self, tensor, reduction="mean"):
+            assert reduction == "sum"
+            self.reduced.append(tensor.clone())
+            return tensor + self._other.to(tensor.device)
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    ranks = [trainer(tmp_path / f"rank{r}", "eagle3", d, subset(everything, idx), grad_accum=2, batch_tokens=64)
+             for r, idx in enumerate(([0, 1], [2, 3]))]
+    windows = [t._next_window() for t in ranks]
+    assert [[b.input_ids.shape[0] for b in w] for w in windows] == [[1, 1], [1, 1]]  # one conversation each
+    own = [torch.stack([t._counts(b) for b in w]).sum(0) for t, w in zip(ranks, windows)]
+    per_rank = []
+    for r, (t, w) in enumerate(zip(ranks, windows)):
+        t.accelerator = Rank(t.accelerator, own[1 - r])
+        t._backward_window(w)
+        assert len(t.accelerator.reduced) == 1 and torch.equal(t.accelerator.reduced[0], own[r])
+        per_rank.append(grads(d))
+        zero_grads(d)
+    g_ddp = (per_rank[0] + per_rank[1]) / 2  # DDP all-reduce: the mean over processes
+    # the example discriminates: rank 0 normalising by its own counts only gives another gradient
+    t = ranks[0]
+    # (accelerate's gradient state is process-wide: this runs before another Trainer is built)
+    t.accelerator = Rank(t.accelerator._real, torch.zeros_like(own[1]))
+    t._backward_window(windows[0])
+    unreduced0 = grads(d)
+    zero_grads(d)
+
+    big = trainer(tmp_path / "big", "eagle3", d, everything, grad_accum=1, batch_tokens=4096)
+    window = big._next_window()
+    assert len(window) == 1 and window[0].input_ids.shape[0] == 4
+    big._backward_window(window)
+    g_big = grads(d)
+    zero_grads(d)
+    assert g_big.abs().sum() > 0
+    assert cosine(g_ddp, g_big) > 0.9999
+    torch.testing.assert_close(g_ddp, g_big, rtol=1e-4, atol=1e-5 * float(g_big.abs().max()))
+    assert cosine((unreduced0 + per_rank[1]) / 2, g_big) < 0.999
+
+
+def test_precision_auto_picks_bf16_only_where_it_is_fast(monkeypatch):
+    """``train.precision: auto`` is bf16 only on hardware with native bf16 matmuls (else fp32: on AVX2 CPUs
+    bf16 autocast is ~10x slower); explicit values are kept."""
+    from speculators import train as train_mod
+
+    monkeypatch.setattr(train_mod, "fast_bf16", lambda: False)
+    assert train_mod.resolve_precision("auto") == "fp32"
+    monkeypatch.setattr(train_mod, "fast_bf16", lambda: True)
+    assert train_mod.resolve_precision("auto") == "bf16"
+    assert train_mod.resolve_precision("fp32") == "fp32" and train_mod.resolve_precision("bf16") == "bf16"

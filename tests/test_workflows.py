@@ -1,8 +1,9 @@
 """The orchestration layer and the layering rules (issue 10 items 1 and 6).
 
-* Import layering, read from the source with ``ast``: only ``cli.py`` imports ``speculators.cli`` or
-  ``speculators.workflows``; nothing under ``speculators/data/`` imports ``speculators.drafters`` (nor
-  the recipe's ``Recipe``), also checked at run time in a fresh interpreter.
+* The data layer's imports, read from the source with ``ast`` (the reader of ``tests/test_layering.py``,
+  which also holds the package-wide rules: only ``cli.py`` imports the workflows, no cycle, layer order):
+  nothing under ``speculators/data/`` imports ``speculators.drafters`` (nor the recipe's ``Recipe``),
+  also checked at run time in a fresh interpreter.
 * ``DraftVocab`` lives in the data layer and is re-exported by ``speculators.drafters``.
 * The held-out prompt list has ONE definition (``held_out_prompts``), used by ``prepare_data``; the data
   functions take the data spec, not the recipe.
@@ -11,7 +12,6 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -31,58 +31,9 @@ TINY = ROOT / "recipes" / "tiny-eagle3.yaml"
 # ----------------------------------------------------------------------------- import layering
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports_of(path: Path) -> list[tuple[str, list[str], bool]]:
-    """``(absolute module, imported names, under TYPE_CHECKING)`` of every import statement in ``path``."""
-    tree = ast.parse(path.read_text(), str(path))
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    type_only = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            type_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(a.name, [], id(node) in type_only) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module
-            names = [a.name for a in node.names]
-            out.append((mod, names, id(node) in type_only))
-            out += [(f"{mod}.{n}", [], id(node) in type_only) for n in names]  # from pkg import submodule
-    return out
-
-
-def sources(under: Path = PKG) -> list[Path]:
-    return sorted(p for p in under.rglob("*.py") if "__pycache__" not in p.parts)
-
-
-def importers_of(module: str) -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in sources()
-                  if any(m == module or m.startswith(module + ".") for m, _, _ in imports_of(p)))
-
-
-def test_import_resolution_of_the_checker():
-    """The checker itself sees relative imports (or the tests below could pass vacuously)."""
-    mods = {m for m, _, _ in imports_of(PKG / "cli.py")}
-    assert "speculators.workflows" in mods and "speculators.errors" in mods
-    assert importers_of("speculators.errors"), "no importer of speculators.errors found"
-    assert "speculators/drafters/base.py" in importers_of("speculators.data.vocab")
-
-
-def test_only_the_cli_imports_the_cli_and_the_workflows():
-    assert (PKG / "workflows.py").is_file()
-    assert importers_of("speculators.cli") == []
-    assert importers_of("speculators.workflows") == ["speculators/cli.py"]
+# The import reader, the CLI/workflows rule, the cycle check and the layer order are in
+# tests/test_layering.py; the data layer's own rules (item 6) stay here and reuse its reader.
+from test_layering import imports_of, module_name, sources  # noqa: E402
 
 
 def test_data_layer_imports_no_drafters_and_no_recipe():
@@ -90,7 +41,8 @@ def test_data_layer_imports_no_drafters_and_no_recipe():
     assert len(data_files) >= 7, data_files
     bad = []
     for p in data_files:
-        for mod, names, type_only in imports_of(p):
+        for imp in imports_of(p):
+            mod, names, type_only = imp.module, imp.names, imp.scope == "type"
             if mod == "speculators.drafters" or mod.startswith("speculators.drafters."):
                 bad.append(f"{p.relative_to(ROOT)}: {mod}")
             if mod == "speculators.recipe" and (not type_only or "Recipe" in names):
@@ -100,7 +52,7 @@ def test_data_layer_imports_no_drafters_and_no_recipe():
 
 def test_data_layer_loads_without_drafters_or_recipe():
     """At run time too: importing every data module pulls in neither the drafters nor the recipe."""
-    mods = [_module_name(p) for p in sources(PKG / "data")]
+    mods = [module_name(p) for p in sources(PKG / "data")]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
             + "print(sorted(m for m in sys.modules if m.startswith(('speculators.drafters', 'speculators.recipe',"
               " 'speculators.cli', 'speculators.workflows'))))\n")

@@ -220,18 +220,39 @@ def _materialise(target, pairs, data_spec: DataSpec, log, progress) -> list[Conv
     return [out[c.id] for c, _ in pairs]
 
 
-def tokenize(target, convs: list[Conversation], data_spec: DataSpec) -> list[TokenizedExample]:
-    """Token ids and assistant-only loss mask per conversation; drop examples with no loss tokens.
+def tokenize(target, convs: list[Conversation], data_spec: DataSpec, log=None,
+             split: str = "train") -> list[TokenizedExample]:
+    """Token ids and assistant-only loss mask per conversation; drop (and count) examples with no
+    loss tokens.
 
     A regenerated conversation carries its own ids (``Conversation.input_ids``: prompt ids + the
     target's response ids + its stop token when it stopped) and is only truncated to
     ``data.max_length``; the others are rendered with the chat template (:func:`render_with_mask`).
 
+    A conversation left with no loss token is dropped, counted by source and reason, and logged with
+    one line per source and reason, ``"data: dropped N SPLIT conversations of SOURCE: REASON"``:
+
+    * ``no assistant turn``: nothing to train (rendered: no ``assistant`` message; regenerated: an
+      all-zero loss mask);
+    * ``whole answer beyond data.max_length=L``: the conversation has assistant tokens, but the first
+      of them is at position >= L, so truncation removes all of them;
+    * ``assistant turns render to no tokens``: assistant messages exist but the template emitted no
+      masked token for them (e.g. empty contents).
+
     Args:
         target: anything with the target's ``tokenizer``.
+        convs: the conversations (after regeneration).
         data_spec: the recipe's ``data`` section (``max_length``, ``chat_template``).
+        log: callable for the drop lines (None: silent).
+        split: ``"train"`` or ``"held-out"``, named in the log lines.
+    Returns:
+        One :class:`TokenizedExample` per kept conversation, in order: ``input_ids`` and ``loss_mask``
+        are lists of ints of equal length ``<= data.max_length``.
+    Raises:
+        ValueError: a conversation cannot be rendered (see :func:`render_with_mask`).
     """
     exs = []
+    drops: Counter = Counter()
     max_len = data_spec.max_length
     for c in convs:
         if c.input_ids is not None:
@@ -241,7 +262,40 @@ def tokenize(target, convs: list[Conversation], data_spec: DataSpec) -> list[Tok
                                          max_length=max_len)
         if sum(mask) > 0:
             exs.append(TokenizedExample(c.id, ids, mask))
+        else:
+            drops[(c.source, _drop_reason(target, c, data_spec))] += 1
+    if log is not None:
+        for (source, reason), n in sorted(drops.items()):
+            log(f"data: dropped {n} {split} conversations of {source}: {reason}")
     return exs
+
+
+def _drop_reason(target, c: Conversation, data_spec: DataSpec) -> str:
+    """Why ``c`` has no loss token within ``data.max_length`` (the reasons of :func:`tokenize`)."""
+    if c.input_ids is not None:
+        full = list(c.loss_mask)
+    elif not any(m.get("role") == "assistant" for m in c.messages):
+        return "no assistant turn"
+    else:  # render again without the cut: were there assistant tokens past it?
+        _, full = render_with_mask(target.tokenizer, c.messages, data_spec.chat_template)
+        if not any(full):
+            return "assistant turns render to no tokens"
+    if any(full):
+        return f"whole answer beyond data.max_length={data_spec.max_length}"
+    return "no assistant turn"
+
+
+def _log_held_out_without_answers(held_convs: list[Conversation], log) -> None:
+    """Log, per source and reason, the held-out conversations that give an eval prompt but no
+    held-out loss example (no final assistant answer, or an assistant turn without text)."""
+    drops: Counter = Counter()
+    for c in held_convs:
+        if not c.messages or c.messages[-1]["role"] != "assistant":
+            drops[(c.source, "no reference answer (used as eval prompts only)")] += 1
+        elif has_textless_assistant_turn(c.messages):
+            drops[(c.source, "assistant turn without text (used as eval prompts only)")] += 1
+    for (source, reason), n in sorted(drops.items()):
+        log(f"data: {n} held-out conversations of {source} give no held-out loss example: {reason}")
 
 
 def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, log=print, progress=None,
@@ -274,7 +328,7 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
     log(f"data: {len(pairs)} conversations from {len(data_spec.sources)} source(s): "
         f"{len(train_pairs)} train, {len(held_pairs)} held-out (split by prompt)")
     train_convs = _materialise(target, train_pairs, data_spec, log, progress)
-    train_ex = tokenize(target, train_convs, data_spec)
+    train_ex = tokenize(target, train_convs, data_spec, log=log, split="train")
     if not train_ex:
         raise SpeculatorsError("data: the sources yield zero training examples with assistant tokens")
     fb = data_spec.feature_batch_tokens
@@ -284,9 +338,11 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
     held_convs = [c for c, _ in held_pairs]
     held_with_answers = [c for c in held_convs if c.messages and c.messages[-1]["role"] == "assistant"
                          and not has_textless_assistant_turn(c.messages)]
+    _log_held_out_without_answers(held_convs, log)
     if held_with_answers:
         held_ex, seen_ids = [], set()
-        for e in tokenize(target, held_with_answers, data_spec):  # a prompt listed by two sources: once
+        # a prompt listed by two sources: once
+        for e in tokenize(target, held_with_answers, data_spec, log=log, split="held-out"):
             if tuple(e.input_ids) not in seen_ids:
                 seen_ids.add(tuple(e.input_ids))
                 held_ex.append(e)

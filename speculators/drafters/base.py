@@ -2,7 +2,7 @@
 
 A family is one file in ``speculators/drafters/``: it subclasses :class:`Drafter`, declares its
 pydantic config (``config_class``) and registers itself with :func:`register`. The trainer, the
-generation loop, the evaluator and the CLI only use this interface (DESIGN.md, principles 1-2):
+generation loop, the evaluator and the CLI only use this interface (docs/ARCHITECTURE.md, "The Drafter interface"):
 
 * ``from_target(cfg, target, vocab)``: build a fresh drafter for a frozen target (its
   :class:`~.checkpoint.TargetMeta` is ``TargetMeta.from_target(target)``);
@@ -10,8 +10,12 @@ generation loop, the evaluator and the CLI only use this interface (DESIGN.md, p
   :class:`speculators.data.dataset.Batch`, a weighted sum of terms each divided by ``norm[i]``;
   ``loss_counts(batch) -> [n_terms]``: each term's valid count from the masks (gradient accumulation
   normalises by the counts of the whole window);
-* ``start(input_ids, features) -> state``; ``propose(state, k, sampling, generator=None) -> Proposal``;
-  ``advance(state, new_ids, features)``: inference, one request at a time;
+* ``start(input_ids, features) -> state`` (one request); the batched ``propose(states, ks, sampling,
+  generators=None) -> list[Proposal]`` and ``advance(states, new_ids, features)`` (B requests, ragged:
+  :class:`speculators.generate.Proposer`), by default loops (:func:`propose_each` /
+  :func:`advance_each`) over the per-request ``_propose_one(state, k, sampling_1, generator)`` and
+  ``_advance_one(state, new_ids, features)`` each family implements; a family may override the
+  batched methods (EAGLE-3);
 * formats: ``export_config() -> dict`` (``config.json`` as vLLM loads it, built with the helpers of
   :mod:`speculators.export`), ``export_state_dict()`` / ``load_export_state_dict(sd)`` (weights under
   the serving engine's names), ``_build(cfg, meta, weights)`` (an empty module for a checkpoint), and
@@ -28,6 +32,7 @@ tokens ``x_{n+1}..x_{n+m}`` together with the target features of positions ``n..
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +80,98 @@ class Proposal:
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None = None
+
+
+def _empty_proposal() -> Proposal:
+    return Proposal(torch.empty(0, dtype=torch.int64))
+
+
+def request_sampling(sampling: SamplingParams | None, i: int,
+                     generator: torch.Generator | None = None) -> SamplingParams | None:
+    """Request ``i``'s :class:`speculators.verify.SamplingParams` (a batch of one, views of the batch's
+    tensors) with ``generator`` as its generator (``None``: its own ``sampling.generators[i]``, if any).
+    ``sampling=None`` (all greedy) gives ``None``."""
+    if sampling is None:
+        return None
+    if generator is None and sampling.generators is not None:
+        generator = sampling.generators[i]
+
+    def row(x):
+        return None if x is None else x[i:i + 1]
+
+    return SamplingParams(temperature=sampling.temperature[i:i + 1], top_k=row(sampling.top_k),
+                          top_p=row(sampling.top_p), generators=None if generator is None else [generator])
+
+
+def _check_batch(states, ks, sampling, generators) -> int:
+    """Shapes of a batched ``propose`` call; returns ``B``."""
+    if not isinstance(states, (list, tuple)):
+        raise SpeculatorsError(f"propose: states must be a list of per-request states (batched protocol), got "
+                               f"{type(states).__name__}; for one request call propose([state], [k], ...)")
+    B = len(states)
+    if not isinstance(ks, (list, tuple)) or len(ks) != B:
+        raise SpeculatorsError(f"propose: ks must be a list of {B} draft counts (one per state), got {ks!r}")
+    for i, k in enumerate(ks):
+        try:
+            ok = not isinstance(k, bool) and operator.index(k) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise SpeculatorsError(f"propose: ks[{i}] must be an integer >= 0, got {k!r}")
+    if sampling is not None:
+        if not isinstance(sampling, SamplingParams):
+            raise SpeculatorsError(f"propose: sampling must be speculators.verify.SamplingParams for the {B} "
+                                   f"requests or None, got {type(sampling).__name__}")
+        sampling.validate(B, values=False)  # VerifyInputError (a SpeculatorsError) naming the field
+    if generators is not None and len(generators) != B:
+        raise SpeculatorsError(f"propose: generators must have one entry (Generator or None) per request ({B}), "
+                               f"got {len(generators)}")
+    return B
+
+
+def propose_each(one, states: list, ks: list[int], sampling: SamplingParams | None = None,
+                 generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+    """The default batched ``propose``: ``one(state_i, k_i, sampling_i, generator_i)`` per request.
+
+    ``sampling_i`` is :func:`request_sampling` (batch of one) and ``generator_i`` is ``generators[i]``
+    when ``generators`` is given, else ``sampling.generators[i]`` (else None: torch's global RNG), so a
+    request draws only from its own generator. A request with ``k_i == 0`` gets an empty
+    :class:`Proposal` without a call.
+
+    Raises:
+        SpeculatorsError: see :meth:`Drafter.propose`.
+    """
+    _check_batch(states, ks, sampling, generators)
+    out = []
+    for i, (state, k) in enumerate(zip(states, ks)):
+        k = int(k)
+        if k == 0:
+            out.append(_empty_proposal())
+            continue
+        g = generators[i] if generators is not None else None
+        if g is None and sampling is not None and sampling.generators is not None:
+            g = sampling.generators[i]
+        out.append(one(state, k, request_sampling(sampling, i, g), g))
+    return out
+
+
+def advance_each(one, states: list, new_ids: list, features: list | None) -> None:
+    """The default batched ``advance``: ``one(state_i, new_ids_i, features_i)`` per request
+    (``features=None``: None for every request, for model-free proposers).
+
+    Raises:
+        SpeculatorsError: the lists differ in length, or ``states`` is not a list.
+    """
+    if not isinstance(states, (list, tuple)):
+        raise SpeculatorsError(f"advance: states must be a list of per-request states (batched protocol), got "
+                               f"{type(states).__name__}; for one request call advance([state], [ids], [features])")
+    if features is None:
+        features = [None] * len(states)
+    if not (len(states) == len(new_ids) == len(features)):
+        raise SpeculatorsError(f"advance: states, new_ids and features must have one entry per request, got "
+                               f"{len(states)}, {len(new_ids)} and {len(features)}")
+    for state, ids, f in zip(states, new_ids, features):
+        one(state, ids, f)
 
 
 _REGISTRY: dict[str, type["Drafter"]] = {}
@@ -130,6 +227,15 @@ class Drafter(nn.Module):
             SpeculatorsError: ``vocab`` is not one this family supports (e.g. reduced, for full-vocab families).
         """
         raise NotImplementedError
+
+    @classmethod
+    def default_aux_layer_ids(cls, num_layers: int, cfg: DrafterConfig) -> list[int]:
+        """The target taps (0-based OUTPUT-of-layer ids) this family trains on when the recipe leaves
+        ``target.aux_layer_ids`` unset; ``num_layers`` is the target's decoder-layer count. Default:
+        EAGLE-3's three (:func:`speculators.target.default_aux_layer_ids`); families override it."""
+        from ..target import default_aux_layer_ids
+
+        return default_aux_layer_ids(num_layers)
 
     @classmethod
     def _from_target_full_vocab(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
@@ -228,7 +334,8 @@ class Drafter(nn.Module):
     @property
     def counts_use_argmax(self) -> bool:
         """True when :meth:`loss_counts` reads ``batch.argmax`` (a mask on the target's greedy token);
-        in joint mode the counts then need the live target's argmax (:meth:`training_loss_counts`)."""
+        in joint training the counts then need the live target's argmax
+        (:meth:`speculators.training_unit.TrainingUnit.loss_counts`)."""
         return False
 
     def _combine_terms(self, sums: list[torch.Tensor], weights: list[float], counts: torch.Tensor,
@@ -254,12 +361,23 @@ class Drafter(nn.Module):
         for i, (s, w) in enumerate(zip(sums, weights)):
             total = total + w * (s / den[i])
             own += w * float(s.detach()) / float(own_den[i])
-        self._last_own_loss = scale * own  # read by training_loss for the joint `drafter_loss` metric
+        self._last_own_loss = scale * own  # see last_own_loss
         return scale * total, scale * own
 
     @property
+    def last_own_loss(self) -> float | None:
+        """The value of the last :meth:`loss` call with every term divided by that batch's OWN counts
+        (a float, for metrics; equal to the loss itself when ``norm`` was None); ``None`` before any call
+        or for a family that does not combine its terms with ``_combine_terms``. A training unit reports
+        it as ``drafter_loss`` when the loss was normalised by a whole window's counts."""
+        return getattr(self, "_last_own_loss", None)
+
+    @property
     def trains_target(self) -> bool:
-        """True when the config asks for joint training (``drafter.joint: true``, see ``joint.py``)."""
+        """True when the config asks for joint training (``drafter.joint: true``, see ``joint.py``): the
+        drafter is trained together with a LoRA-adapted target (``Target.adapt_lora``, stepped by
+        :class:`speculators.training_unit.TrainingUnit`) and is only valid with that fine-tuned target
+        (its checkpoint carries the adapter, see :attr:`target_adapter_dir`)."""
         return bool(getattr(self.cfg, "joint", False))
 
     @property
@@ -267,92 +385,9 @@ class Drafter(nn.Module):
         """Weight of :meth:`loss` in the joint loss ``lm_weight * L_LM + w * loss`` (1.0; Medusa-2: 0.2)."""
         return 1.0
 
-    def enable_joint_training(self, target) -> None:
-        """For a joint config, wrap ``target.model`` with LoRA adapters (in place) and register it as
-        the submodule ``joint_target`` so that its adapters train with the drafter; no-op otherwise.
-        Call once, after :meth:`from_target`, before building the optimizer."""
-        if self.trains_target and getattr(self, "joint_target", None) is None:
-            from .joint import JointTarget
-
-            self.joint_target = JointTarget(target, self.cfg.joint_target)
-
-    def training_loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """What the trainer minimises: :meth:`loss`, or in joint mode
-        ``lm_weight * L_LM + joint_loss_weight * loss(batch')`` where ``batch'`` carries the live
-        (adapted) target's top hidden states and argmax (:class:`~.joint.JointTarget`). Joint metrics
-        add ``lm_loss``, ``lm_nll_sum``, ``lm_tokens`` (the trainer turns these into the target's
-        held-out perplexity) and ``drafter_loss``.
-
-        ``norm``: ``[n_terms]`` from :meth:`training_loss_counts` (summed over a gradient-accumulation
-        window); ``None`` = this batch's own counts. Metrics are this batch's own means whatever ``norm``.
-        """
-        jt = getattr(self, "joint_target", None)
-        if jt is None:
-            return self.loss(batch, norm)
-        batch, lm_loss, lm_metrics = jt(batch, norm=None if norm is None else norm[-1])
-        loss, metrics = self.loss(batch, None if norm is None else norm[:-1])
-        total = self.cfg.joint_target.lm_weight * lm_loss + self.joint_loss_weight * loss
-        own = getattr(self, "_last_own_loss", None)
-        return total, {**metrics, "drafter_loss": float(loss.detach()) if norm is None or own is None else own,
-                       **lm_metrics}
-
-    def training_loss_counts(self, batch) -> torch.Tensor:
-        """``[n_terms]`` int64 counts of :meth:`training_loss`'s terms in ``batch``: :meth:`loss_counts`,
-        plus, in joint mode, the target's LM-loss label count (last entry). Sum them over the micro-batches
-        of an accumulation window (and over processes) and pass the sum as ``norm`` to every micro-batch.
-
-        Cheap (masks only) except in joint mode for a family whose masks read the target's argmax
-        (:attr:`counts_use_argmax`): the live target then runs once more without gradients (torch RNG
-        state preserved; with ``lora_dropout > 0`` its argmax may differ from the training forward's).
-        """
-        jt = getattr(self, "joint_target", None)
-        if jt is None:
-            return self.loss_counts(batch)
-        if self.counts_use_argmax:
-            devices = [batch.input_ids.device] if batch.input_ids.is_cuda else []
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                batch = jt(batch)[0]
-        own = self.loss_counts(batch).to(torch.int64)
-        return torch.cat([own, jt.lm_count(batch).to(own.device).view(1)])
-
-    def param_groups(self, lr: float) -> list[dict[str, Any]]:
-        """Optimizer parameter groups: the drafter's trainable parameters at ``lr`` and, in joint mode,
-        the target's LoRA parameters at ``joint_target.lr`` (default ``0.1 * lr``)."""
-        own = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("joint_target.")]
-        groups = [{"params": own, "lr": lr}]
-        jt = getattr(self, "joint_target", None)
-        if jt is not None:
-            groups.append({"params": jt.lora_parameters(), "lr": self.cfg.joint_target.lr or 0.1 * lr})
-        return groups
-
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The drafter's own tensors (the joint target, saved as an adapter, excluded), detached."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items()
-                if not k.startswith("joint_target.")}
-
-    def load_target_adapter(self, checkpoint: str | Path) -> None:
-        """Resume: load the LoRA adapter saved in ``checkpoint`` into the live joint target (no-op
-        for a frozen-target drafter).
-
-        Raises:
-            SpeculatorsError: the checkpoint has no adapter.
-        """
-        jt = getattr(self, "joint_target", None)
-        if jt is not None:
-            from .joint import ADAPTER_DIR
-
-            jt.load_adapter(Path(checkpoint) / ADAPTER_DIR)
-
-    def prepare_target(self, target, log=print) -> None:
-        """Make ``target`` the verifier this drafter was trained with: merge the LoRA adapter of a
-        joint checkpoint into it (in place); no-op for frozen-target checkpoints. Call after
-        :meth:`check_target` (which compares against the base target) and before decoding."""
-        if self.target_adapter_dir is not None:
-            from .joint import merge_adapter
-
-            merge_adapter(target, self.target_adapter_dir)
-            log(f"target: merged the jointly trained LoRA adapter {self.target_adapter_dir} "
-                f"(verifying against the fine-tuned target)")
+        """The drafter's own tensors (``state_dict``), detached and contiguous."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
 
     def init_from_checkpoint(self, path: str | Path) -> None:
         """Initialise the drafter's weights from another checkpoint of the same family and shapes
@@ -371,9 +406,44 @@ class Drafter(nn.Module):
     def start(self, input_ids: torch.Tensor, features) -> Any:
         raise NotImplementedError
 
-    def propose(self, state: Any, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
-        """Up to ``k`` drafts for one request (:class:`speculators.generate.Proposer`'s ``propose``).
+    def propose(self, states: list, ks: list[int], sampling: SamplingParams | None = None,
+                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """Drafts for a batch of requests (:class:`speculators.generate.Proposer`'s batched ``propose``).
+
+        Default: :func:`propose_each` over :meth:`_propose_one` (one request at a time, each drawing
+        only from its own generator); families override it with a truly batched implementation where
+        it pays (EAGLE-3). Batch 1 is ``propose([state], [k], sampling, [generator])[0]``.
+
+        Args:
+            states: ``B`` per-request states from :meth:`start` / :meth:`advance`; left as found.
+            ks: ``B`` ints >= 0, the max drafts of each request (0 = an empty :class:`Proposal`).
+            sampling: the ``B`` requests' :class:`speculators.verify.SamplingParams` (per-request
+                temperature / top-k / top-p); ``None`` = all greedy.
+            generators: ``B`` generators (or None entries); wins over ``sampling.generators``.
+        Returns:
+            ``B`` :class:`Proposal` s, in order (request i: ``token_ids [k_i']``, ``k_i' <= k_i``).
+        Raises:
+            SpeculatorsError: lengths that differ from ``len(states)``, a negative or non-integer ``k``,
+                or ``sampling`` that is not ``B`` requests' ``SamplingParams``.
+        """
+        return propose_each(self._propose_one, states, ks, sampling, generators)
+
+    def advance(self, states: list, new_ids: list[torch.Tensor], features: list) -> None:
+        """Append each request's verified tokens (batched ``advance`` of the protocol). Default:
+        :func:`advance_each` over :meth:`_advance_one`.
+
+        Args:
+            states: ``B`` per-request states (updated in place).
+            new_ids: ``B`` tensors ``[m_i]`` int64 (accepted drafts + the recovered/bonus token).
+            features: ``B`` :class:`speculators.target.TargetFeatures` of positions ``n_i..n_i+m_i-1``.
+        Raises:
+            SpeculatorsError: the three lists differ in length.
+        """
+        advance_each(self._advance_one, states, new_ids, features)
+
+    def _propose_one(self, state: Any, k: int, sampling: SamplingParams | None = None,
+                     generator: torch.Generator | None = None) -> Proposal:
+        """Up to ``k`` drafts for one request (what the batched :meth:`propose` loops over).
 
         Args:
             state: this drafter's per-request state from :meth:`start` / :meth:`advance`; left as found.
@@ -390,7 +460,9 @@ class Drafter(nn.Module):
         """
         raise NotImplementedError
 
-    def advance(self, state: Any, new_ids: torch.Tensor, features) -> None:
+    def _advance_one(self, state: Any, new_ids: torch.Tensor, features) -> None:
+        """Append one request's ``m`` verified tokens ``new_ids [m]`` and the target features of
+        positions ``n..n+m-1`` (what the batched :meth:`advance` loops over); updates ``state``."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- formats
@@ -434,23 +506,25 @@ class Drafter(nn.Module):
         except RuntimeError as e:
             raise SpeculatorsError(f"checkpoint weights do not match this {self.algorithm} config: "
                                    f"{str(e).splitlines()[-1].strip()}") from None
-        missing = [k for k in missing if not k.startswith("joint_target.")]
         if missing or unexpected:
             raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
     def save_pretrained(self, path: str | Path, recipe_yaml: str | None = None,
                         extra_files: dict[str, str] | None = None, overwrite: bool = True,
-                        extra=None) -> Path:
+                        extra=None, target=None) -> Path:
         """Write the checkpoint directory ``path`` atomically (:func:`.checkpoint.save_pretrained`):
         ``config.json``, ``model.safetensors``, ``recipe.yaml`` when given, ``extra_files`` (name -> text),
-        a joint run's ``target_adapter/``; ``extra(tmp_dir)`` may write more files inside the same rename.
+        and for a joint drafter (:attr:`trains_target`) the target's LoRA adapter ``target_adapter/``, from
+        ``target`` (the adapted :class:`speculators.target.Target`) or copied from the checkpoint this
+        drafter was loaded from; ``extra(tmp_dir)`` may write more files inside the same rename.
 
         Raises:
-            SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory.
+            SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; a joint
+                drafter with neither an adapted ``target`` nor a loaded adapter.
         """
         return checkpoint.save_pretrained(self, path, recipe_yaml=recipe_yaml, extra_files=extra_files,
-                                          overwrite=overwrite, extra=extra)
+                                          overwrite=overwrite, extra=extra, target=target)
 
     @classmethod
     def _build(cls, cfg: DrafterConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> "Drafter":

@@ -18,6 +18,7 @@ are thin methods over :func:`save_pretrained` / :func:`from_pretrained` (the tra
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,8 @@ from safetensors.torch import load_file, save_file
 from .. import __version__
 from ..errors import SpeculatorsError
 from ..export import AUX_LAYER_IDS_CONVENTION, vllm_aux_layer_ids, with_lora_verifier
+from ..target import ADAPTER_WEIGHTS
 from ..utils import atomic_dir
-from .joint import ADAPTER_DIR, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
     from .base import Drafter
@@ -38,6 +39,24 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 RECIPE_NAME = "recipe.yaml"
 TRAINING_KEY = "speculators_training"  # our own extra block in config.json (vLLM ignores it)
+ADAPTER_DIR = "target_adapter"  # a joint run's target LoRA adapter (peft format), beside the drafter
+
+
+def adapter_weights_file(path: str | Path) -> Path:
+    """The weight file of the target adapter of checkpoint directory ``path`` (a joint run's
+    ``target_adapter/adapter_model.safetensors``; it may not exist)."""
+    return Path(path) / ADAPTER_DIR / ADAPTER_WEIGHTS
+
+
+#: ``aux_layer_ids_convention`` sentences written by earlier versions whose tap of the LAST decoder layer
+#: (L - 1) may differ from today's (:data:`speculators.export.AUX_LAYER_IDS_CONVENTION`: the PRE-norm
+#: residual for every id). Until the pre-norm change, L - 1 was HF ``hidden_states[L]``, i.e. AFTER the
+#: final norm; the first pre-norm version still wrote this sentence, so it means "L - 1 may be post-norm".
+OLD_AUX_LAYER_IDS_CONVENTIONS = {
+    "0-based index of the decoder layer whose OUTPUT is tapped (HF hidden_states[i+1]); vLLM ids = these + 1":
+        "read AFTER the target's final norm (HF hidden_states[L])",
+}
+_WARNED_TAPS: set[tuple[str, int]] = set()  # (config file, layer): warn once per process
 
 
 class TargetMeta(BaseModel):
@@ -56,6 +75,9 @@ class TargetMeta(BaseModel):
         vocab_size, hidden_size, num_layers: the target's sizes (eval refuses another vocab or hidden size).
         aux_layer_ids: 0-based decoder layers whose OUTPUT the drafter was trained on, in tap order
             (ALGORITHMS.md); eval must load the target with these (``Target.load(..., aux_layer_ids=...)``).
+        aux_layer_ids_convention: the convention sentence the checkpoint recorded (None when it recorded
+            none: today's is assumed); kept as read, so re-saving an old checkpoint keeps its sentence.
+            :meth:`tap_convention_problem` compares it with today's.
         target_config: the target's HF config as a JSON-normalised dict (the drafter's layers copy RoPE,
             eps and sizes from it).
     """
@@ -70,6 +92,7 @@ class TargetMeta(BaseModel):
     hidden_size: int = Field(gt=0)
     num_layers: int | None = Field(default=None, gt=0)
     aux_layer_ids: tuple[int, ...]
+    aux_layer_ids_convention: str | None = None
     target_config: dict[str, Any]
 
     @classmethod
@@ -80,6 +103,7 @@ class TargetMeta(BaseModel):
                    architectures=list(getattr(target.config, "architectures", None) or [target.architecture]),
                    fingerprint=target.fingerprint, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                    num_layers=target.num_layers, aux_layer_ids=list(target.aux_layer_ids),
+                   aux_layer_ids_convention=AUX_LAYER_IDS_CONVENTION,
                    target_config=json.loads(json.dumps(target.layer_config_dict(), default=str)))
 
     @classmethod
@@ -103,8 +127,39 @@ class TargetMeta(BaseModel):
         return {"name_or_path": self.name_or_path, "reference": self.reference,
                 "architectures": list(self.architectures), "fingerprint": self.fingerprint,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
-                "aux_layer_ids": list(self.aux_layer_ids), "aux_layer_ids_convention": AUX_LAYER_IDS_CONVENTION,
+                "aux_layer_ids": list(self.aux_layer_ids),
+                "aux_layer_ids_convention": self.aux_layer_ids_convention or AUX_LAYER_IDS_CONVENTION,
                 "target_config": self.target_config}
+
+    @property
+    def target_num_layers(self) -> int | None:
+        """L, the target's decoder layers: :attr:`num_layers`, else ``target_config["num_hidden_layers"]``
+        (None when neither is recorded)."""
+        n = self.num_layers if self.num_layers is not None else self.target_config.get("num_hidden_layers")
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    def tap_convention_problem(self) -> tuple[int, str] | None:
+        """Whether the features served today differ from the ones this checkpoint was trained on.
+
+        Today every aux layer, including the last one (L - 1), is tapped PRE-norm
+        (:meth:`speculators.target.Target.tap_layers`). A checkpoint whose recorded
+        :attr:`aux_layer_ids_convention` is one of :data:`OLD_AUX_LAYER_IDS_CONVENTIONS` and that taps
+        L - 1 may have been trained on that layer's POST-norm output.
+
+        Returns:
+            ``(layer, message)`` for such a checkpoint (``layer`` = L - 1), else None (today's or no
+            recorded convention, an unknown sentence, no L - 1 tap, or L unknown).
+        """
+        old = OLD_AUX_LAYER_IDS_CONVENTIONS.get(self.aux_layer_ids_convention or "")
+        last = self.target_num_layers
+        if old is None or last is None or (last - 1) not in self.aux_layer_ids:
+            return None
+        layer = last - 1
+        return layer, (f"aux layer {layer} (the target's last decoder layer, L-1) was recorded under an old "
+                       f"aux_layer_ids_convention ({self.aux_layer_ids_convention!r}) in which it may have been "
+                       f"{old}; speculators now serves its PRE-norm output ({AUX_LAYER_IDS_CONVENTION!r}), so this "
+                       f"drafter may get other features than it was trained on (lower acceptance). Retrain it, "
+                       f"or train with aux_layer_ids without {layer}")
 
     @property
     def vllm_aux_layer_ids(self) -> list[int]:
@@ -139,10 +194,19 @@ def read_checkpoint_config(path: str | Path, what: str = "", require_weights: bo
 def read_target_meta(raw: dict[str, Any], cfg_file: str | Path) -> TargetMeta:
     """The :class:`TargetMeta` of a checkpoint config ``raw`` (as :func:`read_checkpoint_config` returns).
 
+    A checkpoint written under an old tap convention that taps the target's last layer
+    (:meth:`TargetMeta.tap_convention_problem`) loads with a ``UserWarning`` naming ``cfg_file`` and the
+    layer, once per file and layer in a process; every other checkpoint loads silently.
+
     Raises:
         SpeculatorsError: the target block is missing or invalid, naming ``cfg_file`` and the field.
     """
-    return TargetMeta.from_json(raw[TRAINING_KEY].get("target"), f"{cfg_file}: {TRAINING_KEY}.target")
+    meta = TargetMeta.from_json(raw[TRAINING_KEY].get("target"), f"{cfg_file}: {TRAINING_KEY}.target")
+    problem = meta.tap_convention_problem()
+    if problem is not None and (str(cfg_file), problem[0]) not in _WARNED_TAPS:
+        _WARNED_TAPS.add((str(cfg_file), problem[0]))
+        warnings.warn(f"{cfg_file}: {TRAINING_KEY}.target: {problem[1]}", UserWarning, stacklevel=2)
+    return meta
 
 
 def check_finite_weights(weights: dict[str, torch.Tensor], file: str | Path) -> None:
@@ -178,30 +242,62 @@ def load_weights(file: str | Path, what: str = "weights") -> dict[str, torch.Ten
     return weights
 
 
+def check_weights(path: str | Path) -> None:
+    """Check every weight file of checkpoint directory ``path``: ``model.safetensors`` and, when present,
+    the target adapter's weights; each must be readable and finite (:func:`load_weights`).
+
+    Raises:
+        SpeculatorsError: naming the file that cannot be read, or the file and tensor holding a NaN/inf.
+    """
+    load_weights(Path(path) / WEIGHTS_NAME)
+    adapter = adapter_weights_file(path)
+    if adapter.is_file():
+        load_weights(adapter, "the adapter weights")
+
+
 def checkpoint_config(drafter: "Drafter") -> dict[str, Any]:
     """The ``config.json`` of ``drafter``: its ``export_config()``, ``speculators_version`` and the
-    ``speculators_training`` block (family config, :class:`TargetMeta`, and a joint run's adapter dir)."""
+    ``speculators_training`` block (family config, :class:`TargetMeta`, and, when the drafter was trained
+    jointly with the target (``drafter.trains_target``), the adapter directory ``target_adapter``)."""
     cfg = drafter.export_config()
     cfg["speculators_version"] = __version__
     cfg[TRAINING_KEY] = {"drafter": drafter.cfg.model_dump(), "target": drafter.meta.to_json()}
-    if getattr(drafter, "joint_target", None) is not None:
+    if drafter.trains_target:
         cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
         with_lora_verifier(cfg, ADAPTER_DIR)  # the verifier is the base model with this adapter merged
     return cfg
 
 
 def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | None = None,
-                    extra_files: dict[str, str] | None = None, overwrite: bool = True, extra=None) -> Path:
+                    extra_files: dict[str, str] | None = None, overwrite: bool = True, extra=None,
+                    target=None) -> Path:
     """Write ``config.json`` (:func:`checkpoint_config`), ``model.safetensors`` (``export_state_dict``),
     ``recipe.yaml`` (when given) and ``extra_files`` (name -> text) atomically to ``path``.
 
-    ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename. A joint
-    run also writes the target's LoRA adapter to ``target_adapter/`` (see ``joint.py``).
+    ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename. A drafter
+    trained jointly with its target (``drafter.trains_target``) is only valid with the fine-tuned target, so
+    its LoRA adapter is always written beside it, to ``target_adapter/`` (peft format): from ``target``
+    (the live adapted :class:`speculators.target.Target`, ``Target.save_adapter``) or, for a drafter loaded
+    from a joint checkpoint, copied from that checkpoint's adapter (``drafter.target_adapter_dir``).
+    ``target`` is ignored for a frozen-target drafter.
 
     Raises:
-        SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory.
+        SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; a joint
+            drafter without an adapted ``target`` and without a loaded adapter.
     """
-    jt = getattr(drafter, "joint_target", None)
+    import shutil
+
+    adapter_from = None
+    if drafter.trains_target:
+        if target is not None and target.adapted:
+            adapter_from = target
+        elif drafter.target_adapter_dir is not None:
+            adapter_from = Path(drafter.target_adapter_dir)
+        else:
+            raise SpeculatorsError(f"{path}: this drafter was trained with the target (drafter.joint: true) and is "
+                                   "only valid with the target's LoRA adapter; save it with the adapted target "
+                                   "(TrainingUnit(drafter, target).save(path), or "
+                                   "save_pretrained(path, target=target))")
     cfg = checkpoint_config(drafter)
     with atomic_dir(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
@@ -210,8 +306,10 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
             (tmp / RECIPE_NAME).write_text(recipe_yaml)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if jt is not None:
-            jt.save_adapter(tmp / ADAPTER_DIR)
+        if isinstance(adapter_from, Path):
+            shutil.copytree(adapter_from, tmp / ADAPTER_DIR)
+        elif adapter_from is not None:
+            adapter_from.save_adapter(tmp / ADAPTER_DIR)
         if extra is not None:
             extra(tmp)
     return Path(path)
@@ -241,13 +339,15 @@ def from_pretrained(path: str | Path) -> "Drafter":
     drafter = cls._build(cfg, meta, weights)
     drafter.load_export_state_dict(weights)
     adapter = block.get("target_adapter")
+    if adapter is None and drafter.trains_target:
+        raise SpeculatorsError(f"{cfg_file}: a joint checkpoint (drafter.joint: true) without its target adapter "
+                               f"({TRAINING_KEY}.target_adapter is missing)")
     if adapter is not None:
-        if not (path / adapter / "adapter_config.json").is_file():
-            raise SpeculatorsError(f"{path}: a joint checkpoint without its target adapter "
-                                   f"({path / adapter}/adapter_config.json is missing)")
-        adapter_file = path / adapter / ADAPTER_WEIGHTS
-        if adapter_file.is_file():
-            load_weights(adapter_file, "the adapter weights")
+        for name in ("adapter_config.json", ADAPTER_WEIGHTS):
+            if not (path / adapter / name).is_file():
+                raise SpeculatorsError(f"{path}: a joint checkpoint without its target adapter "
+                                       f"({path / adapter}/{name} is missing)")
+        load_weights(path / adapter / ADAPTER_WEIGHTS, "the adapter weights")
         drafter.target_adapter_dir = path / adapter
     return drafter.eval()
 
@@ -279,6 +379,6 @@ def read_init_weights(path: str | Path, algorithm: str, fingerprint: str | None)
     return load_weights(path / WEIGHTS_NAME, "train.init_from weights")
 
 
-__all__ = ["CONFIG_NAME", "RECIPE_NAME", "TRAINING_KEY", "WEIGHTS_NAME", "TargetMeta", "check_finite_weights",
-           "checkpoint_config", "from_pretrained", "load_weights", "read_checkpoint_config", "read_init_weights",
-           "read_target_meta", "save_pretrained"]
+__all__ = ["ADAPTER_DIR", "CONFIG_NAME", "RECIPE_NAME", "TRAINING_KEY", "WEIGHTS_NAME", "TargetMeta",
+           "adapter_weights_file", "check_finite_weights", "check_weights", "checkpoint_config", "from_pretrained",
+           "load_weights", "read_checkpoint_config", "read_init_weights", "read_target_meta", "save_pretrained"]

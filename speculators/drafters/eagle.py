@@ -285,11 +285,11 @@ class EagleDrafter(Drafter):
     def start(self, input_ids: torch.Tensor, features) -> EagleState:
         """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
         state = EagleState(KVCache(), 0, None, None)
-        self.advance(state, input_ids.reshape(-1)[1:], features)
+        self._advance_one(state, input_ids.reshape(-1)[1:], features)
         return state
 
     @torch.no_grad()
-    def advance(self, state: EagleState, new_ids: torch.Tensor, features) -> None:
+    def _advance_one(self, state: EagleState, new_ids: torch.Tensor, features) -> None:
         """Append inputs ``(h_top[t], x_{t+1})`` for the ``m`` newly verified positions (real features)."""
         dt = self.fc.weight.dtype
         top = features.top.reshape(1, -1, features.top.shape[-1]).to(device=self.fc.weight.device, dtype=dt)
@@ -301,8 +301,8 @@ class EagleDrafter(Drafter):
         state.last_feature, state.last_logits = f, logits
 
     @torch.no_grad()
-    def propose(self, state: EagleState, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
+    def _propose_one(self, state: EagleState, k: int, sampling: SamplingParams | None = None,
+                     generator: torch.Generator | None = None) -> Proposal:
         """Autoregressive chain of ``k`` drafts; draft i > 0 feeds back ``(f, d_{i-1})``.
 
         Each draft comes from :func:`speculators.losses.sample_draft` on the target-head logits under

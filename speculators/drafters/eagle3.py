@@ -16,6 +16,13 @@ pre-norm output hidden state of step j-1 at the same index, position id ``t + 1 
 against the target distribution at ``t + 1 + j``. Attention at step j: causal over step-0 keys plus,
 for each earlier step, only the key at the same index (the diagonal): exactly what the drafter sees
 at inference, where its KV cache holds real-feature entries for the context followed by its own chain.
+
+Inference is batched (issue 11): :meth:`Eagle3Drafter.propose` runs ONE drafter forward per chain step
+for all requests still drafting and :meth:`Eagle3Drafter.advance` ONE forward for all requests' verified
+positions, over a padded :class:`~.layers.RaggedKV` gathered from the requests' own caches (each
+request's :class:`Eagle3State` stays the source of truth, so requests may join and leave between
+calls); :meth:`Eagle3Drafter._propose_one` / :meth:`Eagle3Drafter._advance_one` are the per-request
+reference they equal.
 """
 
 from __future__ import annotations
@@ -39,11 +46,12 @@ from ..losses import (
     target_to_draft,
 )
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, register
+from .base import Drafter, DrafterConfig, Proposal, _check_batch, register, request_sampling
 from .checkpoint import TargetMeta
 from .layers import (
     DecoderLayer,
     KVCache,
+    RaggedKV,
     RMSNorm,
     Rotary,
     cached_attend,
@@ -262,19 +270,66 @@ class Eagle3Drafter(Drafter):
         h = self._run_layers(emb, hidden, cos, sin, attend)
         return h, self.lm_head(self.norm(h[:, -1:])).float()[0, 0]
 
+    def _gather(self, states: list[Eagle3State], extra: int) -> RaggedKV:
+        """The requests' own caches (their ``num_positions`` real-feature entries) as one padded batch
+        with room for ``extra`` appended positions per row."""
+        attn = self.layers[0].self_attn
+        return RaggedKV.gather([s.cache for s in states], [s.num_positions for s in states], extra,
+                               num_layers=len(self.layers), num_kv_heads=attn.num_kv, head_dim=attn.head_dim,
+                               dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+
+    def _forward_ragged(self, kv: RaggedKV, rows: int, emb: torch.Tensor, hidden: torch.Tensor,
+                        pos: torch.Tensor, start: int) -> torch.Tensor:
+        """ONE decoder-stack forward of the first ``rows`` rows of ``kv``: ``emb, hidden [rows, m, H]`` at
+        position ids ``pos [rows, m]``, keys/values written at appended slots ``start..start+m-1``.
+        Returns the pre-norm output hidden states ``[rows, m, H]``."""
+        cos, sin = self.rotary(hidden, pos)
+        mask = kv.key_mask(rows, start, emb.shape[1])
+
+        def attend(i, q, k, v):
+            return kv.attend(i, q, k, v, start, mask)
+
+        return self._run_layers(emb, hidden, cos, sin, attend)
+
+    @staticmethod
+    def _check_advance_inputs(new_ids: torch.Tensor, features, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [m], aux [m, n_aux*H])`` of one request.
+
+        Raises:
+            SpeculatorsError: ``new_ids`` empty or not 1-D (after squeezing a batch of one), or the
+                features' ``aux`` rows differ from ``m``.
+        """
+        ids = new_ids.reshape(-1) if new_ids.dim() == 2 and new_ids.shape[0] == 1 else new_ids
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise SpeculatorsError(f"{where}new_ids: expected a non-empty 1-D tensor [m] of verified token ids, "
+                                   f"got shape {tuple(new_ids.shape)}")
+        aux = features.aux
+        aux = aux.reshape(-1, aux.shape[-1])
+        if aux.shape[0] != ids.shape[0]:
+            raise SpeculatorsError(f"{where}features.aux: expected the target features of the {ids.shape[0]} "
+                                   f"positions the new tokens follow, got {aux.shape[0]} rows")
+        return ids, aux
+
     @torch.no_grad()
     def start(self, input_ids: torch.Tensor, features) -> Eagle3State:
         """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
         state = Eagle3State(KVCache(), 0, None, None)
-        self.advance(state, input_ids.reshape(-1)[1:], features)
+        self._advance_one(state, input_ids.reshape(-1)[1:], features)
         return state
 
     @torch.no_grad()
-    def advance(self, state: Eagle3State, new_ids: torch.Tensor, features) -> None:
-        """Append inputs ``(g[t], x_{t+1})`` for the ``m`` newly verified positions."""
-        dt = self.fc.weight.dtype
-        aux = features.aux.reshape(1, -1, features.aux.shape[-1]).to(dt)
-        ids = new_ids.reshape(1, -1).to(self.fc.weight.device)
+    def _advance_one(self, state: Eagle3State, new_ids: torch.Tensor, features) -> None:
+        """Append inputs ``(g[t], x_{t+1})`` for the ``m`` newly verified positions of one request:
+        ``new_ids [m]`` int64, ``features`` the request's :class:`speculators.target.TargetFeatures` of the
+        ``m`` positions they follow (``aux [1, m, n_aux*H]``).
+
+        Raises:
+            SpeculatorsError: ``new_ids`` empty / not 1-D, or ``features.aux`` without ``m`` rows.
+        """
+        ids, aux = self._check_advance_inputs(new_ids, features, "advance: ")
+        dev, dt = self.fc.weight.device, self.fc.weight.dtype
+        aux = aux.to(device=dev, dtype=dt).unsqueeze(0)
+        ids = ids.to(dev).unsqueeze(0)
         state.cache.crop(state.num_positions)  # drop chain entries of the last proposal
         h, logits = self._forward_cached(state.cache, self.embed_tokens(ids), self.fuse(aux),
                                          start_pos=state.num_positions + 1)
@@ -282,9 +337,57 @@ class Eagle3Drafter(Drafter):
         state.last_hidden, state.last_logits = h[:, -1:], logits
 
     @torch.no_grad()
-    def propose(self, state: Eagle3State, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
-        """Autoregressive chain of ``k`` drafts with the drafter's own KV cache (rolled back on return).
+    def advance(self, states: list[Eagle3State], new_ids: list[torch.Tensor], features: list) -> None:
+        """Batched :meth:`_advance_one`: ONE drafter forward appends request i's ``m_i`` verified
+        positions for every request (``new_ids[i] [m_i]`` int64, ``features[i]`` its
+        :class:`speculators.target.TargetFeatures` with ``aux [1, m_i, n_aux*H]``).
+
+        The requests' caches are gathered into a padded :class:`~.layers.RaggedKV` (own entries, then the
+        new ones in a common appended region, masked per row), the new inputs are right-padded to
+        ``max m_i``, and each request's cache / ``num_positions`` / ``last_hidden`` / ``last_logits`` are
+        written back: the same state ``_advance_one`` gives per request (up to float rounding of the
+        batched matmuls).
+
+        Raises:
+            SpeculatorsError: the three lists differ in length, or a request's ``new_ids`` / ``features``
+                are invalid (see :meth:`_advance_one`), naming the request index.
+        """
+        if not isinstance(states, (list, tuple)):
+            raise SpeculatorsError(f"advance: states must be a list of per-request states (batched protocol), "
+                                   f"got {type(states).__name__}; for one request call advance([state], [ids], "
+                                   f"[features])")
+        B = len(states)
+        if len(new_ids) != B or len(features) != B:
+            raise SpeculatorsError(f"advance: states, new_ids and features must have one entry per request; "
+                                   f"got {B}, {len(new_ids)}, {len(features)}")
+        if B == 0:
+            return
+        checked = [self._check_advance_inputs(new_ids[i], features[i], f"advance: request {i}: ")
+                   for i in range(B)]
+        dev, dt = self.fc.weight.device, self.fc.weight.dtype
+        ms = [int(ids.shape[0]) for ids, _ in checked]
+        M = max(ms)
+        D = checked[0][1].shape[-1]
+        ids = torch.zeros(B, M, dtype=torch.int64, device=dev)
+        aux = torch.zeros(B, M, D, dtype=dt, device=dev)
+        for i, (ids_i, aux_i) in enumerate(checked):
+            ids[i, :ms[i]] = ids_i.to(dev)
+            aux[i, :ms[i]] = aux_i.to(device=dev, dtype=dt)
+        kv = self._gather(states, M)
+        pos = kv.lengths[:, None] + 1 + torch.arange(M, device=dev)[None]  # [B, M]
+        h = self._forward_ragged(kv, B, self.embed_tokens(ids), self.fuse(aux), pos, start=0)
+        last = h[torch.arange(B, device=dev), torch.tensor(ms, device=dev) - 1]  # [B, H] each row's newest input
+        logits = self.lm_head(self.norm(last)).float()  # [B, N]
+        kv.write_back([s.cache for s in states], ms)
+        for i, s in enumerate(states):
+            s.num_positions += ms[i]
+            s.last_hidden = last[i].reshape(1, 1, -1).clone()
+            s.last_logits = logits[i].clone()
+
+    @torch.no_grad()
+    def _propose_one(self, state: Eagle3State, k: int, sampling: SamplingParams | None = None,
+                     generator: torch.Generator | None = None) -> Proposal:
+        """Autoregressive chain of ``k`` drafts for ONE request with its own KV cache (rolled back on return).
 
         Each draft comes from :func:`speculators.losses.sample_draft` on the step's draft-vocabulary
         logits under ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of
@@ -310,6 +413,81 @@ class Eagle3Drafter(Drafter):
                                                       start_pos=state.num_positions + 1 + i)
         state.cache.crop(state.num_positions)
         return Proposal(torch.tensor(toks, dtype=torch.int64), torch.stack(probs) if probs else None)
+
+    @torch.no_grad()
+    def propose(self, states: list[Eagle3State], ks: list[int], sampling: SamplingParams | None = None,
+                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """Batched draft chains: request i gets ``ks[i]`` drafts (0 allowed: an empty Proposal), the same
+        tokens and probabilities :meth:`_propose_one` gives for it alone.
+
+        ONE drafter forward per chain step covers every request still drafting: the requests' caches are
+        gathered once into a padded :class:`~.layers.RaggedKV` (the chain's entries go to a common
+        appended region, masked per row), rows are ordered by ``ks`` (longest first) so the requests still
+        drafting at step j are a prefix of the batch, and each row runs at its own position ids. Drafts
+        come from :func:`speculators.losses.sample_draft` per request: greedy rows (temperature 0, or
+        ``sampling`` None) in one argmax call; a sampled request draws from ITS generator only
+        (``generators[i]`` when given, else ``sampling.generators[i]``, else torch's global RNG) and
+        returns ``[ks[i], V]`` float32 full-vocabulary q rows. The requests' states are not modified (the
+        speculative entries live only in the discarded batch).
+
+        Args:
+            states: B per-request states from :meth:`start` / :meth:`advance`.
+            ks: B ints >= 0 (the number of drafts of each request).
+            sampling: :class:`speculators.verify.SamplingParams` of the B requests (``None`` = greedy).
+            generators: B ``torch.Generator`` or None, or None.
+        Returns:
+            B :class:`~.base.Proposal` in request order: ``token_ids [ks[i]]`` int64 target ids (CPU),
+            ``probs [ks[i], V]`` float32 (CPU) or None for greedy requests.
+        Raises:
+            SpeculatorsError: ``ks`` / ``generators`` not one entry per state, a negative or non-integer
+                ``ks[i]``, or ``sampling`` not valid ``SamplingParams`` for B requests (naming the field).
+        """
+        B = _check_batch(states, ks, sampling, generators)
+        ks = [int(k) for k in ks]
+        V = self.t2d.numel()
+        toks: list[list[int]] = [[] for _ in range(B)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        live = sorted((i for i in range(B) if ks[i] > 0), key=lambda i: -ks[i])  # stable
+        if live:
+            temps = [0.0] * B if sampling is None else sampling.temperature.tolist()
+            # request i's own generator: generators[i] when given, else sampling.generators[i]
+            one = {i: request_sampling(sampling, i, None if generators is None else generators[i])
+                   for i in live if temps[i] != 0.0}
+            kk = [ks[i] for i in live]
+            dev = self.fc.weight.device
+            hidden = torch.cat([states[i].last_hidden.to(dev) for i in live])  # [R, 1, H]
+            logits = torch.stack([states[i].last_logits.to(dev) for i in live])  # [R, N]
+            n_fwd = sum(k > 1 for k in kk)
+            if n_fwd:
+                kv = self._gather([states[i] for i in live[:n_fwd]], kk[0] - 1)
+            greedy_rows = [r for r, i in enumerate(live) if i not in one]
+            all_greedy = len(greedy_rows) == len(live)
+            for j in range(kk[0]):
+                a = sum(k > j for k in kk)  # rows drafting token j: a prefix
+                if all_greedy:  # one argmax call for the whole step
+                    step, _ = sample_draft(logits[:a], None, d2t=self.d2t, vocab_size=V)
+                else:
+                    step = torch.empty(a, dtype=torch.int64)
+                    rows = [r for r in greedy_rows if r < a]
+                    if rows:
+                        step[rows], _ = sample_draft(logits[torch.tensor(rows, device=logits.device)], None,
+                                                     d2t=self.d2t, vocab_size=V)
+                    for r in range(a):
+                        if live[r] in one:  # this request's own generator, one draw per draft
+                            ids, q = sample_draft(logits[r], one[live[r]], d2t=self.d2t, vocab_size=V)
+                            step[r] = ids[0]
+                            probs[live[r]].append(q[0])
+                for r, t in enumerate(step.tolist()):
+                    toks[live[r]].append(t)
+                f = sum(k > j + 1 for k in kk)  # rows that need the next step's logits
+                if f == 0:
+                    break
+                emb = self.embed_tokens(step[:f].to(dev).reshape(f, 1))
+                pos = (kv.lengths[:f] + 1 + j).reshape(f, 1)
+                hidden = self._forward_ragged(kv, f, emb, hidden[:f], pos, start=j)
+                logits = self.lm_head(self.norm(hidden[:, 0])).float()  # [f, N]
+        return [Proposal(torch.tensor(toks[i], dtype=torch.int64), torch.stack(probs[i]) if probs[i] else None)
+                for i in range(B)]
 
     # ------------------------------------------------------------------ formats
     def export_config(self) -> dict[str, Any]:

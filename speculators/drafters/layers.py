@@ -124,6 +124,102 @@ class KVCache:
         self.v = [None if t is None else t[:, :, :n] for t in self.v]
 
 
+@dataclass
+class RaggedKV:
+    """Per-request drafter KV caches batched for ONE forward over several requests (ragged lengths).
+
+    Layout of every layer's ``k[l]`` / ``v[l]`` (``[R, n_kv, base + extra, head_dim]``): row ``r`` holds
+    request r's own cached keys in slots ``0..lengths[r]-1`` (zero padding up to ``base = max(lengths)``)
+    and the entries appended by this batched run in slots ``base..base+extra-1`` (slot ``base + j`` is the
+    j-th appended position of every row). Keys are already rotated at their own position ids, so the
+    slot order does not matter to attention: :meth:`key_mask` exposes exactly each row's valid keys.
+    The per-request :class:`KVCache` stays the source of truth: :meth:`gather` copies them in,
+    :meth:`write_back` copies appended entries out (a run that must leave the caches untouched, e.g. a
+    speculative draft chain, simply drops the batch).
+
+    Attributes:
+        k, v: per layer ``[R, n_kv, base + extra, head_dim]``.
+        lengths: ``[R]`` int64 (on the cache device): cached positions of each row.
+        base: ``max(lengths)`` (0 when R == 0): first slot of the appended region.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths: torch.Tensor
+    base: int
+
+    @classmethod
+    def gather(cls, caches: list[KVCache], lengths: list[int], extra: int, *, num_layers: int,
+               num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> "RaggedKV":
+        """Copy the first ``lengths[r]`` positions of ``caches[r]`` (every layer) into a padded batch with
+        room for ``extra`` appended positions.
+
+        Raises:
+            SpeculatorsError: ``lengths`` / ``caches`` differ in length, or a cache holds fewer than
+                ``lengths[r]`` positions.
+        """
+        if len(caches) != len(lengths):
+            raise SpeculatorsError(f"RaggedKV.gather: {len(caches)} caches but {len(lengths)} lengths")
+        for r, (c, n) in enumerate(zip(caches, lengths)):
+            if n < 0 or c.length < n or (n > 0 and len(c.k) < num_layers):
+                raise SpeculatorsError(f"RaggedKV.gather: cache {r} holds {c.length} positions in {len(c.k)} "
+                                       f"layers; {n} positions in {num_layers} layers were asked for")
+        base = max(lengths, default=0)
+        R = len(caches)
+        ks, vs = [], []
+        for layer in range(num_layers):
+            kb = torch.zeros(R, num_kv_heads, base + extra, head_dim, dtype=dtype, device=device)
+            vb = torch.zeros_like(kb)
+            for r, (c, n) in enumerate(zip(caches, lengths)):
+                if n:
+                    kb[r, :, :n] = c.k[layer][0, :, :n]
+                    vb[r, :, :n] = c.v[layer][0, :, :n]
+            ks.append(kb)
+            vs.append(vb)
+        return cls(ks, vs, torch.tensor(lengths, dtype=torch.int64, device=device), base)
+
+    def key_mask(self, rows: int, start: int, m: int) -> torch.Tensor:
+        """Boolean ``[rows, 1, m, base + start + m]`` mask (True = attend) for ``m`` new queries of the
+        first ``rows`` rows written at appended slots ``start..start+m-1``: query t of row r sees row r's
+        own cached keys (``s < lengths[r]``) and the appended keys up to itself
+        (``base <= s <= base + start + t``)."""
+        dev = self.lengths.device
+        s = torch.arange(self.base + start + m, device=dev)
+        own = s[None, :] < self.lengths[:rows, None]  # [rows, S]
+        q = torch.arange(m, device=dev)[:, None] + self.base + start  # [m, 1] slot of each query
+        appended = (s[None, :] >= self.base) & (s[None, :] <= q)  # [m, S]
+        return (own[:, None, None, :] | appended[None, None]).contiguous()
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Write ``k, v`` (``[rows, n_kv, m, hd]``, rows = the first ``rows`` batch rows) into appended slots
+        ``start..start+m-1`` of layer ``layer_idx`` and attend.
+
+        Args:
+            q: ``[rows, nh, m, hd]`` rotated queries.
+            mask: ``[rows, 1, m, base + start + m]`` from :meth:`key_mask`.
+        Returns:
+            ``[rows, nh, m, hd]``.
+        """
+        rows, _, m, _ = k.shape
+        end = self.base + start + m
+        self.k[layer_idx][:rows, :, self.base + start:end] = k
+        self.v[layer_idx][:rows, :, self.base + start:end] = v
+        kk = self.k[layer_idx][:rows, :, :end]
+        vv = self.v[layer_idx][:rows, :, :end]
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != q.shape[1])
+
+    def write_back(self, caches: list[KVCache], counts: list[int]) -> None:
+        """Make ``caches[r]`` = its first ``lengths[r]`` positions + the first ``counts[r]`` appended ones
+        (fresh contiguous ``[1, n_kv, lengths[r] + counts[r], hd]`` tensors per layer: no cache keeps the
+        batch buffer alive)."""
+        lens = self.lengths.tolist()
+        for r, (c, m) in enumerate(zip(caches, counts)):
+            n = lens[r]
+            c.k = [torch.cat([kb[r:r + 1, :, :n], kb[r:r + 1, :, self.base:self.base + m]], dim=2) for kb in self.k]
+            c.v = [torch.cat([vb[r:r + 1, :, :n], vb[r:r + 1, :, self.base:self.base + m]], dim=2) for vb in self.v]
+
+
 class Attention(nn.Module):
     """Llama-style GQA attention whose q/k/v projections take ``in_dim`` inputs (2H for EAGLE-3).
 

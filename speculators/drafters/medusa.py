@@ -285,13 +285,13 @@ class MedusaDrafter(Drafter):
         return MedusaState(self._run_heads(features))
 
     @torch.no_grad()
-    def advance(self, state: MedusaState, new_ids: torch.Tensor, features) -> None:
+    def _advance_one(self, state: MedusaState, new_ids: torch.Tensor, features) -> None:
         """Append ``m`` verified tokens; features of positions ``n..n+m-1`` (only the last is used)."""
         state.logits = self._run_heads(features)
 
     @torch.no_grad()
-    def propose(self, state: MedusaState, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
+    def _propose_one(self, state: MedusaState, k: int, sampling: SamplingParams | None = None,
+                     generator: torch.Generator | None = None) -> Proposal:
         """Drafts ``x_{n+1}..x_{n+k'}`` from heads ``1..k'``, ``k' = min(k, num_heads)`` (one pass).
 
         The heads' draft-vocabulary logits go through :func:`speculators.losses.sample_draft` under

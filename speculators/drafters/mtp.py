@@ -338,11 +338,11 @@ class MTPDrafter(Drafter):
         """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
         ids = input_ids.reshape(-1).to(torch.int64).cpu()
         state = MTPState(ids[:1], [KVCache() for _ in self.layers], [None] * self.num_modules)
-        self.advance(state, ids[1:], features)
+        self._advance_one(state, ids[1:], features)
         return state
 
     @torch.no_grad()
-    def advance(self, state: MTPState, new_ids: torch.Tensor, features) -> None:
+    def _advance_one(self, state: MTPState, new_ids: torch.Tensor, features) -> None:
         """Append verified tokens ``x_{n+1}..x_{n+m}`` and target features of positions ``n..n+m-1``;
         every module computes its newly committed indices (module k: ``n-k+1 .. n+m-k``)."""
         self._rollback(state)
@@ -364,8 +364,8 @@ class MTPDrafter(Drafter):
             state.outs[i] = out if state.outs[i] is None else torch.cat([state.outs[i], out], dim=1)
 
     @torch.no_grad()
-    def propose(self, state: MTPState, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
+    def _propose_one(self, state: MTPState, k: int, sampling: SamplingParams | None = None,
+                     generator: torch.Generator | None = None) -> Proposal:
         """Chain of ``k`` drafts through the modules at index ``n - 1`` (see module docstring).
 
         Draft j comes from :func:`speculators.losses.sample_draft` on module j's logits under

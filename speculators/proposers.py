@@ -1,0 +1,259 @@
+"""Model-free and combined proposers: suffix decoding and the hybrid (suffix match, else the neural drafter).
+
+Both implement the batched proposer protocol of :class:`speculators.generate.Proposer`::
+
+    start(input_ids [n+1], features) -> state                      # one request
+    propose(states, ks, sampling, generators=None) -> list[Proposal]   # B = len(states), ks[i] may be 0
+    advance(states, new_ids: list[Tensor[m_i]], features: list) -> None
+
+so they run in :func:`speculators.generate.speculative_generate` like every drafter family, and are
+lossless like any proposer (the rejection sampler decides what is emitted).
+
+* :class:`SuffixProposer` follows arctic-inference's suffix decoding (Oliaro et al., "SuffixDecoding:
+  Extreme Speculative Decoding for Emerging AI Applications", 2024; ``arctic_inference.suffix_decoding``):
+  a suffix tree of depth at most ``max_depth`` over the request's prompt and generated text, updated
+  incrementally as tokens are accepted; the draft is the most frequent continuation of the longest
+  suffix of the text that occurred before. Ids only (``probs=None``: point masses for the verifier).
+  Unlike arctic-inference it keeps no global tree over earlier requests' outputs (each request is
+  independent, so an eval's order of prompts cannot change its numbers) and drafts one path, not a tree.
+* :class:`HybridProposer`: per request and per step, the suffix draft where the longest matching suffix
+  has at least ``min_match`` tokens, the neural drafter's draft elsewhere. The neural drafter is
+  advanced with every verified token whichever proposer drafted, so it can take over at any step.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .drafters.base import Proposal
+from .errors import SpeculatorsError
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise SpeculatorsError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return n
+
+
+def _check_batch(who: str, states: list, ks: list[int]) -> list[int]:
+    """``ks`` as ints, one per state, each >= 0."""
+    if len(ks) != len(states):
+        raise SpeculatorsError(f"{who}.propose: ks has {len(ks)} entries for {len(states)} states (one per request)")
+    return [_check_int(f"{who}.propose ks[{i}]", k, 0) for i, k in enumerate(ks)]
+
+
+class _Node:
+    """One node of the suffix tree: the string spelled by the path from the root.
+
+    ``count``: occurrences of that string in the text; ``last``: end position (index of its last
+    token) of its most recent occurrence; ``children``: next token id -> node.
+    """
+
+    __slots__ = ("count", "last", "children")
+
+    def __init__(self):
+        self.count = 0
+        self.last = -1
+        self.children: dict[int, _Node] = {}
+
+
+@dataclass
+class SuffixState:
+    """One request's suffix tree (depth-capped suffix trie with occurrence counts).
+
+    Attributes:
+        tokens: the text so far (prompt + generated, int ids).
+        root: the tree's root (the empty string).
+        active: ``active[m]`` = the node of the text's last ``m`` tokens, ``m = 0..min(len, max_depth - 1)``
+            (the nodes the next token extends: O(max_depth) work per appended token).
+    """
+
+    tokens: list[int]
+    root: _Node
+    active: list[_Node] = field(default_factory=list)
+
+
+class SuffixProposer:
+    """Suffix decoding (arctic-inference): draft the most frequent continuation of the longest matching suffix.
+
+    The request's text ``x_0..x_n`` (prompt + generated) is held in a suffix tree whose node for a
+    string ``w`` (``|w| <= max_depth``) counts the occurrences of ``w`` in the text. A step:
+
+    1. match: the longest suffix ``w`` of the text, ``min_match <= |w| <= max_match``, that occurred
+       before followed by some token (its node has children; the occurrence at the very end has no
+       continuation yet);
+    2. continue: from ``w``'s node follow the child with the highest count (ties: the most recent
+       occurrence) again and again, up to ``k`` tokens (and while the tree is deep enough:
+       ``|w| + drafts <= max_depth``).
+
+    No match gives an empty draft (the step verifies the last token only). Drafts are target ids
+    with ``probs=None``; no randomness is used (``sampling`` / ``generators`` are ignored).
+    """
+
+    def __init__(self, max_depth: int = 64, max_match: int = 32, min_match: int = 1):
+        """``1 <= min_match <= max_match < max_depth``: matched suffix lengths; ``max_depth``: the tree's depth.
+
+        Raises:
+            SpeculatorsError: other values (naming the argument).
+        """
+        self.min_match = _check_int("SuffixProposer min_match", min_match, 1)
+        self.max_match = _check_int("SuffixProposer max_match", max_match, self.min_match)
+        self.max_depth = _check_int("SuffixProposer max_depth", max_depth, self.max_match + 1)
+
+    # ------------------------------------------------------------------ the suffix tree
+    def _extend(self, state: SuffixState, tok: int) -> None:
+        pos = len(state.tokens)
+        state.tokens.append(tok)
+        new = [state.root]
+        for node in state.active:  # suffixes of lengths 0..max_depth-1 ending before tok
+            child = node.children.get(tok)
+            if child is None:
+                child = node.children[tok] = _Node()
+            child.count += 1
+            child.last = pos
+            new.append(child)
+        state.active = new[:self.max_depth]  # lengths 0..max_depth-1 can still be extended
+
+    def start(self, input_ids: torch.Tensor, features: Any = None) -> SuffixState:
+        """The tree of ``input_ids [n+1]`` (prompt + first token, int64); ``features`` are not used."""
+        state = SuffixState([], _Node())
+        state.active = [state.root]
+        for t in input_ids.reshape(-1).tolist():
+            self._extend(state, int(t))
+        return state
+
+    def _advance_one(self, state: SuffixState, new_ids: torch.Tensor, features: Any = None) -> None:
+        for t in new_ids.reshape(-1).tolist():
+            self._extend(state, int(t))
+
+    def advance(self, states: list[SuffixState], new_ids: list[torch.Tensor], features: list | None = None) -> None:
+        """Append each request's verified tokens ``new_ids[i] [m_i]`` to its tree (O(max_depth) per token)."""
+        if len(new_ids) != len(states):
+            raise SpeculatorsError(f"SuffixProposer.advance: {len(new_ids)} new_ids for {len(states)} states")
+        for s, ids in zip(states, new_ids):
+            self._advance_one(s, ids)
+
+    def match(self, state: SuffixState, k: int) -> tuple[list[int], int]:
+        """``(drafts, match_len)``: up to ``k`` draft ids and the length of the matched suffix (0 and no
+        drafts without a match of at least ``min_match`` tokens). The state is not modified."""
+        hi = min(self.max_match, len(state.active) - 1)
+        for m in range(hi, self.min_match - 1, -1):
+            node = state.active[m]
+            if not node.children:
+                continue  # only shorter suffixes can have occurred earlier with a continuation
+            out: list[int] = []
+            depth = m
+            while len(out) < k and node.children and depth < self.max_depth:
+                tok, node = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].last))
+                out.append(tok)
+                depth += 1
+            return out, m
+        return [], 0
+
+    def _propose_one(self, state: SuffixState, k: int, sampling=None, generator=None) -> Proposal:
+        drafts, _ = self.match(state, k) if k > 0 else ([], 0)
+        return Proposal(torch.tensor(drafts, dtype=torch.int64) if drafts else _EMPTY.clone())
+
+    def propose(self, states: list[SuffixState], ks: list[int], sampling=None,
+                generators: list | None = None) -> list[Proposal]:
+        """One :class:`Proposal` per request: up to ``ks[i]`` draft ids (``[k'_i]`` int64, ``probs=None``).
+
+        Raises:
+            SpeculatorsError: ``ks`` not one non-negative integer per state.
+        """
+        ks = _check_batch("SuffixProposer", states, ks)
+        return [self._propose_one(s, k) for s, k in zip(states, ks)]
+
+
+@dataclass
+class HybridState:
+    """One request's state: the neural drafter's and the suffix proposer's. ``source``: who drafted the
+    last proposal (``"suffix"``, ``"drafter"`` or None before the first)."""
+
+    neural: Any
+    lookup: SuffixState
+    source: str | None = None
+
+
+class HybridProposer:
+    """The suffix draft where its match is long enough, the neural drafter's draft elsewhere.
+
+    Per request and step: when :meth:`SuffixProposer.match` finds a suffix of at least ``min_match``
+    tokens with a continuation, the step's draft is the suffix draft (ids only, ``probs=None``);
+    otherwise the neural drafter drafts (with its distributions). Requests the suffix draft covers
+    are passed to the drafter with ``k = 0``, so they draw nothing from their generators; request
+    ``i``'s neural draft draws only from ``generators[i]``. Both parts see every verified token.
+
+    Lossless like any proposer: the verifier accepts each draft against its own ``q`` (a point mass
+    for suffix drafts). ``counts`` records how many (non-empty) proposals each part made.
+    """
+
+    def __init__(self, drafter, lookup: SuffixProposer | None = None, min_match: int = 3):
+        """``drafter``: any batched proposer (a drafter family); ``lookup``: the suffix proposer (default
+        ``SuffixProposer()``); ``min_match`` >= 1: shortest suffix match that wins over the drafter.
+
+        Raises:
+            SpeculatorsError: ``min_match`` < 1 or above the lookup's ``max_match`` (it could never win).
+        """
+        self.drafter = drafter
+        self.lookup = lookup if lookup is not None else SuffixProposer()
+        self.min_match = _check_int("HybridProposer min_match", min_match, 1)
+        if self.min_match > self.lookup.max_match:
+            raise SpeculatorsError(f"HybridProposer min_match ({min_match}) must be <= the suffix proposer's "
+                                   f"max_match ({self.lookup.max_match})")
+        self.counts = {"suffix": 0, "drafter": 0}
+
+    def start(self, input_ids: torch.Tensor, features: Any) -> HybridState:
+        """Start both parts on ``input_ids [n+1]`` and the prompt's target ``features``."""
+        return HybridState(self.drafter.start(input_ids, features), self.lookup.start(input_ids, features))
+
+    def propose(self, states: list[HybridState], ks: list[int], sampling=None,
+                generators: list | None = None) -> list[Proposal]:
+        """One :class:`Proposal` per request (see the class docstring for the switching rule).
+
+        Raises:
+            SpeculatorsError: ``ks`` not one non-negative integer per state; the drafter returned another
+                number of proposals than requests.
+        """
+        ks = _check_batch("HybridProposer", states, ks)
+        out: list[Proposal | None] = [None] * len(states)
+        neural_ks = [0] * len(states)
+        for i, (s, k) in enumerate(zip(states, ks)):
+            if k == 0:
+                out[i] = Proposal(_EMPTY.clone())
+                continue
+            drafts, m = self.lookup.match(s.lookup, k)
+            if drafts and m >= self.min_match:
+                out[i] = Proposal(torch.tensor(drafts, dtype=torch.int64))
+                s.source = "suffix"
+                self.counts["suffix"] += 1
+            else:
+                neural_ks[i] = k
+        if any(neural_ks):
+            props = self.drafter.propose([s.neural for s in states], neural_ks, sampling, generators)
+            if len(props) != len(states):
+                raise SpeculatorsError(f"HybridProposer: the drafter returned {len(props)} proposals for "
+                                       f"{len(states)} requests")
+            for i, k in enumerate(neural_ks):
+                if k:
+                    out[i] = props[i]
+                    states[i].source = "drafter"
+                    self.counts["drafter"] += 1
+        return out  # type: ignore[return-value]
+
+    def advance(self, states: list[HybridState], new_ids: list[torch.Tensor], features: list) -> None:
+        """Advance both parts of every request with its verified tokens and their target features."""
+        self.drafter.advance([s.neural for s in states], new_ids, features)
+        self.lookup.advance([s.lookup for s in states], new_ids, features)
