@@ -111,7 +111,8 @@ def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
 
 # eval options that override the recipe's eval section: EvalSpec field -> option name (named in errors)
 _EVAL_OPTIONS = {"k": "-k", "k_sweep": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-                 "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts", "batch_size": "--batch-size"}
+                 "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts", "batch_size": "--batch-size",
+                 "methods": "--methods"}
 
 
 def _parse_k(value: str | None) -> dict:
@@ -144,6 +145,8 @@ def eval_cmd(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="loaded batch size reported beside "
                                              "batch 1 (default: 16 on CUDA, 8 on CPU)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
+    methods: Optional[str] = typer.Option(None, "--methods", help="proposers to measure beside plain decoding, "
+                                          "comma-separated: drafter,ngram,suffix,hybrid (default: all)"),
     compare: Optional[list[str]] = typer.Option(None, "--compare", help="another checkpoint / run directory / "
                                                 "Hub id to compare on the same prompts (repeatable)"),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
@@ -159,7 +162,8 @@ def eval_cmd(
     from .workflows import eval_run
 
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
-             "num_prompts": num_prompts, "batch_size": batch_size, **_parse_k(k)}
+             "num_prompts": num_prompts, "batch_size": batch_size, **_parse_k(k),
+             "methods": None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]}
     report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
                            progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or ())

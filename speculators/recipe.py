@@ -113,6 +113,9 @@ class EvalSpec(Strict):
                                    "beside batch 1; None = 16 on CUDA, 8 elsewhere")
     hybrid_min_match: int = Field(default=3, gt=0, le=32, description="hybrid proposer: shortest suffix match "
                                   "that drafts instead of the neural drafter")
+    methods: list[Literal["drafter", "ngram", "suffix", "hybrid"]] = Field(
+        default_factory=lambda: ["drafter", "ngram", "suffix", "hybrid"], min_length=1,
+        description="proposers measured beside plain decoding (drafter, ngram, suffix, hybrid)")
 
     @property
     def ks(self) -> list[int]:

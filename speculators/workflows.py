@@ -344,7 +344,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         rep["device"] = str(t.device)
         return rep
 
-    report = describe(measure(target, drafter, ("drafter", "ngram", "suffix", "hybrid"), ""), ckpt, drafter, target)
+    order = ("drafter", "ngram", "suffix", "hybrid")
+    report = describe(measure(target, drafter, tuple(m for m in order if m in ev.methods), ""), ckpt, drafter, target)
     if others:
         reports = [(str(checkpoint), report)]
         del drafter, target
@@ -354,7 +355,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             if ofp != fingerprint:
                 raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
                                        "compare checkpoints of the same target (or pass --target)")
-            orep = describe(measure(ot, od, ("drafter", "hybrid"), f" ({given})"), other, od, ot)
+            orep = describe(measure(ot, od, tuple(m for m in ("drafter", "hybrid") if m in ev.methods) or ("drafter",),
+                                    f" ({given})"), other, od, ot)
             reports.append((str(given), orep))
             if report["greedy_mismatches"] is not None:  # every checkpoint's outputs must equal plain greedy
                 report["greedy_mismatches"] += [{**m, "checkpoint": str(given)} for m in orep["greedy_mismatches"]]

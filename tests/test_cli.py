@@ -439,6 +439,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
     (["-k", "2,0"], ["-k 2,0", "eval.k_sweep.1", "greater than 0"]),
     (["-k", "1,65"], ["-k 1,65", "eval.k_sweep.1", "less than or equal to 64"]),
     (["--batch-size", "0"], ["--batch-size 0", "eval.batch_size", "greater than 0"]),
+    (["--methods", "drafter,lookahead"], ["--methods", "eval.methods.1", "drafter"]),
 ])
 def test_eval_sweep_and_batch_options_are_validated(trained, tmp_path, args, needles):
     out = tmp_path / "report"
@@ -471,3 +472,14 @@ def test_eval_sweep_batches_compare_and_sources(trained, tmp_path):
     for name in rep["plots"].values():
         assert (out / name).is_file() and f"]({name})" in (out / "report.md").read_text()
     assert "★" in r.output and "compare" in r.output and "suffix decoding" in r.output
+
+
+def test_eval_methods_option_measures_only_the_named_proposers(trained, tmp_path):
+    """--methods drafter: one row per K and batch size for the drafter only (plain decoding always runs)."""
+    out = tmp_path / "rep"
+    r = invoke("eval", trained.dir, "--methods", "drafter", "--batch-size", "2", "--max-new-tokens", "5",
+               "--output", out)
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    rep = json.loads((out / "report.json").read_text())
+    assert {r_["method"] for r_ in rep["rows"]} == {"drafter"} and len(rep["plain_rows"]) == 2
+    assert rep["greedy_mismatches"] == []

@@ -254,6 +254,30 @@ class Drafter(nn.Module):
         d.attach_target(target)
         return d
 
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """``[N]`` int64 sorted target ids of the draft vocabulary (families with a ``d2t`` buffer:
+        ``target_id = i + d2t[i]``, vLLM's convention).
+
+        Raises:
+            AttributeError: the family keeps no draft vocabulary.
+        """
+        from ..losses import draft_to_target
+
+        d2t = self.d2t
+        return draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)
+
+    def copy_draft_vocab(self, target, vocab: DraftVocab, heads: list[nn.Linear]) -> None:
+        """Initialise ``heads`` (each ``Linear(H -> N)``) with the target's lm_head rows of the draft
+        vocabulary and the ``d2t``/``t2d`` buffers with ``vocab`` (EAGLE-3, P-EAGLE, Medusa, DFlash's
+        reduced vocabulary), so that every head starts as the target's own head over that vocabulary."""
+        with torch.no_grad():
+            rows = target.lm_head_weight.detach().float()[vocab.target_ids]
+            for head in heads:
+                head.weight.copy_(rows)
+            self.d2t.copy_(vocab.d2t)
+            self.t2d.copy_(vocab.t2d)
+
     def attach_target(self, target) -> None:
         """Give the drafter the frozen target pieces it may use: the output head (teacher
         distributions in training; drafting through the target's head for EAGLE-1/MTP-style

@@ -248,10 +248,7 @@ class DFlashDrafter(Drafter):
             with torch.no_grad():
                 d.norm.weight.copy_(w.float())
         if d.reduced_vocab:
-            with torch.no_grad():
-                d.lm_head.weight.copy_(target.lm_head_weight.float()[vocab.target_ids])
-                d.d2t.copy_(vocab.d2t)
-                d.t2d.copy_(vocab.t2d)
+            d.copy_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)
         return d
 

@@ -39,7 +39,6 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import (
     chained_acceptance,
-    draft_to_target,
     hard_cross_entropy,
     sample_draft,
     soft_cross_entropy,
@@ -130,9 +129,7 @@ class Eagle3Drafter(Drafter):
         d = cls(cfg, TargetMeta.from_target(target), vocab.size)
         with torch.no_grad():
             d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-            d.lm_head.weight.copy_(target.lm_head_weight.float()[vocab.target_ids])
-            d.d2t.copy_(vocab.d2t)
-            d.t2d.copy_(vocab.t2d)
+        d.copy_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)
         return d
 
@@ -148,10 +145,6 @@ class Eagle3Drafter(Drafter):
                                    "(needed for the draft vocabulary size)")
         return cls(cfg, meta, weights["lm_head.weight"].shape[0])
 
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """``[N]`` target ids of the draft vocabulary."""
-        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``[..., n_aux*H]`` aux hidden states -> ``[..., H]`` fused features g."""

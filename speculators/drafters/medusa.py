@@ -51,7 +51,6 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import (
     chained_acceptance,
-    draft_to_target,
     hard_cross_entropy,
     sample_draft,
     soft_cross_entropy,
@@ -135,16 +134,12 @@ class MedusaDrafter(Drafter):
         """Fresh drafter: zero residual blocks (W and b), each head's lm_head = the target's rows of the
         draft vocabulary (so every head starts as the target's own next-token head)."""
         d = cls(cfg, TargetMeta.from_target(target), vocab.size)
+        d.copy_draft_vocab(target, vocab, list(d.lm_heads))
         with torch.no_grad():
-            rows = target.lm_head_weight.detach().float()[vocab.target_ids]
-            for head in d.lm_heads:
-                head.weight.copy_(rows)
             for block in d.blocks:
                 for layer in block.layers:
                     layer.weight.zero_()
                     layer.bias.zero_()
-            d.d2t.copy_(vocab.d2t)
-            d.t2d.copy_(vocab.t2d)
         d.attach_target(target)
         return d
 
@@ -168,10 +163,6 @@ class MedusaDrafter(Drafter):
     def num_heads(self) -> int:
         return len(self.lm_heads)
 
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """``[N]`` int64 target ids of the draft vocabulary (sorted)."""
-        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
 
     @property
     def full_vocab(self) -> bool:

@@ -59,7 +59,7 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
-from ..losses import chained_acceptance, draft_to_target, sample_draft, soft_cross_entropy
+from ..losses import chained_acceptance, sample_draft, soft_cross_entropy
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal, register
 from .checkpoint import TargetMeta
@@ -187,9 +187,7 @@ class PEagleDrafter(Drafter):
         with torch.no_grad():
             d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
             d.mask_embedding.copy_(d.embed_tokens.weight[cfg.mask_token_id])
-            d.lm_head.weight.copy_(target.lm_head_weight.float()[vocab.target_ids])
-            d.d2t.copy_(vocab.d2t)
-            d.t2d.copy_(vocab.t2d)
+        d.copy_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)
         return d
 
@@ -205,10 +203,6 @@ class PEagleDrafter(Drafter):
                                    "(needed for the draft vocabulary size)")
         return cls(cfg, meta, weights["lm_head.weight"].shape[0])
 
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """``[N]`` int64 target ids of the draft vocabulary."""
-        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
 
     @property
     def max_k(self) -> int:
