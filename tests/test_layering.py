@@ -348,3 +348,15 @@ def test_every_tiny_recipe_names_a_registered_family(recipe):
 
     algo = (yaml.safe_load(recipe.read_text()).get("drafter") or {}).get("algorithm")
     assert algo in registry.names(), f"{recipe.name}: drafter.algorithm {algo!r} not in {registry.names()}"
+
+
+def test_every_family_file_is_registered_without_a_list_to_edit():
+    """Adding a family is adding its file: every module of speculators/drafters/ other than the shared
+    infrastructure registers exactly one family, found by the package import (no import list to edit)."""
+    from speculators import drafters
+    from speculators.drafters import registry
+
+    files = sorted(p.stem for p in Path(drafters.__file__).parent.glob("*.py")
+                   if p.stem not in drafters.INFRASTRUCTURE and not p.stem.startswith("_"))
+    modules = sorted({registry.get(n).__module__.rsplit(".", 1)[-1] for n in registry.names()})
+    assert modules == files and len(registry.names()) == len(files)

@@ -1,5 +1,16 @@
-"""Drafter families. Importing this package registers every family (one file each)."""
+"""Drafter families. Importing this package registers every family: each module of this package other
+than the shared infrastructure below is one family that registers itself (``@register``), so adding a
+family is adding its file (plus its recipes); no list to edit."""
+
+import importlib
+import pkgutil
 
 from ..data.vocab import DraftVocab  # noqa: F401  (lives in the data layer; re-exported for users)
 from .base import Drafter, DrafterConfig, Proposal, registry  # noqa: F401
-from . import dflash, eagle, eagle3, medusa, mtp, peagle  # noqa: F401  (each registers itself)
+
+# shared infrastructure, not families
+INFRASTRUCTURE = frozenset({"base", "checkpoint", "joint", "layers"})
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module not in INFRASTRUCTURE and not _module.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module}")
