@@ -88,7 +88,9 @@ def main() -> int:
         fresh = (out / "report.json").is_file() and \
             (out / "report.json").stat().st_mtime > (run_dir / "final" / "model.safetensors").stat().st_mtime
         if args.reeval or args.retrain or not fresh:
-            run([exe, "eval", str(run_dir), "-k", str(args.k), "--output", str(out)])
+            # the table's columns are batch-1 numbers of the drafter and prompt lookup at this K
+            run([exe, "eval", str(run_dir), "-k", str(args.k), "--batch-size", "1", "--methods", "drafter,ngram",
+                 "--output", str(out)])
         rep = json.loads((out / "report.json").read_text())
         rows.append((recipe.stem, rep, train_seconds(run_dir)))
     if not rows:

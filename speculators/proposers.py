@@ -198,6 +198,9 @@ class HybridProposer:
 
     Lossless like any proposer: the verifier accepts each draft against its own ``q`` (a point mass
     for suffix drafts). ``counts`` records how many (non-empty) proposals each part made.
+
+    ``propose`` leaves both parts' drafting states unchanged (the protocol's rule); the one thing it
+    writes is bookkeeping for the report: ``state.source`` (which part drafted this step) and ``counts``.
     """
 
     def __init__(self, drafter, lookup: SuffixProposer | None = None, min_match: int = 3):

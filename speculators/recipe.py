@@ -316,7 +316,8 @@ def eval_spec_with(base: EvalSpec | None, overrides: Mapping[str, Any],
     applied, validated by the :class:`EvalSpec` schema (same ranges as a recipe's ``eval:``).
 
     Args:
-        overrides: ``{field: value}``; a None value keeps the base's value.
+        overrides: ``{field: value}``; a None value keeps the base's value; a ``k`` without ``k_sweep``
+            replaces the base's K sweep (``-k 4`` on a recipe with ``eval.k_sweep``).
         names: how to name a field in errors, e.g. ``{"top_p": "--top-p"}`` for command-line options.
     Raises:
         SpeculatorsError: one line naming each bad override (its option name, value and ``eval.<field>``)
@@ -324,6 +325,8 @@ def eval_spec_with(base: EvalSpec | None, overrides: Mapping[str, Any],
     """
     names = dict(names or {})
     given = {k: v for k, v in overrides.items() if v is not None}
+    if "k" in given and "k_sweep" not in given:  # a single K replaces the base's sweep (k_sweep wins in .ks)
+        given["k_sweep"] = None
     try:
         return EvalSpec.model_validate({**(base.model_dump() if base is not None else {}), **given})
     except ValidationError as e:

@@ -389,3 +389,12 @@ def test_eval_spec_with_overrides_goes_through_the_schema():
         msg = error_of(eval_spec_with, base, overrides, names)
         for n in needles:
             assert n in msg, (n, msg)
+
+
+def test_a_single_k_override_replaces_the_recipes_sweep():
+    from speculators.recipe import EvalSpec, eval_spec_with
+
+    base = EvalSpec(k=4, k_sweep=[1, 2, 4])
+    assert eval_spec_with(base, {"k": 6}).ks == [6]
+    assert eval_spec_with(base, {}).ks == [1, 2, 4]
+    assert eval_spec_with(base, {"k_sweep": [2, 3]}).ks == [2, 3]

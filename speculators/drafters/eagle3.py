@@ -49,6 +49,7 @@ from .base import Drafter, DrafterConfig, Proposal, _check_batch, register, requ
 from .checkpoint import TargetMeta
 from .layers import (
     DecoderLayer,
+    FusedInputLayer,
     KVCache,
     RaggedKV,
     RMSNorm,
@@ -74,17 +75,6 @@ class Eagle3Config(DrafterConfig):
     norm_before_fc: bool = False
     intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K written to the vLLM config")
-
-
-class _Layer0(DecoderLayer):
-    """EAGLE-3's first decoder layer: attention over [input_layernorm(embed); hidden_norm(hidden)] (2H)."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg, attn_in_dim=2 * cfg.hidden_size)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-    def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
 
 
 @dataclass
@@ -114,7 +104,7 @@ class Eagle3Drafter(Drafter):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(n_aux * H, H, bias=False)
-        self.layers = nn.ModuleList([_Layer0(self.layer_cfg)] +
+        self.layers = nn.ModuleList([FusedInputLayer(self.layer_cfg)] +
                                     [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)

@@ -293,6 +293,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
 
+class FusedInputLayer(DecoderLayer):
+    """The first decoder layer of EAGLE-3-style drafters (EAGLE-3, P-EAGLE): its attention reads
+    ``concat(input_layernorm(embed), hidden_norm(hidden))`` (2H wide q/k/v projections); the residual
+    is the hidden half. Weight names as vLLM's ``Eagle3LlamaForCausalLM`` loads them
+    (``input_layernorm``, ``hidden_norm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__(cfg, attn_in_dim=2 * cfg.hidden_size)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``emb, hidden [B, T, H]`` -> ``[B, T, 2H]`` attention input."""
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+
+
 def causal_mask_with_cache(t_new: int, s_cached: int, device=None) -> torch.Tensor:
     """Boolean ``[1, 1, t_new, s_cached + t_new]``: every new query sees the whole cache and the new
     keys up to itself."""

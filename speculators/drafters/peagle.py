@@ -3,7 +3,7 @@
 Architecture (ALGORITHMS.md "P-EAGLE", FORMATS.md; weight names as EAGLE-3's, see ``eagle3.py``):
 
 * EAGLE-3 inputs: ``fc: Linear(n_aux*H -> H, bias=False)`` fuses the aux hidden states; layer 0 attends
-  over ``concat(input_layernorm(embed(x)), hidden_norm(g))`` (EAGLE-3's ``_Layer0``); ``num_layers``
+  over ``concat(input_layernorm(embed(x)), hidden_norm(g))`` (``layers.FusedInputLayer``, as EAGLE-3); ``num_layers``
   (default 2) causal decoder layers; final ``norm``; own ``lm_head: Linear(H -> N_draft)`` over the
   draft vocabulary; ``embed_tokens`` copied from the target and frozen.
 * Slots after the first carry no token and no feature: a learned mask-token embedding and a learned
@@ -63,9 +63,9 @@ from ..losses import chained_acceptance, sample_draft, soft_cross_entropy
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal, register
 from .checkpoint import TargetMeta
-from .eagle3 import _Layer0
 from .layers import (
     DecoderLayer,
+    FusedInputLayer,
     KVCache,
     RMSNorm,
     Rotary,
@@ -163,7 +163,7 @@ class PEagleDrafter(Drafter):
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, n_aux * H))
         self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(n_aux * H, H, bias=False)
-        self.layers = nn.ModuleList([_Layer0(self.layer_cfg)] +
+        self.layers = nn.ModuleList([FusedInputLayer(self.layer_cfg)] +
                                     [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
