@@ -145,6 +145,8 @@ def eval_cmd(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="loaded batch size reported beside "
                                              "batch 1 (default: 16 on CUDA, 8 on CPU)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype: float32, bfloat16, float16 (default: "
+                                        "the recipe's target.dtype; bfloat16 is the usual choice on a GPU)"),
     methods: Optional[str] = typer.Option(None, "--methods", help="proposers to measure beside plain decoding, "
                                           "comma-separated: drafter,ngram,suffix,hybrid (default: all)"),
     compare: Optional[list[str]] = typer.Option(None, "--compare", help="another checkpoint / run directory / "
@@ -166,7 +168,8 @@ def eval_cmd(
              "methods": None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]}
     report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
-                           progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or ())
+                           progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or (),
+                           dtype=dtype)
     _print_report(report)
     log(f"report written to {out}/report.json, report.md and the plots")
     mm = report.get("greedy_mismatches")

@@ -211,17 +211,18 @@ def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,
 
 
 def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, device: str | None,
-                   log: Callable[[str], None]):
+                   log: Callable[[str], None], dtype: str | None = None):
     """The checkpoint's drafter and its target, ready to decode: ``(drafter, target, target fingerprint
     as loaded)``. The target taps the layers the drafter was trained on, loads on ``device`` (None =
     CUDA when present, else CPU; :meth:`speculators.target.Target.load`), merges a joint checkpoint's
-    LoRA adapter, and the drafter is moved to the target's device."""
+    LoRA adapter, and the drafter is moved to the target's device. ``dtype`` (float32 | bfloat16 |
+    float16; None = the recipe's ``target.dtype``) is the target's dtype, e.g. bf16 on a GPU."""
     from .drafters import Drafter
     from .target import Target
 
     drafter = Drafter.from_pretrained(ckpt)
     # the verifier taps the layers this drafter was trained on (check_target only checks)
-    target = Target.load(target_model or rec.target.model, rec.target.dtype if rec else "float32",
+    target = Target.load(target_model or rec.target.model, dtype or (rec.target.dtype if rec else "float32"),
                          aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log, device=device)
     fingerprint = target.fingerprint
     drafter.check_target(target, warn=log)
@@ -267,7 +268,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
              prompts: str | list[str] | None = None, target_model: str | None = None,
              output: str | Path | None = None, log: Callable[[str], None] = print, progress=None,
              override_names: Mapping[str, str] | None = None, device: str | None = None,
-             compare: list[str | Path] | tuple = ()) -> tuple[dict, Path]:
+             compare: list[str | Path] | tuple = (), dtype: str | None = None) -> tuple[dict, Path]:
     """Measure acceptance by real speculative generation against plain decoding (``speculators eval``).
 
     The eval settings are the checkpoint recipe's ``eval`` section (:class:`speculators.recipe.EvalSpec`
@@ -297,6 +298,10 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         device: where the target and the drafter run (``"cpu"``, ``"cuda"``, ``"cuda:1"``; None = CUDA
             when present, else CPU).
         compare: further checkpoints / run directories / Hub ids to compare with ``checkpoint``.
+        dtype: the target's dtype (``float32`` | ``bfloat16`` | ``float16``; None = the recipe's
+            ``target.dtype``). Greedy equality with plain decoding is checked in that dtype: in bf16 a
+            batched forward can round a near-tie differently from a batch-1 forward, which the report
+            then lists as a mismatch (as an engine's outputs would differ too).
     Returns:
         ``(report, report_dir)``: the report dict of :func:`speculators.evaluate.run_eval` with
         ``checkpoint``, ``target``, ``prompts``, ``device`` (and ``compare``) added, and the directory it
@@ -324,7 +329,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
     others = [resolve_checkpoint(c, log=log) for c in compare]  # fail early on a bad --compare path
     sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)  # seeded per prompt by run_eval
-    drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log)
+    drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
     plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
     batch = ev.batch_size or default_batch_size(str(target.device))
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
@@ -351,7 +356,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         del drafter, target
         for given, other in zip(compare, others):
             orec = load_recipe(other / RUN_RECIPE) if (other / RUN_RECIPE).is_file() else rec
-            od, ot, ofp = _load_for_eval(other, orec, target_model or (rec.target.model if rec else None), device, log)
+            od, ot, ofp = _load_for_eval(other, orec, target_model or (rec.target.model if rec else None), device, log, dtype)
             if ofp != fingerprint:
                 raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
                                        "compare checkpoints of the same target (or pass --target)")

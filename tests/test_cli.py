@@ -440,6 +440,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
     (["-k", "1,65"], ["-k 1,65", "eval.k_sweep.1", "less than or equal to 64"]),
     (["--batch-size", "0"], ["--batch-size 0", "eval.batch_size", "greater than 0"]),
     (["--methods", "drafter,lookahead"], ["--methods", "eval.methods.1", "drafter"]),
+    (["--dtype", "float8"], ["float8", "allowed"]),
 ])
 def test_eval_sweep_and_batch_options_are_validated(trained, tmp_path, args, needles):
     out = tmp_path / "report"
