@@ -332,6 +332,12 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
     plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
     batch = ev.batch_size or default_batch_size(str(target.device))
+    if batch > 1 and ev.batch_size is None:  # the default load: fall back to batch 1 where batching is impossible
+        try:
+            target.batch_session(batch)
+        except SpeculatorsError as e:
+            log(f"eval: batch 1 only: {e}")
+            batch = 1
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
 
