@@ -23,7 +23,6 @@ lossless like any proposer (the rejection sampler decides what is emitted).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,20 +30,9 @@ import torch
 
 from .drafters.base import Proposal
 from .errors import SpeculatorsError
+from .generate import _check_int  # one integer check for the decoding loop and the proposers
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        raise SpeculatorsError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return n
 
 
 def _check_batch(who: str, states: list, ks: list[int]) -> list[int]:

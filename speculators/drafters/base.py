@@ -267,6 +267,18 @@ class Drafter(nn.Module):
         d2t = self.d2t
         return draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)
 
+    @classmethod
+    def draft_vocab_size_of(cls, weights: dict[str, torch.Tensor]) -> int:
+        """The draft vocabulary size of a checkpoint's weights: ``lm_head.weight``'s row count.
+
+        Raises:
+            SpeculatorsError: the weights have no ``lm_head.weight``.
+        """
+        if "lm_head.weight" not in weights:
+            raise SpeculatorsError(f"{cls.algorithm} checkpoint: model.safetensors has no 'lm_head.weight' "
+                                   "(needed for the draft vocabulary size)")
+        return int(weights["lm_head.weight"].shape[0])
+
     def copy_draft_vocab(self, target, vocab: DraftVocab, heads: list[nn.Linear]) -> None:
         """Initialise ``heads`` (each ``Linear(H -> N)``) with the target's lm_head rows of the draft
         vocabulary and the ``d2t``/``t2d`` buffers with ``vocab`` (EAGLE-3, P-EAGLE, Medusa, DFlash's

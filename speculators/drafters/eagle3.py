@@ -130,10 +130,7 @@ class Eagle3Drafter(Drafter):
         Raises:
             SpeculatorsError: the checkpoint has no ``lm_head.weight``.
         """
-        if "lm_head.weight" not in weights:
-            raise SpeculatorsError("eagle3 checkpoint: model.safetensors has no 'lm_head.weight' "
-                                   "(needed for the draft vocabulary size)")
-        return cls(cfg, meta, weights["lm_head.weight"].shape[0])
+        return cls(cfg, meta, cls.draft_vocab_size_of(weights))
 
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:

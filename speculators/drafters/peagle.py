@@ -198,10 +198,7 @@ class PEagleDrafter(Drafter):
         Raises:
             SpeculatorsError: the checkpoint has no ``lm_head.weight``.
         """
-        if "lm_head.weight" not in weights:
-            raise SpeculatorsError("peagle checkpoint: model.safetensors has no 'lm_head.weight' "
-                                   "(needed for the draft vocabulary size)")
-        return cls(cfg, meta, weights["lm_head.weight"].shape[0])
+        return cls(cfg, meta, cls.draft_vocab_size_of(weights))
 
 
     @property
