@@ -270,6 +270,24 @@ def test_regeneration_cache_is_keyed_by_prompt_content(smol_tokenizer, isolated_
     assert generated == [pa, pb] and again.input_ids == rb.input_ids
 
 
+def test_regeneration_resumes_after_a_torn_last_line(smol_tokenizer, isolated_cache):
+    """An interrupted run leaves a partial last line; the next run's first record must not be glued to
+    it (it was, and was lost once more on every resume)."""
+    hello, bang = ids_of(smol_tokenizer, "Hello!")
+    target = scripted_target(smol_tokenizer, {NL: hello, hello: bang, bang: IM_END})
+    a = Conversation("s/0", "s", [{"role": "user", "content": "Tell me a story about a cat."}])
+    b = Conversation("s/1", "s", [{"role": "user", "content": "What is the capital of France?"}])
+    kw = dict(max_new_tokens=6, log=lambda m: None)
+    regenerate(target, [a], "s", **kw)
+    (cache,) = (isolated_cache / "regen").glob("*.jsonl")
+    cache.write_text(cache.read_text() + '{"key": "torn", "ids": [1, ')  # killed mid-write
+    regenerate(target, [a, b], "s", **kw)  # b is new: appended after the torn line
+    logs = []
+    (ra, rb) = regenerate(target, [a, b], "s", max_new_tokens=6, log=logs.append)
+    assert "cache hit" in logs[0], logs  # b's record was read back, not lost to the torn line
+    assert rb.input_ids == render_prompt(smol_tokenizer, b.messages) + [hello, bang, IM_END]
+
+
 def test_data_identity_follows_file_content(tmp_path):
     f = tmp_path / "chat.jsonl"
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}

@@ -113,10 +113,14 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
         path.parent.mkdir(parents=True, exist_ok=True)
         t0, n_new, n_cut = time.time(), 0, 0
+        torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
         with path.open("a") as f:
+            if torn:  # an interrupted run left a partial last line: start on a fresh line
+                f.write("\n")
             for bi in range(0, len(order), batch_size):
                 chunk = order[bi:bi + batch_size]
-                gen = torch.Generator().manual_seed(seed + bi)
+                # on the target's device: generate_batch samples there (a CPU generator fails on CUDA)
+                gen = torch.Generator(device=target.device).manual_seed(seed + bi)
                 outs = target.generate_batch([todo[k] for k in chunk], max_new_tokens, stops,
                                              temperature, top_p, generator=gen, pad_token_id=pad)
                 for k, (new, stop) in zip(chunk, outs):
