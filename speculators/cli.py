@@ -1,4 +1,5 @@
-"""Command line: ``speculators train RECIPE.yaml``, ``speculators eval CHECKPOINT``, ``speculators push``.
+"""Command line: ``speculators train RECIPE.yaml``, ``speculators eval CHECKPOINT``, ``speculators calibrate
+RUN_DIR``, ``speculators push``.
 
 Thin: parses arguments, calls one workflow of :mod:`speculators.workflows` (or ``hub.push_checkpoint``)
 and prints (log lines, progress, the eval report's tables, the final messages). A
@@ -86,7 +87,10 @@ def train(
     rec = load_recipe(recipe, overrides or [])
     final = train_run(rec, output_dir, resume=resume, overwrite=overwrite, log=log, progress=_progress,
                       console=console, recipe_file=recipe)
-    console.print(f"[bold green]done[/bold green]: {final}  (next: speculators eval {final})")
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:  # `accelerate launch`: one line, from rank 0
+        console.print(f"[bold green]done[/bold green]: {final}  (next: speculators eval {final})")
 
 
 @app.command()
@@ -112,7 +116,8 @@ def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
 # eval options that override the recipe's eval section: EvalSpec field -> option name (named in errors)
 _EVAL_OPTIONS = {"k": "-k", "k_sweep": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
                  "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts", "batch_size": "--batch-size",
-                 "methods": "--methods"}
+                 "methods": "--methods", "confidence_threshold": "--confidence-threshold",
+                 "confidence_cost_aware": "--cost-aware"}
 
 
 def _parse_k(value: str | None) -> dict:
@@ -158,6 +163,12 @@ def eval_cmd(
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts"),
     target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
     output: Optional[Path] = typer.Option(None, "--output", help="report directory"),
+    confidence_threshold: Optional[float] = typer.Option(
+        None, "--confidence-threshold", help="also measure the drafter confidence-gated: verify only the drafts "
+        "before the first whose survival prod c_i falls below this value in (0, 1) (lossless)"),
+    cost_aware: Optional[bool] = typer.Option(
+        None, "--cost-aware/--no-cost-aware", help="gated rows pick the prefix maximising expected tokens per "
+        "unit of verify cost (cost of K+1-token target forwards measured once on this machine)"),
 ):
     """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
     real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
@@ -165,7 +176,8 @@ def eval_cmd(
 
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
              "num_prompts": num_prompts, "batch_size": batch_size, **_parse_k(k),
-             "methods": None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]}
+             "methods": None if methods is None else [m.strip() for m in methods.split(",") if m.strip()],
+             "confidence_threshold": confidence_threshold, "confidence_cost_aware": cost_aware}
     report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
                            progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or (),
@@ -177,6 +189,38 @@ def eval_cmd(
         console.print(f"[bold red]error:[/bold red] speculative output differs from plain greedy decoding "
                       f"on {len(mm)} prompt(s): {mm}")
         raise typer.Exit(1)
+
+
+@app.command()
+@_user_errors
+def calibrate(
+    checkpoint: Path = typer.Argument(..., help="run directory (uses final/) or drafter checkpoint"),
+    k: Optional[int] = typer.Option(None, "-k", "--k", help="positions to calibrate (default: all the drafter has)"),
+    prompts: Optional[list[str]] = typer.Option(None, "--prompts", help="data source of prompts, repeatable "
+                                                "(default: the recipe's held-out prompts)"),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
+    fit_fraction: float = typer.Option(0.5, "--fit-fraction", help="share of the prompts that fit the "
+                                       "temperatures; the others measure ECE"),
+    store: bool = typer.Option(True, "--store/--no-store", help="write the temperatures into the checkpoint"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype (default: the recipe's)"),
+    target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
+    output: Optional[Path] = typer.Option(None, "--output", help="report directory (default: RUN_DIR/calibration)"),
+):
+    """Calibrate the drafter's confidence head (per-position temperatures, fitted left to right) on held-out
+    prompts; report the survival ECE before and after with a reliability diagram; store T in the checkpoint."""
+    from .workflows import calibrate_run
+
+    given = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature}
+    report, out = calibrate_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None}, k=k,
+                                prompts=prompts or None, target_model=target_model, output=output, store=store,
+                                fit_fraction=fit_fraction, device=device, dtype=dtype, log=log,
+                                override_names=_EVAL_OPTIONS)
+    console.print(f"survival ECE {report['before']['ece']:.4f} -> {report['after']['ece']:.4f} "
+                  f"({report['split']}); T = {[round(x, 3) for x in report['temperatures_after'][:report['k']]]}")
+    log(f"report written to {out}/calibration.md (reliability diagram {out}/reliability.png)")
 
 
 @app.command()
@@ -238,6 +282,21 @@ def _print_report(report: dict) -> None:
                       f"{r['k']}{' ★' if r['best_k'] else ''}", tau(r), f"{r['acceptance_rate']:.3f}",
                       f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
         console.print(c)
+    g = report.get("gating")
+    if g:
+        t = Table(title=f"confidence-gated verification (threshold {g['threshold']}"
+                        f"{', cost-aware' if g['cost_aware'] else ''}; drafts per step proposed / verified)")
+        for col in ("drafter", "batch", "K", "tau [95% CI]", "drafted/step", "verified/step", "acc. rate",
+                    "tokens/s", "speedup"):
+            t.add_column(col)
+        gated = {(r["batch_size"], r["k"]): r for r in report.get("gated_rows", [])}
+        for r in sorted((r for r in report["rows"] if r["method"] == "drafter"), key=lambda r: (r["batch_size"], r["k"])):
+            for label, row in (("ungated", r), ("gated", gated.get((r["batch_size"], r["k"])))):
+                if row is not None:
+                    t.add_row(label, str(r["batch_size"]), str(r["k"]), tau(row), f"{row['drafted_per_step']:.2f}",
+                              f"{row['verified_per_step']:.2f}", f"{row['acceptance_rate']:.3f}",
+                              f"{row['tokens_per_s']:.1f}", f"{row['speedup']:.2f}x")
+        console.print(t)
     mm = report.get("greedy_mismatches")
     if mm is not None and not mm:
         console.print("greedy losslessness: every proposer's output == plain greedy output on every prompt "

@@ -8,8 +8,10 @@ acceptance length, bonus included), acceptance rate (verifier-accepted / drafted
 ``accepted_emitted`` counts beside it), per-position acceptance
 ``acc_k = P(draft k accepted)``, conditional per-position acceptance, tokens/s of each method and the
 speedup over plain decoding at the same batch size, tau's 95% bootstrap confidence interval over
-prompts, and at temperature 0 every prompt whose output differs from plain greedy decoding (must be
-none: lossless). :func:`write_report` writes ``report.json``, ``report.md`` and two PNG plots.
+prompts, drafting and verifying time per decoding step (ms), tau per prompt source (``by_source``),
+with a confidence threshold the drafter's confidence-gated rows beside its ungated ones (drafted and
+verified drafts per step), and at temperature 0 every prompt whose output differs from plain greedy
+decoding (must be none: lossless). :func:`write_report` writes ``report.json``, ``report.md`` and two PNG plots.
 
 Every decode stops at the first stop token (the target's stop ids: tokenizer EOS, ``generation_config``
 EOS ids, chat-template end-of-turn) and at ``max_new_tokens``; tau, tokens and tokens/s count only the
@@ -67,6 +69,9 @@ class AcceptanceStats:
         pos_drafted[i]: steps that drafted >= i+1 tokens.
         pos_accepted[i]: steps whose verifier accepted >= i+1 drafts.
         pos_reached[i]: steps that drafted >= i+1 tokens and accepted drafts 1..i (draft i+1 was judged).
+        proposed: drafts the proposer returned before confidence gating (``GenerationResult.proposed``;
+            ``== drafted`` without a gate). ``proposed / steps`` is the report's ``drafted_per_step``,
+            ``drafted / steps`` its ``verified_per_step``.
     """
 
     k: int
@@ -80,6 +85,7 @@ class AcceptanceStats:
     pos_drafted: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
     pos_reached: list[int] = field(default_factory=list)
+    proposed: int = 0
 
     def __post_init__(self):
         self.pos_drafted = self.pos_drafted or [0] * self.k
@@ -111,6 +117,8 @@ class AcceptanceStats:
                     f"<= k, 1 <= emitted <= verifier_accepted + 1, accepted == min(verifier_accepted, emitted))")
         self.tokens += len(result.tokens)
         self.seconds += result.seconds
+        proposed = list(getattr(result, "proposed", None) or [])
+        self.proposed += sum(proposed) if len(proposed) == len(steps) else sum(result.drafted)
         for a, n, e, va in steps:
             self.steps += 1
             self.emitted += e
@@ -160,14 +168,18 @@ class AcceptanceStats:
         Keys: ``tau`` (= ``emitted / steps``), ``acceptance_rate`` (= ``accepted / drafted``),
         ``per_position``, ``conditional`` (lists of ``k`` floats), ``steps``, ``emitted``, ``drafted``,
         ``accepted`` (verifier-accepted drafts), ``accepted_emitted`` (accepted drafts that were emitted),
-        ``tokens``, ``seconds`` (wall time, s), ``tokens_per_s``. (Reports written before
+        ``tokens``, ``seconds`` (wall time, s), ``tokens_per_s``, ``proposed`` (drafts before confidence
+        gating), ``drafted_per_step`` (= ``proposed / steps``) and ``verified_per_step`` (= ``drafted /
+        steps``: drafts the target verified; smaller than ``drafted_per_step`` only under a gate). (Reports written before
         ``accepted_emitted`` existed used ``accepted`` for accepted-and-emitted drafts and
         ``verifier_accepted`` for the verifier's count.)
         """
         return {"tau": self.tau, "acceptance_rate": self.acceptance_rate, "per_position": self.per_position,
                 "conditional": self.conditional, "steps": self.steps, "emitted": self.emitted,
                 "drafted": self.drafted, "accepted": self.accepted, "accepted_emitted": self.accepted_emitted,
-                "tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
+                "tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
+                "proposed": self.proposed, "drafted_per_step": self.proposed / self.steps if self.steps else 0.0,
+                "verified_per_step": self.drafted / self.steps if self.steps else 0.0}
 
 
 # the proposers every report compares (report keys and table labels)
@@ -229,19 +241,52 @@ def _as_k_list(k) -> list[int]:
 
 
 def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tokens: int, temperature: float,
-              top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None):
-    """One decode pass of every prompt through the batched loop; ``(results in prompt order, wall seconds)``.
+              top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None, gate=None):
+    """One decode pass of every prompt through the batched loop: the
+    :class:`speculators.generate.BatchResult` (results in prompt order, wall seconds, drafting and
+    verifying seconds, batched steps).
 
     Prompt ``i`` draws from its own generator seeded with ``seed + i`` (so its output does not depend
-    on the batch it ran in); ``proposer=None`` is plain decoding through the same loop.
+    on the batch it ran in); ``proposer=None`` is plain decoding through the same loop; ``gate``: a
+    :class:`speculators.generate.ConfidenceGate` (confidence-gated verification) or None.
     """
     from .generate import speculative_generate
     from .verify import SamplingParams
 
     sampling = SamplingParams.uniform(len(prompt_ids), temperature, top_k, top_p)
-    out = speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling, batch_size,
-                               eos_ids=stop, seeds=[seed + i for i in range(len(prompt_ids))], progress=progress)
-    return out.results, out.seconds
+    return speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling, batch_size,
+                                eos_ids=stop, seeds=[seed + i for i in range(len(prompt_ids))], progress=progress,
+                                gate=gate)
+
+
+def _step_times(out) -> dict:
+    """The drafting / verifying time of a pass (:class:`speculators.generate.BatchResult`): total seconds and
+    milliseconds per decoding step, a step being one batched target forward (= one request's step at
+    batch 1). ``draft_*`` is 0 for plain decoding."""
+    steps = max(int(out.target_forwards), 1)
+    return {"draft_seconds": out.draft_seconds, "verify_seconds": out.verify_seconds,
+            "batched_steps": int(out.target_forwards), "draft_ms_per_step": 1000.0 * out.draft_seconds / steps,
+            "verify_ms_per_step": 1000.0 * out.verify_seconds / steps}
+
+
+def _source_blocks(prompts: list[dict], results: list, k: int, resamples: int, seed: int) -> dict[str, dict]:
+    """Per prompt source (``prompt["source"]``; ``"prompts"`` when unlabelled), in order of first
+    appearance: the :meth:`AcceptanceStats.as_dict` block of that source's prompts (``seconds`` and
+    ``tokens_per_s`` left out: requests of a batch share their wall time) with ``tau_ci`` (bootstrap
+    over that source's prompts) and ``num_prompts``."""
+    groups: dict[str, list] = {}
+    for p, r in zip(prompts, results):
+        groups.setdefault(str(p.get("source") or "prompts"), []).append(r)
+    out = {}
+    for name, rs in groups.items():
+        st = AcceptanceStats(k)
+        for r in rs:
+            st.add(r)
+        block = {key: v for key, v in st.as_dict().items() if key not in ("seconds", "tokens_per_s")}
+        block["tau_ci"] = list(bootstrap_tau_ci([sum(r.emitted) for r in rs], [len(r.emitted) for r in rs],
+                                                resamples, seed))
+        out[name] = {"num_prompts": len(rs), **block}
+    return out
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -250,7 +295,8 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampling=None, ngram_max: int = 3,
              seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
-             methods=METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000) -> dict:
+             methods=METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
+             confidence_threshold: float | None = None, verify_cost: list[float] | None = None) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
@@ -266,14 +312,20 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     Per row (method, K, batch size): :meth:`AcceptanceStats.as_dict` with ``seconds`` the wall time of
     the whole pass (so ``tokens_per_s`` is the throughput at that batch size), ``tau_ci`` (95%
     bootstrap CI over prompts, :func:`bootstrap_tau_ci` with ``seed``), ``speedup`` (tokens/s over
-    plain decoding's at the SAME batch size) and ``best_k`` (True on the K with the best speedup of
-    that method and batch size). At temperature 0 every output is compared with plain greedy decoding
-    at batch 1 (plain at ``batch_size`` included): ``greedy_mismatches`` lists each difference.
+    plain decoding's at the SAME batch size), ``best_k`` (True on the K with the best speedup of
+    that method and batch size), and the pass's time split (:class:`speculators.generate.BatchResult`):
+    ``draft_seconds`` / ``verify_seconds`` (proposer ``propose`` + ``advance``; target forwards +
+    rejection sampling), ``batched_steps`` (batched target forwards) and ``draft_ms_per_step`` /
+    ``verify_ms_per_step`` (milliseconds per batched decoding step; plain rows have both, with
+    drafting 0). Prompts may carry a ``"source"`` name (``speculators eval --prompts A --prompts B``,
+    or the recipe's sources for the held-out split): ``by_source`` breaks the headline rows down by it.
+    At temperature 0 every output is compared with plain greedy decoding at batch 1 (plain at
+    ``batch_size`` included): ``greedy_mismatches`` lists each difference.
 
     Args:
         target: :class:`speculators.target.Target`. drafter: a batched proposer (a drafter family);
             None only when ``methods`` has neither ``drafter`` nor ``hybrid``.
-        prompts: ``[{"id", "input_ids"}]`` rendered prompts.
+        prompts: ``[{"id", "input_ids"}]`` rendered prompts, optionally with ``"source"`` (a name).
         k: max drafts per step, an int or a list of them (the K sweep; each >= 1).
         max_new_tokens: cap on generated tokens per prompt.
         sampling: :class:`speculators.verify.SamplingParams` of one request (``None`` = greedy); its
@@ -290,10 +342,23 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         string keys), sampling values, ``stop_token_ids``, ``greedy_mismatches`` (None when sampling)
         and the HEADLINE (the largest batch size and the drafter's best K there; the first method's
         when there is no drafter): ``k``, one block per method (``report["drafter"]`` ...),
-        ``plain``, ``speedup`` (the drafter's) and ``<method>_speedup``.
+        ``plain``, ``speedup`` (the drafter's) and ``<method>_speedup``; ``by_source``:
+        ``{source: {method: {k, batch_size, num_prompts, tau, tau_ci, acceptance_rate, per_position,
+        conditional, steps, emitted, drafted, accepted, accepted_emitted, tokens}}}`` at the headline
+        batch size and K, sources in order of first appearance (one entry ``"prompts"`` when the
+        prompts carry no ``source``).
     Raises:
         SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``; bad ``k``,
-            ``batch_size``, ``methods``; no prompts; a drafter method without a drafter.
+            ``batch_size``, ``methods``; no prompts; a drafter method without a drafter; a
+            ``confidence_threshold`` outside (0, 1) or a bad ``verify_cost``.
+
+    Confidence-gated verification (DSpark; ``confidence_threshold`` and/or ``verify_cost``, see
+    :class:`speculators.generate.ConfidenceGate`): the drafter is decoded a second time for every K and
+    batch size with the gate; those rows (same keys as ``rows``, plus ``gated: True``) go to
+    ``report["gated_rows"]`` and ``report["gating"]`` holds ``{"threshold", "cost_aware", "verify_cost",
+    "confidences" (whether the drafter reported any), "headline": {"ungated": row, "gated": row}}`` at the
+    headline batch size and K. Gated outputs join the greedy losslessness check (``proposer:
+    "drafter (gated)"``). Without them both keys are absent.
     """
     from .generate import NGramProposer, resolve_stop_ids
     from .losses import sampling_values
@@ -317,20 +382,29 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     n = len(ids)
     greedy = temperature == 0.0
     batch_sizes = sorted({1, batch_size})
-    total = n * len(batch_sizes) * (1 + len(ks) * len(methods))
+    gate = None
+    if (confidence_threshold is not None or verify_cost is not None) and "drafter" in methods:
+        from .generate import ConfidenceGate
+
+        gate = ConfidenceGate(confidence_threshold, verify_cost)
+    elif confidence_threshold is not None:  # still refuse a bad value without a drafter row
+        from .generate import check_confidence_threshold
+
+        check_confidence_threshold(confidence_threshold)
+    total = n * len(batch_sizes) * (1 + len(ks) * (len(methods) + (gate is not None)))
     done = [0]
 
     def pass_progress():
         base = done[0]
         return (lambda d, t: progress(base + d, total)) if progress else None
 
-    def run(proposer, kk, b):
-        res, secs = _generate(target, proposer, ids, kk, max_new_tokens, temperature, top_k, top_p, b, stop, seed,
-                              progress=pass_progress())
+    def run(proposer, kk, b, gate=None):
+        out = _generate(target, proposer, ids, kk, max_new_tokens, temperature, top_k, top_p, b, stop, seed,
+                        progress=pass_progress(), gate=gate)
         done[0] += n
         if progress:
             progress(done[0], total)
-        return res, secs
+        return out
 
     def make(method):
         if method == "drafter":
@@ -347,14 +421,16 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     # otherwise be charged to batch 1's plain baseline and inflate every speedup
     speculative_generate(target, None, ids[:1], 0, min(4, max_new_tokens), None, 1, eos_ids=stop)
     rows, plain_rows, mismatches, reference = [], [], [], None
+    results_of: dict[tuple, list] = {}  # (method, K, batch) -> the pass's results (for the per-source table)
     for b in batch_sizes:
-        res, secs = run(None, 0, b)
+        out = run(None, 0, b)
+        res, secs = out.results, out.seconds
         plain = AcceptanceStats(1)
         for r in res:
             plain.add(r)
         plain.seconds = secs
         plain_rows.append({"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
-                           "seconds": secs, "tokens_per_s": plain.tokens_per_s})
+                           "seconds": secs, "tokens_per_s": plain.tokens_per_s, **_step_times(out)})
         if reference is None:
             reference = [r.tokens for r in res]  # plain greedy at batch 1: what every output must equal
         elif greedy:
@@ -365,7 +441,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         for method in methods:
             for kk in ks:
                 proposer = make(method)
-                res, secs = run(proposer, kk, b)
+                out = run(proposer, kk, b)
+                res, secs = out.results, out.seconds
                 st = AcceptanceStats(kk)
                 for r in res:
                     st.add(r)
@@ -375,6 +452,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
                                                       bootstrap_resamples, seed))
                 row["speedup"] = st.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
                 row["best_k"] = False
+                row.update(_step_times(out))
+                results_of[(method, kk, b)] = res
                 if method == "hybrid":
                     row["proposals"] = dict(proposer.counts)  # how many steps each part drafted
                 rows.append(row)
@@ -383,7 +462,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
                                     "first_diff": _first_diff(r.tokens, ref)}
                                    for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
                 log(f"eval: batch {b}, {method} K={kk}: tau {st.tau:.3f}, {st.tokens_per_s:.1f} tokens/s "
-                    f"({row['speedup']:.2f}x)")
+                    f"({row['speedup']:.2f}x), drafting {row['draft_ms_per_step']:.2f} ms/step")
     best_k: dict[str, dict[str, int]] = {}
     for b in batch_sizes:
         for method in methods:
@@ -393,6 +472,28 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
             best_k.setdefault(str(b), {})[method] = best["k"]
     head_b = batch_sizes[-1]
     head_k = best_k[str(head_b)][methods[0]]
+    gated_rows, any_confidence = [], False
+    for b in (batch_sizes if gate is not None else []):  # the drafter again, confidence-gated
+        plain_tps = next(p for p in plain_rows if p["batch_size"] == b)["tokens_per_s"]
+        for kk in ks:
+            out = run(drafter, kk, b, gate)
+            res = out.results
+            st = AcceptanceStats(kk)
+            for r in res:
+                st.add(r)
+            st.seconds = out.seconds
+            any_confidence = any_confidence or st.proposed != st.drafted
+            row = {"method": "drafter", "gated": True, "k": kk, "batch_size": b, **st.as_dict(),
+                   "tau_ci": list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
+                                                   bootstrap_resamples, seed)),
+                   "speedup": st.tokens_per_s / plain_tps if plain_tps else 0.0, **_step_times(out)}
+            gated_rows.append(row)
+            if greedy:
+                mismatches += [{"prompt": p["id"], "proposer": "drafter (gated)", "k": kk, "batch_size": b,
+                                "first_diff": _first_diff(r.tokens, ref)}
+                               for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
+            log(f"eval: batch {b}, drafter K={kk} gated: tau {st.tau:.3f}, verified {row['verified_per_step']:.2f} "
+                f"of {row['drafted_per_step']:.2f} drafts/step, {st.tokens_per_s:.1f} tokens/s ({row['speedup']:.2f}x)")
     report = {
         "num_prompts": n, "k": head_k, "ks": ks, "batch_size": batch_size, "batch_sizes": batch_sizes,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -407,6 +508,23 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         row = next(r for r in rows if r["batch_size"] == head_b and r["k"] == head_k and r["method"] == method)
         report[method] = row
         report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
+    if gate is not None:
+        report["gated_rows"] = gated_rows
+        report["gating"] = {
+            "threshold": gate.threshold, "cost_aware": gate.verify_cost is not None, "verify_cost": gate.verify_cost,
+            "confidences": any_confidence,
+            "headline": {"ungated": next(r for r in rows if r["method"] == "drafter" and r["batch_size"] == head_b
+                                         and r["k"] == head_k),
+                         "gated": next(r for r in gated_rows if r["batch_size"] == head_b and r["k"] == head_k)}}
+        if not report["gating"]["confidences"]:
+            log("eval: the drafter's proposals carry no confidence logits (or every draft was confident): "
+                "gating left every proposal as it was")
+    # tau per prompt source (the headline batch size and K), e.g. one entry per --prompts source
+    report["by_source"] = {}
+    for method in methods:
+        blocks = _source_blocks(prompts, results_of[(method, head_k, head_b)], head_k, bootstrap_resamples, seed)
+        for name, block in blocks.items():
+            report["by_source"].setdefault(name, {})[method] = {"k": head_k, "batch_size": head_b, **block}
     return report
 
 
@@ -423,13 +541,74 @@ def _fmt_tau(r: dict) -> str:
     return f"{r['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+def _fmt_ms(r: dict, what: str) -> str:
+    v = r.get(f"{what}_ms_per_step")
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _by_source_markdown(report: dict) -> list[str]:
+    """The ``by_source`` table (a row per source and method), or nothing for fewer than two sources."""
+    by = report.get("by_source") or {}
+    if len(by) < 2:
+        return []
+    head = report["headline"]
+    lines = ["", f"## By prompt source (batch size {head['batch_size']}, K={head['k']})", "",
+             "| source | prompts | method | tau [95% CI] | acceptance rate | steps | tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for name, per in by.items():
+        for m in report["methods"]:
+            r = per.get(m)
+            if r is not None:
+                lines.append(f"| {name} | {r['num_prompts']} | {METHOD_LABELS[m]} | {_fmt_tau(r)} | "
+                             f"{r['acceptance_rate']:.3f} | {r['steps']} | {r['tokens']} |")
+    return lines
+
+
+def _gating_markdown(report: dict) -> list[str]:
+    """The confidence-gating section (``report["gating"]``): ungated and gated drafter rows side by side
+    (tau, drafted and verified drafts per step, acceptance rate, tokens/s, speedup), then per-position
+    acceptance of both at the headline; nothing without gating."""
+    g = report.get("gating")
+    if not g:
+        return []
+    how = (f"survival threshold {g['threshold']}" if g["threshold"] is not None else "") + \
+        (" + " if g["threshold"] is not None and g["cost_aware"] else "") + \
+        ("cost-aware prefix (measured verify cost)" if g["cost_aware"] else "")
+    lines = ["", f"## Confidence-gated verification ({how})", "",
+             "The drafts after the first whose survival prod_{i<=k} c_i (calibrated confidences) falls below the "
+             "threshold are not verified; the rule reads only the drafter's outputs, so the output distribution "
+             "is unchanged. drafted/step = drafts proposed per step, verified/step = drafts the target verified.",
+             "", "| drafter | batch | K | tau [95% CI] | drafted/step | verified/step | acceptance rate | tokens/s | "
+             "speedup |", "|---|---|---|---|---|---|---|---|---|"]
+    gated = {(r["batch_size"], r["k"]): r for r in report.get("gated_rows", [])}
+    for b in report["batch_sizes"]:
+        for r in sorted(_rows(report, "drafter", b), key=lambda r: r["k"]):
+            for label, row in (("ungated", r), ("gated", gated.get((b, r["k"])))):
+                if row is None:
+                    continue
+                lines.append(f"| {label} | {b} | {r['k']} | {_fmt_tau(row)} | {row.get('drafted_per_step', 0.0):.2f} | "
+                             f"{row.get('verified_per_step', 0.0):.2f} | {row['acceptance_rate']:.3f} | "
+                             f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
+    if not g.get("confidences"):
+        lines += ["", "The drafter reported no confidence logits (or every draft cleared the gate): nothing was cut."]
+    h = g["headline"]
+    k = len(h["ungated"]["per_position"])
+    lines += ["", f"acc_k at batch size {h['gated']['batch_size']}, K={h['gated']['k']} (P(draft k accepted | "
+              "draft k verified)):", "", "| | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---|" + "---|" * k]
+    for label in ("ungated", "gated"):
+        lines.append(f"| {label} | " + " | ".join(f"{x:.3f}" for x in h[label]["per_position"]) + " |")
+    return lines
+
+
 def report_markdown(report: dict, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
     """The report of :func:`run_eval` as Markdown.
 
     Sections: one table per batch size (a row per method and K: tau with its 95% bootstrap CI,
-    acceptance rate, tokens/s, speedup over plain decoding at that batch size; ★ marks each method's
-    best K), the counts table of the headline rows (steps, drafted, accepted, accepted & emitted,
-    emitted), per-position and conditional acceptance at batch 1 and the largest K, the plots
+    acceptance rate, tokens/s, speedup over plain decoding at that batch size, drafting and verifying
+    ms per step; ★ marks each method's best K), the counts table of the headline rows (steps, drafted,
+    accepted, accepted & emitted, emitted), the by-source table (``report["by_source"]``, when the
+    prompts come from two sources or more), the confidence-gating section (``report["gating"]``: ungated
+    and gated drafter rows, drafted / verified drafts per step, acc_k of both), per-position and conditional acceptance at batch 1 and the largest K, the plots
     (``plots``, default ``report["plots"]``: ``{"per_position" | "tau_vs_k": relative PNG path}``,
     embedded as images), the compare table (``report["compare"]``) and the greedy losslessness line.
     """
@@ -444,16 +623,20 @@ def report_markdown(report: dict, title: str = "speculators eval", plots: dict[s
              "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
              f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
              "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
-             "★ = the K with the best speedup of that method and batch size.", ""]
+             "★ = the K with the best speedup of that method and batch size; draft / verify ms/step = wall time "
+             "of the proposer (propose + advance) / of the target forward and rejection sampling per batched "
+             "decoding step.", ""]
     for b in report["batch_sizes"]:
         plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
-        lines += [f"## Batch size {b}", "", "| method | K | tau [95% CI] | acceptance rate | tokens/s | speedup |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"## Batch size {b}", "", "| method | K | tau [95% CI] | acceptance rate | tokens/s | speedup | "
+                  "draft ms/step | verify ms/step |", "|---|---|---|---|---|---|---|---|"]
         for m in methods:
             for r in sorted(_rows(report, m, b), key=lambda r: r["k"]):
                 lines.append(f"| {METHOD_LABELS[m]} | {r['k']}{' ★' if r.get('best_k') else ''} | {_fmt_tau(r)} | "
-                             f"{r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
-        lines += [f"| plain target | - | {plain.get('tau', 1.0):.3f} | - | {plain['tokens_per_s']:.1f} | 1.00x |", ""]
+                             f"{r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                             f"{_fmt_ms(r, 'draft')} | {_fmt_ms(r, 'verify')} |")
+        lines += [f"| plain target | - | {plain.get('tau', 1.0):.3f} | - | {plain['tokens_per_s']:.1f} | 1.00x | "
+                  f"- | {_fmt_ms(plain, 'verify')} |", ""]
     lines += [f"## Counts (batch size {head['batch_size']}, K={head['k']})", "",
               "accepted & emitted <= accepted (accepted drafts after a stop token or max_new_tokens are not emitted).",
               "", "| method | steps | drafted | accepted | accepted & emitted | emitted |", "|---|---|---|---|---|---|"]
@@ -466,6 +649,8 @@ def report_markdown(report: dict, title: str = "speculators eval", plots: dict[s
         c = hy["proposals"]
         lines += ["", f"hybrid: {c.get('suffix', 0)} drafts from the suffix tree (match >= "
                       f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter."]
+    lines += _by_source_markdown(report)
+    lines += _gating_markdown(report)
     kmax, b1 = max(ks), report["batch_sizes"][0]
     lines += ["", f"## Per-position acceptance (batch size {b1}, K={kmax})", "",
               "acc_k = P(draft k accepted | draft k proposed); cond acc_k = P(draft k accepted | drafts 1..k-1 "

@@ -7,7 +7,9 @@ continuous batching), in :func:`speculative_generate`:
    requests joining at that step: :meth:`speculators.target.BatchDecodeSession.add_many`) and
    concatenated to the batch's; each first token is sampled from the prefill;
 2. every step, each live request's proposer state drafts up to ``k_i`` tokens (ONE batched
-   ``propose`` call, ragged: ``k_i`` may differ per request and may be 0);
+   ``propose`` call, ragged: ``k_i`` may differ per request and may be 0); with a confidence gate
+   (:class:`ConfidenceGate`, DSpark) a proposal that carries confidence logits is cut to its confident
+   prefix here, before the target sees it (the rule reads only the drafter's outputs: lossless);
 3. ONE target forward over every live request's ``[last token, d_1..d_{k_i}]`` (right-padded, one KV
    cache) gives ``k_i + 1`` distributions (and target features) per request;
 4. ONE call of the ragged rejection sampler (:func:`speculators.verify.rejection_sample`) accepts a
@@ -50,7 +52,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .drafters.base import Proposal, advance_each, propose_each
+from .drafters.base import Proposal, advance_each, check_speculative_tokens, propose_each
 from .errors import SpeculatorsError
 from .verify import SamplingParams, rejection_sample
 
@@ -132,6 +134,16 @@ class GenerationResult:
             also counts accepted drafts after a stop token inside the step, which were not emitted).
         seconds: wall time of prefill + decode (in a batch: from the request's join to its end).
         target_forwards: number of target forwards (prefill excluded) == number of steps.
+        proposed: per step, drafts the proposer returned BEFORE confidence gating (``speculative_generate``'s
+            ``confidence_threshold`` / ``gate``); equal to ``drafted`` without a gate (an empty list for a
+            result built by hand).
+        draft_seconds: wall time (s) of the proposer's ``propose`` and ``advance`` calls of the steps this
+            request was live in (in a batch: the whole batched call, which this request waited for);
+            0.0 for plain decoding. ``start`` (the drafter's prompt prefill) is not in it, as the
+            target's prefill is not in ``verify_seconds``.
+        verify_seconds: wall time (s) of those steps' target forwards over ``[last token, drafts]`` and
+            their rejection sampling. ``draft_seconds + verify_seconds <= seconds``; the rest is the
+            prefills and the loop's bookkeeping.
     """
 
     tokens: list[int]
@@ -141,6 +153,9 @@ class GenerationResult:
     target_forwards: int = 0
     emitted: list[int] = field(default_factory=list)
     verifier_accepted: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    proposed: list[int] = field(default_factory=list)
 
     def add_step(self, drafted: int, verifier_accepted: int, emitted: int) -> None:
         """Record one verification step (see the attributes for the definitions)."""
@@ -160,11 +175,19 @@ class BatchResult:
         seconds: wall time of the whole run (all prefills and steps), in seconds.
         target_forwards: batched target forwards of the decode steps (prefills excluded); each covers
             every request live at that step.
+        draft_seconds: wall time (s) of all batched ``propose`` / ``advance`` calls (drafter work; 0.0
+            for plain decoding). ``draft_seconds / target_forwards`` is the drafting time per step.
+        verify_seconds: wall time (s) of all decode steps' target forwards and rejection sampling.
+            ``draft_seconds + verify_seconds <= seconds``. Measured with ``time.perf_counter``, after a
+            ``torch.cuda.synchronize`` when the target is on CUDA (asynchronous kernels are charged to
+            the phase that launched them).
     """
 
     results: list[GenerationResult]
     seconds: float = 0.0
     target_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -175,6 +198,14 @@ class BatchResult:
     def tokens_per_s(self) -> float:
         """Throughput: generated tokens over all requests / wall time (0.0 when no time was measured)."""
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _clock(device) -> float:
+    """``time.perf_counter()`` after the device's queued kernels finished (a CUDA synchronize only when
+    ``device`` is a CUDA device: elsewhere the work is already done when the call returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _emit_until(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
@@ -322,12 +353,214 @@ def _draft_probs(props: list, drafts: list[torch.Tensor], vocab: int, device) ->
     return torch.cat(rows)
 
 
+# ----------------------------------------------------------------------------- confidence-gated verification
+def check_confidence_threshold(value, name: str = "confidence_threshold") -> float | None:
+    """``value`` as a float in the open interval (0, 1), or None (no gating).
+
+    Raises:
+        SpeculatorsError: naming ``name``: not a number, or outside (0, 1) (0 would never cut a draft
+            and 1 would cut every one: neither is a gate).
+    """
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = float(value)
+    except (TypeError, ValueError):
+        raise SpeculatorsError(f"{name}: expected a number in (0, 1) (the survival probability below which drafts "
+                               f"are not verified), got {value!r}") from None
+    if not 0.0 < v < 1.0:
+        raise SpeculatorsError(f"{name}: must lie in the open interval (0, 1) (the survival probability below "
+                               f"which drafts are not verified), got {value!r}")
+    return v
+
+
+def confidence_temperature_of(proposer) -> torch.Tensor | None:
+    """The per-position calibration temperatures ``[B]`` float32 of a proposer with a confidence head: its
+    ``confidence_temperature`` buffer, else that of the drafter it wraps (``proposer.drafter``), else None
+    (then the raw confidences are used, i.e. every T_k = 1)."""
+    for obj in (proposer, getattr(proposer, "drafter", None)):
+        t = getattr(obj, "confidence_temperature", None) if obj is not None else None
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+def survival_probabilities(confidence_logits: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Survival ``S_k = prod_{i<=k} sigmoid(z_i / T_i)`` of drafts 1..n (DSpark, ALGORITHMS.md: the
+    calibrated conditional confidence of slot i is ``sigmoid(z_i / T_i)``, the probability that draft i is
+    accepted given drafts 1..i-1 were; their running product is the probability that drafts 1..k all are).
+
+    Args:
+        confidence_logits: ``[n]`` raw (pre-sigmoid) confidence logits ``z`` of a proposal's drafts.
+        temperature: ``[>= n]`` per-position temperatures ``T`` (> 0), or None (all 1).
+    Returns:
+        ``[n]`` float32 on the CPU, non-increasing, in [0, 1].
+    Raises:
+        SpeculatorsError: ``temperature`` shorter than ``n`` or not positive.
+    """
+    z = confidence_logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    if temperature is not None:
+        t = temperature.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        if t.numel() < z.numel() or not bool((t[:z.numel()] > 0).all()):
+            raise SpeculatorsError(f"confidence_temperature: expected {z.numel()} or more positive temperatures, "
+                                   f"got {t.tolist()}")
+        z = z / t[:z.numel()]
+    return torch.cumprod(torch.sigmoid(z), 0)
+
+
+class ConfidenceGate:
+    """Which prefix of each proposal the target verifies (DSpark's confidence-gated verification).
+
+    The rule reads only the proposal (its drafts' confidence logits) and the proposer's calibration
+    temperatures, never the target or the verifier's randomness, and whether draft k is kept depends only on
+    ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only drafts ``< k``. Dropping
+    draft k is then the proposer stopping before drafting it, and speculative sampling stays lossless
+    (Leviathan et al. 2023). A draft kept or dropped because of its OWN sampled value, or a rule that looks at
+    the verifier's outcome, can bias the output (tests/test_gating.py shows the latter). Proposals
+    without ``confidence_logits`` (n-gram, suffix, families without a confidence head) are untouched.
+
+    * threshold mode: keep drafts 1..m, where m is the number of leading drafts whose survival
+      ``S_k = prod_{i<=k} c_i`` (:func:`survival_probabilities`) is ``>= threshold``; the first draft
+      whose survival falls below it, and everything after it, is dropped (m may be 0);
+    * cost-aware mode (``verify_cost`` given): with ``value(m) = (1 + sum_{k<=m} S_k) / verify_cost[m]``
+      (expected emitted tokens per unit of verify cost), keep extending the prefix while it raises the
+      value: m is the first ``m <= m_thr`` with ``value(m + 1) <= value(m)`` (``m_thr`` = the threshold's
+      m, or every draft without a threshold), where ``verify_cost[m]`` is the measured time of a target
+      forward over ``m + 1`` tokens (:func:`measure_verify_cost`; the last entry is used beyond the
+      measured lengths). The rule is a stopping time: whether draft k is kept depends only on
+      ``S_1..S_k``, i.e. on drafts ``< k`` (``S_k`` reads draft k-1, never draft k). A global argmax over
+      all m would not be: keeping draft k would then depend on ``S_{k+1}``, which reads draft k itself,
+      and keeping a sampled draft because of its own value biases the output at temperature > 0
+      (tests/test_gating.py). With the usual non-increasing survival and convex costs the two agree. Drafting cost
+      is spent before the choice and does not enter it; in a batch each request chooses alone (the
+      padded forward's cost depends on the longest request, which this per-request model ignores).
+
+    Args:
+        threshold: survival threshold in (0, 1), or None (cost-aware mode only).
+        verify_cost: ``[K+1]`` positive seconds (or any unit) of target forwards over 1..K+1 tokens, or None.
+    Raises:
+        SpeculatorsError: neither given, a threshold outside (0, 1), or a non-positive / empty cost list.
+    """
+
+    def __init__(self, threshold: float | None = None, verify_cost: list[float] | None = None):
+        self.threshold = check_confidence_threshold(threshold)
+        if verify_cost is not None:
+            cost = [float(c) for c in verify_cost]
+            if not cost or not all(c > 0 and c == c and c != float("inf") for c in cost):
+                raise SpeculatorsError(f"verify_cost: expected one positive finite time per verified length "
+                                       f"(1..K+1 tokens), got {verify_cost!r}")
+            verify_cost = cost
+        if self.threshold is None and verify_cost is None:
+            raise SpeculatorsError("ConfidenceGate: give a confidence threshold, a verify_cost model, or both")
+        self.verify_cost = verify_cost
+
+    def keep_length(self, survival: torch.Tensor) -> int:
+        """How many leading drafts to verify, from their survival probabilities ``[n]`` (see the class)."""
+        s = survival.reshape(-1).tolist()
+        m = len(s)
+        if self.threshold is not None:
+            m = next((k for k, v in enumerate(s) if v < self.threshold), len(s))
+        if self.verify_cost is None:
+            return m
+        cost = self.verify_cost
+        # a stopping time (see the class): draft j is kept only if value(j) > value(j - 1), which reads
+        # S_1..S_j, i.e. drafts < j; a global argmax would let draft j's own value decide whether it is kept
+        expected = 1.0
+        value = expected / cost[0]
+        for j in range(1, m + 1):
+            expected += s[j - 1]
+            nxt = expected / cost[min(j, len(cost) - 1)]
+            if nxt <= value:
+                return j - 1
+            value = nxt
+        return m
+
+    def keep(self, proposer, proposals: list) -> list[int | None]:
+        """Per proposal, the number of leading drafts to verify, or None to leave it as it is (no
+        proposal, no drafts, or no ``confidence_logits``).
+
+        Raises:
+            SpeculatorsError: ``confidence_logits`` whose length differs from the drafts'.
+        """
+        temperature = confidence_temperature_of(proposer)
+        out: list[int | None] = []
+        for j, p in enumerate(proposals):
+            z = None if p is None else p.confidence_logits
+            n = 0 if p is None else int(p.token_ids.numel())
+            if z is None or n == 0:
+                out.append(None)
+                continue
+            if int(z.numel()) != n:
+                raise SpeculatorsError(f"proposal {j}: confidence_logits has {int(z.numel())} entries for {n} drafts "
+                                       "(one raw confidence logit per draft)")
+            out.append(self.keep_length(survival_probabilities(z, temperature)))
+        return out
+
+
+def _truncate(p: Proposal, m: int) -> Proposal:
+    """The first ``m`` drafts of ``p`` (ids, probabilities and confidence logits alike)."""
+    return dataclasses.replace(p, token_ids=p.token_ids.reshape(-1)[:m],
+                               probs=None if p.probs is None else p.probs[:m],
+                               confidence_logits=None if p.confidence_logits is None else p.confidence_logits[:m])
+
+
+def _resolve_gate(gate, confidence_threshold):
+    """The run's gate: ``gate`` (any object with ``keep(proposer, proposals)``), or a threshold
+    :class:`ConfidenceGate`, or None."""
+    threshold = check_confidence_threshold(confidence_threshold)
+    if gate is not None and threshold is not None:
+        raise SpeculatorsError("confidence_threshold and gate: give one of them (a ConfidenceGate carries its "
+                               "own threshold)")
+    if gate is not None and not callable(getattr(gate, "keep", None)):
+        raise SpeculatorsError(f"gate: expected a ConfidenceGate (an object with keep(proposer, proposals)), got "
+                               f"{type(gate).__name__}")
+    return ConfidenceGate(threshold) if threshold is not None else gate
+
+
+@torch.no_grad()
+def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0) -> list[float]:
+    """The cost model of :class:`ConfidenceGate`'s cost-aware mode, measured on the machine at hand:
+    ``[k + 1]`` seconds of one batch-1 target forward over ``m + 1`` tokens (m = 0..k) after a random
+    ``prompt_len``-token prompt, the median of ``reps`` timings each (one warm-up forward first; a
+    ``torch.cuda.synchronize`` around each timing on CUDA). The cache is rolled back after every forward,
+    so every length is timed at the same context length.
+
+    Raises:
+        SpeculatorsError: ``k`` < 0, ``reps`` < 1, ``prompt_len`` < 1.
+    """
+    import statistics
+
+    k = _check_int("k", k, 0)
+    reps = _check_int("reps", reps, 1)
+    prompt_len = _check_int("prompt_len", prompt_len, 1)
+    device = getattr(target, "device", torch.device("cpu"))
+    vocab = int(getattr(target, "vocab_size", 2))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (prompt_len + k + 1,), generator=g)
+    sess = target.batch_session(1)
+    sess.add_many([0], [ids[:prompt_len].tolist()])
+    base = sess.length(0)
+
+    def once(m: int) -> float:
+        t0 = _clock(device)
+        sess.forward([0], [ids[prompt_len:prompt_len + m + 1]])
+        dt = _clock(device) - t0
+        sess.keep(0, base)
+        return dt
+
+    once(k)  # warm-up
+    return [statistics.median(once(m) for _ in range(reps)) for m in range(k + 1)]
+
+
 @torch.no_grad()
 def speculative_generate(target, proposer, prompts: list[list[int]], k: int | list[int],
                          max_new_tokens: int | list[int], sampling: SamplingParams | None = None,
                          batch_size: int = 8, eos_ids: set[int] | None = None,
                          seeds: list[int | None] | None = None,
-                         progress: Callable[[int, int], Any] | None = None) -> BatchResult:
+                         progress: Callable[[int, int], Any] | None = None,
+                         confidence_threshold: float | None = None, gate: ConfidenceGate | None = None) -> BatchResult:
     """Batched speculative (or plain) decoding of many prompts with continuous batching.
 
     At most ``batch_size`` requests are live; a finished request leaves the batch and the next waiting
@@ -362,11 +595,22 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         seeds: per prompt, a seed for its own fresh ``torch.Generator`` (on the target's device) or
             None (then ``sampling.generators[i]``, else torch's global RNG).
         progress: called as ``progress(done, B)`` each time a request finishes.
+        confidence_threshold: confidence-gated verification (DSpark, :class:`ConfidenceGate`): after each
+            ``propose``, a proposal with ``confidence_logits`` keeps only the drafts before the first one
+            whose survival ``prod_{i<=k} c_i`` is below this value in (0, 1); the dropped drafts are never
+            verified and the proposer is advanced only with what was accepted of the kept ones. None = no
+            gating. Lossless (the rule never sees the target).
+        gate: instead of ``confidence_threshold``, a :class:`ConfidenceGate` (e.g. its cost-aware mode) or any
+            object with ``keep(proposer, proposals) -> list[int | None]`` (drafts to keep per proposal).
     Returns:
-        :class:`BatchResult` (results in prompt order, the run's wall time and batched forwards).
+        :class:`BatchResult` (results in prompt order, the run's wall time, batched forwards, and the
+        wall time spent drafting and verifying).
     Raises:
         SpeculatorsError: bad ``prompts`` / ``k`` / ``max_new_tokens`` / ``batch_size`` / ``eos_ids`` /
-            ``seeds`` / ``sampling`` (naming the argument), or a proposer that returned more drafts than
+            ``seeds`` / ``sampling`` / ``confidence_threshold`` (outside (0, 1)) / ``gate`` (naming the
+            argument), a gate whose ``keep`` gives a count outside ``[0, drafts]``, a ``k`` above what the proposer's drafter can
+            draft per step (its ``max_speculative_tokens``: P-EAGLE's ``num_depths``, DFlash's
+            ``block_size - 1``; checked before decoding), or a proposer that returned more drafts than
             asked for, draft ids outside the vocabulary, or ``probs`` of the wrong shape.
     """
     vocab = getattr(target, "vocab_size", None)
@@ -379,9 +623,13 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
     device = getattr(target, "device", torch.device("cpu"))
     params, gens = _batch_params(sampling, seeds, B, device)
     greedy = (params.temperature == 0).tolist()
+    gate = _resolve_gate(gate, confidence_threshold)
     if proposer is None:
         ks = [0] * B
+    else:  # one clear error before decoding: K above what a parallel drafter was trained for
+        check_speculative_tokens(proposer, sorted(set(ks)), "k")
     t0 = time.perf_counter()
+    draft_s = verify_s = 0.0
     results = [GenerationResult([]) for _ in range(B)]
     if B == 0:
         return BatchResult(results, 0.0, 0)
@@ -429,6 +677,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         # ---- one step for every live request
         k_eff = [min(ks[i], max_new[i] - len(results[i].tokens) - 1) for i in live]
         sp = _select(params, gens, live)
+        tp = _clock(device)
         if proposer is not None and any(k_eff):
             props = _propose_batch(proposer, [states[i] for i in live], k_eff, sp, [gens[i] for i in live])
         else:
@@ -440,6 +689,16 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
                 raise SpeculatorsError(f"proposer {type(proposer).__name__} returned {d.numel()} drafts when "
                                        f"asked for at most {k_eff[j]}")
             drafts.append(d)
+        proposed = [int(d.numel()) for d in drafts]  # before gating
+        if gate is not None and proposer is not None and any(proposed):
+            for j, m in enumerate(gate.keep(proposer, props)):
+                if m is None or m == proposed[j]:
+                    continue
+                if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= proposed[j]:
+                    raise SpeculatorsError(f"gate {type(gate).__name__}: keep() must give an integer in "
+                                           f"[0, {proposed[j]}] (or None) per proposal, got {m!r}")
+                props[j], drafts[j] = _truncate(props[j], m), drafts[j][:m]
+        tv = _clock(device) if proposer is not None else tp
         ns = [int(d.numel()) for d in drafts]
         all_drafts = torch.cat(drafts)
         if all_drafts.numel() and vocab is not None and (int(all_drafts.min()) < 0 or int(all_drafts.max()) >= vocab):
@@ -454,6 +713,11 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         res = rejection_sample(all_drafts.to(device), ns, probs, logits, sp, validate=False)
         num_acc = res.num_accepted.tolist()
         out_ids = res.output_token_ids.tolist()
+        te = _clock(device)
+        draft_s, verify_s = draft_s + (tv - tp), verify_s + (te - tv)
+        for i in live:
+            results[i].draft_seconds += tv - tp
+            results[i].verify_seconds += te - tv
         still, adv = [], ([], [], [])
         for j, i in enumerate(live):
             a = num_acc[j]
@@ -462,6 +726,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             before = len(r.tokens)
             done = _emit_until(r.tokens, step, max_new[i], eos)
             r.add_step(ns[j], a, len(r.tokens) - before)
+            r.proposed.append(proposed[j])
             if done:
                 finish(i)
                 continue
@@ -473,9 +738,14 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             last[i] = step[-1]
             still.append(i)
         if adv[0]:
+            ta = _clock(device)
             _advance_batch(proposer, *adv)
+            dt = _clock(device) - ta
+            draft_s += dt
+            for i in still:
+                results[i].draft_seconds += dt
         live = still
-    return BatchResult(results, time.perf_counter() - t0, forwards)
+    return BatchResult(results, time.perf_counter() - t0, forwards, draft_s, verify_s)
 
 
 @torch.no_grad()

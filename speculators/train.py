@@ -7,12 +7,29 @@ metrics, tokens/s) and TensorBoard scalars. The trainer steps ONE training unit
 (:class:`speculators.training_unit.TrainingUnit`: the drafter plus, for a joint run, the LoRA-adapted
 target) and never looks at the family nor at whether the target trains: it calls the unit's
 ``loss_counts(batch)``, ``loss(batch, norm)``, ``param_groups(lr)``, ``save(path)`` / ``load(path)``, and
-logs what the unit reports (``metrics_summary``, ``summary``, ``card_lines``).
+logs what the unit reports (``metrics_summary``, ``summary``, ``card_lines``). The loss is computed
+THROUGH the engine's wrapper of the unit (``accelerator.prepare``; ``TrainingUnit.forward`` is its loss),
+so that DDP's gradient all-reduce (FSDP's / DeepSpeed's gathering) hooks fire.
+
+Distributed (``accelerate launch --num_processes P ... speculators train RECIPE``; DDP on GPUs or, with
+``--cpu``, gloo on CPU; FSDP and DeepSpeed ZeRO through the launcher's config file, see
+``recipes/accelerate/``): every rank computes the SAME global batch plan (:func:`plan_batches`, a pure
+function of the data, ``train.seed`` and the epoch); one optimizer step consumes the next
+``grad_accum * P`` micro-batches of it (the global batch) and rank ``r`` takes micro-batches
+``r, r + P, r + 2P, ...`` of them. The data position a checkpoint records (epoch, index into the global
+plan) and the step are global, so ``--resume`` works with any number of processes; a 1-process run is
+the ``P = 1`` case of the same code. Only rank 0 writes checkpoints, logs, trackers and the model card.
 
 Gradient accumulation is by tokens: each loss term of every micro-batch is divided by that term's count
 over the whole accumulation window (all micro-batches, all processes), so the accumulated gradient
 equals the gradient of the window as one batch. ``train/loss`` is the window's loss; the family's other
 logged metrics are the window's last micro-batch's.
+
+Tracking (``train.report_to``, rank 0): accelerate's trackers, TensorBoard in ``tensorboard/`` and
+Weights & Biases (optional, ``pip install 'speculators[wandb]'``; its files in ``wandb/``, the run id in
+``tracking.json`` so that ``--resume`` and ``speculators eval`` continue the same run). Logged: the
+resolved recipe and the run's identity (target fingerprint, data hashes) once, the training and held-out
+scalars every ``log_every`` / ``eval_every`` steps, and an eval report as a table (:func:`log_eval_report`).
 
 Divergence: a NaN/inf loss (training or held-out) or gradient norm stops the run; a checkpoint is
 "good" only if its weights are finite and gave a finite loss (``step-s`` holds the weights first used by
@@ -24,11 +41,12 @@ Run directory layout::
     OUTPUT_DIR/recipe.yaml                 resolved recipe
     OUTPUT_DIR/checkpoints/step-000200/    drafter checkpoint + trainer_state.pt (resumable)
     OUTPUT_DIR/final/                      the trained drafter (what `speculators eval` loads)
-    OUTPUT_DIR/tensorboard/, train_log.jsonl
+    OUTPUT_DIR/tensorboard/, train_log.jsonl, wandb/, tracking.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,6 +55,7 @@ import random
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -49,6 +68,8 @@ from .training_unit import TrainingUnit
 from .utils import atomic_write_text
 
 STATE_NAME = "trainer_state.pt"
+ENGINE_STATE_DIR = "engine_state"  # FSDP / DeepSpeed: accelerate's save_state (sharded optimizer, weights)
+TRACKING_NAME = "tracking.json"  # the run's tracker ids (wandb run id, project): resumed by --resume and eval
 CKPT_RE = re.compile(r"^step-(\d+)$")
 DIVERGED_PREFIX = "diverged-"  # a checkpoint found not good after a divergence: step-N -> diverged-step-N
 
@@ -118,6 +139,99 @@ def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
 
 
+def check_report_to(report_to: list[str]) -> None:
+    """Check that every tracker of ``train.report_to`` can be used, before anything runs.
+
+    Raises:
+        SpeculatorsError: ``wandb`` is listed and the ``wandb`` package cannot be imported (one line naming
+            ``train.report_to``, how to install it and what is allowed).
+    """
+    if "wandb" in report_to:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise SpeculatorsError("train.report_to lists wandb, but the wandb package is not installed: "
+                                   "pip install 'speculators[wandb]' (or wandb), or remove wandb from "
+                                   "train.report_to (allowed: tensorboard, wandb; [] = train_log.jsonl only)") from None
+
+
+def _wandb_project() -> str:
+    """The W&B project: ``$WANDB_PROJECT``, else ``speculators``."""
+    return os.environ.get("WANDB_PROJECT") or "speculators"
+
+
+def _tracking_ids(run_dir: Path) -> dict:
+    """The run's tracker ids (``tracking.json``; ``{}`` when absent or unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / TRACKING_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _markdown_table(columns: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows])
+
+
+def report_table(report: dict) -> tuple[list[str], list[list]]:
+    """The rows of an eval report (:func:`speculators.evaluate.run_eval`: ``report["rows"]``, one per
+    method, K and batch size) as ``(columns, data)``: every scalar field (numbers, strings, booleans,
+    None) of the rows, in first-seen order; nested values (lists, dicts) are left out."""
+    rows = report.get("rows") or []
+    scalar = (int, float, str, bool, type(None))
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k, v in r.items() if isinstance(v, scalar) and k not in columns]
+    return columns, [[r.get(c) for c in columns] for r in rows]
+
+
+def log_eval_report(checkpoint: str | Path, recipe, report: dict, log=print) -> list[str]:
+    """Log an eval report to the trackers of the training run that wrote ``checkpoint`` (rank-free: called
+    by ``speculators eval``): for ``wandb`` in ``train.report_to``, the report rows as a ``wandb.Table``
+    (``eval/report``) and the headline numbers (``eval/<method>_tau``, ``eval/<method>_speedup``) in the
+    SAME W&B run (its id from the run's ``tracking.json``); for ``tensorboard``, the table as Markdown text
+    (``eval/report``) at the run's last step.
+
+    Args:
+        checkpoint: the evaluated checkpoint (``RUN/final`` or ``RUN/checkpoints/step-N``).
+        recipe: its :class:`~speculators.recipe.Recipe` (None: nothing is logged).
+        report: the report dict of :func:`speculators.evaluate.run_eval`.
+    Returns:
+        The trackers logged to (``[]`` when the checkpoint is not inside a run directory that tracked,
+        e.g. a Hub download, or wandb is not installed: a log line says so).
+    """
+    checkpoint = Path(checkpoint)
+    run_dir = next((d for d in (checkpoint.parent, checkpoint.parent.parent) if (d / TRACKING_NAME).is_file()), None)
+    if recipe is None or run_dir is None or not report.get("rows"):
+        return []
+    ids, done = _tracking_ids(run_dir), []
+    columns, data = report_table(report)
+    step = int(ids.get("step", 0))
+    if "wandb" in recipe.train.report_to and "wandb" in ids:
+        try:
+            import wandb
+        except ImportError:
+            log("eval: wandb is not installed: the report is not logged to the run's W&B run")
+        else:
+            w = ids["wandb"]
+            run = wandb.init(project=w.get("project", _wandb_project()), id=w["id"], resume="allow",
+                             dir=str(run_dir), name=run_dir.name)
+            headline = {f"eval/{m}_{k}": report[m][k] for m in report.get("methods", [])
+                        if isinstance(report.get(m), dict) for k in ("tau", "speedup")
+                        if isinstance(report[m].get(k), (int, float))}
+            run.log({"eval/report": wandb.Table(columns=columns, data=data), **headline})
+            run.finish()
+            done.append("wandb")
+    if "tensorboard" in recipe.train.report_to:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with contextlib.closing(SummaryWriter(str(run_dir / "tensorboard"))) as tb:
+            tb.add_text("eval/report", _markdown_table(columns, data), step)
+        done.append("tensorboard")
+    return done
+
+
 class Trainer:
     """Train one training unit on ``data`` following ``recipe.train`` and write checkpoints to ``output_dir``.
 
@@ -127,32 +241,42 @@ class Trainer:
             :class:`speculators.drafters.Drafter` is wrapped into one).
         data: :class:`speculators.data.pipeline.PreparedData`.
         output_dir: run directory (see module docstring).
-        log: callable for log lines.
+        log: callable for log lines (rank 0 only; the other ranks log nothing).
+        run_info: ``{name: value}`` identifying the run (the target fingerprint, the data hashes of
+            ``speculators.data.pipeline.record_run_identity``), logged once to the trackers.
     Raises:
-        SpeculatorsError: a bare drafter that trains the target (build its unit with the adapted target).
+        SpeculatorsError: a bare drafter that trains the target (build its unit with the adapted target);
+            ``train.report_to`` names a tracker that is not installed (:func:`check_report_to`).
     """
 
-    def __init__(self, recipe, unit, data, output_dir: str | Path, log=print, console=None):
+    def __init__(self, recipe, unit, data, output_dir: str | Path, log=print, console=None,
+                 run_info: dict[str, str] | None = None):
         from accelerate import Accelerator
 
         if not isinstance(unit, TrainingUnit):
             unit = TrainingUnit(unit)
 
         self.recipe, self.spec = recipe, recipe.train
+        check_report_to(self.spec.report_to)
         self.data = data
         self.output_dir = Path(output_dir)
-        self.log = log
         self.console = console
+        self.run_info = dict(run_info or {})
+        self._wandb_ids: dict | None = None  # set by _trackers() when wandb is on
         self.precision = resolve_precision(self.spec.precision)
         self.accelerator = Accelerator(mixed_precision="bf16" if self.precision == "bf16" else "no",
                                        cpu=not torch.cuda.is_available(),
-                                       gradient_accumulation_steps=self.spec.grad_accum)
+                                       gradient_accumulation_steps=self.spec.grad_accum,
+                                       log_with=self._trackers() or None)
+        self.is_main = self.accelerator.is_main_process
+        self.log = log if self.is_main else (lambda *_: None)
         self.device = self.accelerator.device
         self.batches_per_epoch = len(plan_batches(data.train, self.spec.batch_tokens, self.spec.seed, 0))
         if self.spec.steps is not None:
             self.total_steps = self.spec.steps
-        else:
-            self.total_steps = max(1, math.ceil(self.spec.epochs * self.batches_per_epoch / self.spec.grad_accum))
+        else:  # one step = grad_accum micro-batches on each of the num_processes ranks
+            per_step = self.spec.grad_accum * self.accelerator.num_processes
+            self.total_steps = max(1, math.ceil(self.spec.epochs * self.batches_per_epoch / per_step))
         torch.manual_seed(self.spec.seed)
         groups = unit.param_groups(self.spec.lr)
         self.group_names = [g.get("name", f"group{i}") for i, g in enumerate(groups)]  # train/lr_<name>
@@ -161,9 +285,92 @@ class Trainer:
         self.scheduler = self._scheduler()
         self.prepared, self.optimizer = self.accelerator.prepare(unit, self.optimizer)
         self.step, self.epoch, self.batch_idx = 0, 0, 0
-        self.tb = None
+        self._tracking = False  # trackers started (lazily, rank 0, at the first logged scalars)
         self.held_out_before: dict[str, float] = {}
         self.held_out_last: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ engines and trackers
+    def _trackers(self) -> list:
+        """accelerate trackers of ``train.report_to`` (not started): TensorBoard writing to
+        ``OUTPUT_DIR/tensorboard``, W&B writing under ``OUTPUT_DIR/wandb`` with the run id of
+        ``tracking.json`` (a resumed run continues its W&B run) or a new one."""
+        from accelerate.tracking import TensorBoardTracker, WandBTracker
+
+        out = []
+        if "tensorboard" in self.spec.report_to:
+            out.append(TensorBoardTracker("tensorboard", str(self.output_dir)))
+        if "wandb" in self.spec.report_to:
+            w = _tracking_ids(self.output_dir).get("wandb") or {"id": uuid.uuid4().hex[:8], "project": _wandb_project()}
+            self._wandb_ids = {"id": w["id"], "project": w["project"]}
+            out.append(WandBTracker(w["project"], id=w["id"], resume="allow", dir=str(self.output_dir),
+                                    name=self.output_dir.name))
+        return out
+
+    def _start_tracking(self) -> None:
+        """Start the trackers (rank 0, once), record their ids in ``tracking.json`` and log the resolved
+        recipe and ``run_info`` (W&B: the run config; TensorBoard: text)."""
+        if self._tracking or not self.is_main:
+            return
+        self._tracking = True
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._record_tracking()
+        if not self.accelerator.log_with:
+            return
+        self.accelerator.init_trackers("speculators")
+        recipe_yaml = dump_recipe(self.recipe)
+        for tr in self.accelerator.trackers:
+            if tr.name == "wandb":
+                tr.store_init_configuration({"recipe": self.recipe.model_dump(mode="json"), **self.run_info})
+            elif tr.name == "tensorboard":
+                tr.log({"recipe": f"```yaml\n{recipe_yaml}```",
+                        "run_identity": _markdown_table(["what", "identity"], [[k, v] for k, v in self.run_info.items()])},
+                       step=self.step)
+
+    def _record_tracking(self) -> None:
+        """``tracking.json`` (rank 0, when a tracker is on): the W&B run id and project and the last step
+        (:func:`log_eval_report` logs an eval's report into the same run, at that step)."""
+        if not self.is_main or not self.spec.report_to:
+            return
+        ids = {**_tracking_ids(self.output_dir), "step": self.step}
+        if self._wandb_ids is not None:
+            ids["wandb"] = self._wandb_ids
+        atomic_write_text(self.output_dir / TRACKING_NAME, json.dumps(ids, indent=1) + "\n")
+
+    @property
+    def _sharded(self) -> bool:
+        """True under FSDP or DeepSpeed: parameters and/or optimizer states are split over the ranks
+        (a checkpoint then carries accelerate's ``save_state`` in ``engine_state/``)."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+    @contextlib.contextmanager
+    def _full_weights(self):
+        """A context in which ``self.unit``'s parameters hold the full (unsharded) weights on every rank:
+        FSDP (``summon_full_params``) and DeepSpeed ZeRO-3 (``GatheredParameters``) gather them; DDP, ZeRO-1/2
+        and a single process already hold them. Collective: every rank enters it."""
+        from accelerate.utils import DistributedType
+
+        dt = self.accelerator.distributed_type
+        if dt == DistributedType.FSDP:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.summon_full_params(self.prepared, writeback=False, offload_to_cpu=True):
+                yield
+        elif dt == DistributedType.DEEPSPEED and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.unit.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def _all(self, flag: bool) -> bool:
+        """True when ``flag`` is True on every rank (a collective where there are several)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
+        return float(self.accelerator.reduce(t, reduction="sum")) == 0.0
 
     # ------------------------------------------------------------------ schedule
     def _scheduler(self):
@@ -188,37 +395,81 @@ class Trainer:
         """
         bad = next((n for n, p in self.unit.named_parameters() if p.requires_grad and not torch.isfinite(p).all()),
                    None)
-        if bad is not None:
-            raise self._diverged(f"weight {bad!r} became NaN/inf after the update of step {self.step}",
-                                 at_step=self.step, condemn_from=None)
+        if not self._all(bad is None):  # (sharded engines: each rank checks its shard)
+            raise self._diverged(f"weight {bad or '(on another rank)'!r} became NaN/inf after the update of step "
+                                 f"{self.step}", at_step=self.step, condemn_from=None)
         path = self.output_dir / "checkpoints" / f"step-{self.step:06d}"
+        n_proc = self.accelerator.num_processes
+        rng = [torch.get_rng_state()]
+        if n_proc > 1:  # every rank's generator: a resume with as many processes continues each one
+            from accelerate.utils import gather_object
+
+            rng = gather_object(rng)
+        engine_tmp = None
+        if self._sharded:  # FSDP / DeepSpeed: the sharded optimizer (and weights) through accelerate, all ranks
+            engine_tmp = self.output_dir / "checkpoints" / f".{ENGINE_STATE_DIR}-{self.step:06d}.tmp"
+            self.accelerator.save_state(str(engine_tmp))
+            self.accelerator.wait_for_everyone()
         state = {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx,
-                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                 "total_steps": self.total_steps, "held_out_before": self.held_out_before,
-                 "held_out_last": self.held_out_last}
-        self.unit.save(path, recipe_yaml=dump_recipe(self.recipe),
-                       extra=lambda tmp: torch.save(state, tmp / STATE_NAME))
-        for old in checkpoints(self.output_dir)[:-2]:  # keep the two newest
-            shutil.rmtree(old, ignore_errors=True)
+                 "optimizer": None if self._sharded else self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(),
+                 "torch_rng": rng[0], "torch_rng_ranks": rng, "python_rng": random.getstate(),
+                 "num_processes": n_proc, "total_steps": self.total_steps,
+                 "held_out_before": self.held_out_before, "held_out_last": self.held_out_last}
+
+        def extra(tmp: Path) -> None:
+            if engine_tmp is not None:
+                os.replace(engine_tmp, tmp / ENGINE_STATE_DIR)
+            torch.save(state, tmp / STATE_NAME)  # written last: its presence marks a complete checkpoint
+
+        with self._full_weights():
+            if self.is_main:
+                self.unit.save(path, recipe_yaml=dump_recipe(self.recipe), extra=extra)
+                for old in checkpoints(self.output_dir)[:-2]:  # keep the two newest
+                    shutil.rmtree(old, ignore_errors=True)
+                self._record_tracking()
+        self.accelerator.wait_for_everyone()
         return path
 
     def load_checkpoint(self, path: Path) -> None:
         """``--resume``: restore the unit's weights (``TrainingUnit.load``), the optimizer, scheduler, RNG
         states, data position and held-out history of checkpoint ``path``.
 
+        Any number of processes: the step and data position are global, the optimizer state (DDP: the
+        same on every rank) is rank 0's; each rank restores its own torch generator when the checkpoint
+        was written by as many processes (else rank 0's). Under FSDP / DeepSpeed the weights and the
+        sharded optimizer come from ``engine_state/`` (accelerate's ``load_state``; DeepSpeed needs the
+        same number of processes).
+
         Raises:
-            SpeculatorsError: a weight file of ``path`` is unreadable, holds a NaN/inf, or does not fit.
+            SpeculatorsError: a weight file of ``path`` is unreadable, holds a NaN/inf, or does not fit;
+                a sharded-engine run resumed from a checkpoint without ``engine_state/``.
         """
         try:
-            self.unit.load(path)
+            if self._sharded:  # the weights come from engine_state/ below: only check the drafter's files here
+                problem = checkpoint_weights_problem(path)
+                if problem is not None:
+                    raise SpeculatorsError(problem)
+            else:
+                self.unit.load(path)
         except SpeculatorsError as e:
             raise SpeculatorsError(f"--resume: checkpoint {path} is not good: {e}; delete it (or rename it "
                                    f"to {DIVERGED_PREFIX}{path.name}) to resume from an older one") from None
         state = torch.load(path / STATE_NAME, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self._sharded:
+            if not (path / ENGINE_STATE_DIR).is_dir():
+                raise SpeculatorsError(f"--resume: {path} has no {ENGINE_STATE_DIR}/ (written without FSDP/DeepSpeed): "
+                                       "resume it with the launcher config it was trained with")
+            self.accelerator.load_state(str(path / ENGINE_STATE_DIR))
+        elif state.get("optimizer") is None:
+            raise SpeculatorsError(f"--resume: {path} holds a sharded optimizer ({ENGINE_STATE_DIR}/, FSDP/DeepSpeed): "
+                                   "resume it with the launcher config it was trained with")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        ranks = state.get("torch_rng_ranks") or [state["torch_rng"]]
+        r = self.accelerator.process_index
+        torch.set_rng_state(ranks[r] if len(ranks) == self.accelerator.num_processes else state["torch_rng"])
         random.setstate(state["python_rng"])
         self.step, self.epoch, self.batch_idx = state["step"], state["epoch"], state["batch_idx"]
         self.held_out_before = state.get("held_out_before", {})
@@ -235,7 +486,9 @@ class Trainer:
         Weighted by tokens, not by batches: ``held_out/loss`` is the loss of all these batches as one
         batch (every term normalised by its count over all of them, as in :meth:`_backward_window`); the
         other metrics are the unit's :meth:`~speculators.training_unit.TrainingUnit.metrics_summary` of the
-        batches (for a joint run it includes the target's perplexity ``held_out/ppl``).
+        batches (for a joint run it includes the target's perplexity ``held_out/ppl``). Every rank
+        evaluates the same batches (same numbers everywhere, no communication; under FSDP / ZeRO-3
+        through the wrapped unit, whose forward gathers the sharded weights).
         """
         store = self.data.held_out
         if store is None or len(store) == 0:
@@ -246,8 +499,14 @@ class Trainer:
         counts = [self._counts(b) for b in batches]
         norm = torch.stack(counts).sum(0)  # every process evaluates the same batches: no reduction
         loss_sum, parts = 0.0, []
+        from accelerate.utils import DistributedType
+
+        gathered = self.accelerator.distributed_type == DistributedType.FSDP or (
+            self.accelerator.distributed_type == DistributedType.DEEPSPEED
+            and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
+        loss_fn = self.prepared if gathered else self.unit.loss  # the unit itself: fp32, no autocast wrapper
         for b, c in zip(batches, counts):
-            loss, metrics = self.unit.loss(b.to(self.device), norm)
+            loss, metrics = loss_fn(b.to(self.device), norm)
             loss_sum += float(loss)
             parts.append((c, metrics))
         self.prepared.train()
@@ -279,17 +538,23 @@ class Trainer:
         return self._plan_cache[1]
 
     def _next_window(self) -> list:
-        """The next ``train.grad_accum`` micro-batches (CPU :class:`Batch` es) of the data order,
-        continuing into the next epoch when one ends; advances ``epoch``/``batch_idx`` past them (the
-        data position a checkpoint written after this step resumes from)."""
+        """This rank's ``train.grad_accum`` micro-batches (CPU :class:`Batch` es) of the next global batch.
+
+        The global batch is the next ``grad_accum * P`` micro-batches (``P`` processes) of the global
+        batch plan (the same on every rank), continuing into the next epoch when one ends; rank ``r``
+        takes its micro-batches ``r, r + P, ...`` (only those are read from the store). Advances the
+        global ``epoch``/``batch_idx`` past the whole global batch (the data position a checkpoint
+        written after this step resumes from, whatever the number of processes then)."""
+        n_proc, rank = self.accelerator.num_processes, self.accelerator.process_index
         window = []
-        while len(window) < self.spec.grad_accum:
+        for i in range(self.spec.grad_accum * n_proc):
             plan = self._plan()
-            if self.batch_idx >= len(plan):
+            while self.batch_idx >= len(plan):
                 self.epoch += 1
                 self.batch_idx = 0
-                continue
-            window.append(make_batch(self.data.train, plan[self.batch_idx]))
+                plan = self._plan()
+            if i % n_proc == rank:
+                window.append(make_batch(self.data.train, plan[self.batch_idx]))
             self.batch_idx += 1
         return window
 
@@ -314,11 +579,14 @@ class Trainer:
         ``gradient_accumulation_steps`` in ``backward`` and DDP averages gradients over processes: both
         are undone here (the window normaliser already accounts for every token).
 
+        The loss is computed through the engine's wrapper (``self.prepared(batch, norm)``): DDP skips
+        the all-reduce on all but the last micro-batch (``accelerator.accumulate``) and reduces there.
+
         Returns:
-            ``(window_loss, metrics)``: the window's loss (sum of the micro-batch losses, = the loss of
-            the window as one batch) and the unit's metrics of the last micro-batch (its own means).
-        Raises:
-            SpeculatorsError: a micro-batch loss is NaN/inf (see :meth:`_diverged`).
+            ``(window_loss, metrics)``: this rank's share of the window's loss (sum of its micro-batch
+            losses; summed over the ranks by :meth:`_global_loss`, the loss of the global batch as one
+            batch) and the unit's metrics of the last micro-batch (its own means). A NaN/inf loss is
+            NOT raised here (every rank must agree first): see :meth:`_global_loss`.
         """
         norm = self._reduce_counts(torch.stack([self._counts(b) for b in window]).sum(0))
         scale = self.accelerator.gradient_accumulation_steps * self.accelerator.num_processes
@@ -331,13 +599,26 @@ class Trainer:
                                        f"with accelerate's gradient_accumulation_steps "
                                        f"{self.accelerator.gradient_accumulation_steps}")
                 with self.accelerator.autocast():
-                    loss, metrics = self.unit.loss(batch, norm)
-                if not torch.isfinite(loss):
-                    raise self._diverged(f"loss became {float(loss.detach())}", at_step=self.step + 1,
-                                         condemn_from=self.step)
+                    loss, metrics = self.prepared(batch, norm)
                 self.accelerator.backward(loss * scale)
             total += float(loss.detach())
         return total, metrics
+
+    def _global_loss(self, local_loss: float, local_tokens: int) -> tuple[float, int]:
+        """``(loss, tokens)`` of the global batch: this rank's window loss and drafter tokens summed over
+        the processes (one all-reduce; as they are with one process).
+
+        Raises:
+            SpeculatorsError: the loss is NaN/inf (on every rank alike; nothing is updated, see
+                :meth:`_diverged`).
+        """
+        if self.accelerator.num_processes > 1:
+            t = torch.tensor([local_loss, float(local_tokens)], dtype=torch.float64, device=self.device)
+            t = self.accelerator.reduce(t, reduction="sum")
+            local_loss, local_tokens = float(t[0]), int(t[1])
+        if not math.isfinite(local_loss):
+            raise self._diverged(f"loss became {local_loss}", at_step=self.step + 1, condemn_from=self.step)
+        return local_loss, local_tokens
 
     def _optimizer_step(self) -> float:
         """Clip the accumulated gradient, update, zero the gradients; returns the pre-clip norm.
@@ -346,6 +627,8 @@ class Trainer:
             SpeculatorsError: the gradient norm is NaN/inf (nothing is updated).
         """
         gnorm = self.accelerator.clip_grad_norm_(self.prepared.parameters(), self.spec.grad_clip)
+        if gnorm is None:  # DeepSpeed clips (and steps) inside backward; its norm may be unavailable
+            gnorm = 0.0
         if not torch.isfinite(torch.as_tensor(gnorm)):
             raise self._diverged(f"gradient norm became {float(gnorm)} (before the update)",
                                  at_step=self.step + 1, condemn_from=None)
@@ -361,10 +644,12 @@ class Trainer:
         ``s + 1`` (or a NaN/inf held-out loss at step ``s``) condemns ``step-s``; pass its ``s`` as
         ``condemn_from`` (every checkpoint at or after it is condemned). Checkpoints with non-finite
         weights are condemned too. Condemned checkpoints are renamed ``diverged-step-N`` (kept for
-        inspection; ``checkpoints()``, ``--resume`` and ``speculators eval RUN_DIR`` skip them).
+        inspection; ``checkpoints()``, ``--resume`` and ``speculators eval RUN_DIR`` skip them). Rank 0
+        renames; every rank calls this at the same point (the values it checks are global) and waits for
+        it, so that no rank exits (ending the launch) before the renames are done.
         """
         bad = []
-        for ck in checkpoints(self.output_dir):
+        for ck in (checkpoints(self.output_dir) if self.is_main else []):
             s = int(CKPT_RE.match(ck.name).group(1))
             why = "gave a NaN/inf loss" if condemn_from is not None and s >= condemn_from else \
                 checkpoint_weights_problem(ck)
@@ -373,6 +658,8 @@ class Trainer:
                 shutil.rmtree(dest, ignore_errors=True)
                 os.replace(ck, dest)
                 bad.append(dest.name)
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
         good = checkpoints(self.output_dir)
         msg = (f"{what} at step {at_step}; stopping. Last good checkpoint: {good[-1] if good else 'none'}")
         if bad:
@@ -380,26 +667,36 @@ class Trainer:
         return SpeculatorsError(msg + " (try a lower train.lr)")
 
     def _log_scalars(self, scalars: dict[str, float]) -> None:
-        if self.tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.output_dir / "tensorboard"))
-        for k, v in scalars.items():
-            self.tb.add_scalar(k, v, self.step)
+        """Rank 0: ``scalars`` at the current step to the trackers (``train.report_to``) and
+        ``train_log.jsonl``; the other ranks log nothing."""
+        if not self.is_main:
+            return
+        self._start_tracking()
+        if self.accelerator.trackers:
+            self.accelerator.log(scalars, step=self.step)
         with open(self.output_dir / "train_log.jsonl", "a") as f:
             f.write(json.dumps({"step": self.step, **scalars}) + "\n")
 
     def train(self, resume: bool = False) -> Path:
-        """Run the training loop; returns the final checkpoint directory (``OUTPUT_DIR/final``).
+        """Run the training loop; returns the final checkpoint directory (``OUTPUT_DIR/final``); the
+        trackers are closed however it ends.
 
         Raises:
             SpeculatorsError: the loss, the held-out loss, the gradient norm or a weight became NaN/inf;
                 the message names the last good checkpoint (or none) and the ones set aside
                 (:meth:`_diverged`); ``--resume`` from a checkpoint with non-finite weights.
         """
+        try:
+            return self._train(resume)
+        finally:
+            if self._tracking:
+                self.accelerator.end_training()
+
+    def _train(self, resume: bool) -> Path:
         from .progress import ProgressReporter
 
-        atomic_write_text(self.output_dir / RECIPE_NAME, dump_recipe(self.recipe))
+        if self.is_main:
+            atomic_write_text(self.output_dir / RECIPE_NAME, dump_recipe(self.recipe))
         ckpts = checkpoints(self.output_dir) if resume else []
         if ckpts:
             self.load_checkpoint(ckpts[-1])
@@ -415,16 +712,20 @@ class Trainer:
         metrics: dict[str, float] = {}
         stop = self.step >= self.total_steps
         # a rich bar on a terminal, periodic plain lines in a log file/pipe, off with SPECULATORS_NO_PROGRESS=1
-        progress = ProgressReporter(console=self.console, log=self.log)
+        progress = ProgressReporter(console=self.console, log=self.log) if self.is_main else _NoProgress()
+        n_proc = self.accelerator.num_processes
+        procs = f" x {n_proc} processes ({self.accelerator.distributed_type.value})" if n_proc > 1 else ""
         self.log(f"train: {self.total_steps} steps, {self.batches_per_epoch} batches/epoch of <= "
-                 f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}, lr {spec.lr}, {self.precision}, {self.device}")
+                 f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}{procs}, lr {spec.lr}, {self.precision}, "
+                 f"{self.device}")
+        self._start_tracking()  # rank 0: the recipe and the run's identity are logged first
         with progress:
             task = progress.add_task("train", total=self.total_steps, completed=self.step, unit="steps", info="")
             while not stop:
                 window = self._next_window()
                 loss_value, metrics = self._backward_window(window)
+                loss_value, n_tok = self._global_loss(loss_value, sum(b.num_tokens for b in window))
                 gnorm = self._optimizer_step()
-                n_tok = sum(b.num_tokens for b in window)
                 tokens_seen += n_tok
                 tok_window += n_tok
                 self.scheduler.step()
@@ -434,8 +735,8 @@ class Trainer:
                     tps = tok_window / max(now - t_window, 1e-9)
                     t_window, tok_window = now, 0
                     lrs = self.scheduler.get_last_lr()
-                    # train/loss: the whole window's loss (= the loss of its micro-batches as one batch);
-                    # the family's metrics (loss_j, accuracies, sim_tau): the window's last micro-batch
+                    # train/loss: the global batch's loss (= the loss of its micro-batches as one batch, all
+                    # ranks); the family's metrics (loss_j, accuracies, sim_tau): rank 0's last micro-batch
                     scal = {"train/loss": loss_value, "train/lr": lrs[0],
                             **{f"train/lr_{n}": lr for n, lr in zip(self.group_names[1:], lrs[1:])},
                             "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
@@ -462,12 +763,31 @@ class Trainer:
             self.held_out_last = self._held_out_eval() or self.held_out_last
         self.save_checkpoint()
         final = self.output_dir / "final"
-        card = model_card(self.unit, self.step, tokens_seen, dt, self.held_out_before, self.held_out_last)
-        self.unit.save(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card})
-        if self.tb is not None:
-            self.tb.close()
+        card = model_card(self.unit, self.step, tokens_seen, dt, self.held_out_before, self.held_out_last,
+                          data_report=getattr(self.data, "report", None))
+        with self._full_weights():
+            if self.is_main:
+                self.unit.save(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card},
+                               dtype=self.spec.save_dtype, frozen_copies=False)  # published; step-N stay exact
+        self.accelerator.wait_for_everyone()
         self.log(f"train: final drafter written to {final}")
         return final
+
+
+class _NoProgress:
+    """The progress reporter of ranks other than 0: draws nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *args, **kwargs):
+        return 0
+
+    def update(self, *args, **kwargs):
+        pass
 
 
 def _unprefixed(ev: dict[str, float], prefix: str = "held_out/") -> dict[str, float]:
@@ -476,10 +796,12 @@ def _unprefixed(ev: dict[str, float], prefix: str = "held_out/") -> dict[str, fl
 
 
 def model_card(unit: TrainingUnit, steps: int, tokens: int, seconds: float, before: dict[str, float],
-               after: dict[str, float]) -> str:
+               after: dict[str, float], data_report: dict | None = None) -> str:
     """``final/README.md``: what was trained, on what, how long, the unit's own lines
     (``TrainingUnit.card_lines``: for a joint run the adapter and the target's held-out perplexity before
-    and after training) and the last held-out metrics (``before`` / ``after``: ``held_out/`` names)."""
+    and after training), the last held-out metrics (``before`` / ``after``: ``held_out/`` names) and the
+    training data per source with the rows each filter dropped (``data_report``:
+    :func:`speculators.data.pipeline.report_markdown`)."""
     m = unit.drafter.meta
     lines = [f"# {unit.drafter.algorithm} drafter for {m.name_or_path}", "",
              f"Trained by speculators from `{RECIPE_NAME}` (in this directory): {steps} steps, {tokens} tokens, "
@@ -491,4 +813,8 @@ def model_card(unit: TrainingUnit, steps: int, tokens: int, seconds: float, befo
             name = k.replace("held_out/", "")
             b = before.get(k)
             lines.append(f"| {name} | {'-' if b is None else f'{b:.4f}'} | {after[k]:.4f} |")
+    if data_report:
+        from .data.pipeline import report_markdown
+
+        lines += [""] + report_markdown(data_report)
     return "\n".join(lines) + "\n"

@@ -6,6 +6,13 @@ held-out metrics of several batches as one, the held-out summary line and the mo
 
 * Frozen target (``TrainingUnit(drafter)``): the unit is the drafter; the batch's cached target
   features are the inputs of ``drafter.loss``.
+* Online features (``TrainingUnit(drafter, target, features="online")``, ``data.features: online``): the
+  batches carry token ids and masks only; the frozen target (eval mode, no gradients, no autocast, never
+  a submodule: not trained, not in the optimizer, not saved) computes each batch's aux/top hidden states
+  and greedy tokens inside the step with :func:`speculators.data.features.batch_features`, the function
+  the offline cache is filled with (same taps, same ``data.feature_dtype`` rounding), so a step sees the
+  same numbers in both modes. A batch's features are computed once: :meth:`TrainingUnit.loss_counts`
+  keeps them (up to :data:`ONLINE_CACHE_BATCHES` batches) for the :meth:`TrainingUnit.loss` of the same batch.
 * Joint training (``TrainingUnit(drafter, target)`` with ``drafter.joint: true`` and a target adapted
   by ``Target.adapt_lora``): the Medusa-2 (arXiv 2401.10774, section 2.3.2) / DeepSeek-V3 MTP
   (arXiv 2412.19437, section 2.2) loss ``lm_weight * L_LM + drafter.joint_loss_weight * drafter.loss(batch')``
@@ -30,6 +37,9 @@ from .errors import SpeculatorsError
 
 # per-batch metrics that are sums (combined by adding), not means (combined weighted by counts)
 _SUMS = ("lm_nll_sum", "lm_tokens")
+#: online features: how many batches' features loss_counts keeps for their loss (a gradient-accumulation
+#: window or the trainer's held-out batches); beyond it a batch's target forward runs again.
+ONLINE_CACHE_BATCHES = 8
 
 
 class TrainingUnit(nn.Module):
@@ -43,14 +53,32 @@ class TrainingUnit(nn.Module):
         drafter: a :class:`speculators.drafters.Drafter` with its target attached.
         target: for a drafter with ``trains_target`` (``drafter.joint: true``): the run's
             :class:`speculators.target.Target`, adapted with ``target.adapt_lora(drafter.cfg.joint_target)``;
-            for a frozen-target drafter: ``None`` or the frozen target (ignored).
+            for a frozen-target drafter: the frozen target (required with ``features="online"``, else
+            ignored) or ``None``.
+        features: ``data.features``: ``"offline"`` (the batches carry the cached features) or ``"online"``
+            (the frozen ``target`` computes them in the step).
+        feature_dtype: ``data.feature_dtype`` (bfloat16 | float32 | float16): the rounding of online features.
     Raises:
         SpeculatorsError: a joint drafter without an adapted target, or an adapted target with a
-            frozen-target drafter.
+            frozen-target drafter; online features without a target, with an adapted target or a joint
+            drafter; an unknown ``features`` mode or ``feature_dtype``.
     """
 
-    def __init__(self, drafter, target=None):
+    def __init__(self, drafter, target=None, features: str = "offline", feature_dtype: str = "bfloat16"):
         super().__init__()
+        from .data.features import feature_dtype as check_dtype
+
+        if features not in ("offline", "online"):
+            raise SpeculatorsError(f"data.features: {features!r} is not a feature mode; allowed: ['offline', 'online']")
+        online = features == "online"
+        if online and (target is None or target.adapted or drafter.trains_target):
+            raise SpeculatorsError("data.features: online runs the frozen target inside the training step: build the "
+                                   "training unit with the frozen (not LoRA-adapted) target and a drafter without "
+                                   "drafter.joint")
+        self.feature_dtype = check_dtype(feature_dtype)
+        # online: the frozen feature source; a plain attribute (not a module): never trained, moved or saved
+        object.__setattr__(self, "feature_target", target if online else None)
+        self._online_cache: dict = {}
         adapted = target is not None and target.adapted
         if drafter.trains_target and not adapted:
             raise SpeculatorsError("drafter.joint: true trains the target: build the training unit with the target "
@@ -66,12 +94,47 @@ class TrainingUnit(nn.Module):
             self.lm_weight, self.target_lr = float(jcfg.lm_weight), jcfg.lr
 
     @property
+    def online(self) -> bool:
+        """True when the frozen target computes the features inside the step (``data.features: online``)."""
+        return self.feature_target is not None
+
+    def _online_features(self, batch, keep: bool):
+        """``batch`` with the frozen target's features (``data.features: online``): ``aux``/``top`` in float32
+        after the ``data.feature_dtype`` rounding and ``argmax``, on the batch's device
+        (:func:`speculators.data.features.batch_features`). Computed once per batch: ``keep=True`` (the
+        counts) stores them for the ``keep=False`` call (the loss) of a batch with the same token ids."""
+        import hashlib
+
+        from .data.features import batch_features
+
+        ids, att = batch.input_ids, batch.attention_mask
+        key = hashlib.sha1(ids.detach().cpu().numpy().tobytes() + att.detach().cpu().numpy().tobytes()
+                           + repr(tuple(ids.shape)).encode()).hexdigest()
+        feats = self._online_cache.pop(key, None)
+        if feats is None:
+            self.feature_target.model.eval()
+            feats = batch_features(self.feature_target, ids, att, self.feature_dtype)
+        if keep:
+            self._online_cache[key] = feats
+            while len(self._online_cache) > ONLINE_CACHE_BATCHES:
+                self._online_cache.pop(next(iter(self._online_cache)))
+        dev = ids.device
+        return dataclasses.replace(batch, aux=feats["aux"].to(device=dev, dtype=torch.float32),
+                                   top=feats["top"].to(device=dev, dtype=torch.float32),
+                                   argmax=feats["argmax"].to(dev))
+
+    @property
     def trains_target(self) -> bool:
         """True when the target changes in this run (joint training): its held-out quality is measured
         before the first update too."""
         return self.target is not None
 
     # ---------------------------------------------------------------- loss
+    def forward(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """:meth:`loss`: the trainer calls the unit through the engine's wrapper (``accelerator.prepare``:
+        DDP, FSDP, DeepSpeed), whose hooks (gradient all-reduce, parameter gathering) fire on ``forward``."""
+        return self.loss(batch, norm)
+
     def loss_counts(self, batch) -> torch.Tensor:
         """``[n_terms]`` int64 counts of :meth:`loss`'s terms in ``batch``: ``drafter.loss_counts`` plus, in
         joint training, the target's LM label count (last entry). Sum them over the micro-batches of an
@@ -80,9 +143,12 @@ class TrainingUnit(nn.Module):
         Reads only the masks (and ``argmax``): ``aux``/``top`` may be empty. Cheap, except in joint
         training for a family whose masks read the target's greedy token (``drafter.counts_use_argmax``):
         the live target then runs once more without gradients (torch RNG state preserved; with
-        ``lora_dropout > 0`` its argmax may differ from the training forward's).
+        ``lora_dropout > 0`` its argmax may differ from the training forward's); with online features
+        such a family's counts run the frozen target's forward, kept for this batch's :meth:`loss`.
         """
         d = self.drafter
+        if self.online:
+            return d.loss_counts(self._online_features(batch, keep=True) if d.counts_use_argmax else batch)
         if self.target is None:
             return d.loss_counts(batch)
         if d.counts_use_argmax:
@@ -98,7 +164,8 @@ class TrainingUnit(nn.Module):
         """What the trainer minimises, and this batch's metrics.
 
         Args:
-            batch: a :class:`speculators.data.dataset.Batch` on the training device.
+            batch: a :class:`speculators.data.dataset.Batch` on the training device (online features: its
+                ``aux``/``top``/``argmax`` are ignored and computed by the frozen target).
             norm: ``[n_terms]`` from :meth:`loss_counts` summed over a gradient-accumulation window (each
                 term is divided by its entry); ``None`` = this batch's own counts (each term a mean).
         Returns:
@@ -108,6 +175,8 @@ class TrainingUnit(nn.Module):
             turns them into the target's perplexity over several batches).
         """
         d = self.drafter
+        if self.online:
+            return d.loss(self._online_features(batch, keep=False), norm)
         if self.target is None:
             return d.loss(batch, norm)
         live = self.target.train_forward(batch.input_ids, batch.attention_mask, batch.loss_mask,
@@ -132,15 +201,26 @@ class TrainingUnit(nn.Module):
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str | Path, recipe_yaml: str | None = None, extra_files: dict[str, str] | None = None,
-             extra=None, overwrite: bool = True) -> Path:
-        """Write the drafter checkpoint ``path`` atomically (``Drafter.save_pretrained``), with the target's
-        LoRA adapter in ``target_adapter/`` for joint training.
+             extra=None, overwrite: bool = True, dtype: str | None = None, frozen_copies: bool = True) -> Path:
+        """Write the drafter checkpoint ``path`` atomically (:func:`speculators.drafters.checkpoint.save_pretrained`),
+        with the target's LoRA adapter in ``target_adapter/`` for joint training. Never writes the frozen
+        target (online features) nor its frozen weights.
 
+        Args:
+            dtype: ``train.save_dtype`` (bfloat16 | float16 | float32) of the drafter's floating-point weights,
+                for a published checkpoint (``final/``); ``None`` = full precision, exact: what the
+                resumable ``checkpoints/step-N`` (read back by :meth:`load`) are written in.
+            frozen_copies: False for a published checkpoint: leave out the frozen target copies its serving
+                format does not need (e.g. EAGLE-3's ``embed_tokens``; ``Drafter.frozen_target_weights``).
         Raises:
-            SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory.
+            SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; an unknown
+                ``dtype``.
         """
-        return self.drafter.save_pretrained(path, recipe_yaml=recipe_yaml, extra_files=extra_files,
-                                            overwrite=overwrite, extra=extra, target=self.target)
+        from .drafters.checkpoint import save_pretrained
+
+        return save_pretrained(self.drafter, path, recipe_yaml=recipe_yaml, extra_files=extra_files,
+                               overwrite=overwrite, extra=extra, target=self.target, dtype=dtype,
+                               frozen_copies=frozen_copies)
 
     def load(self, path: str | Path) -> None:
         """Load the trained weights of checkpoint ``path`` written by :meth:`save` (resume): the drafter's
@@ -151,10 +231,10 @@ class TrainingUnit(nn.Module):
             SpeculatorsError: a weight file is missing, unreadable or holds a NaN/inf (naming the file and
                 the tensor); weights that do not fit this drafter or this LoRA config.
         """
-        from .drafters.checkpoint import WEIGHTS_NAME, adapter_weights_file, load_weights
+        from .drafters.checkpoint import WEIGHTS_NAME, adapter_weights_file, complete_frozen_copies, load_weights
 
         path = Path(path)
-        weights = load_weights(path / WEIGHTS_NAME)
+        weights = complete_frozen_copies(self.drafter, load_weights(path / WEIGHTS_NAME))
         adapter = None
         if self.target is not None:
             f = adapter_weights_file(path)

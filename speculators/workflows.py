@@ -71,6 +71,12 @@ def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
             from None
     if not isinstance(old, dict):
         raise SpeculatorsError(f"--resume: {f} is not a recipe mapping; use --overwrite")
+    try:  # fields added since the run was started read as their defaults (e.g. data.features: offline)
+        from .recipe import recipe_from_dict
+
+        old = recipe_from_dict(old, str(f)).model_dump(mode="json")
+    except SpeculatorsError:
+        pass  # no longer a valid recipe: compared as written
     new = recipe.model_dump(mode="json")
     changed = [k for k in RESUME_SECTIONS if old.get(k) != new.get(k)]
     if changed:
@@ -89,7 +95,8 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     (seeded by ``train.seed``, independent of what the data step consumed), ``train.init_from``; with
     ``drafter.joint: true`` the target is adapted with LoRA (``Target.adapt_lora(drafter.joint_target)``,
     after its features were cached); then the :class:`speculators.training_unit.TrainingUnit` (drafter
-    plus adapted target) is trained by :class:`speculators.train.Trainer`.
+    plus adapted target; with ``data.features: online`` the frozen target that computes the features in
+    every step) is trained by :class:`speculators.train.Trainer`.
 
     Args:
         recipe: the validated recipe (``recipe.drafter`` is the family's typed config).
@@ -108,11 +115,18 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
     from .drafters import registry
     from .target import Target
-    from .train import Trainer, check_output_dir, prepare_output_dir
+    from accelerate import PartialState
+
+    from .train import Trainer, check_output_dir, check_report_to, prepare_output_dir
     from .training_unit import TrainingUnit
 
+    # under `accelerate launch` every rank runs this: rank 0 logs, builds the caches first and owns the run dir
+    state = PartialState(cpu=not torch.cuda.is_available())  # no GPU: gloo processes (as the Trainer's Accelerator)
+    if not state.is_main_process:
+        log, progress, console = (lambda *_: None), None, None
     out = Path(output_dir) if output_dir is not None else default_output_dir(recipe, recipe_file)
     check_output_dir(out, resume, overwrite)
+    check_report_to(recipe.train.report_to)  # a missing tracker package: one error before any work
     if resume:
         check_resume_recipe(out, recipe)
     log(f"recipe {recipe_file if recipe_file is not None else '(in memory)'} -> {out} "
@@ -122,14 +136,15 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     identity = dict(loaded[1])
     if resume:
         check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
-    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log)
+    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log,
+                         device=state.device if state.num_processes > 1 else None)  # several: this rank's
     family = registry.get(recipe.drafter.algorithm)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (before features are cached)
         target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, recipe.drafter)
     identity["target (weights, config, chat template)"] = target.fingerprint
     if resume and not check_run_identity(out, identity) and (out / RUN_RECIPE).is_file():
         log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
-    with _progress_scope(progress) as make:
+    with state.main_process_first(), _progress_scope(progress) as make:  # the other ranks read rank 0's cache
         data = prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
                             progress=make, loaded=loaded)
     torch.manual_seed(recipe.train.seed)  # drafter init does not depend on what the data step consumed
@@ -143,16 +158,20 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
                                "measured: set data.held_out.fraction > 0")
     if joint:  # the run's target becomes a LoRA model (after its features were cached, before the optimizer)
         target.adapt_lora(recipe.drafter.joint_target)
-    unit = TrainingUnit(drafter, target if joint else None)
-    prepare_output_dir(out, resume, overwrite)
-    record_run_identity(out, identity)
+    online = recipe.data.features == "online"  # the frozen target computes the features in the step
+    unit = TrainingUnit(drafter, target if (joint or online) else None, features=recipe.data.features,
+                        feature_dtype=recipe.data.feature_dtype)
+    if state.is_main_process:
+        prepare_output_dir(out, resume, overwrite)
+        record_run_identity(out, identity)
+    state.wait_for_everyone()
     groups = unit.param_groups(recipe.train.lr)
     n_train = sum(p.numel() for p in groups[0]["params"])
     log(f"drafter {family.algorithm}: {n_train / 1e6:.2f}M trainable parameters, draft vocab {data.vocab.size}")
     if joint:
         log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
             f"parameters at lr {groups[1]['lr']}")
-    return Trainer(recipe, unit, data, out, log=log, console=console).train(resume=resume)
+    return Trainer(recipe, unit, data, out, log=log, console=console, run_info=identity).train(resume=resume)
 
 
 def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=None):
@@ -239,29 +258,56 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
 
 
 def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: int) -> tuple[list[dict], str]:
-    """``(prompt list, label)``: the distinct prompts of the ``prompts`` data sources (in order), else the
-    recipe's held-out prompts; at most ``limit``."""
+    """``(prompt list, label)``: the distinct prompts of the ``prompts`` data sources (in order, at most
+    ``limit`` from EACH source, so that every source is measured; a prompt already taken from an earlier
+    source is not repeated), each with ``"source"`` = the source as given (``--prompts`` value); else the
+    recipe's held-out prompts (at most ``limit``; ``"source"`` = the recipe source they came from)."""
+    import dataclasses
+
     from .data.pipeline import held_out_prompts, load_data, unique_prompts
     from .data.sources import load_source
 
     template = rec.data.chat_template if rec else None
     if prompts:
-        convs = []
+        plist, seen = [], set()
         for src in prompts:
             try:
-                convs += load_source(src)
+                convs = [dataclasses.replace(c, source=src) for c in load_source(src)]
             except SpeculatorsError:
                 raise
             except ValueError as e:
                 raise SpeculatorsError(f"--prompts {src}: {e}") from None
-        plist = unique_prompts(convs, target.tokenizer, template, limit=limit)
+            for p in unique_prompts(convs, target.tokenizer, template, limit=limit):
+                if repr(p["messages"]) not in seen:
+                    seen.add(repr(p["messages"]))
+                    plist.append(p)
         if not plist:
             raise SpeculatorsError(f"--prompts {', '.join(prompts)}: no prompts in these sources")
         return plist, ", ".join(prompts)
-    plist = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data)[0], limit=limit)
+    plist = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data, target=target)[0],  # target: source self
+                             limit=limit)
     if not plist:
         raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
     return plist, "held-out split of the recipe's sources"
+
+
+def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Mapping[str, str], what: str) -> None:
+    """Refuse every K of the eval (``ev.ks``: the sweep or ``[k]``) above what ``drafter`` can draft per
+    step (:func:`speculators.drafters.base.check_speculative_tokens`), naming the setting the K came
+    from: the command-line option (``names``, e.g. ``-k``) when overridden, else ``eval.k`` /
+    ``eval.k_sweep`` of the checkpoint's recipe.
+
+    Raises:
+        SpeculatorsError: one line with the offending K values, the allowed maximum and ``what``.
+    """
+    from .drafters.base import check_speculative_tokens
+
+    field = "k_sweep" if ev.k_sweep else "k"
+    name = names.get(field) if overrides.get(field) is not None else None
+    try:
+        check_speculative_tokens(drafter, ev.ks, name or f"eval.{field}")
+    except SpeculatorsError as e:
+        raise SpeculatorsError(f"{what}: {e}") from None
 
 
 def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
@@ -277,10 +323,15 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     The prompts are the recipe's held-out prompts (:func:`speculators.data.pipeline.held_out_prompts`,
     the same list training computed) or, with ``prompts``, the distinct prompts of those data sources
     (JSONL / JSON files with OpenAI ``messages`` or ShareGPT ``conversations``, ``hf:NAME[:SPLIT]``
-    datasets, ``humaneval``, ``chatterbot``); at most ``num_prompts`` of them.
+    datasets, ``humaneval``, ``chatterbot``); at most ``num_prompts`` of them (of EACH source when
+    several are given). Every prompt keeps the name of its source (the ``prompts`` value as given, or
+    the recipe source of a held-out prompt): the report's ``by_source`` gives tau per source.
     :func:`speculators.evaluate.run_eval` decodes them through the batched loop at batch size 1 and at
     ``batch_size`` (EvalSpec; None = 16 on CUDA, 8 elsewhere), for every K of ``ks`` (``k_sweep`` or
-    ``[k]``), with the drafter, n-gram, suffix and hybrid proposers.
+    ``[k]``), with the drafter, n-gram, suffix and hybrid proposers. With ``confidence_threshold`` (and/or
+    ``confidence_cost_aware``: the verify-cost model is measured once here,
+    :func:`speculators.generate.measure_verify_cost`) the drafter is also decoded confidence-gated
+    (``report["gated_rows"]``, ``report["gating"]``; compared checkpoints are measured ungated).
 
     With ``compare``, every listed checkpoint's drafter (and its hybrid) is measured on the SAME prompts
     and settings; ``report["compare"]`` holds one table (:func:`speculators.evaluate.compare_rows`).
@@ -308,9 +359,12 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         was written to (``report.json``, ``report.md`` and the PNG plots).
     Raises:
         SpeculatorsError: a bad override, a checkpoint without a recipe and without ``target_model`` (or
-            ``prompts``), a checkpoint of another target, no held-out prompts, a bad prompt source, a
-            compared checkpoint whose target differs.
+            ``prompts``), a checkpoint of another target, a K (any of the sweep) above what the drafter
+            can draft per step (P-EAGLE: ``num_depths``; DFlash: ``block_size - 1``; also every
+            ``compare`` checkpoint's), no held-out prompts, a bad prompt source, a compared checkpoint
+            whose target differs.
     """
+    from .drafters import Drafter
     from .evaluate import compare_rows, default_batch_size, run_eval, write_report
     from .hub import looks_like_hub_id
     from .verify import SamplingParams
@@ -329,6 +383,9 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
     others = [resolve_checkpoint(c, log=log) for c in compare]  # fail early on a bad --compare path
     sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)  # seeded per prompt by run_eval
+    for given, path in [(checkpoint, ckpt), *((f"--compare {c}", o) for c, o in zip(compare, others))]:
+        # before any target loads or decoding: K above what a parallel drafter was trained for
+        _check_eval_k(Drafter.from_pretrained(path), ev, eval_overrides or {}, override_names or {}, str(given))
     drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
     plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
     batch = ev.batch_size or default_batch_size(str(target.device))
@@ -341,11 +398,21 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
 
-    def measure(t, d, methods, what):
+    verify_cost = None
+    if ev.confidence_cost_aware and "drafter" in ev.methods:  # the gate's cost model, measured once per eval
+        from .generate import measure_verify_cost
+
+        verify_cost = measure_verify_cost(target, max(ev.ks))
+        log("eval: verify cost (ms) of a target forward over 1..K+1 tokens: "
+            + ", ".join(f"{1000 * c:.2f}" for c in verify_cost))
+
+    def measure(t, d, methods, what, gated=True):
         with _progress_scope(progress) as make:
             return run_eval(t, d, plist, ev.ks, ev.max_new_tokens, sampling, ngram_max=ev.ngram_max, seed=ev.seed,
                             log=log, progress=make(f"speculative vs plain decoding{what}") if make else None,
-                            batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match)
+                            batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match,
+                            confidence_threshold=ev.confidence_threshold if gated else None,
+                            verify_cost=verify_cost if gated else None)
 
     def describe(rep, path, d, t):
         rep["checkpoint"] = str(path)
@@ -367,7 +434,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
                 raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
                                        "compare checkpoints of the same target (or pass --target)")
             orep = describe(measure(ot, od, tuple(m for m in ("drafter", "hybrid") if m in ev.methods) or ("drafter",),
-                                    f" ({given})"), other, od, ot)
+                                    f" ({given})", gated=False), other, od, ot)
             reports.append((str(given), orep))
             if report["greedy_mismatches"] is not None:  # every checkpoint's outputs must equal plain greedy
                 report["greedy_mismatches"] += [{**m, "checkpoint": str(given)} for m in orep["greedy_mismatches"]]
@@ -377,4 +444,82 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
     out = Path(output) if output is not None else base / f"eval-k{'-'.join(map(str, ev.ks))}-t{ev.temperature:g}"
     write_report(report, out, title=f"speculators eval: {ckpt}")
+    if not from_hub:  # the training run's trackers (train.report_to) get the report as a table
+        from .train import log_eval_report
+
+        logged = log_eval_report(ckpt, rec, report, log=log)
+        if logged:
+            log(f"eval: report logged to the run's {', '.join(logged)}")
+    return report, out
+
+
+def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
+                  k: int | None = None, prompts: str | list[str] | None = None, target_model: str | None = None,
+                  output: str | Path | None = None, store: bool = True, fit_fraction: float = 0.5,
+                  device: str | None = None, dtype: str | None = None, log: Callable[[str], None] = print,
+                  override_names: Mapping[str, str] | None = None) -> tuple[dict, Path]:
+    """Calibrate a drafter's confidence head on held-out prompts (``speculators calibrate RUN_DIR``; also
+    callable at the end of training on ``train_run``'s final checkpoint).
+
+    Loads the checkpoint and its target as :func:`eval_run` does, decodes the recipe's held-out prompts
+    (:func:`speculators.data.pipeline.held_out_prompts`, or the ``prompts`` sources; at most
+    ``eval.num_prompts``) with the eval's sampling settings and ``max_new_tokens``, fits the per-position
+    temperatures and measures the survival ECE before and after (:func:`speculators.calibrate.calibrate_drafter`),
+    stores the temperatures in the checkpoint's weights (``store``; :func:`speculators.calibrate.store_temperatures`,
+    an atomic rewrite) and writes the report (``calibration.json``, ``calibration.md``, ``reliability.png``).
+
+    Args:
+        checkpoint: a checkpoint or a run directory (its ``final/``; Hub ids are refused: the weights are
+            rewritten in place).
+        eval_overrides: ``{EvalSpec field: value}`` (``temperature``, ``num_prompts``, ``max_new_tokens``, ...).
+        k: drafts per step whose temperatures are fitted (default: every position of the drafter's
+            ``confidence_temperature``, capped by what one step can draft).
+        prompts, target_model, device, dtype, log, override_names: as :func:`eval_run`.
+        output: report directory (default ``<run dir>/calibration``).
+        store: write the temperatures into the checkpoint (False: report only).
+        fit_fraction: share of the prompts that fit T; the rest measure ECE (see ``calibrate_drafter``).
+    Returns:
+        ``(report, report_dir)``.
+    Raises:
+        SpeculatorsError: a checkpoint without a confidence head, a bad override or ``k``, no prompts, and
+            the errors of :func:`eval_run`'s loading.
+    """
+    from .calibrate import calibrate_drafter, store_temperatures, write_calibration_report
+    from .generate import confidence_temperature_of
+    from .verify import SamplingParams
+
+    if isinstance(prompts, (str, Path)):
+        prompts = [str(prompts)]
+    prompts = [str(p) for p in prompts] if prompts else None
+    ckpt = resolve_checkpoint(checkpoint, allow_hub=False, log=log)
+    rec_file = ckpt / RUN_RECIPE
+    rec = load_recipe(rec_file) if rec_file.is_file() else None
+    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, eval_overrides or {}, override_names)
+    if rec is None and (target_model is None or prompts is None):
+        raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target and --prompts")
+    drafter, target, _ = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
+    temps = confidence_temperature_of(drafter)
+    if temps is None:
+        raise SpeculatorsError(f"{ckpt}: the {drafter.algorithm} drafter has no confidence head "
+                               "(no confidence_temperature): nothing to calibrate")
+    cap = getattr(drafter, "max_speculative_tokens", None)
+    default_k = min(int(temps.numel()), int(cap) if cap else int(temps.numel()))
+    if k is None:
+        k = default_k
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= default_k:
+        raise SpeculatorsError(f"--k {k}: calibrate fits 1..{default_k} positions for this drafter")
+    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
+    sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)
+    log(f"calibrate: {len(plist)} prompts ({label}), K={k}, temperature {ev.temperature}, "
+        f"max_new_tokens {ev.max_new_tokens} on {target.device}")
+    T, report = calibrate_drafter(target, drafter, [list(p["input_ids"]) for p in plist], k, ev.max_new_tokens,
+                                  sampling, batch_size=ev.batch_size or 8, seed=ev.seed, fit_fraction=fit_fraction,
+                                  log=log)
+    report.update(checkpoint=str(ckpt), prompts=label, device=str(target.device), stored=False)
+    if store:
+        store_temperatures(ckpt, T)
+        report["stored"] = True
+        log(f"calibrate: temperatures stored in {ckpt}")
+    out = Path(output) if output is not None else ckpt.parent / "calibration"
+    write_calibration_report(report, out)
     return report, out

@@ -106,6 +106,9 @@ def build_drafter(name: str, joint: bool, train_steps: int = 15):
     target = new_target()
     family = registry.get(name)
     kw: dict = {"algorithm": name}
+    for depth in ("num_depths", "num_heads"):  # P-EAGLE, Medusa: trained as deep as the largest K below
+        if depth in family.config_class.model_fields:  # (a K above the trained depth is refused, not capped)
+            kw[depth] = 5
     if joint:
         kw.update(joint=True, joint_target={"lora_r": 4, "lr": 3e-3})
     ids, mask, lengths = greedy_data(target)

@@ -65,13 +65,33 @@ def test_chatterbot():
     assert [c.id for c in load_source("chatterbot", max_examples=7)] == [c.id for c in convs[:7]]
 
 
+def test_chitchat():
+    """The chitchat-dataset package: the opening of each conversation between two people."""
+    path = Path(importlib.util.find_spec("chitchat_dataset").submodule_search_locations[0]) / "dataset.json"
+    raw = json.loads(path.read_text())
+    convs = load_source("chitchat")
+    assert 5000 < len(convs) <= len(raw)  # deduplicated on the turns
+    assert len({c.id for c in convs}) == len(convs)
+    assert len({tuple(m["content"] for m in c.messages) for c in convs}) == len(convs)
+    for c in convs:
+        assert c.source == "chitchat" and c.id.startswith("chitchat/")
+        assert _roles(c) in (["user"], ["user", "assistant"], ["user", "assistant", "user", "assistant"])
+        assert all(m["content"] and m["content"] == m["content"].strip() for m in c.messages)
+    # a conversation's turns are its speakers' consecutive messages, joined by newlines, first speaker = user
+    c = next(c for c in convs if len(c.messages) == 4)
+    groups = raw[c.id.split("/", 1)[1]]["messages"]
+    assert [m["content"] for m in c.messages] == ["\n".join(u["text"].strip() for u in g).strip() for g in groups[:4]]
+    assert len({u["sender"] for u in groups[0] + groups[2]}) == 1 and groups[0][0]["sender"] != groups[1][0]["sender"]
+    assert [x.id for x in load_source("chitchat", max_examples=3)] == [x.id for x in convs[:3]]
+
+
 def test_builtin_corpora_mask_exactly_the_answers(tok):
     """Every built-in conversation renders with SmolLM2's template and an exact assistant mask."""
     from speculators.data.chat import render_with_mask
 
-    for name in ("humaneval", "chatterbot"):
+    for name in ("humaneval", "chatterbot", "chitchat"):
         total = 0
-        for c in load_source(name):
+        for c in load_source(name, max_examples=400 if name == "chitchat" else None):
             ids, mask = render_with_mask(tok, c.messages)
             want = "".join(m["content"] + "<|im_end|>" for m in c.messages if m["role"] == "assistant")
             assert tok.decode([i for i, m in zip(ids, mask) if m]) == want, c.id

@@ -50,13 +50,16 @@ def capture_step_logits(drafter, batch):
     return loss, metrics, seen
 
 
-def test_ttt_steps_match_inference_chain(target):
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_ttt_steps_match_inference_chain(target, eagle31):
     """Step j of training at index t must compute exactly what inference computes for draft j+1.
 
     Fails if the token shift, the position ids, the fed-back hidden state or the diagonal mask of
-    the TTT attention differ from the drafter's autoregressive inference with its KV cache.
+    the TTT attention differ from the drafter's autoregressive inference with its KV cache; with
+    ``eagle31`` (``norm_before_fc`` + ``norm_output``) also if training and inference feed different
+    hidden states (pre- vs post-norm) to the next step.
     """
-    d = make_drafter(target, ttt_steps=3).eval()
+    d = make_drafter(target, ttt_steps=3, norm_before_fc=eagle31, norm_output=eagle31).eval()
     g = torch.Generator().manual_seed(0)
     n = 9  # prompt x_0..x_{n-1}, first target token x_n
     prefix = torch.randint(0, V, (n + 1,), generator=g)
@@ -71,6 +74,93 @@ def test_ttt_steps_match_inference_chain(target):
         train_p = torch.softmax(step_logits[j][0, t], -1)
         infer_p = prop.probs[j][d.draft_ids]
         torch.testing.assert_close(train_p, infer_p, atol=2e-5, rtol=1e-4)
+
+
+def dense_ttt_reference(d, batch) -> list[torch.Tensor]:
+    """Step logits ``[B, T, N]`` of every TTT step, computed with ONE dense boolean mask per step over the
+    concatenated keys of steps 0..j (not :func:`speculators.drafters.layers.ttt_attention`): query t of
+    step j sees step-0 keys ``s <= t`` of real inputs and, of each step 1..j, only the key at t. Step j
+    takes token ``x_{t+1+j}``, position id ``t+1+j`` and step j-1's output hidden state at t: ``h``, or
+    ``norm(h)`` with ``norm_output``."""
+    import torch.nn.functional as F
+
+    B, T = batch.input_ids.shape
+    key_valid = torch.zeros(B, T, dtype=torch.bool)
+    key_valid[:, :T - 1] = batch.attention_mask[:, 1:]  # input t = (g[t], x_{t+1}) is real
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    eye = torch.eye(T, dtype=torch.bool)
+    hidden = d.fuse(batch.aux.float())
+    ks = [[] for _ in d.layers]
+    vs = [[] for _ in d.layers]
+    out = []
+    for j in range(d.cfg.ttt_steps):
+        tokens = torch.zeros(B, T, dtype=torch.int64)
+        tokens[:, :T - 1 - j] = batch.input_ids[:, 1 + j:]
+        emb = d.embed_tokens(tokens)
+        cos, sin = d.rotary(hidden, (torch.arange(T) + 1 + j)[None].expand(B, T))
+        mask = torch.cat([causal[None] & key_valid[:, None, :]] + [eye[None].expand(B, T, T)] * j, dim=-1)
+        h = hidden
+        for i, layer in enumerate(d.layers):
+            residual = h
+            x = layer.attn_input(emb, h) if i == 0 else layer.input_layernorm(h)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            ks[i].append(k)
+            vs[i].append(v)
+            o = F.scaled_dot_product_attention(q, torch.cat(ks[i], dim=2), torch.cat(vs[i], dim=2),
+                                               attn_mask=mask[:, None], enable_gqa=True)
+            h = residual + layer.self_attn.out(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out.append(d.lm_head(d.norm(h)).float())
+        hidden = d.norm(h) if d.cfg.norm_output else h
+    return out
+
+
+@pytest.mark.parametrize("norm_output,num_layers", [(False, 1), (True, 1), (True, 2)])
+def test_ttt_steps_equal_dense_reference(target, norm_output, num_layers):
+    """Issue 15: every TTT step's logits equal :func:`dense_ttt_reference` (explicit mask over all steps'
+    keys, explicit hidden-state feed), on right-padded rows. Fails if the fed hidden state is pre-norm
+    while ``norm_output`` asks for ``norm(h)`` (the old code had no Eagle 3.1 feed at all), or if step j
+    sees other keys or position ids than the reference."""
+    d = make_drafter(target, ttt_steps=3, num_layers=num_layers, norm_before_fc=norm_output,
+                     norm_output=norm_output)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(11))
+    batch, _ = batch_for(target, ids, lengths=[12, 8])
+    _, _, step_logits = capture_step_logits(d, batch)
+    with torch.no_grad():
+        ref = dense_ttt_reference(d, batch)
+    real = torch.zeros(2, 12, dtype=torch.bool)
+    real[:, :11] = batch.attention_mask[:, 1:]
+    for j in range(3):
+        torch.testing.assert_close(step_logits[j][real], ref[j][real], atol=1e-4, rtol=1e-4)
+
+
+def test_norm_output_is_exported_only_when_set(target, tmp_path):
+    """Eagle 3.1's ``norm_output`` reaches vLLM's config only for drafters trained with it (a default
+    export keeps FORMATS.md's key set); ``norm_before_fc`` is always written."""
+    plain = json.loads((make_drafter(target).save_pretrained(tmp_path / "a") / "config.json").read_text())
+    e31 = make_drafter(target, norm_before_fc=True, norm_output=True).save_pretrained(tmp_path / "b")
+    cfg = json.loads((e31 / "config.json").read_text())
+    assert "norm_output" not in plain and plain["norm_before_fc"] is False
+    assert cfg["norm_output"] is True and cfg["norm_before_fc"] is True
+    back = registry.get("eagle3").from_pretrained(e31)
+    assert back.cfg.norm_output and back.cfg.norm_before_fc
+
+
+@pytest.mark.parametrize("train_lm_head", [True, False])
+def test_train_lm_head_controls_whether_the_head_learns(target, train_lm_head):
+    """``train_lm_head: false`` (vllm-project/speculators' choice) keeps the target's draft-vocabulary rows
+    through training; the default trains them."""
+    d = make_drafter(target, vocab_size=48, train_lm_head=train_lm_head)
+    before = d.lm_head.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    batch, _ = batch_for(target, torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(4)))
+    loss, _ = d.loss(batch)
+    loss.backward()
+    opt.step()
+    assert d.lm_head.weight.requires_grad is train_lm_head
+    assert torch.equal(d.lm_head.weight, before) is not train_lm_head
+    if not train_lm_head:
+        torch.testing.assert_close(before, target.lm_head_weight.float()[d.draft_ids])
 
 
 def test_loss_compares_step_j_with_target_at_t_plus_1_plus_j(target):

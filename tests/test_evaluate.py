@@ -277,10 +277,10 @@ def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
     real = ev._generate
 
     def corrupt(target, proposer, ids, k, *a, **kw):
-        res, secs = real(target, proposer, ids, k, *a, **kw)
+        out = real(target, proposer, ids, k, *a, **kw)
         if type(proposer).__name__ == "SuffixProposer" and k == 2:
-            res[1].tokens[3] = (res[1].tokens[3] + 1) % 64
-        return res, secs
+            out.results[1].tokens[3] = (out.results[1].tokens[3] + 1) % 64
+        return out
 
     monkeypatch.setattr(ev, "_generate", corrupt)
     rep = run_eval(target, RandomDrafter(64), prompts, [1, 2], 6, eos_ids=set(), methods=("suffix",))

@@ -45,6 +45,9 @@ FAMILY_KEYS = {
                "norm_before_fc", "embed_requires_grad", "mask_token_id"},
     "dflash": {"block_size", "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "draft_vocab_size",
                "target_hidden_size"},
+    "dspark": {"block_size", "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "draft_vocab_size",
+               "target_hidden_size", "markov_rank", "markov_head_type", "enable_confidence_head",
+               "confidence_head_with_markov"},
 }
 # vLLM's native Medusa layout: no speculators block (FORMATS.md, "Medusa")
 VLLM_MEDUSA_KEYS = {"model_type", "architectures", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers",
@@ -182,11 +185,19 @@ def _strip(cfg: dict) -> dict:
     return cfg
 
 
+# drafter-config fields added since v0, at the defaults that keep v0's behaviour (a v0 checkpoint, without
+# them, loads with these values: test_checkpoint_written_by_the_previous_version_loads)
+ADDED_SINCE_V0 = {"eagle3": {"norm_output": False, "train_lm_head": True}}  # issue 15 (Eagle 3.1 feed, frozen head)
+
+
 @pytest.mark.parametrize("name", V0_VARIANTS)
 def test_config_is_what_the_previous_version_wrote(target, name, tmp_path):
     old = json.loads((FIXTURES / f"{name}.json").read_text())
     new = json.loads((make(target, name).save_pretrained(tmp_path / name) / CONFIG_NAME).read_text())
     assert list(new) == list(old)  # same keys, same order
+    block, old_block = new[TRAINING_KEY]["drafter"], old[TRAINING_KEY]["drafter"]
+    added = {k: block.pop(k) for k in list(block) if k not in old_block}
+    assert added == ADDED_SINCE_V0.get(name.split("-")[0], {})
     assert _strip(new) == _strip(old)
 
 

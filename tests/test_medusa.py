@@ -407,6 +407,9 @@ def test_cli_vllm_medusa_layout_trains_and_evaluates(tmp_path, isolated_cache, t
     assert cfg["model_type"] == "medusa" and cfg["truncated_vocab_size"] == 512
     r = runner.invoke(app, ["eval", str(out), "--temperature", "0.7", "--num-prompts", "1", "-k", "5",
                             "--output", str(tmp_path / "rep")])
+    assert r.exit_code == 2 and "-k 5" in r.output and "drafter.num_heads = 4" in r.output, r.output  # not capped
+    r = runner.invoke(app, ["eval", str(out), "--temperature", "0.7", "--num-prompts", "1", "-k", "4",
+                            "--output", str(tmp_path / "rep")])
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["drafter"]["steps"] > 0 and rep["drafter"]["drafted"] <= 4 * rep["drafter"]["steps"]

@@ -217,7 +217,7 @@ def test_loss_is_one_soft_ce_term_per_depth_without_decay(target):
 # ----------------------------------------------------------------------------- inference
 
 
-def test_propose_drafts_all_depths_from_one_state_and_caps_at_the_trained_depth(target):
+def test_propose_drafts_all_depths_from_one_state_and_refuses_deeper_k(target):
     d = make_drafter(target, num_depths=4).eval()
     batch = make_batch(target, seed=6)
     state = d.start(batch.input_ids[0, :12], SimpleNamespace(aux=batch.aux[:1, :11]))
@@ -225,7 +225,10 @@ def test_propose_drafts_all_depths_from_one_state_and_caps_at_the_trained_depth(
     p = d._propose_one(state, 4)
     assert p.probs is None and p.token_ids.tolist() == d.draft_ids[logits.argmax(-1)].tolist()
     assert d._propose_one(state, 2).token_ids.tolist() == p.token_ids[:2].tolist()  # prefix-consistent
-    assert d._propose_one(state, 9).token_ids.tolist() == p.token_ids.tolist()  # up to k: num_depths
+    with pytest.raises(SpeculatorsError, match=r"num_depths=4"):  # no silent cap at the trained depth
+        d._propose_one(state, 5)
+    with pytest.raises(SpeculatorsError, match=r"num_depths=4"):  # the batched call too
+        d.propose([state], [5])
     assert d._propose_one(state, 0).token_ids.numel() == 0
     assert state.cache.length == state.num_positions == 11  # mask slots are never cached
 

@@ -1,7 +1,9 @@
 """The data pipeline of a recipe: sources -> split -> regeneration -> rendering -> features -> draft vocab.
 
 Everything expensive is cached on disk (regenerations, features), so a second run of the same
-recipe starts training within seconds of loading the target.
+recipe starts training within seconds of loading the target. With ``data.features: online`` the
+features are not cached: the stores hold token ids and masks only and the frozen target runs inside
+every training step (:class:`speculators.training_unit.TrainingUnit`).
 
 The functions take the recipe's data spec (:class:`speculators.recipe.DataSpec`, or one of its
 sections), never the whole recipe, and this module imports nothing from ``speculators.drafters``:
@@ -10,6 +12,7 @@ the draft vocabulary is :class:`speculators.data.vocab.DraftVocab`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -21,8 +24,9 @@ import torch
 from ..errors import SpeculatorsError
 from ..utils import atomic_write_text
 from .chat import prompt_messages, render_prompt, render_with_mask
-from .features import FeatureStore, TokenizedExample, extract_features
+from .features import DEFAULT_FEATURE_DTYPE, FeatureStore, TokenizedExample, extract_features
 from .regenerate import regenerate
+from .selfsynth import SELF_SOURCE, synthesis_identity, synthesize_prompts
 from .sources import (Conversation, conversations_identity, has_textless_assistant_turn, held_out_split,
                       load_source)
 from .vocab import DraftVocab
@@ -46,6 +50,8 @@ class PreparedData:
         token_counts: ``[V]`` int64 assistant-token frequencies.
         identity: content hash of every source's loaded conversations (:func:`load_data`), recorded
             in the run directory so that ``--resume`` refuses changed data.
+        report: per recipe source (its label, :func:`source_labels`), what it contributed and what was
+            dropped: :func:`data_report` (logged by :func:`prepare_data`, written in the run card).
     """
 
     train: FeatureStore
@@ -54,13 +60,69 @@ class PreparedData:
     vocab: DraftVocab
     token_counts: torch.Tensor
     identity: dict[str, str] = field(default_factory=dict)
+    report: dict[str, dict] = field(default_factory=dict)
 
 
 def _source_label(spec) -> str:
     return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, default=str)
 
 
-def load_data(data_spec: DataSpec, log=None) -> tuple[list[tuple[Conversation, bool]], dict[str, str]]:
+def source_labels(data_spec: DataSpec) -> list[str]:
+    """The name of each ``data.sources`` entry in logs and reports: the source spec
+    (``humaneval``, a path, ``self``), with `` (data.sources.I)`` appended when two entries share it."""
+    base = [_source_label(s.source) for s in data_spec.sources]
+    return [b if base.count(b) == 1 else f"{b} (data.sources.{i})" for i, b in enumerate(base)]
+
+
+class LoadedData(tuple):
+    """``(pairs, identity)`` of :func:`load_data` (it unpacks as that 2-tuple), plus ``stats``:
+    ``{label: {"conversations": int, "dropped": Counter(reason -> rows)}}`` per recipe source."""
+
+    stats: dict[str, dict]
+
+    def __new__(cls, pairs, identity, stats):
+        obj = super().__new__(cls, (pairs, identity))
+        obj.stats = stats
+        return obj
+
+
+def _has_self_pairs(pairs) -> bool:
+    return any(c.id.startswith(f"{SELF_SOURCE}:") for c, _ in pairs)
+
+
+def synthesize_self_sources(data_spec: DataSpec, target, stats: dict | None = None, log=None,
+                            progress=None) -> list[tuple[Conversation, bool]]:
+    """The ``(Conversation, True)`` pairs of every ``source: self`` entry of ``data_spec``: prompts the
+    target writes (:func:`speculators.data.selfsynth.synthesize_prompts`, cached), answers to regenerate.
+
+    Args:
+        stats: :attr:`LoadedData.stats` to fill (kept prompts, filter drops as ``self-synthesis: REASON``).
+    Raises:
+        SpeculatorsError: every sampled prompt was dropped, bad settings or template (the message names
+            the source).
+    """
+    out = []
+    for label, s in zip(source_labels(data_spec), data_spec.sources):
+        if s.source != SELF_SOURCE:
+            continue
+        try:
+            res = synthesize_prompts(target, s.synth, chat_template=data_spec.chat_template,
+                                     log=log or (lambda m: None),
+                                     progress=progress("self-synthesis") if progress else None)
+        except SpeculatorsError:
+            raise
+        except ValueError as e:
+            raise SpeculatorsError(str(e)) from None
+        if stats is not None:
+            st = stats.setdefault(label, {"conversations": 0, "dropped": Counter()})
+            st["conversations"] = len(res.conversations)
+            st["sampled"] = res.samples
+            st["dropped"].update({f"self-synthesis: {r}": n for r, n in res.drops.items()})
+        out.extend((replace(c, id=f"{c.id}#regen", label=label), True) for c in res.conversations)
+    return out
+
+
+def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> LoadedData:
     """Load every source of ``data_spec`` (a recipe's ``data`` section): its conversations with their
     ``regenerate`` flag, and the identity of the data.
 
@@ -69,18 +131,30 @@ def load_data(data_spec: DataSpec, log=None) -> tuple[list[tuple[Conversation, b
     (content null, missing, ``""``, whitespace, a content-part list without text) is dropped and
     counted, one log line per source: off-policy it would train only the end-of-turn token; when
     regenerated only the turns kept in the prompt are checked (the final answer is rewritten).
+    Every conversation's ``label`` is its entry's name (:func:`source_labels`).
+
+    ``source: self`` entries need the target: with ``target`` their prompts are synthesized (or read
+    from the cache) and appended after the other sources' (:func:`synthesize_self_sources`); without
+    it they are left out (:func:`prepare_data` adds them). Their identity is the hash of their
+    settings either way (:func:`speculators.data.selfsynth.synthesis_identity`).
 
     Returns:
-        ``(pairs, identity)``: ``pairs`` is a list of ``(Conversation, regenerate)``; ``identity`` maps
-        ``"data.sources.I (SOURCE)"`` to the content hash of that source's conversations as loaded
-        (ids + messages, before dropping: :func:`speculators.data.sources.conversations_identity`).
+        :class:`LoadedData` ``(pairs, identity)``: ``pairs`` is a list of ``(Conversation, regenerate)``;
+        ``identity`` maps ``"data.sources.I (SOURCE)"`` to the content hash of that source's
+        conversations as loaded (ids + messages, before dropping:
+        :func:`speculators.data.sources.conversations_identity`).
 
     Raises:
         SpeculatorsError: a source cannot be loaded (see :func:`speculators.data.sources.load_source`).
     """
-    out, identity = [], {}
+    out, identity, stats = [], {}, {}
+    labels = source_labels(data_spec)
     for n, s in enumerate(data_spec.sources):
         regen = data_spec.regenerate if s.regenerate is None else s.regenerate
+        if s.source == SELF_SOURCE:
+            identity[f"data.sources.{n} ({SELF_SOURCE})"] = synthesis_identity(s.synth)
+            stats[labels[n]] = {"conversations": 0, "dropped": Counter()}
+            continue
         try:
             convs = load_source(s.source, max_examples=s.max_examples)
         except SpeculatorsError:
@@ -92,9 +166,60 @@ def load_data(data_spec: DataSpec, log=None) -> tuple[list[tuple[Conversation, b
         kept = [c for c in convs if not has_textless_assistant_turn(c.messages, prompt_only=regen)]
         if len(kept) < len(convs) and log is not None:
             log(f"data: dropped {len(convs) - len(kept)} conversations of {label}: assistant turn without text")
+        dropped = Counter({"assistant turn without text": len(convs) - len(kept)} if len(kept) < len(convs) else {})
+        stats[labels[n]] = {"conversations": len(kept), "dropped": dropped}
         tag = "regen" if regen else "orig"
-        out.extend((replace(c, id=f"{c.id}#{tag}"), regen) for c in kept)
-    return out, identity
+        out.extend((replace(c, id=f"{c.id}#{tag}", label=labels[n]), regen) for c in kept)
+    if target is not None:
+        out.extend(synthesize_self_sources(data_spec, target, stats, log, progress))
+    return LoadedData(out, identity, stats)
+
+
+def apply_weights(pairs: list[tuple[Conversation, bool]], data_spec: DataSpec, log=None
+                  ) -> list[tuple[Conversation, bool]]:
+    """Mix the training rows by the sources' ``weight`` (``data.sources[i].weight``).
+
+    A source with ``n`` training rows (train side of the held-out split) and weight ``w`` contributes
+    ``m = round(w * n)`` rows: ``m // n`` full copies of its rows plus ``m % n`` rows drawn without
+    replacement, the ones ranking first by ``sha256(f"{data.mix_seed}:{label}:{id}")`` (deterministic
+    under the seed, independent of the order of the rows). So ``w = 1`` keeps the source as it is,
+    ``w = 0.5`` keeps half of its rows, ``w = 2.5`` repeats each row twice and a seeded half a third
+    time, and ``w = 0`` leaves it out of training (its held-out rows are still evaluated). Copies after
+    the first get ``#wK`` appended to their id (K = 2, 3, ...) and follow their row; regeneration and
+    features are computed once per distinct prompt / token sequence, so copies cost no target time.
+
+    Args:
+        pairs: ``(Conversation, regenerate)`` pairs of the train side (each conversation's ``label``
+            names its source entry; None = its ``source``).
+        data_spec: the recipe's ``data`` section (``sources[i].weight``, ``mix_seed``).
+    Returns:
+        The mixed pairs, in input order (copies next to their row).
+    """
+    weights = dict(zip(source_labels(data_spec), (float(s.weight) for s in data_spec.sources)))
+    by_label: dict[str, list[str]] = {}
+    for c, _ in pairs:
+        by_label.setdefault(c.label or c.source, []).append(c.id)
+    copies: dict[str, int] = {}
+    for label, ids in by_label.items():
+        w = weights.get(label, 1.0)
+        if w == 1.0:
+            continue
+        n = len(ids)
+        q, r = divmod(round(w * n), n)
+
+        def rank(i: str) -> str:
+            return hashlib.sha256(f"{data_spec.mix_seed}:{label}:{i}".encode("utf-8")).hexdigest()
+
+        extra = set(sorted(ids, key=rank)[:r])
+        for i in ids:
+            copies[i] = q + (i in extra)
+        if log is not None:
+            log(f"data: weight {w:g} on {label}: {n} train rows -> {q * n + r}")
+    out = []
+    for c, regen in pairs:
+        for k in range(copies.get(c.id, 1)):
+            out.append((c if k == 0 else replace(c, id=f"{c.id}#w{k + 1}"), regen))
+    return out
 
 
 def check_run_identity(run_dir: str | Path, identity: dict[str, str], prefix: str = "") -> bool:
@@ -164,8 +289,10 @@ def unique_prompts(convs: list[Conversation], tokenizer: Any, chat_template: str
         tokenizer: the target's tokenizer. chat_template: the recipe's ``data.chat_template`` (None =
             the tokenizer's). limit: stop after this many prompts (None = all).
     Returns:
-        ``[{"id", "messages", "input_ids"}]``: ``input_ids`` is a list of int token ids of the rendered
-        prompt with the generation prompt (:func:`speculators.data.chat.render_prompt`).
+        ``[{"id", "source", "messages", "input_ids"}]``: ``source`` is the conversation's source name
+        (:attr:`Conversation.source`, for the eval's per-source table); ``input_ids`` is a list of int
+        token ids of the rendered prompt with the generation prompt
+        (:func:`speculators.data.chat.render_prompt`).
     """
     seen, out = set(), []
     for c in convs:
@@ -176,7 +303,8 @@ def unique_prompts(convs: list[Conversation], tokenizer: Any, chat_template: str
         if key in seen:
             continue
         seen.add(key)
-        out.append({"id": c.id, "messages": pm, "input_ids": render_prompt(tokenizer, pm, chat_template)})
+        out.append({"id": c.id, "source": c.source, "messages": pm,
+                    "input_ids": render_prompt(tokenizer, pm, chat_template)})
     return out
 
 
@@ -221,7 +349,7 @@ def _materialise(target, pairs, data_spec: DataSpec, log, progress) -> list[Conv
 
 
 def tokenize(target, convs: list[Conversation], data_spec: DataSpec, log=None,
-             split: str = "train") -> list[TokenizedExample]:
+             split: str = "train", drop_counts: Counter | None = None) -> list[TokenizedExample]:
     """Token ids and assistant-only loss mask per conversation; drop (and count) examples with no
     loss tokens.
 
@@ -245,6 +373,7 @@ def tokenize(target, convs: list[Conversation], data_spec: DataSpec, log=None,
         data_spec: the recipe's ``data`` section (``max_length``, ``chat_template``).
         log: callable for the drop lines (None: silent).
         split: ``"train"`` or ``"held-out"``, named in the log lines.
+        drop_counts: when given, incremented by ``(label or source, reason)`` for every drop.
     Returns:
         One :class:`TokenizedExample` per kept conversation, in order: ``input_ids`` and ``loss_mask``
         are lists of ints of equal length ``<= data.max_length``.
@@ -263,7 +392,10 @@ def tokenize(target, convs: list[Conversation], data_spec: DataSpec, log=None,
         if sum(mask) > 0:
             exs.append(TokenizedExample(c.id, ids, mask))
         else:
-            drops[(c.source, _drop_reason(target, c, data_spec))] += 1
+            reason = _drop_reason(target, c, data_spec)
+            drops[(c.source, reason)] += 1
+            if drop_counts is not None:
+                drop_counts[(c.label or c.source, reason)] += 1
     if log is not None:
         for (source, reason), n in sorted(drops.items()):
             log(f"data: dropped {n} {split} conversations of {source}: {reason}")
@@ -298,12 +430,29 @@ def _log_held_out_without_answers(held_convs: list[Conversation], log) -> None:
         log(f"data: {n} held-out conversations of {source} give no held-out loss example: {reason}")
 
 
+def _features(target, examples: list[TokenizedExample], data_spec: DataSpec, log, progress) -> FeatureStore:
+    """The :class:`FeatureStore` of ``examples`` for ``data.features``: ``offline`` extracts (or reads) the
+    on-disk cache in ``data.feature_dtype`` (:func:`speculators.data.features.extract_features`);
+    ``online`` keeps the token ids and masks only (:meth:`FeatureStore.tokens_only`): the frozen target
+    computes the features inside each training step."""
+    mode = getattr(data_spec, "features", "offline")
+    dtype = getattr(data_spec, "feature_dtype", DEFAULT_FEATURE_DTYPE)
+    if mode == "online":
+        return FeatureStore.tokens_only(examples, dtype)
+    if mode != "offline":
+        raise SpeculatorsError(f"data.features: {mode!r} is not a feature mode; allowed: ['offline', 'online']")
+    return extract_features(target, examples, data_spec.feature_batch_tokens, log=log, progress=progress,
+                            dtype=dtype)
+
+
 def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, log=print, progress=None,
                  loaded=None) -> PreparedData:
     """Run the whole data pipeline of ``data_spec`` (a recipe's ``data`` section) for ``target``
     (all steps cached on disk).
 
-    Sets ``target.chat_template`` to ``data_spec.chat_template`` (its stop tokens follow it).
+    Sets ``target.chat_template`` to ``data_spec.chat_template`` (its stop tokens follow it). The feature
+    stores follow ``data.features``: ``offline`` (cached on disk in ``data.feature_dtype``) or ``online``
+    (tokens only, :meth:`speculators.data.features.FeatureStore.tokens_only`).
 
     Args:
         data_spec: the recipe's ``data`` section.
@@ -323,17 +472,27 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
         raise SpeculatorsError(
             f"target {target.name_or_path!r} has no chat template; set data.chat_template in the recipe")
     target.chat_template = data_spec.chat_template
-    pairs, identity = loaded if loaded is not None else load_data(data_spec, log)
+    if loaded is None:
+        loaded = load_data(data_spec, log, target=target, progress=progress)
+    pairs, identity = loaded
+    stats = {k: {**v, "dropped": Counter(v["dropped"])} for k, v in getattr(loaded, "stats", {}).items()}
+    if any(s.source == SELF_SOURCE for s in data_spec.sources) and not _has_self_pairs(pairs):
+        pairs = list(pairs) + synthesize_self_sources(data_spec, target, stats, log, progress)
     train_pairs, held_pairs = split_conversations(pairs, data_spec.held_out)
     log(f"data: {len(pairs)} conversations from {len(data_spec.sources)} source(s): "
         f"{len(train_pairs)} train, {len(held_pairs)} held-out (split by prompt)")
+    unweighted = train_pairs
+    train_pairs = apply_weights(train_pairs, data_spec, log)
+    drop_counts: Counter = Counter()
     train_convs = _materialise(target, train_pairs, data_spec, log, progress)
-    train_ex = tokenize(target, train_convs, data_spec, log=log, split="train")
+    train_ex = tokenize(target, train_convs, data_spec, log=log, split="train", drop_counts=drop_counts)
     if not train_ex:
         raise SpeculatorsError("data: the sources yield zero training examples with assistant tokens")
-    fb = data_spec.feature_batch_tokens
-    train = extract_features(target, train_ex, fb, log=log,
-                             progress=progress("target features") if progress else None)
+    if getattr(data_spec, "features", "offline") == "online":
+        log(f"data: data.features: online: no feature cache; the frozen target computes the features of "
+            f"every batch inside the training step ({getattr(data_spec, 'feature_dtype', DEFAULT_FEATURE_DTYPE)} "
+            f"rounding, as the offline cache would store them)")
+    train = _features(target, train_ex, data_spec, log, progress("target features") if progress else None)
     held = None
     held_convs = [c for c, _ in held_pairs]
     held_with_answers = [c for c in held_convs if c.messages and c.messages[-1]["role"] == "assistant"
@@ -342,19 +501,114 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
     if held_with_answers:
         held_ex, seen_ids = [], set()
         # a prompt listed by two sources: once
-        for e in tokenize(target, held_with_answers, data_spec, log=log, split="held-out"):
+        held_drops: Counter = Counter()
+        for e in tokenize(target, held_with_answers, data_spec, log=log, split="held-out", drop_counts=held_drops):
             if tuple(e.input_ids) not in seen_ids:
                 seen_ids.add(tuple(e.input_ids))
                 held_ex.append(e)
         if held_ex:
-            held = extract_features(target, held_ex, fb, log=log)
+            held = _features(target, held_ex, data_spec, log, None)
+        drop_counts.update({(lab, f"held-out: {why}"): n for (lab, why), n in held_drops.items()})
     eval_prompts = held_out_prompts(data_spec, target.tokenizer, pairs)  # for generation: one per prompt
     counts = torch.bincount(train.input_ids[train.loss_mask], minlength=target.vocab_size)[:target.vocab_size]
     vocab = DraftVocab.from_counts(counts, draft_vocab_size)
     covered = float(counts[vocab.t2d].sum() / counts.sum().clamp(min=1))
+    report = data_report(data_spec, stats, unweighted, train_pairs, held_pairs, train_convs, train_ex, drop_counts)
+    for line in report_lines(report):
+        log(line)
     log(f"data: {train.num_tokens} train tokens ({train.num_loss_tokens} assistant), draft vocab "
         f"{vocab.size} covering {covered:.1%} of assistant tokens, {len(eval_prompts)} held-out prompts")
-    return PreparedData(train, held, eval_prompts, vocab, counts, identity)
+    return PreparedData(train, held, eval_prompts, vocab, counts, identity, report)
+
+
+def data_report(data_spec: DataSpec, stats: dict, train_pairs, weighted_pairs, held_pairs,
+                train_convs: list[Conversation], train_ex: list[TokenizedExample], drop_counts: Counter
+                ) -> dict[str, dict]:
+    """What each recipe source contributed to the training set, and what was dropped, by filter.
+
+    Args:
+        stats: :attr:`LoadedData.stats` (conversations loaded, load-time and self-synthesis drops).
+        train_pairs / weighted_pairs: the train side before / after :func:`apply_weights`.
+        held_pairs: the held-out side. train_convs: the (regenerated) training conversations.
+        train_ex: the tokenized training examples. drop_counts: ``(label, reason) -> rows`` of
+            :func:`tokenize` (held-out drops prefixed ``held-out: ``).
+    Returns:
+        ``{label: {"weight", "conversations", "held_out_rows", "train_rows", "train_rows_weighted",
+        "train_examples", "train_tokens", "train_loss_tokens", "dropped": {reason: rows}}}`` in the
+        order of ``data.sources`` (tokens count every token of the kept examples after
+        ``data.max_length``; loss tokens the assistant tokens among them).
+    """
+    def lab(c: Conversation) -> str:
+        return c.label or c.source
+
+    labels = source_labels(data_spec)
+    rep = {}
+    for label, spec in zip(labels, data_spec.sources):
+        st = stats.get(label, {})
+        rep[label] = {"weight": float(spec.weight), "conversations": int(st.get("conversations", 0)),
+                      "held_out_rows": 0, "train_rows": 0, "train_rows_weighted": 0, "train_examples": 0,
+                      "train_tokens": 0, "train_loss_tokens": 0, "dropped": dict(Counter(st.get("dropped", {})))}
+        if "sampled" in st:
+            rep[label]["sampled"] = int(st["sampled"])
+
+    def row(label: str) -> dict:
+        return rep.setdefault(label, {"weight": 1.0, "conversations": 0, "held_out_rows": 0, "train_rows": 0,
+                                      "train_rows_weighted": 0, "train_examples": 0, "train_tokens": 0,
+                                      "train_loss_tokens": 0, "dropped": {}})
+
+    for key, group in (("train_rows", train_pairs), ("train_rows_weighted", weighted_pairs),
+                       ("held_out_rows", held_pairs)):
+        for c, _ in group:
+            row(lab(c))[key] += 1
+    label_of = {c.id: lab(c) for c in train_convs}
+    for e in train_ex:
+        r = row(label_of.get(e.id, "?"))
+        r["train_examples"] += 1
+        r["train_tokens"] += len(e.input_ids)
+        r["train_loss_tokens"] += int(sum(e.loss_mask))
+    for (label, why), n in drop_counts.items():
+        d = row(label)["dropped"]
+        d[why] = d.get(why, 0) + n
+    return rep
+
+
+def report_lines(report: dict[str, dict]) -> list[str]:
+    """One log line per source of :func:`data_report`:
+    ``data: source LABEL: N conversations (N held out), weight W -> N train rows, N examples, N tokens
+    (N assistant, P% of all); dropped: REASON: N, ...``."""
+    total = sum(r["train_tokens"] for r in report.values()) or 1
+    out = []
+    for label, r in report.items():
+        drops = ", ".join(f"{k}: {v}" for k, v in sorted(r["dropped"].items(), key=lambda kv: -kv[1])) or "none"
+        sampled = f" of {r['sampled']} sampled" if "sampled" in r else ""
+        out.append(f"data: source {label}: {r['conversations']} conversations{sampled} ({r['held_out_rows']} held "
+                   f"out), weight {r['weight']:g} -> {r['train_rows_weighted']} train rows, {r['train_examples']} "
+                   f"examples, {r['train_tokens']} tokens ({r['train_loss_tokens']} assistant, "
+                   f"{r['train_tokens'] / total:.1%} of all); dropped: {drops}")
+    return out
+
+
+def report_markdown(report: dict[str, dict]) -> list[str]:
+    """The run card's data section (markdown lines) of :func:`data_report`: one table row per source
+    (rows, weight, tokens) and one row per (source, filter) that dropped something."""
+    if not report:
+        return []
+    total = sum(r["train_tokens"] for r in report.values()) or 1
+    lines = ["## Training data", "",
+             "| source | conversations | held out | weight | train rows | train tokens | assistant tokens | share |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, r in report.items():
+        lines.append(f"| `{label}` | {r['conversations']} | {r['held_out_rows']} | {r['weight']:g} | "
+                     f"{r['train_rows_weighted']} | {r['train_tokens']} | {r['train_loss_tokens']} | "
+                     f"{r['train_tokens'] / total:.1%} |")
+    drops = [(label, why, n) for label, r in report.items() for why, n in sorted(r["dropped"].items())]
+    lines.append("")
+    if drops:
+        lines += ["| source | dropped by | rows |", "|---|---|---|"]
+        lines += [f"| `{label}` | {why} | {n} |" for label, why, n in drops]
+    else:
+        lines.append("No row was dropped by a filter.")
+    return lines + [""]
 
 
 def counter_summary(c: Counter) -> str:

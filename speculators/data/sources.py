@@ -10,6 +10,13 @@ Source specs (as written in a recipe's ``data.sources``):
   asks to complete the function, the assistant turn is prompt + canonical solution in a code block.
 - ``"chatterbot"``: the English YAML files of the installed ``chatterbot-corpus`` package, first user
   turn + first reply, deduplicated on the user turn.
+- ``"chitchat"``: the 7,168 open-domain conversations between people of the installed
+  ``chitchat-dataset`` package (BYU PCC lab's Chit-Chat Challenge, MIT licence, 8 MB wheel): the
+  opening of each conversation as ``user, assistant, user, assistant`` (the first speaker is the user;
+  a speaker's consecutive messages are one turn, joined by newlines; a conversation where only one
+  person wrote gives a prompt only), deduplicated on the turns.
+- ``"self"``: prompts the target writes itself (:mod:`speculators.data.selfsynth`); it needs the
+  target, so the data pipeline loads it, not :func:`load_source`.
 - ``"path/to/file.jsonl"`` / ``"path/to/file.json"``: rows with OpenAI ``messages``
   (``[{"role", "content"}]``) or ShareGPT ``conversations`` (``[{"from", "value"}]``).
 - ``"hf:NAME[:SPLIT]"`` or ``{"dataset": NAME_OR_PATH, "split": ..., "name": config,
@@ -56,14 +63,15 @@ SHAREGPT_ROLES = {
     "chatgpt": "assistant",
     "system": "system",
 }
-BUILTIN_SOURCES = ("humaneval", "chatterbot")
+BUILTIN_SOURCES = ("humaneval", "chatterbot", "chitchat")
+CHITCHAT_TURNS = 4  # turns kept from the opening of each chitchat conversation
 DICT_SPEC_KEYS = ("dataset", "split", "name", "data_files")
 _ID_FIELDS = ("id", "conversation_id", "prompt_id")
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the complete function in a Python code block."
 
 _ALLOWED_SPECS = (
-    "'humaneval', 'chatterbot', a path ending in .jsonl or .json, 'hf:NAME[:SPLIT]', "
+    "'humaneval', 'chatterbot', 'chitchat', 'self' (in a recipe), a path ending in .jsonl or .json, 'hf:NAME[:SPLIT]', "
     "or a dict {'dataset': NAME_OR_PATH, 'split': ..., 'name': ..., 'data_files': ...}"
 )
 
@@ -87,6 +95,8 @@ class Conversation:
             the ids it generated and its stop token when it stopped (none when cut by
             ``max_new_tokens``), so what is trained is exactly the sequence the target produced.
         loss_mask: 0/1 per id of ``input_ids`` (None with it).
+        label: the recipe entry it came from (``data.sources[i]``, as named in the data report),
+            set by :func:`speculators.data.pipeline.load_data`; None outside a recipe.
     """
 
     id: str
@@ -94,6 +104,7 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
+    label: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,6 +328,40 @@ def _load_chatterbot() -> list[Conversation]:
     return out
 
 
+def _load_chitchat() -> list[Conversation]:
+    path = _package_dir("chitchat_dataset", "chitchat-dataset") / "dataset.json"
+    if not path.is_file():
+        raise SourceError(f"source 'chitchat': {path} is missing from the chitchat-dataset package")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise SourceError(f"source 'chitchat': {path} is unreadable ({e})") from None
+    out, seen = [], set()
+    for uid in sorted(doc) if isinstance(doc, dict) else []:
+        groups = doc[uid].get("messages") if isinstance(doc[uid], dict) else None
+        turns: list[str] = []
+        for g in groups if isinstance(groups, list) else []:
+            if not isinstance(g, list):
+                continue
+            text = "\n".join(str(u.get("text", "")).strip() for u in g if isinstance(u, dict)).strip()
+            if not text:
+                break  # an empty turn would break the user/assistant alternation
+            turns.append(text)
+            if len(turns) == CHITCHAT_TURNS:
+                break
+        if len(turns) % 2 and len(turns) > 1:
+            turns = turns[:-1]  # end on an answer when there is one
+        if not turns:
+            continue
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        key = tuple(turns)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(Conversation(id=f"chitchat/{uid}", source="chitchat", messages=messages))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # files and datasets
 
@@ -443,7 +488,7 @@ def load_source(spec: str | dict, *, max_examples: int | None = None) -> list[Co
     """Load one data source as a list of conversations.
 
     Args:
-        spec: ``"humaneval"``, ``"chatterbot"``, a path ending in ``.jsonl``/``.json``,
+        spec: ``"humaneval"``, ``"chatterbot"``, ``"chitchat"``, a path ending in ``.jsonl``/``.json``,
             ``"hf:NAME[:SPLIT]"`` (split defaults to ``train``) or a dict
             ``{"dataset": NAME_OR_PATH, "split": ..., "name": config, "data_files": ...}`` loaded with
             ``datasets.load_dataset`` (local files work offline).
@@ -468,6 +513,11 @@ def load_source(spec: str | dict, *, max_examples: int | None = None) -> list[Co
             convs = _load_humaneval()
         elif s == "chatterbot":
             convs = _load_chatterbot()
+        elif s == "chitchat":
+            convs = _load_chitchat()
+        elif s == "self":
+            raise SourceError("source 'self' is synthesized by the target: use it in a recipe's data.sources "
+                              "(speculators.data.selfsynth), not as a file of prompts")
         elif s.startswith("hf:"):
             convs = _load_hf(_parse_hf_spec(s), max_examples)
         elif s.endswith((".jsonl", ".json")):

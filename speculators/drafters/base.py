@@ -76,10 +76,16 @@ class Proposal:
         token_ids: ``[k]`` int64 draft tokens in target-vocabulary ids.
         probs: ``[k, V]`` float32 draft distributions q the tokens were sampled from (target vocab),
             or None for drafters that only give ids (the verifier then treats q as a point mass).
+        confidence_logits: ``[k]`` float32 raw (pre-sigmoid, uncalibrated) confidence logits of the drafts
+            (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k)`` with the
+            drafter's ``confidence_temperature`` buffer (:mod:`speculators.calibrate`). Contract (what keeps
+            confidence-gated verification lossless): logit k may read the drafter's state and drafts ``< k``,
+            never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k`` and ``x_{k-1}``).
     """
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
 
 
 def _empty_proposal() -> Proposal:
@@ -172,6 +178,41 @@ def advance_each(one, states: list, new_ids: list, features: list | None) -> Non
                                f"{len(states)}, {len(new_ids)} and {len(features)}")
     for state, ids, f in zip(states, new_ids, features):
         one(state, ids, f)
+
+
+def max_speculative_tokens_of(proposer) -> int | None:
+    """The K bound of any proposer: its ``max_speculative_tokens`` (a :class:`Drafter`'s property), else
+    that of the drafter it wraps (``proposer.drafter``, e.g. :class:`speculators.proposers.HybridProposer`,
+    which asks its drafter for up to K drafts), else None (unbounded: n-gram, suffix, plain)."""
+    cap = getattr(proposer, "max_speculative_tokens", None)
+    if cap is None and getattr(proposer, "drafter", None) is not None:
+        cap = getattr(proposer.drafter, "max_speculative_tokens", None)
+    return None if cap is None else int(cap)
+
+
+def check_speculative_tokens(proposer, ks, name: str = "k") -> None:
+    """Refuse a K (one int or several, e.g. an eval's K sweep) larger than ``proposer`` can draft in one
+    step (:func:`max_speculative_tokens_of`): the ONE error a user sees, before any decoding.
+
+    Args:
+        proposer: a drafter, a proposer wrapping one, any other proposer (never refused) or None.
+        ks: an int or an iterable of ints.
+        name: how the error names the setting (``"k"``, ``"-k"``, ``"eval.k"``, ``"eval.k_sweep"``).
+    Raises:
+        SpeculatorsError: naming ``name``, the offending value, the allowed maximum and what sets it.
+    """
+    cap = max_speculative_tokens_of(proposer)
+    if cap is None or proposer is None:
+        return
+    values = [ks] if isinstance(ks, int) else list(ks)
+    bad = [k for k in values if isinstance(k, int) and k > cap]
+    if bad:
+        d = proposer if isinstance(getattr(proposer, "max_speculative_tokens", None), int) else proposer.drafter
+        src = getattr(d, "max_speculative_tokens_source", "") or "its training"
+        given = f"{name}{' ' if name.startswith('-') else '='}{','.join(map(str, bad))}"
+        raise SpeculatorsError(f"{given}: this {getattr(d, 'algorithm', '') or type(d).__name__} "
+                               f"drafter drafts at most {cap} tokens per step ({src} = {cap}, what it was trained "
+                               f"for); use {name} <= {cap}, or train a drafter for more")
 
 
 _REGISTRY: dict[str, type["Drafter"]] = {}
@@ -297,6 +338,7 @@ class Drafter(nn.Module):
         self._teacher_head = target.lm_head_weight.detach()
         object.__setattr__(self, "_target_norm", target.final_norm)
         self._head_on_device: torch.Tensor | None = None
+        checkpoint.fill_frozen_copies(self, target)  # the frozen copies a published checkpoint left out
 
     def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen target output head: ``[..., H]`` post-norm hidden -> ``[..., V]`` logits.
@@ -436,9 +478,20 @@ class Drafter(nn.Module):
                 weights that do not fit or are not finite.
         """
         weights = checkpoint.read_init_weights(path, self.algorithm, self.meta.fingerprint)
-        self.load_export_state_dict(weights)
+        self.load_export_state_dict(checkpoint.complete_frozen_copies(self, weights))
 
     # ---------------------------------------------------------------- inference
+    # what bounds a parallel family's K, named in the error of :func:`check_speculative_tokens`
+    max_speculative_tokens_source: ClassVar[str] = ""
+
+    @property
+    def max_speculative_tokens(self) -> int | None:
+        """The most drafts ONE step of this drafter can give (``num_speculative_tokens`` / eval ``K``),
+        or None when K is unbounded (autoregressive families: one more drafter step per draft).
+        Parallel families override it with what they were trained for (P-EAGLE: ``num_depths``;
+        DFlash: ``block_size - 1``); :func:`check_speculative_tokens` refuses a larger K."""
+        return None
+
     def start(self, input_ids: torch.Tensor, features) -> Any:
         raise NotImplementedError
 
@@ -506,6 +559,13 @@ class Drafter(nn.Module):
         """``config.json`` in the format vLLM loads (FORMATS.md)."""
         raise NotImplementedError
 
+    #: ``{export weight name: Target attribute}``: frozen, unchanged copies of target tensors that the serving
+    #: format does not need (the engine shares the target's), left out of published checkpoints and restored
+    #: from the target by :meth:`attach_target` (:func:`.checkpoint.fill_frozen_copies`).
+    frozen_target_weights: ClassVar[dict[str, str]] = {}
+    #: export weight names that a published checkpoint keeps in their trained dtype whatever
+    #: ``train.save_dtype`` says (:func:`.checkpoint.cast_weights`; DSpark's ``confidence_temperature``).
+    full_precision_weights: ClassVar[tuple[str, ...]] = ()
     vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
     vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
 

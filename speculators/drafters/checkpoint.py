@@ -6,7 +6,16 @@ A checkpoint is a Hugging Face-style directory (FORMATS.md) that vLLM loads as w
   :mod:`speculators.export`), plus ``speculators_version`` and our own block ``speculators_training``
   (vLLM ignores it): ``{"drafter": <the family's config>, "target": <TargetMeta>, "target_adapter":
   <dir, joint runs only>}``;
-* ``model.safetensors``: ``Drafter.export_state_dict`` (the serving engine's weight names);
+* ``model.safetensors``: ``Drafter.export_state_dict`` (the serving engine's weight names), in full
+  precision or, for a published checkpoint (``train.save_dtype``, the trainer's ``final/``), with every
+  floating-point weight cast to bfloat16 / float16 (:data:`SAVE_DTYPES`; integer and bool buffers such
+  as ``d2t``/``t2d`` keep their dtype) and ``torch_dtype`` in ``config.json`` saying so. Loading casts
+  the weights back into the drafter's float32 parameters (:func:`from_pretrained`), so a bf16
+  checkpoint evaluates like any other (at bf16's rounding of the weights);
+* frozen, unchanged copies of target tensors (``embed_tokens.weight`` of EAGLE-3, EAGLE-1, MTP:
+  ``Drafter.frozen_target_weights``) are written in training checkpoints but left out of published ones
+  (``final/``): vLLM shares the target's embedding when a draft checkpoint has none, and
+  ``attach_target`` restores them from the target (:func:`fill_frozen_copies`);
 * optionally ``recipe.yaml`` (how it was trained), a run card, a joint run's ``target_adapter/``
   (peft LoRA), and a trainer's extra files (optimizer state).
 
@@ -40,6 +49,47 @@ WEIGHTS_NAME = "model.safetensors"
 RECIPE_NAME = "recipe.yaml"
 TRAINING_KEY = "speculators_training"  # our own extra block in config.json (vLLM ignores it)
 ADAPTER_DIR = "target_adapter"  # a joint run's target LoRA adapter (peft format), beside the drafter
+#: ``train.save_dtype`` name -> dtype of the floating-point weights of a published checkpoint.
+SAVE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                                       "float32": torch.float32}
+
+
+def save_dtype(name: str | None) -> torch.dtype | None:
+    """The weight dtype named by ``train.save_dtype`` (``None`` -> ``None``: full precision, as trained).
+
+    Raises:
+        SpeculatorsError: a name outside :data:`SAVE_DTYPES`, naming ``train.save_dtype`` and the allowed ones.
+    """
+    if name is None:
+        return None
+    if name not in SAVE_DTYPES:
+        raise SpeculatorsError(f"train.save_dtype: {name!r} is not a checkpoint dtype; allowed: {sorted(SAVE_DTYPES)}")
+    return SAVE_DTYPES[name]
+
+
+def cast_weights(weights: dict[str, torch.Tensor], dtype: torch.dtype | None,
+                 keep: tuple[str, ...] | frozenset[str] = ()) -> dict[str, torch.Tensor]:
+    """``weights`` with every floating-point tensor cast to ``dtype`` (``None``: unchanged); integer and
+    bool tensors (``d2t``, ``t2d``, ``token_map``) and the names in ``keep`` (a family's
+    ``Drafter.full_precision_weights``, e.g. DSpark's ``confidence_temperature``: calibration constants
+    that bf16 would round to 3 significant digits) keep their dtype.
+
+    Raises:
+        SpeculatorsError: a finite float32 weight that ``dtype`` cannot hold (float16 beyond +-65504 would
+            be written as inf), naming the tensor.
+    """
+    if dtype is None:
+        return dict(weights)
+    out = {}
+    for name, t in weights.items():
+        if t.is_floating_point() and t.dtype != dtype and name not in keep:
+            c = t.to(dtype)
+            if bool(torch.isfinite(t).all()) and not bool(torch.isfinite(c).all()):
+                raise SpeculatorsError(f"train.save_dtype: {name!r} holds values beyond {dtype}'s range "
+                                       f"(max |w| = {float(t.abs().max()):.6g}); save in bfloat16 or float32")
+            t = c
+        out[name] = t.contiguous()
+    return out
 
 
 def adapter_weights_file(path: str | Path) -> Path:
@@ -255,11 +305,56 @@ def check_weights(path: str | Path) -> None:
         load_weights(adapter, "the adapter weights")
 
 
-def checkpoint_config(drafter: "Drafter") -> dict[str, Any]:
+OMITTED_KEY = "omitted_target_weights"  # speculators_training: frozen target copies left out of the weights
+
+
+def frozen_target_weights(drafter: "Drafter") -> dict[str, str]:
+    """``{export weight name: Target attribute}`` of the drafter's frozen, unchanged copies of target tensors
+    that its serving format does not need (the family's ``Drafter.frozen_target_weights``; e.g. EAGLE-3's
+    ``embed_tokens.weight``: vLLM shares the target's embedding when a draft checkpoint has none)."""
+    return dict(getattr(type(drafter), "frozen_target_weights", None) or {})
+
+
+def complete_frozen_copies(drafter: "Drafter", weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` plus the drafter's CURRENT value of every frozen target copy they omit
+    (:func:`frozen_target_weights`): for a drafter built from its target (resume, ``train.init_from``) that
+    value is the target's tensor."""
+    missing = [n for n in frozen_target_weights(drafter) if n not in weights]
+    if not missing:
+        return weights
+    current = drafter.export_state_dict()
+    return {**weights, **{n: current[n] for n in missing}}
+
+
+def fill_frozen_copies(drafter: "Drafter", target) -> None:
+    """Copy the target's tensors into the frozen copies a loaded checkpoint omitted (``Drafter.attach_target``
+    calls it; until then they hold NaN so that a drafter used without its target fails visibly).
+
+    Raises:
+        SpeculatorsError: the target's tensor has another shape than the drafter's copy (another target).
+    """
+    missing = drafter.__dict__.get("_frozen_from_target") or ()
+    table = frozen_target_weights(drafter)
+    for name in list(missing):
+        src = getattr(target, table[name])
+        src = src.weight if isinstance(src, torch.nn.Module) else src
+        dst = drafter.get_parameter(name) if name in dict(drafter.named_parameters()) else drafter.get_buffer(name)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise SpeculatorsError(f"{name}: the target's {table[name]} has shape {tuple(src.shape)}, the drafter's "
+                                   f"copy {tuple(dst.shape)}; load the target this drafter was trained for")
+        with torch.no_grad():
+            dst.copy_(src.detach())
+    drafter.__dict__["_frozen_from_target"] = set()
+
+
+def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``drafter``: its ``export_config()``, ``speculators_version`` and the
     ``speculators_training`` block (family config, :class:`TargetMeta`, and, when the drafter was trained
-    jointly with the target (``drafter.trains_target``), the adapter directory ``target_adapter``)."""
+    jointly with the target (``drafter.trains_target``), the adapter directory ``target_adapter``).
+    ``dtype``: the dtype the weights are written in (``torch_dtype`` then names it; None = as exported)."""
     cfg = drafter.export_config()
+    if dtype is not None and "torch_dtype" in cfg:
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg["speculators_version"] = __version__
     cfg[TRAINING_KEY] = {"drafter": drafter.cfg.model_dump(), "target": drafter.meta.to_json()}
     if drafter.trains_target:
@@ -270,9 +365,16 @@ def checkpoint_config(drafter: "Drafter") -> dict[str, Any]:
 
 def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | None = None,
                     extra_files: dict[str, str] | None = None, overwrite: bool = True, extra=None,
-                    target=None) -> Path:
+                    target=None, dtype: str | None = None, frozen_copies: bool = True) -> Path:
     """Write ``config.json`` (:func:`checkpoint_config`), ``model.safetensors`` (``export_state_dict``),
     ``recipe.yaml`` (when given) and ``extra_files`` (name -> text) atomically to ``path``.
+
+    ``dtype`` (``train.save_dtype``: bfloat16 | float16 | float32; None = as trained, exact) is the dtype
+    of the floating-point weights (:func:`cast_weights`): published checkpoints use it, resumable
+    training checkpoints keep None so that ``--resume`` continues from the exact weights.
+    ``frozen_copies=False`` (published checkpoints) leaves out the frozen target copies the serving format
+    does not need (:func:`frozen_target_weights`; listed under ``speculators_training.omitted_target_weights``);
+    :func:`from_pretrained` then takes them from the target at ``attach_target``.
 
     ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename. A drafter
     trained jointly with its target (``drafter.trains_target``) is only valid with the fine-tuned target, so
@@ -283,9 +385,17 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
 
     Raises:
         SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; a joint
-            drafter without an adapted ``target`` and without a loaded adapter.
+            drafter without an adapted ``target`` and without a loaded adapter; an unknown ``dtype`` or a
+            weight beyond its range (:func:`cast_weights`).
     """
     import shutil
+
+    dt = save_dtype(dtype)
+    weights = cast_weights(drafter.export_state_dict(), dt,
+                           tuple(getattr(type(drafter), "full_precision_weights", None) or ()))
+    omitted = [] if frozen_copies else sorted(n for n in frozen_target_weights(drafter) if n in weights)
+    for name in omitted:
+        del weights[name]
 
     adapter_from = None
     if drafter.trains_target:
@@ -298,10 +408,12 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
                                    "only valid with the target's LoRA adapter; save it with the adapted target "
                                    "(TrainingUnit(drafter, target).save(path), or "
                                    "save_pretrained(path, target=target))")
-    cfg = checkpoint_config(drafter)
+    cfg = checkpoint_config(drafter, dt)
+    if omitted:
+        cfg[TRAINING_KEY][OMITTED_KEY] = omitted
     with atomic_dir(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
-        save_file(drafter.export_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if recipe_yaml is not None:
             (tmp / RECIPE_NAME).write_text(recipe_yaml)
         for name, text in (extra_files or {}).items():
@@ -316,7 +428,11 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
 
 
 def from_pretrained(path: str | Path) -> "Drafter":
-    """Load a checkpoint directory written by :func:`save_pretrained` (in eval mode).
+    """Load a checkpoint directory written by :func:`save_pretrained` (in eval mode). Weights saved in
+    bfloat16 / float16 (``train.save_dtype``) are cast into the drafter's float32 parameters; move the
+    drafter to the eval device/dtype afterwards as usual. Frozen target copies the checkpoint omitted
+    (``speculators_training.omitted_target_weights``) hold NaN until ``drafter.attach_target(target)``
+    copies them from the target (``speculators eval`` does).
 
     Raises:
         SpeculatorsError: missing directory/files, unknown family, invalid drafter config or target
@@ -337,7 +453,14 @@ def from_pretrained(path: str | Path) -> "Drafter":
     meta = read_target_meta(raw, cfg_file)
     weights = load_weights(path / WEIGHTS_NAME)
     drafter = cls._build(cfg, meta, weights)
-    drafter.load_export_state_dict(weights)
+    omitted = [n for n in block.get(OMITTED_KEY) or [] if n in frozen_target_weights(drafter) and n not in weights]
+    drafter.load_export_state_dict(complete_frozen_copies(drafter, weights) if omitted else weights)
+    if omitted:  # taken from the target by attach_target; NaN until then
+        with torch.no_grad():
+            for name in omitted:
+                (drafter.get_parameter(name) if name in dict(drafter.named_parameters())
+                 else drafter.get_buffer(name)).fill_(float("nan"))
+        drafter.__dict__["_frozen_from_target"] = set(omitted)
     adapter = block.get("target_adapter")
     if adapter is None and drafter.trains_target:
         raise SpeculatorsError(f"{cfg_file}: a joint checkpoint (drafter.joint: true) without its target adapter "
@@ -379,6 +502,7 @@ def read_init_weights(path: str | Path, algorithm: str, fingerprint: str | None)
     return load_weights(path / WEIGHTS_NAME, "train.init_from weights")
 
 
-__all__ = ["ADAPTER_DIR", "CONFIG_NAME", "RECIPE_NAME", "TRAINING_KEY", "WEIGHTS_NAME", "TargetMeta",
-           "adapter_weights_file", "check_finite_weights", "check_weights", "checkpoint_config", "from_pretrained",
-           "load_weights", "read_checkpoint_config", "read_init_weights", "read_target_meta", "save_pretrained"]
+__all__ = ["ADAPTER_DIR", "CONFIG_NAME", "RECIPE_NAME", "SAVE_DTYPES", "TRAINING_KEY", "WEIGHTS_NAME", "TargetMeta",
+           "adapter_weights_file", "cast_weights", "check_finite_weights", "complete_frozen_copies", "fill_frozen_copies",
+           "frozen_target_weights", "check_weights", "checkpoint_config", "from_pretrained",
+           "load_weights", "read_checkpoint_config", "read_init_weights", "read_target_meta", "save_dtype", "save_pretrained"]

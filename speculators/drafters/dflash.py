@@ -20,7 +20,8 @@ Architecture (ALGORITHMS.md "DFlash"; weight names as vLLM's ``DFlashQwen3ForCau
 
 Labels: slot k (1..B-1) of the block anchored at a predicts token ``x_{a+k}``; slot 0 is not trained.
 ``labels: token`` (default, the paper's CE) uses the data token ``x_{a+k}``; ``labels: argmax`` the
-target's greedy token at ``a+k-1`` (``Batch.argmax``).
+target's greedy token at ``a+k-1`` (``Batch.argmax``). DSpark (``dspark.py``) subclasses this drafter
+with :attr:`DFlashDrafter.sample_from_anchor` (slot k predicts ``x_{a+k+1}``, slot 0 included).
 
 Training (:meth:`DFlashDrafter.loss`): per sequence up to ``num_anchors`` anchors drawn uniformly
 without replacement among positions p with ``loss_mask[p] & loss_mask[p+1]`` (both real tokens),
@@ -54,7 +55,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -100,31 +101,30 @@ def dflash_aux_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
     return [min(max(i, 0), num_layers - 1) for i in ids]
 
 
-class DFlashConfig(DrafterConfig):
-    """``drafter:`` section of a DFlash recipe.
+class DFlashBlockConfig(DrafterConfig):
+    """The keys of a DFlash-backbone family (DFlash, DSpark): the block, the anchors, the labels and the
+    layers. A family subclasses it with its ``algorithm`` and loss keys (:class:`DFlashConfig`,
+    :class:`speculators.drafters.dspark.DSparkConfig`).
 
     Keys:
         num_layers: draft decoder layers (DFlash's default taps: one target layer per draft layer).
-        block_size: B, the block ``[anchor, MASK x (B-1)]``; one forward drafts ``B - 1`` tokens (>= 2).
+        block_size: B, the block ``[anchor, MASK x (B-1)]``, 2 <= B <= 64.
         num_anchors: anchors sampled per sequence and step (>= 1; fewer when a sequence has fewer
             valid positions).
-        gamma: loss weight ``exp(-(k-1)/gamma)`` of slot k; default :func:`default_gamma` (4 for B=8,
-            7 for B=16).
         mask_token_id: the token whose (frozen) embedding fills the mask slots; must be a row of the
             target's embedding; default: the last id ``V - 1`` (resolved when the drafter is built).
-        labels: ``token`` (CE to the data token ``x_{a+k}``) or ``argmax`` (CE to the target's greedy token).
+        labels: ``token`` (CE to the data token a slot predicts) or ``argmax`` (CE to the target's greedy
+            token at the position before it).
         intermediate_size: MLP width; default the target's.
         draft_vocab_size: optional reduced draft vocabulary (the target's frozen head rows); unset =
             the full vocabulary through the target's own head.
     """
 
-    algorithm: Literal["dflash"] = "dflash"
     num_layers: int = Field(default=1, ge=1, le=16, description="draft decoder layers")
-    block_size: int = Field(default=8, description="B: anchor + B-1 mask slots, B-1 drafts per forward")
+    block_size: int = Field(default=8, description="B: anchor + B-1 mask slots")
     num_anchors: int = Field(default=512, description="anchors sampled per sequence and step")
-    gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight exp(-(k-1)/gamma)")
     mask_token_id: int | None = Field(default=None, ge=0, description="mask slot token id (default V-1)")
-    labels: Literal["token", "argmax"] = Field(default="token", description="CE label of slot k")
+    labels: Literal["token", "argmax"] = Field(default="token", description="CE label of a slot")
     intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
 
     @field_validator("block_size")
@@ -140,6 +140,19 @@ class DFlashConfig(DrafterConfig):
         if v < 1:
             raise ValueError(f"num_anchors {v}: at least one anchor per sequence is needed (>= 1)")
         return v
+
+
+class DFlashConfig(DFlashBlockConfig):
+    """``drafter:`` section of a DFlash recipe: the :class:`DFlashBlockConfig` keys (one forward drafts
+    ``block_size - 1`` tokens; ``labels: token`` is the data token ``x_{a+k}``, ``argmax`` the target's
+    greedy token at ``a+k-1``) plus
+
+        gamma: loss weight ``exp(-(k-1)/gamma)`` of slot k; default :func:`default_gamma` (4 for B=8,
+            7 for B=16).
+    """
+
+    algorithm: Literal["dflash"] = "dflash"
+    gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight exp(-(k-1)/gamma)")
 
     @model_validator(mode="after")
     def _default_gamma(self) -> "DFlashConfig":
@@ -240,7 +253,7 @@ class DFlashDrafter(Drafter):
         if vocab.size != want:
             what = ("drafts over the full target vocabulary" if cfg.draft_vocab_size is None
                     else f"asks for a draft vocabulary of {cfg.draft_vocab_size}")
-            raise SpeculatorsError(f"drafter.draft_vocab_size: this dflash config {what} ({want} tokens), "
+            raise SpeculatorsError(f"drafter.draft_vocab_size: this {cls.algorithm} config {what} ({want} tokens), "
                                    f"but a draft vocabulary of {vocab.size} was given")
         d = cls(cfg, TargetMeta.from_target(target), None if vocab.size == target.vocab_size else vocab.size)
         w = getattr(target.final_norm, "weight", None)
@@ -269,6 +282,14 @@ class DFlashDrafter(Drafter):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    max_speculative_tokens_source = "drafter.block_size - 1"
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The most drafts one step can give: ``block_size - 1`` (the block's mask slots); a larger K is
+        refused (:meth:`_propose_one`, and before decoding by the eval and the generation loop)."""
+        return self.cfg.block_size - 1
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's frozen embedding: ``ids [...]`` int64 -> ``[..., H]`` in the drafter's dtype.
@@ -409,15 +430,22 @@ class DFlashDrafter(Drafter):
     def counts_use_argmax(self) -> bool:
         return self.reduced_vocab and self.cfg.labels == "argmax"
 
-    def _slot_labels(self, batch, anchors: torch.Tensor, anchor_valid: torch.Tensor):
-        """Per slot k = 1..Bs-1 of every anchor: ``(labels [B, A, Bs-1] target ids, labelled, valid)``.
+    #: DSpark's "sample_from_anchor": slot k (0..Bs-1) predicts ``x_{a+k+1}``; DFlash (False): slot k
+    #: (1..Bs-1) predicts ``x_{a+k}`` and slot 0 is not trained.
+    sample_from_anchor: ClassVar[bool] = False
 
-        ``labelled``: the anchor is valid, ``a + k < T`` and token ``a + k`` is a real assistant token
-        (the metrics' chains). ``valid``: labelled and the label lies in the draft vocabulary (the loss's
-        supervised pairs)."""
+    def _slot_labels(self, batch, anchors: torch.Tensor, anchor_valid: torch.Tensor):
+        """Per trained slot of every anchor: ``(labels [B, A, S] target ids, labelled, valid)``; DFlash:
+        slots k = 1..Bs-1 (S = Bs-1) predict position ``p = a + k``; with :attr:`sample_from_anchor`
+        slots k = 0..Bs-1 (S = Bs) predict ``p = a + k + 1``.
+
+        The label is ``x_p`` (``labels: token``) or the target's argmax at ``p - 1``. ``labelled``: the
+        anchor is valid, ``p < T`` and token ``p`` is a real assistant token (the metrics' chains).
+        ``valid``: labelled and the label lies in the draft vocabulary (the loss's supervised pairs)."""
         T = batch.input_ids.shape[1]
-        k = torch.arange(1, self.block_size, device=anchors.device)
-        pos = anchors.unsqueeze(-1) + k  # [B, A, Bs-1]
+        shift = int(self.sample_from_anchor)
+        k = torch.arange(1 - shift, self.block_size, device=anchors.device)
+        pos = anchors.unsqueeze(-1) + k + shift  # [B, A, S]
         inside = pos < T
         pc = pos.clamp(max=T - 1)
         B = anchors.shape[0]
@@ -434,8 +462,9 @@ class DFlashDrafter(Drafter):
         return labels, labelled, valid
 
     def loss_counts(self, batch) -> torch.Tensor:
-        """``[block_size - 1]`` int64: supervised (anchor, slot k) pairs per slot term, for this step's
-        anchors (see :meth:`Drafter.loss_counts`; shares the draw with the next :meth:`loss`)."""
+        """``[S]`` int64: supervised (anchor, slot k) pairs per slot term (``S = block_size - 1``; ``block_size``
+        with :attr:`sample_from_anchor`), for this step's anchors (see :meth:`Drafter.loss_counts`; shares
+        the draw with the next :meth:`loss`)."""
         anchors, ok = self._anchors(batch, for_counts=True)
         return self._slot_labels(batch, anchors, ok)[2].sum(dim=(0, 1))
 
@@ -552,7 +581,7 @@ class DFlashDrafter(Drafter):
         m = new_ids.numel()
         aux = features.aux.reshape(-1, features.aux.shape[-1])
         if aux.shape[0] != m:
-            raise SpeculatorsError(f"dflash advance: {m} new tokens but target features of {aux.shape[0]} "
+            raise SpeculatorsError(f"{self.algorithm} advance: {m} new tokens but target features of {aux.shape[0]} "
                                    "positions (one per new token: features lag tokens by one)")
         if m == 0:
             return

@@ -96,6 +96,7 @@ class EagleDrafter(Drafter):
     config_class = EagleConfig
     vllm_note = ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
                  "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
+    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}  # vLLM shares the target's (not in final/)
 
     def __init__(self, cfg: EagleConfig, meta: TargetMeta):
         super().__init__(cfg, meta)

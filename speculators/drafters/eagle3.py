@@ -2,20 +2,29 @@
 
 Architecture (ALGORITHMS.md, FORMATS.md; weight names as vLLM's ``Eagle3LlamaForCausalLM`` loads):
 
-* ``fc: Linear(n_aux*H -> H, bias=False)`` fuses the aux hidden states into ``g[t]``;
+* ``fc: Linear(n_aux*H -> H, bias=False)`` fuses the aux hidden states into ``g[t]`` (with
+  ``norm_before_fc``, after an RMSNorm over the concatenated ``n_aux*H`` vector);
 * layer 0 attends over ``concat(input_layernorm(embed(x_{t+1})), hidden_norm(g[t]))`` (2H): its
   q/k/v projections take 2H inputs and its residual is the hidden half; further layers (optional) are
   plain Llama decoder layers;
 * final ``norm`` and an own ``lm_head: Linear(H -> N_draft)`` initialised from the target's lm_head
-  rows of the draft vocabulary; ``embed_tokens`` is copied from the target and frozen.
+  rows of the draft vocabulary, trained unless ``train_lm_head: false`` (vllm-project/speculators
+  freezes it); ``embed_tokens`` is copied from the target and frozen.
 
 Indexing. The drafter input at index t is ``(g[t], x_{t+1})`` at position id ``t + 1``; it predicts
 the target's distribution at position ``t + 1`` (over ``x_{t+2}``). TTT step j at index t takes the
 token ``x_{t+1+j}`` (teacher forcing; or the step-(j-1) draft with ``ttt_input: draft``), the
-pre-norm output hidden state of step j-1 at the same index, position id ``t + 1 + j``, and is trained
-against the target distribution at ``t + 1 + j``. Attention at step j: causal over step-0 keys plus,
-for each earlier step, only the key at the same index (the diagonal): exactly what the drafter sees
-at inference, where its KV cache holds real-feature entries for the context followed by its own chain.
+output hidden state of step j-1 at the same index (pre-norm ``h``; ``norm(h)`` with ``norm_output``),
+position id ``t + 1 + j``, and is trained against the target distribution at ``t + 1 + j``. Attention
+at step j: causal over step-0 keys plus, for each earlier step, only the key at the same index (the
+diagonal): exactly what the drafter sees at inference, where its KV cache holds real-feature entries
+for the context followed by its own chain.
+
+Eagle 3.1 (``norm_before_fc: true, norm_output: true``; vllm-project/speculators' training defaults
+since 0.7, vLLM's ``norm_before_fc`` / ``norm_output`` config fields): the fc input is RMS-normalised
+(SmolLM2's aux hidden states carry massive activations: position norms up to ~25000 against a median
+of ~150-500), and the next draft step takes ``norm(h)``. The defaults stay off so that checkpoints
+written before these fields load unchanged.
 
 Inference is batched (issue 11): :meth:`Eagle3Drafter.propose` runs ONE drafter forward per chain step
 for all requests still drafting and :meth:`Eagle3Drafter.advance` ONE forward for all requests' verified
@@ -72,7 +81,16 @@ class Eagle3Config(DrafterConfig):
     ttt_input: Literal["ground_truth", "draft"] = Field(
         default="ground_truth", description="token fed at TTT step j>0: teacher-forced or the drafter's argmax")
     loss: Literal["kl", "ce"] = Field(default="kl", description="kl: soft CE to the target distribution; ce: to its argmax")
-    norm_before_fc: bool = False
+    norm_before_fc: bool = Field(
+        default=False, description="RMSNorm over the concatenated aux hidden states before fc (Eagle 3.1; tames "
+                                   "the target's massive activations)")
+    norm_output: bool = Field(
+        default=False, description="feed the POST-norm output hidden state norm(h) to the next draft step (TTT "
+                                   "step and inference chain alike; Eagle 3.1) instead of the pre-norm h")
+    train_lm_head: bool = Field(
+        default=True, description="train the drafter's lm_head (initialised from the target's rows of the draft "
+                                  "vocabulary); False keeps it frozen, as vllm-project/speculators does (fewer "
+                                  "trainable weights, no lm_head weight gradient)")
     intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K written to the vLLM config")
 
@@ -83,7 +101,8 @@ class Eagle3State:
 
     cache: KVCache
     num_positions: int        # number of real-feature inputs in the cache (position ids 1..n)
-    last_hidden: torch.Tensor  # [1, 1, H] pre-norm output of the newest real-feature input
+    last_hidden: torch.Tensor  # [1, 1, H] output hidden state of the newest real-feature input, as fed to the
+    #                            next step (pre-norm; post-norm with ``norm_output``, see Eagle3Drafter._head)
     last_logits: torch.Tensor  # [N_draft] logits predicting the next token
 
 
@@ -94,6 +113,8 @@ class Eagle3Drafter(Drafter):
     algorithm = "eagle3"
     config_class = Eagle3Config
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
+    # frozen copy: vLLM shares the target's embedding when the checkpoint has none (not in final/)
+    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
 
     def __init__(self, cfg: Eagle3Config, meta: TargetMeta, draft_vocab_size: int):
         super().__init__(cfg, meta)
@@ -108,6 +129,7 @@ class Eagle3Drafter(Drafter):
                                     [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(cfg.train_lm_head)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
         self.rotary = Rotary(self.layer_cfg)
@@ -138,6 +160,14 @@ class Eagle3Drafter(Drafter):
         if self.fc_norm is not None:
             aux = self.fc_norm(aux)
         return self.fc(aux)
+
+    def _head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder-stack output ``h [..., H]`` -> ``(feed [..., H], logits [..., N] float32)``: the logits are
+        ``lm_head(norm(h))``; ``feed`` is the hidden state the next draft step takes (TTT step j+1 in
+        training, the next chain step at inference): ``h`` itself (pre-norm, EAGLE-3), or ``norm(h)`` with
+        ``norm_output`` (Eagle 3.1, vllm-project/speculators' ``norm_output``)."""
+        normed = self.norm(h)
+        return (normed if self.cfg.norm_output else h), self.lm_head(normed).float()
 
     def _run_layers(self, emb, hidden, cos, sin, attend) -> torch.Tensor:
         """Decoder stack; ``attend(layer_idx, attn_module, q, k, v) -> o [B, nh, T, hd]``."""
@@ -218,8 +248,7 @@ class Eagle3Drafter(Drafter):
                 vs[i].append(v)
                 return ttt_attention(q, ks[i], vs[i], key_valid)
 
-            hidden = self._run_layers(emb, hidden, cos, sin, attend)
-            logits = self.lm_head(self.norm(hidden)).float()  # [B, T, N]
+            hidden, logits = self._head(self._run_layers(emb, hidden, cos, sin, attend))  # fed to j+1; [B, T, N]
             goal = shift_left(batch.argmax, 1 + j)  # the target's greedy token at t + 1 + j
             if cfg.loss == "kl":
                 sums.append(soft_cross_entropy(logits, shift_left(teacher_p, 1 + j), valids[j]))
@@ -247,8 +276,8 @@ class Eagle3Drafter(Drafter):
         def attend(i, q, k, v):
             return cached_attend(state_cache, i, q, k, v, mask)
 
-        h = self._run_layers(emb, hidden, cos, sin, attend)
-        return h, self.lm_head(self.norm(h[:, -1:])).float()[0, 0]
+        feed, logits = self._head(self._run_layers(emb, hidden, cos, sin, attend)[:, -1:])
+        return feed, logits[0, 0]
 
     def _gather(self, states: list[Eagle3State], extra: int) -> RaggedKV:
         """The requests' own caches (their ``num_positions`` real-feature entries) as one padded batch
@@ -357,7 +386,7 @@ class Eagle3Drafter(Drafter):
         pos = kv.lengths[:, None] + 1 + torch.arange(M, device=dev)[None]  # [B, M]
         h = self._forward_ragged(kv, B, self.embed_tokens(ids), self.fuse(aux), pos, start=0)
         last = h[torch.arange(B, device=dev), torch.tensor(ms, device=dev) - 1]  # [B, H] each row's newest input
-        logits = self.lm_head(self.norm(last)).float()  # [B, N]
+        last, logits = self._head(last)  # fed to the next step [B, H]; [B, N]
         kv.write_back([s.cache for s in states], ms)
         for i, s in enumerate(states):
             s.num_positions += ms[i]
@@ -464,8 +493,8 @@ class Eagle3Drafter(Drafter):
                     break
                 emb = self.embed_tokens(step[:f].to(dev).reshape(f, 1))
                 pos = (kv.lengths[:f] + 1 + j).reshape(f, 1)
-                hidden = self._forward_ragged(kv, f, emb, hidden[:f], pos, start=j)
-                logits = self.lm_head(self.norm(hidden[:, 0])).float()  # [f, N]
+                hidden, logits = self._head(self._forward_ragged(kv, f, emb, hidden[:f], pos, start=j))
+                logits = logits[:, 0]  # [f, N]
         return [Proposal(torch.tensor(toks[i], dtype=torch.int64), torch.stack(probs[i]) if probs[i] else None)
                 for i in range(B)]
 
@@ -484,6 +513,9 @@ class Eagle3Drafter(Drafter):
             "target_hidden_size": None,
             "norm_before_residual": False,
             "norm_before_fc": cfg.norm_before_fc,
+            # Eagle 3.1's feedback of the post-norm hidden state; written only when set (vLLM reads it with a
+            # False default), so a default export keeps FORMATS.md's key set
+            **({"norm_output": True} if cfg.norm_output else {}),
             "embed_requires_grad": False,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",

@@ -163,6 +163,14 @@ class MedusaDrafter(Drafter):
     def num_heads(self) -> int:
         return len(self.lm_heads)
 
+    max_speculative_tokens_source = "drafter.num_heads"
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The most drafts one step gives: one per trained head (``num_heads``); a larger K is refused
+        by :func:`speculators.drafters.base.check_speculative_tokens`, never silently capped."""
+        return self.num_heads
+
 
     @property
     def full_vocab(self) -> bool:
@@ -283,7 +291,8 @@ class MedusaDrafter(Drafter):
     @torch.no_grad()
     def _propose_one(self, state: MedusaState, k: int, sampling: SamplingParams | None = None,
                      generator: torch.Generator | None = None) -> Proposal:
-        """Drafts ``x_{n+1}..x_{n+k'}`` from heads ``1..k'``, ``k' = min(k, num_heads)`` (one pass).
+        """Drafts ``x_{n+1}..x_{n+k}`` from heads ``1..k`` (one pass; the loop and eval refuse
+        ``k > num_heads`` first, see :attr:`max_speculative_tokens`).
 
         The heads' draft-vocabulary logits go through :func:`speculators.losses.sample_draft` under
         ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of one; ``None`` =

@@ -197,6 +197,8 @@ class MTPDrafter(Drafter):
     config_class = MTPConfig
     vllm_note = ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
                  "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
+    # the target's embedding, like shared_head (= its norm and lm_head): a converter copies it (not in final/)
+    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
 
     def __init__(self, cfg: MTPConfig, meta: TargetMeta):
         super().__init__(cfg, meta)

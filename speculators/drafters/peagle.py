@@ -201,10 +201,18 @@ class PEagleDrafter(Drafter):
         return cls(cfg, meta, cls.draft_vocab_size_of(weights))
 
 
+    max_speculative_tokens_source = "drafter.num_depths"
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The most drafts one step can give: the trained depth ``num_depths`` (mask slots deeper than
+        it were never trained); a larger K is refused (:meth:`check_k`), never silently capped."""
+        return int(self.cfg.num_depths)
+
     @property
     def max_k(self) -> int:
-        """The most drafts one step can give: the trained depth ``num_depths``."""
-        return int(self.cfg.num_depths)
+        """Alias of :attr:`max_speculative_tokens` (the trained depth ``num_depths``)."""
+        return self.max_speculative_tokens
 
     def check_k(self, k: int) -> int:
         """``k`` when this drafter can draft ``k`` tokens per step.
@@ -513,21 +521,22 @@ class PEagleDrafter(Drafter):
     @torch.no_grad()
     def _propose_one(self, state: PEagleState, k: int, sampling: SamplingParams | None = None,
                      generator: torch.Generator | None = None) -> Proposal:
-        """Up to ``k`` drafts for ONE request in parallel: ``k' = min(k, num_depths)`` draft distributions
+        """``k`` drafts for ONE request in parallel: ``k`` draft distributions
         from :meth:`draft_logits` (one forward), each drawn with :func:`speculators.losses.sample_draft`
         under ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of one;
         ``None`` = greedy): greedy gives each row's argmax and ``probs=None``; otherwise one multinomial
-        call over the ``k'`` rows with ``generator`` (default: the request's own) and ``[k', V]`` float32
+        call over the ``k`` rows with ``generator`` (default: the request's own) and ``[k, V]`` float32
         full-vocabulary distributions (zero outside the draft vocabulary). Mask slots carry no token, so
         the drafts are independent given the context. The state is not modified.
 
-        A generation loop asking for more than ``num_depths`` drafts gets ``num_depths`` (a Proposal may
-        be shorter than ``k``); :meth:`check_k` / :meth:`draft_logits` refuse a deeper ``k``.
+        A ``k`` deeper than ``num_depths`` is refused (:meth:`check_k`), not capped: mask slots deeper
+        than the trained depth were never trained, and a silent cap would make an eval's "K" a lie.
 
         Raises:
-            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
+            SpeculatorsError: ``k`` outside ``0..num_depths``, or ``sampling`` is not one request's valid
+                ``SamplingParams``.
         """
-        kk = max(0, min(int(k), self.max_k))
+        kk = self.check_k(int(k))
         if kk == 0:
             return Proposal(torch.empty(0, dtype=torch.int64))
         ids, probs = sample_draft(self.draft_logits(state, kk), sampling, generator, d2t=self.d2t,

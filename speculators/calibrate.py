@@ -1,0 +1,483 @@
+"""Calibration of a drafter's confidence head: per-position temperatures fitted left to right (STS).
+
+A drafter with a confidence head (DSpark, ALGORITHMS.md) reports per draft a raw confidence logit
+``z_k`` (``Proposal.confidence_logits``); its calibrated conditional confidence is
+``c_k = sigmoid(z_k / T_k)`` with the drafter's ``confidence_temperature`` buffer ``T [B]`` (ones until
+calibrated), the probability that draft k is accepted given drafts 1..k-1 were. Their running product
+``S_k = prod_{i<=k} c_i`` (:func:`speculators.generate.survival_probabilities`) is the probability that
+drafts 1..k are ALL accepted: the quantity confidence-gated verification thresholds
+(:class:`speculators.generate.ConfidenceGate`).
+
+The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows.calibrate_run`):
+
+1. :func:`collect_confidence_outcomes`: real speculative generation (the eval loop,
+   :func:`speculators.generate.speculative_generate`, no gating) on held-out prompts records per step the
+   raw logits of the drafts and how many the verifier accepted. The last step of each request (the one
+   that emitted its stop token or reached ``max_new_tokens``) is not recorded: the drafter is never
+   advanced past it.
+2. :func:`fit_temperatures` (STS, left to right): for k = 1..K, T_k maximises the likelihood of the
+   observed survival under ``S_k = S_{k-1} * sigmoid(z_k / T_k)``. A step that accepted ``a`` of its ``n``
+   drafts has likelihood ``prod_{k<=a} c_k * (1 - c_{a+1})`` (the last factor when ``a < n``), so the
+   factor that depends on T_k is the Bernoulli likelihood of "draft k accepted" on the steps that drafted
+   k and accepted drafts 1..k-1 (where survival to k-1 is already a fact): T_k minimises that negative
+   log-likelihood, ``-[b log c_k + (1 - b) log(1 - c_k)]``. (The pooled survival NLL over every step is
+   minimised by the same T in expectation but is noisier: steps that already failed carry no information
+   on c_k.) One-dimensional search on ``log T`` in ``[0.05, 20]``: a 41-point grid, then golden-section
+   refinement around its best point (no scipy). A position judged on fewer than ``min_steps`` (20) steps
+   keeps its temperature (with a handful of outcomes the fit runs to a bound of the search). (A head
+   whose raw logits are ``a`` times the true acceptance logits gets ``T ~ a``.)
+3. :func:`expected_calibration_error` of the survival probabilities (every (step, k) pair with k <=
+   drafted, pooled over positions) before (the checkpoint's current temperatures) and after, with
+   EQUAL-MASS bins (15 by default: each bin holds the same number of pairs, so sparse regions of
+   probability do not make noisy bins; Nixon et al. 2019, "Measuring calibration in deep learning").
+   With enough prompts the fit and the ECE use disjoint halves of the prompts (``fit_fraction``), so the
+   "after" ECE is measured on data the temperatures were not fitted on.
+4. :func:`store_temperatures`: the fitted ``T`` replaces the ``confidence_temperature`` tensor in the
+   checkpoint's ``model.safetensors`` (every other tensor byte-identical; written to a temporary file
+   and renamed, so a failure leaves the old file), and :func:`write_calibration_report` writes
+   ``calibration.json``, ``calibration.md`` and the reliability diagram ``reliability.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import SpeculatorsError
+from .generate import speculative_generate, survival_probabilities
+from .utils import atomic_dir
+
+TEMPERATURE_BUFFER = "confidence_temperature"
+DEFAULT_BINS = 15
+T_BOUNDS = (0.05, 20.0)
+PLOT_FILE = "reliability.png"
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class ConfidenceRecord:
+    """Raw confidence logits and accept outcomes of ``N`` verification steps.
+
+    Attributes:
+        logits: ``[N, K]`` float32 raw confidence logits; NaN beyond a step's ``drafted``.
+        drafted: ``[N]`` int64 drafts verified in the step (1..K).
+        accepted: ``[N]`` int64 drafts the verifier accepted (0..drafted).
+    """
+
+    logits: torch.Tensor
+    drafted: torch.Tensor
+    accepted: torch.Tensor
+
+    @classmethod
+    def from_steps(cls, steps: list[tuple[torch.Tensor, int]], k: int | None = None) -> "ConfidenceRecord":
+        """From ``[(logits [n] float, accepted int)]`` per step; ``k`` = width (default: the longest n).
+
+        Raises:
+            SpeculatorsError: an accepted count outside ``[0, n]`` or a step without drafts.
+        """
+        width = k if k is not None else max((int(z.numel()) for z, _ in steps), default=0)
+        logits = torch.full((len(steps), width), float("nan"))
+        drafted = torch.zeros(len(steps), dtype=torch.int64)
+        accepted = torch.zeros(len(steps), dtype=torch.int64)
+        for i, (z, a) in enumerate(steps):
+            z = z.detach().reshape(-1).float().cpu()
+            n = int(z.numel())
+            if n == 0 or n > width or not 0 <= int(a) <= n:
+                raise SpeculatorsError(f"confidence record step {i}: {n} drafts (1..{width} allowed) with {a} accepted")
+            logits[i, :n] = z
+            drafted[i], accepted[i] = n, int(a)
+        return cls(logits, drafted, accepted)
+
+    def __len__(self) -> int:
+        return int(self.drafted.numel())
+
+    @property
+    def k(self) -> int:
+        """Width of :attr:`logits` (the most drafts one step recorded)."""
+        return int(self.logits.shape[1])
+
+
+class _ConfidenceRecorder:
+    """A transparent :class:`speculators.generate.Proposer` around a drafter that records, per step and
+    request, the proposal's raw confidence logits and (at ``advance``) how many drafts were accepted
+    (``len(new_ids) - 1``). Steps are matched by the identity of the request's state object; a step
+    whose request finished (never advanced) is dropped when the next ``propose`` starts."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.pending: dict[int, torch.Tensor] = {}
+        self.steps: list[tuple[torch.Tensor, int]] = []
+        self.without_confidence = 0
+
+    def start(self, input_ids, features):
+        return self.proposer.start(input_ids, features)
+
+    def propose(self, states, ks, sampling=None, generators=None):
+        props = self.proposer.propose(states, ks, sampling, generators)
+        self.pending = {}
+        for s, p in zip(states, props):
+            if p is None or p.token_ids.numel() == 0:
+                continue
+            if p.confidence_logits is None:
+                self.without_confidence += 1
+                continue
+            self.pending[id(s)] = p.confidence_logits.detach().reshape(-1).float().cpu()
+        return props
+
+    def advance(self, states, new_ids, features):
+        for s, ids in zip(states, new_ids):
+            z = self.pending.pop(id(s), None)
+            if z is not None:
+                self.steps.append((z, int(ids.numel()) - 1))
+        self.proposer.advance(states, new_ids, features)
+
+
+@torch.no_grad()
+def collect_confidence_outcomes(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int,
+                                sampling=None, batch_size: int = 8, eos_ids: set[int] | None = None,
+                                seed: int = 0) -> ConfidenceRecord:
+    """Decode ``prompts`` speculatively (no gating) and record every step's raw confidence logits and
+    accepted count (see the module docstring, step 1).
+
+    Args:
+        target: :class:`speculators.target.Target`. drafter: a batched proposer whose proposals carry
+            ``confidence_logits``.
+        prompts: token-id lists. k: drafts per step (>= 1). max_new_tokens: per prompt.
+        sampling: one request's :class:`speculators.verify.SamplingParams` applied to every prompt (None =
+            greedy); prompt i draws from a generator seeded with ``seed + i``.
+        batch_size, eos_ids: as :func:`speculators.generate.speculative_generate`.
+    Returns:
+        :class:`ConfidenceRecord` of width ``k``.
+    Raises:
+        SpeculatorsError: the drafter's proposals carry no confidence logits (no confidence head), no step
+            was recorded, or a decoding argument is invalid.
+    """
+    from .losses import sampling_values
+    from .verify import SamplingParams
+
+    temperature, top_k, top_p = sampling_values(sampling)
+    sp = SamplingParams.uniform(len(prompts), temperature, top_k, top_p)
+    rec = _ConfidenceRecorder(drafter)
+    speculative_generate(target, rec, prompts, k, max_new_tokens, sp, batch_size, eos_ids=eos_ids,
+                         seeds=[seed + i for i in range(len(prompts))])
+    if not rec.steps:
+        if rec.without_confidence:
+            raise SpeculatorsError(f"calibrate: the {getattr(drafter, 'algorithm', type(drafter).__name__)} drafter "
+                                   "reports no confidence logits (no confidence head): nothing to calibrate")
+        raise SpeculatorsError("calibrate: no verification step was recorded (prompts too few or max_new_tokens "
+                               "too small); use more prompts or a larger max_new_tokens")
+    return ConfidenceRecord.from_steps(rec.steps, k)
+
+
+# ----------------------------------------------------------------------------- statistics
+def survival_pairs(record: ConfidenceRecord, temperature: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (step, position) pair with position <= the step's drafts: ``(S [M] float64 predicted
+    survival, y [M] float64 1 when drafts 1..k were all accepted, k [M] int64 1-based position)``.
+
+    ``temperature``: ``[>= K]`` positive (None = all 1), see
+    :func:`speculators.generate.survival_probabilities`.
+    """
+    probs, labels, pos = [], [], []
+    for z, n, a in zip(record.logits, record.drafted.tolist(), record.accepted.tolist()):
+        s = survival_probabilities(z[:n], temperature).double()
+        probs.append(s)
+        labels.append((torch.arange(1, n + 1) <= a).double())
+        pos.append(torch.arange(1, n + 1))
+    if not probs:
+        return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(probs), torch.cat(labels), torch.cat(pos)
+
+
+def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = DEFAULT_BINS) -> list[dict]:
+    """Equal-mass bins of predictions ``probs [M]`` in [0, 1] against 0/1 ``labels [M]``: sorted by
+    prediction and split into ``min(bins, M)`` contiguous groups whose sizes differ by at most one.
+
+    Returns:
+        one dict per non-empty bin: ``lo`` / ``hi`` (smallest / largest prediction in it), ``mean_pred``,
+        ``frac_pos`` (observed frequency), ``count``.
+    Raises:
+        SpeculatorsError: ``bins`` < 1 or shapes that differ.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise SpeculatorsError(f"bins must be an integer >= 1, got {bins!r}")
+    p, y = probs.double().reshape(-1), labels.double().reshape(-1)
+    if p.shape != y.shape:
+        raise SpeculatorsError(f"reliability_bins: {p.numel()} predictions for {y.numel()} labels")
+    order = torch.argsort(p, stable=True)
+    p, y = p[order], y[order]
+    out = []
+    for idx in torch.tensor_split(torch.arange(p.numel()), min(bins, max(p.numel(), 1))):
+        if idx.numel() == 0:
+            continue
+        out.append({"lo": float(p[idx[0]]), "hi": float(p[idx[-1]]), "mean_pred": float(p[idx].mean()),
+                    "frac_pos": float(y[idx].mean()), "count": int(idx.numel())})
+    return out
+
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = DEFAULT_BINS) -> float:
+    """ECE with equal-mass bins (:func:`reliability_bins`): ``sum_b (n_b / M) |mean_pred_b - frac_pos_b|``
+    (0 = perfectly calibrated; 0.0 without pairs)."""
+    table = reliability_bins(probs, labels, bins)
+    m = sum(b["count"] for b in table)
+    return sum(b["count"] / m * abs(b["mean_pred"] - b["frac_pos"]) for b in table) if m else 0.0
+
+
+def _nll(s: torch.Tensor, y: torch.Tensor) -> float:
+    s = s.clamp(1e-12, 1.0 - 1e-12)
+    return float(-(y * s.log() + (1.0 - y) * torch.log1p(-s)).mean()) if s.numel() else 0.0
+
+
+def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 60) -> float:
+    """Golden-section minimum of a unimodal ``f`` on ``[lo, hi]``."""
+    g = (math.sqrt(5.0) - 1.0) / 2.0
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2.0
+
+
+def fit_temperatures(record: ConfidenceRecord, initial: torch.Tensor | None = None,
+                     bounds: tuple[float, float] = T_BOUNDS, min_steps: int = 20) -> torch.Tensor:
+    """Per-position temperatures, fitted left to right (STS; module docstring, step 2).
+
+    Args:
+        record: the steps to fit on.
+        initial: ``[B]`` current temperatures (B >= record.k; positions beyond ``record.k`` and positions
+            judged on fewer than ``min_steps`` steps keep these); None = ones of length ``record.k``.
+        bounds: the search interval of each T (> 0).
+        min_steps: the fewest steps (that drafted k and accepted drafts 1..k-1) position k is fitted on.
+    Returns:
+        ``[B]`` float32 temperatures (a new tensor).
+    Raises:
+        SpeculatorsError: ``initial`` shorter than ``record.k`` or not positive; bad ``bounds``.
+    """
+    lo, hi = float(bounds[0]), float(bounds[1])
+    if not 0.0 < lo < hi:
+        raise SpeculatorsError(f"fit_temperatures: bounds must satisfy 0 < low < high, got {bounds!r}")
+    K = record.k
+    T = torch.ones(K, dtype=torch.float64) if initial is None else initial.detach().double().cpu().reshape(-1).clone()
+    if T.numel() < K or not bool((T > 0).all()):
+        raise SpeculatorsError(f"fit_temperatures: initial temperatures must be {K} or more positive values, "
+                               f"got {T.tolist()}")
+    z, n, a = record.logits.double(), record.drafted, record.accepted
+    grid = torch.linspace(math.log(lo), math.log(hi), 41).tolist()
+    for k in range(1, K + 1):  # left to right: position k is judged only on steps that survived to k - 1
+        rows = (n >= k) & (a >= k - 1)
+        if int(rows.sum()) < max(int(min_steps), 1):
+            continue
+        zk, b = z[rows, k - 1], (a[rows] >= k).double()
+
+        def loss(u: float) -> float:
+            return _nll(torch.sigmoid(zk / math.exp(u)), b)
+
+        best = min(range(len(grid)), key=lambda i: loss(grid[i]))
+        T[k - 1] = math.exp(_golden_min(loss, grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]))
+    return T.float()
+
+
+def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | None,
+                        bins: int = DEFAULT_BINS) -> dict:
+    """ECE, NLL, Brier score and the reliability table of the survival probabilities of ``record`` under
+    ``temperature``, plus per position: pairs, mean predicted survival, observed survival rate."""
+    s, y, pos = survival_pairs(record, temperature)
+    per = []
+    for k in range(1, record.k + 1):
+        m = pos == k
+        if bool(m.any()):
+            per.append({"k": k, "pairs": int(m.sum()), "mean_survival_pred": float(s[m].mean()),
+                        "survival_rate": float(y[m].mean())})
+    return {"ece": expected_calibration_error(s, y, bins), "nll": _nll(s, y),
+            "brier": float(((s - y) ** 2).mean()) if s.numel() else 0.0, "pairs": int(s.numel()),
+            "reliability": reliability_bins(s, y, bins) if s.numel() else [], "per_position": per}
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor) -> Path:
+    """Replace the ``confidence_temperature`` tensor of ``checkpoint_dir/model.safetensors`` with
+    ``temperature`` (float32; every other tensor, its dtype and the file metadata unchanged).
+
+    The new weights are checked first (the checkpoint's drafter must load them and hold exactly
+    ``temperature`` afterwards), then written to a temporary file in the same directory and renamed over
+    the old one (``os.replace``): a failure at any point leaves the old file as it was.
+
+    Returns:
+        the weights file.
+    Raises:
+        SpeculatorsError: not a checkpoint, a checkpoint without a ``confidence_temperature`` tensor (no
+            confidence head), a temperature of another length, or non-positive / non-finite values.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .drafters import Drafter
+    from .drafters.checkpoint import WEIGHTS_NAME, complete_frozen_copies, load_weights
+
+    path = Path(checkpoint_dir)
+    file = path / WEIGHTS_NAME
+    drafter = Drafter.from_pretrained(path)  # refuses a broken checkpoint before anything is written
+    weights = load_weights(file)
+    keys = [k for k in weights if k == TEMPERATURE_BUFFER or k.endswith("." + TEMPERATURE_BUFFER)]
+    if len(keys) != 1:
+        raise SpeculatorsError(f"{path}: the checkpoint holds no {TEMPERATURE_BUFFER} tensor (a drafter without a "
+                               "confidence head has nothing to calibrate)")
+    t = temperature.detach().float().cpu().reshape(-1)
+    old = weights[keys[0]]
+    if t.shape != old.shape or not bool(torch.isfinite(t).all() and (t > 0).all()):
+        raise SpeculatorsError(f"{path}: {TEMPERATURE_BUFFER} must be {tuple(old.shape)} positive finite values, "
+                               f"got {t.tolist()}")
+    weights[keys[0]] = t  # float32 whatever the other weights' dtype (a bf16 T would keep 3 significant digits)
+    drafter.load_export_state_dict(complete_frozen_copies(drafter, weights))  # final/ omits frozen target copies
+    held = getattr(drafter, TEMPERATURE_BUFFER, None)
+    if not isinstance(held, torch.Tensor) or not torch.equal(held.detach().float().cpu(), weights[keys[0]].float()):
+        raise SpeculatorsError(f"{path}: the drafter does not read {keys[0]} back as its {TEMPERATURE_BUFFER}")
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata() or {"format": "pt"}
+    mode = os.stat(file).st_mode & 0o777
+    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_NAME}.", dir=path)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, mode)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return file
+
+
+# ----------------------------------------------------------------------------- the whole calibration
+def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int, sampling=None,
+                      batch_size: int = 8, eos_ids: set[int] | None = None, seed: int = 0,
+                      fit_fraction: float = 0.5, bins: int = DEFAULT_BINS,
+                      log: Callable[[str], None] = print) -> tuple[torch.Tensor, dict]:
+    """Collect outcomes, fit the temperatures and measure ECE before/after (steps 1-3 of the module
+    docstring), on a live target and drafter. Nothing is written (see :func:`store_temperatures`).
+
+    With at least 2 prompts and ``0 < fit_fraction < 1``, the first ``round(fit_fraction * n)`` prompts (at
+    least one, at most n - 1) fit the temperatures and the others measure ECE; otherwise every prompt does
+    both (``report["split"] == "in-sample"``).
+
+    Returns:
+        ``(temperature [B] float32, report dict)``; the report holds ``temperatures_before`` /
+        ``temperatures_after``, ``before`` / ``after`` (:func:`calibration_summary` on the ECE prompts),
+        ``in_sample`` (the same on the fit prompts), ``steps_fit``, ``steps_eval``, prompt counts,
+        ``binning`` and the decoding settings.
+    Raises:
+        SpeculatorsError: see :func:`collect_confidence_outcomes`; no prompts; ``fit_fraction`` outside
+            [0, 1].
+    """
+    from .losses import sampling_values
+
+    if not prompts:
+        raise SpeculatorsError("calibrate: no prompts")
+    if not 0.0 <= float(fit_fraction) <= 1.0:
+        raise SpeculatorsError(f"fit_fraction must lie in [0, 1], got {fit_fraction!r}")
+    n = len(prompts)
+    n_fit = min(max(round(fit_fraction * n), 1), n - 1) if n >= 2 and 0.0 < fit_fraction < 1.0 else n
+    fit_p, eval_p = prompts[:n_fit], (prompts[n_fit:] if n_fit < n else prompts)
+    current = getattr(drafter, TEMPERATURE_BUFFER, None)
+    before_t = current.detach().float().cpu().clone() if isinstance(current, torch.Tensor) else None
+    collect = dict(k=k, max_new_tokens=max_new_tokens, sampling=sampling, batch_size=batch_size, eos_ids=eos_ids)
+    fit_rec = collect_confidence_outcomes(target, drafter, fit_p, seed=seed, **collect)
+    eval_rec = fit_rec if n_fit == n else collect_confidence_outcomes(target, drafter, eval_p, seed=seed + n_fit,
+                                                                      **collect)
+    T = fit_temperatures(fit_rec, before_t)
+    report = {
+        "k": k, "max_new_tokens": max_new_tokens, "sampling": dict(zip(("temperature", "top_k", "top_p"),
+                                                                       sampling_values(sampling))),
+        "num_prompts": n, "fit_prompts": len(fit_p), "ece_prompts": len(eval_p),
+        "split": "held-out halves" if n_fit < n else "in-sample",
+        "steps_fit": len(fit_rec), "steps_eval": len(eval_rec),
+        "binning": f"equal-mass, {bins} bins, survival pairs of every position pooled",
+        "temperatures_before": None if before_t is None else before_t.tolist(), "temperatures_after": T.tolist(),
+        "before": calibration_summary(eval_rec, before_t, bins), "after": calibration_summary(eval_rec, T, bins),
+        "in_sample": {"before": calibration_summary(fit_rec, before_t, bins)["ece"],
+                      "after": calibration_summary(fit_rec, T, bins)["ece"]},
+    }
+    log(f"calibrate: {len(fit_rec)} steps fit T = [{', '.join(f'{x:.3f}' for x in T[:k].tolist())}]; survival ECE "
+        f"{report['before']['ece']:.4f} -> {report['after']['ece']:.4f} on {len(eval_rec)} steps ({report['split']})")
+    return T, report
+
+
+def reliability_plot(report: dict, file: str | Path) -> Path:
+    """Draw the reliability diagram of a :func:`calibrate_drafter` report: per equal-mass bin, observed
+    survival frequency against mean predicted survival, before and after calibration, with the diagonal
+    (matplotlib's Agg canvas; pyplot's global state is not touched)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.8, 4.4), dpi=110)
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], color="grey", linewidth=0.8, linestyle="--", label="perfect calibration")
+    for key, marker in (("before", "o"), ("after", "s")):
+        r = report[key]
+        ax.plot([b["mean_pred"] for b in r["reliability"]], [b["frac_pos"] for b in r["reliability"]],
+                marker=marker, label=f"{key} (ECE {r['ece']:.3f})")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted survival prod c_i (bin mean)")
+    ax.set_ylabel("observed: drafts 1..k all accepted")
+    ax.set_title(f"reliability ({report['binning'].split(',')[0]} bins, K={report['k']})", fontsize="small")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(str(file))
+    return Path(file)
+
+
+def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
+    """The report of :func:`calibrate_drafter` as Markdown (temperatures, ECE / NLL / Brier before and
+    after, per-position survival, the reliability diagram linked as ``plot``)."""
+    k = report["k"]
+    before, after = report["before"], report["after"]
+    tb = report["temperatures_before"] or [1.0] * k
+    lines = [f"# Confidence calibration{': ' + report['checkpoint'] if report.get('checkpoint') else ''}", "",
+             f"{report['num_prompts']} prompts ({report['fit_prompts']} fit the temperatures, {report['ece_prompts']} "
+             f"measure ECE: {report['split']}), K={k}, max_new_tokens {report['max_new_tokens']}, sampling "
+             f"{report['sampling']}; {report['steps_fit']} / {report['steps_eval']} verification steps.", "",
+             "Survival S_k = prod_{i<=k} sigmoid(z_i / T_i) predicts that drafts 1..k are all accepted. T is fitted "
+             "left to right (STS), each T_k by maximum likelihood on the steps that accepted drafts 1..k-1; ECE uses "
+             + report["binning"] + ".", "",
+             "| | ECE | NLL | Brier |", "|---|---|---|---|",
+             f"| before | {before['ece']:.4f} | {before['nll']:.4f} | {before['brier']:.4f} |",
+             f"| after | {after['ece']:.4f} | {after['nll']:.4f} | {after['brier']:.4f} |", "",
+             f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}.",
+             "", "| position k | T before | T after | pairs | mean S_k before | mean S_k after | observed |",
+             "|---|---|---|---|---|---|---|"]
+    pb = {p["k"]: p for p in before["per_position"]}
+    for p in after["per_position"]:
+        i = p["k"]
+        lines.append(f"| {i} | {tb[i - 1]:.3f} | {report['temperatures_after'][i - 1]:.3f} | {p['pairs']} | "
+                     f"{pb[i]['mean_survival_pred']:.3f} | {p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} |")
+    if plot:
+        lines += ["", f"![reliability diagram]({plot})"]
+    if report.get("stored") is not None:
+        lines += ["", f"Temperatures stored in the checkpoint: {'yes' if report['stored'] else 'no'}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_calibration_report(report: dict, output: str | Path) -> Path:
+    """Write ``calibration.json``, ``calibration.md`` and ``reliability.png`` into ``output`` (atomically
+    replaced, :func:`speculators.utils.atomic_dir`). Sets ``report["plot"]``."""
+    with atomic_dir(output, overwrite=True) as tmp:
+        reliability_plot(report, tmp / PLOT_FILE)
+        report["plot"] = PLOT_FILE
+        (tmp / "calibration.json").write_text(json.dumps(report, indent=2))
+        (tmp / "calibration.md").write_text(calibration_markdown(report, PLOT_FILE))
+    return Path(output)
+

@@ -1,0 +1,236 @@
+"""Confidence calibration (issue 13): STS temperatures, ECE, the checkpoint rewrite, the report.
+
+Known answers: a head whose raw logits are ``a_k`` times the true acceptance logits must get ``T_k ~ a_k``
+and a lower ECE, both from synthetic records and through the real decoding loop (an oracle proposer on a
+tiny target whose drafts are right with a known probability). The checkpoint round trip uses a tiny
+EAGLE-3 drafter given a ``confidence_temperature`` buffer (the interface DSpark implements), registered in
+place of EAGLE-3 for the test only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculators.calibrate import (
+    ConfidenceRecord,
+    calibrate_drafter,
+    calibration_summary,
+    expected_calibration_error,
+    fit_temperatures,
+    reliability_bins,
+    store_temperatures,
+    write_calibration_report,
+)
+from speculators.drafters import DraftVocab, registry
+from speculators.drafters import base as drafters_base
+from speculators.drafters.base import Proposal
+from speculators.drafters.checkpoint import WEIGHTS_NAME
+from speculators.errors import SpeculatorsError
+from test_batched import rand_prompt, untied_target
+
+
+def synthetic_record(scales, n_steps: int = 6000, seed: int = 0) -> ConfidenceRecord:
+    """Steps of K = len(scales) drafts: true conditional acceptance logits ``u ~ N(0.8, 1.5^2)``, draft k
+    accepted with probability sigmoid(u_k) once drafts 1..k-1 were; the head reports ``scales[k] * u_k``."""
+    g = torch.Generator().manual_seed(seed)
+    K = len(scales)
+    u = torch.randn(n_steps, K, generator=g) * 1.5 + 0.8
+    ok = torch.rand(n_steps, K, generator=g) < torch.sigmoid(u)
+    accepted = torch.cumprod(ok.long(), 1).sum(1)
+    drafted = torch.randint(1, K + 1, (n_steps,), generator=g)  # ragged steps (gating, max_new_tokens)
+    accepted = torch.minimum(accepted, drafted)
+    logits = u * torch.tensor(scales)
+    logits[torch.arange(K)[None, :] >= drafted[:, None]] = float("nan")
+    return ConfidenceRecord(logits, drafted, accepted)
+
+
+def test_sts_recovers_known_temperatures_and_lowers_ece():
+    scales = [3.0, 3.0, 0.5, 2.0]
+    rec = synthetic_record(scales)
+    T = fit_temperatures(rec)
+    assert torch.allclose(T, torch.tensor(scales), rtol=0.12), T
+    held_out = synthetic_record(scales, seed=1)
+    before, after = calibration_summary(held_out, None), calibration_summary(held_out, T)
+    assert after["ece"] < 0.5 * before["ece"] and after["ece"] < 0.02, (before["ece"], after["ece"])
+    assert after["nll"] < before["nll"]
+    # a calibrated head stays (about) where it is
+    T1 = fit_temperatures(synthetic_record([1.0, 1.0, 1.0, 1.0], seed=2))
+    assert torch.allclose(T1, torch.ones(4), rtol=0.12), T1
+
+
+def test_positions_without_data_keep_their_temperature():
+    rec = synthetic_record([2.0, 2.0])
+    initial = torch.tensor([1.0, 1.0, 5.0, 7.0])  # the drafter's buffer is longer than K
+    T = fit_temperatures(rec, initial)
+    assert T.shape == (4,) and T[2:].tolist() == [5.0, 7.0]
+    assert torch.allclose(T[:2], torch.tensor([2.0, 2.0]), rtol=0.15)
+    few = ConfidenceRecord(rec.logits[:30], rec.drafted[:30], rec.accepted[:30])  # < 20 judged steps at k=2
+    assert int(((few.drafted >= 2) & (few.accepted >= 1)).sum()) < 20
+    assert fit_temperatures(few, initial)[1] == 1.0
+    with pytest.raises(SpeculatorsError, match="initial temperatures"):
+        fit_temperatures(rec, torch.tensor([1.0]))
+
+
+def test_equal_mass_bins_and_ece_by_hand():
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 0.9])
+    y = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    bins = reliability_bins(p, y, bins=3)
+    assert [b["count"] for b in bins] == [3, 3, 2]
+    # bin means 0.2 / 0.5667 / 0.85 against frequencies 1/3, 2/3, 1
+    expected = (3 * abs(0.2 - 1 / 3) + 3 * abs(0.5666667 - 2 / 3) + 2 * abs(0.85 - 1.0)) / 8
+    assert expected_calibration_error(p, y, bins=3) == pytest.approx(expected, abs=1e-6)
+    assert expected_calibration_error(torch.zeros(0), torch.zeros(0)) == 0.0
+    with pytest.raises(SpeculatorsError, match="bins"):
+        reliability_bins(p, y, bins=0)
+
+
+# ----------------------------------------------------------------------------- through the decoding loop
+class OracleWithKnownConfidence:
+    """Greedy drafts that are the target's own argmax with probability sigmoid(u_k) (else a wrong token), with
+    ``u_k`` drawn per draft and reported as ``scale * u_k``: at temperature 0 draft k is accepted with
+    probability exactly sigmoid(u_k) given drafts 1..k-1 were, so the right temperature is ``scale``."""
+
+    def __init__(self, target, scale: float, K: int = 4):
+        self.target, self.scale = target, scale
+        self.confidence_temperature = torch.ones(K)
+        self.cache: dict[tuple, int] = {}
+
+    def argmax(self, ctx):
+        key = tuple(ctx)
+        if key not in self.cache:
+            self.cache[key] = int(self.target.features(torch.tensor([ctx]), with_logits=True).logits[0, -1].argmax())
+        return self.cache[key]
+
+    def start(self, ids, features=None):
+        return ids.reshape(-1).tolist()
+
+    def propose(self, states, ks, sampling=None, generators=None):
+        out = []
+        for i, (s, k) in enumerate(zip(states, ks)):
+            g = generators[i] if generators is not None else None
+            ctx, toks, z = list(s), [], []
+            for _ in range(k):
+                u = float(torch.randn(1, generator=g)) * 1.5 + 1.0
+                right = float(torch.rand(1, generator=g)) < float(torch.sigmoid(torch.tensor(u)))
+                best = self.argmax(ctx)
+                t = best if right else (best + 1) % self.target.vocab_size
+                toks.append(t)
+                z.append(self.scale * u)
+                ctx.append(t)
+            out.append(Proposal(torch.tensor(toks, dtype=torch.int64), None,
+                                torch.tensor(z) if toks else None))
+        return out
+
+    def advance(self, states, new_ids, features):
+        for s, ids in zip(states, new_ids):
+            s.extend(ids.tolist())
+
+
+def test_calibration_through_the_decoding_loop_finds_the_known_temperature(tmp_path):
+    target = untied_target()
+    prompts = [rand_prompt(4 + i % 5, 300 + i) for i in range(32)]
+    T, report = calibrate_drafter(target, OracleWithKnownConfidence(target, 3.0), prompts, 4, 40, None,
+                                  batch_size=8, log=lambda m: None)
+    assert report["split"] == "held-out halves" and report["fit_prompts"] == 16
+    assert report["steps_fit"] > 150 and report["steps_eval"] > 150
+    assert 2.0 < float(T[0]) < 4.2 and 2.2 < float(T.mean()) < 3.8, T  # ~200 steps: the true T is 3
+    # ECE on the OTHER half of the prompts (not fitted on)
+    assert report["after"]["ece"] < 0.5 * report["before"]["ece"], (report["before"]["ece"], report["after"]["ece"])
+    out = write_calibration_report(report, tmp_path / "calibration")
+    saved = json.loads((out / "calibration.json").read_text())
+    assert saved["temperatures_after"] == pytest.approx(T.tolist())
+    md = (out / "calibration.md").read_text()
+    assert "![reliability diagram](reliability.png)" in md and "equal-mass" in md
+    assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_drafter_without_confidences_is_refused():
+    target = untied_target()
+
+    class NoConfidence(OracleWithKnownConfidence):
+        def propose(self, *a, **kw):
+            return [Proposal(p.token_ids) for p in super().propose(*a, **kw)]
+
+    with pytest.raises(SpeculatorsError, match="no confidence logits"):
+        calibrate_drafter(target, NoConfidence(target, 1.0), [rand_prompt(5, 1), rand_prompt(6, 2)], 3, 8, None,
+                          log=lambda m: None)
+
+
+# ----------------------------------------------------------------------------- the checkpoint
+@pytest.fixture()
+def confident_checkpoint(tmp_path, monkeypatch):
+    """A tiny EAGLE-3 checkpoint whose drafter has a ``confidence_temperature [4]`` buffer (saved with its
+    weights); the registry builds this class for ``eagle3`` during the test."""
+    base_cls = registry.get("eagle3")
+
+    class Confident(base_cls):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.register_buffer("confidence_temperature", torch.ones(4))
+
+    monkeypatch.setitem(drafters_base._REGISTRY, "eagle3", Confident)
+    target = untied_target()
+    torch.manual_seed(0)
+    d = Confident.from_target(base_cls.config_class(algorithm="eagle3"), target, DraftVocab.full(target.vocab_size))
+    path = d.save_pretrained(tmp_path / "ckpt")
+    return path, base_cls
+
+
+def test_temperatures_round_trip_through_the_checkpoint(confident_checkpoint):
+    from safetensors.torch import load_file
+
+    from speculators.drafters import Drafter
+
+    path, _ = confident_checkpoint
+    before = load_file(str(path / WEIGHTS_NAME))
+    T = torch.tensor([2.5, 1.75, 0.5, 3.0])
+    store_temperatures(path, T)
+    loaded = Drafter.from_pretrained(path)
+    assert torch.equal(loaded.confidence_temperature, T)
+    after = load_file(str(path / WEIGHTS_NAME))
+    assert set(after) == set(before)
+    for k in before:  # every other tensor is untouched
+        if k != "confidence_temperature":
+            assert torch.equal(after[k], before[k]) and after[k].dtype == before[k].dtype, k
+    assert not [p.name for p in path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_temperatures_stored_in_a_published_bf16_checkpoint_stay_float32(confident_checkpoint, tmp_path):
+    """``final/`` (train.save_dtype bfloat16, frozen target copies left out) is what calibrate rewrites: the
+    drafter must load without the omitted embedding, and T must not be rounded to bf16."""
+    from safetensors.torch import load_file
+
+    from speculators.drafters import Drafter
+    from speculators.drafters.checkpoint import save_pretrained
+
+    path, _ = confident_checkpoint
+    final = save_pretrained(Drafter.from_pretrained(path), tmp_path / "final", dtype="bfloat16", frozen_copies=False)
+    assert "embed_tokens.weight" not in load_file(str(final / WEIGHTS_NAME))
+    T = torch.tensor([1.2345, 0.7031, 2.9999, 1.0001])
+    store_temperatures(final, T)
+    after = load_file(str(final / WEIGHTS_NAME))
+    assert after["confidence_temperature"].dtype == torch.float32 and torch.equal(after["confidence_temperature"], T)
+    assert after["fc.weight"].dtype == torch.bfloat16
+
+
+def test_a_bad_temperature_leaves_the_checkpoint_as_it_was(confident_checkpoint):
+    path, _ = confident_checkpoint
+    raw = (path / WEIGHTS_NAME).read_bytes()
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, float("nan"), 1, 1])):
+        with pytest.raises(SpeculatorsError, match="confidence_temperature must be"):
+            store_temperatures(path, bad)
+        assert (path / WEIGHTS_NAME).read_bytes() == raw
+
+
+def test_a_checkpoint_without_a_confidence_head_is_refused(tmp_path):
+    target = untied_target()
+    cls = registry.get("eagle3")
+    d = cls.from_target(cls.config_class(algorithm="eagle3"), target, DraftVocab.full(target.vocab_size))
+    path = d.save_pretrained(tmp_path / "plain")
+    raw = (path / WEIGHTS_NAME).read_bytes()
+    with pytest.raises(SpeculatorsError, match="no confidence_temperature tensor"):
+        store_temperatures(path, torch.ones(4))
+    assert (path / WEIGHTS_NAME).read_bytes() == raw

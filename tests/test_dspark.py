@@ -1,0 +1,381 @@
+"""DSpark's own maths (the protocol contracts run in tests/test_contracts.py): the Markov correction at
+inference against a hand computation, the detached confidence label, the loss by hand, the one-forward
+training path against each block alone through the inference path, export, calibrated confidences and
+the config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from speculators.drafters import Drafter, DraftVocab
+from speculators.drafters import dspark as dspark_module
+from speculators.drafters.dspark import DSparkConfig, DSparkDrafter, calibrated_confidences
+from speculators.errors import SpeculatorsError
+from speculators.recipe import recipe_from_dict
+from speculators.target import TargetFeatures, build_tiny_target
+from speculators.verify import SamplingParams
+from conftest import batch_for
+
+V, HIDDEN, LAYERS = 128, 32, 2
+BS, RANK = 4, 8
+
+
+def make(block_size: int = BS, vocab: int | None = None, seed: int = 0, **kw) -> tuple:
+    """(target, drafter) in eval mode with randomised norms and a NON-zero Markov W2 (fresh heads start
+    at zero, which would hide the correction)."""
+    target = build_tiny_target(vocab_size=V, hidden_size=HIDDEN, num_layers=LAYERS, seed=1)
+    torch.manual_seed(seed)
+    kw.setdefault("markov_rank", RANK)
+    cfg = DSparkConfig(block_size=block_size, num_layers=2, num_anchors=64, draft_vocab_size=vocab, **kw)
+    dv = DraftVocab.full(V) if vocab is None else DraftVocab.from_counts(torch.arange(V, 0, -1), vocab)
+    d = DSparkDrafter.from_target(cfg, target, dv)
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape))
+        d.markov_head.markov_w2.weight.copy_(torch.randn(d.markov_head.markov_w2.weight.shape))
+    return target, d.eval()
+
+
+def make_batch(target, lengths=(20, 13), prompt=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(0, V, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, prompt:n] = True
+    batch, _ = batch_for(target, ids, mask, list(lengths))
+    return batch
+
+
+def state_at(d, batch, b: int, a: int):
+    """The inference state of row ``b`` anchored at ``a``: ``x_0..x_a`` and the features of ``0..a-1``."""
+    feats = TargetFeatures(batch.aux[b:b + 1], batch.top[b:b + 1])
+    return d.start(batch.input_ids[b, :a + 1], feats.slice(0, a))
+
+
+def draft_ids(d) -> torch.Tensor:
+    return d.draft_ids if d.reduced_vocab else torch.arange(V)
+
+
+# ----------------------------------------------------------------------------- Markov head at inference
+
+
+@pytest.mark.parametrize("vocab", [None, 48])
+def test_markov_correction_at_inference_equals_hand_computation(vocab):
+    target, d = make(vocab=vocab)
+    with torch.no_grad():  # a correction large enough to change the argmax chain
+        d.markov_head.markov_w2.weight.mul_(20.0)
+    torch.set_grad_enabled(False)
+    try:
+        _check_markov_at_inference(d, make_batch(target))
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_markov_at_inference(d, batch):
+    state = state_at(d, batch, 0, 9)
+    h = d.block_hidden(state)  # [Bs, H]
+    w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+    proj = d.confidence_head.proj
+    ids = draft_ids(d)
+    # one chosen previous token: logits = head(h_0) + W2 @ W1[prev], by hand
+    prev = 77
+    hand = d.head(h[0]).float() + w2 @ w1[prev]
+    logits, conf = d.corrected_logits(h[:1], torch.tensor([prev]))
+    torch.testing.assert_close(logits[0], hand, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conf[0], proj.weight[0] @ torch.cat([h[0], w1[prev]]) + proj.bias[0])
+    other, _ = d.corrected_logits(h[:1], torch.tensor([3]))
+    assert (other[0] - logits[0]).abs().max() > 1e-2  # the previous token matters
+    # greedy proposal: x_{-1} = anchor, then each step feeds the draft it just took
+    p = d.propose([state], [BS])[0]
+    x, toks, confs = int(state.last_id), [], []
+    for j in range(BS):
+        z = d.head(h[j]).float() + w2 @ w1[x]
+        confs.append(float(proj.weight[0] @ torch.cat([h[j], w1[x]]) + proj.bias[0]))
+        x = int(ids[int(z.argmax())])
+        toks.append(x)
+    assert p.token_ids.tolist() == toks and p.probs is None
+    assert p.confidence_logits.dtype == torch.float32
+    torch.testing.assert_close(p.confidence_logits, torch.tensor(confs), atol=1e-5, rtol=1e-5)
+    # without the correction the chain would differ somewhere (the test can see the Markov head)
+    plain = [int(ids[int(i)]) for i in d.head(h).float().argmax(-1)]
+    assert plain != toks
+    # sampled: row j of probs is softmax(head(h_j) + W2 W1[x_{j-1}]) with x_{j-1} the SAMPLED draft
+    sp = SamplingParams.uniform(1, temperature=1.0, top_k=0, top_p=1.0)
+    q = d.propose([state], [BS], sp, [torch.Generator().manual_seed(3)])[0]
+    prev_ids = [int(state.last_id)] + q.token_ids.tolist()[:-1]
+    for j in range(BS):
+        expect = torch.zeros(V)
+        expect[ids] = torch.softmax(d.head(h[j]).float() + w2 @ w1[prev_ids[j]], -1)
+        torch.testing.assert_close(q.probs[j], expect, atol=1e-6, rtol=1e-5)
+    assert q.token_ids.shape == (BS,) and q.confidence_logits.shape == (BS,)
+
+
+def test_propose_prefix_bounds_and_no_trace():
+    target, d = make()
+    batch = make_batch(target)
+    state = state_at(d, batch, 0, 8)
+    k_before = [t.clone() for t in state.cache.k]
+    full = d.propose([state], [BS])[0]
+    assert d.propose([state], [2])[0].token_ids.tolist() == full.token_ids[:2].tolist()
+    assert all(torch.equal(a, b) for a, b in zip(k_before, state.cache.k)) and state.num_positions == 8
+    assert d.propose([state], [0])[0].token_ids.numel() == 0
+    assert d.max_speculative_tokens == BS
+    with pytest.raises(SpeculatorsError, match=rf"K={BS + 1}.*block_size {BS}.*at most {BS}"):
+        d.propose([state], [BS + 1])
+
+
+# ----------------------------------------------------------------------------- training path == inference path
+
+
+@pytest.mark.parametrize("vocab", [None, 48])
+def test_one_forward_training_equals_each_block_through_the_inference_path(vocab):
+    target, d = make(vocab=vocab)
+    batch = make_batch(target)
+    anchors = torch.tensor([[0, 5, 9, 16, 19], [0, 3, 7, 11, 12]])  # incl. empty context, blocks past the end
+    T = batch.input_ids.shape[1]
+    with torch.no_grad():
+        prev, _ = d.teacher_forced_prev(batch, anchors)
+        sparse, sconf = d.corrected_logits(d.slot_logits(batch, anchors), prev)  # [B, A, Bs, N], [B, A, Bs]
+    for b in range(2):
+        for i, a in enumerate(anchors[b].tolist()):
+            state = state_at(d, batch, b, a)
+            n = min(BS, T - a)  # slots whose previous token x_{a+k} exists
+            hand_prev = batch.input_ids[b, a:a + n]  # x_{-1} = anchor, then the data tokens
+            dense, dconf = d.corrected_logits(d.block_hidden(state)[:n], hand_prev)
+            torch.testing.assert_close(sparse[b, i, :n], dense, atol=1e-5, rtol=1e-5, msg=f"row {b} anchor {a}")
+            torch.testing.assert_close(sconf[b, i, :n], dconf, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def fixed_anchors(d, monkeypatch):
+    anchors = torch.tensor([[4, 10, 16, 18], [5, 9, 11, 4]])
+    ok = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    monkeypatch.setattr(d, "_anchors", lambda b, for_counts: (anchors, ok))
+    return anchors, ok
+
+
+@pytest.mark.parametrize("vocab,labels", [(None, "token"), (100, "argmax"), (100, "token")])
+def test_loss_by_hand(vocab, labels, monkeypatch):
+    weights = dict(ce_weight=0.3, l1_weight=0.5, bce_weight=0.7, position_decay=2.5)
+    target, d = make(vocab=vocab, labels=labels, **weights)
+    batch = make_batch(target)
+    anchors, ok = fixed_anchors(d, monkeypatch)
+    with torch.no_grad():
+        h = d.slot_logits(batch, anchors)
+    T = batch.input_ids.shape[1]
+    lm = batch.loss_mask & batch.attention_mask
+    w1, w2 = d.markov_head.markov_w1.weight.detach(), d.markov_head.markov_w2.weight.detach()
+    proj = d.confidence_head.proj
+    ids = draft_ids(d)
+    t2d = d.t2d if vocab else torch.ones(V, dtype=torch.bool)
+    rank = torch.cumsum(t2d.long(), 0) - 1
+    head_w = target.lm_head_weight.detach().float()[ids]  # the target's rows of the draft vocabulary
+    sums, counts = [0.0] * BS, [0] * BS
+    for b in range(2):
+        for i in range(4):
+            a = int(anchors[b, i])
+            for k in range(BS):
+                p = a + k + 1  # slot k predicts x_{a+k+1}
+                if not ok[b, i] or p >= T or not lm[b, p]:
+                    continue
+                label = int(batch.input_ids[b, p]) if labels == "token" else int(batch.argmax[b, p - 1])
+                if not t2d[label]:
+                    continue
+                x_prev = int(batch.input_ids[b, a + k])
+                z = d.head(h[b, i, k]).float().detach() + w2 @ w1[x_prev]
+                pd = torch.softmax(z, -1)
+                pt = torch.softmax(batch.top[b, a + k].float() @ head_w.T, -1)
+                l1 = float((pd - pt).abs().sum())
+                ce = float(-torch.log_softmax(z, -1)[int(rank[label])])
+                c = torch.sigmoid(proj.weight[0] @ torch.cat([h[b, i, k], w1[x_prev]]) + proj.bias[0])
+                y = 1 - 0.5 * l1
+                bce = float(-(y * torch.log(c) + (1 - y) * torch.log(1 - c)).detach())
+                sums[k] += 0.3 * ce + 0.5 * l1 + 0.7 * bce
+                counts[k] += 1
+    assert min(counts) > 0
+    w = [math.exp(-k / 2.5) for k in range(BS)]
+    assert d.slot_weights() == pytest.approx(w)
+    assert d.loss_counts(batch).tolist() == counts
+    loss, metrics = d.loss(batch)
+    assert float(loss.detach()) == pytest.approx(sum(wk * s / c for wk, s, c in zip(w, sums, counts)), rel=1e-5)
+    for j in range(BS):
+        assert metrics[f"loss_{j}"] == pytest.approx(sums[j] / counts[j], rel=1e-5)
+    norm = torch.tensor([10, 20, 40, 80])  # window normalisation: term k divided by norm[k]
+    loss_w, _ = d.loss(batch, norm)
+    assert float(loss_w.detach()) == pytest.approx(sum(wk * s / n for wk, s, n in zip(w, sums, norm.tolist())),
+                                                   rel=1e-5)
+    assert {"ce_0", "l1_3", "bce_1", "conf_0", "full_acc_0", "cond_acc_3", "sim_tau"} <= metrics.keys()
+
+
+def test_confidence_label_is_detached(monkeypatch):
+    """W2 only moves the draft logits, never the confidence logit: so with a DETACHED label the BCE term
+    gives W2 no gradient (grad(W2) with bce_weight 1 == with bce_weight 0), while it does train the
+    confidence head and the backbone. A label that is not detached changes W2's gradient."""
+    target, d = make(vocab=48)
+    batch = make_batch(target)
+    fixed_anchors(d, monkeypatch)
+    d.train()
+
+    def grads(bce_weight):
+        d.cfg = d.cfg.model_copy(update={"bce_weight": bce_weight})
+        d.zero_grad()
+        d.loss(batch)[0].backward()
+        return {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+    with_bce, without = grads(1.0), grads(0.0)
+    torch.testing.assert_close(with_bce["markov_head.markov_w2.weight"], without["markov_head.markov_w2.weight"],
+                               atol=1e-7, rtol=1e-6)
+    assert with_bce["confidence_head.proj.weight"].abs().sum() > 0
+    assert "confidence_head.proj.weight" not in without or without["confidence_head.proj.weight"].abs().sum() == 0
+    assert (with_bce["fc.weight"] - without["fc.weight"]).abs().max() > 1e-6  # BCE trains the backbone
+    # the same check sees a leaking label
+    monkeypatch.setattr(dspark_module, "confidence_label", lambda l1: (1.0 - 0.5 * l1).clamp(0.0, 1.0))
+    leaky = grads(1.0)
+    assert (leaky["markov_head.markov_w2.weight"] - without["markov_head.markov_w2.weight"]).abs().max() > 1e-6
+
+
+def test_loss_backward_reaches_every_trained_weight_and_not_the_frozen_ones():
+    target, d = make(vocab=48)
+    d.train()
+    loss, _ = d.loss(make_batch(target))
+    loss.backward()
+    for n, p in d.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+    assert not d.lm_head.weight.requires_grad and d.lm_head.weight.grad is None
+
+
+def test_fresh_markov_head_is_the_backbone():
+    """W2 starts at zero: a fresh drafter's corrected logits are the backbone's."""
+    target = build_tiny_target(vocab_size=V, hidden_size=HIDDEN, num_layers=LAYERS, seed=1)
+    d = DSparkDrafter.from_target(DSparkConfig(block_size=BS, markov_rank=RANK), target, DraftVocab.full(V))
+    h = torch.randn(3, HIDDEN)
+    logits, _ = d.corrected_logits(h, torch.tensor([1, 2, 3]))
+    torch.testing.assert_close(logits, d.head(h).float())
+    assert torch.equal(d.confidence_temperature, torch.ones(BS))
+
+
+# ----------------------------------------------------------------------------- confidences
+
+
+def test_calibrated_confidences():
+    logits = torch.tensor([2.0, -1.0, 0.5])
+    temp = torch.tensor([2.0, 0.5, 1.0, 3.0])
+    expect = torch.sigmoid(torch.tensor([1.0, -2.0, 0.5]))
+    torch.testing.assert_close(calibrated_confidences(logits, temp), expect)
+    target, d = make()
+    state = state_at(d, make_batch(target), 0, 8)
+    p = d.propose([state], [3])[0]
+    with torch.no_grad():
+        d.confidence_temperature.copy_(temp)
+    torch.testing.assert_close(d.confidences(p), torch.sigmoid(p.confidence_logits / temp[:3]))
+    with pytest.raises(SpeculatorsError, match="temperatures"):
+        calibrated_confidences(logits, torch.ones(2))
+    with pytest.raises(SpeculatorsError, match="> 0"):
+        calibrated_confidences(logits, torch.tensor([1.0, 0.0, 1.0]))
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("vocab,with_markov", [(None, True), (48, True), (48, False)])
+def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
+    target, d = make(block_size=8, vocab=vocab, mask_token_id=5, confidence_head_with_markov=with_markov)
+    with torch.no_grad():
+        d.confidence_temperature.copy_(torch.linspace(0.5, 2.0, 8))  # as a calibration would leave it
+    cfg = d.export_config()
+    assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["DSparkDraftModel"]
+    assert cfg["sample_from_anchor"] is True and cfg["block_size"] == 8 and cfg["mask_token_id"] == 5
+    assert cfg["markov_rank"] == RANK and cfg["markov_head_type"] == "vanilla"
+    assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is with_markov
+    assert cfg["speculators_config"]["algorithm"] == "dspark"
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
+    assert DSparkDrafter.speculative_tokens(cfg) == 8 and DSparkDrafter.speculative_tokens({"block_size": 8}) == 8
+    assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
+    assert cfg["draft_vocab_size"] == (vocab or V) and cfg["transformer_layer_config"]["model_type"] == "qwen3"
+    sd = d.export_state_dict()
+    N = vocab or V
+    shapes = {"markov_head.markov_w1.weight": (V, RANK), "markov_head.markov_w2.weight": (N, RANK),
+              "confidence_head.proj.weight": (1, HIDDEN + (RANK if with_markov else 0)),
+              "confidence_head.proj.bias": (1,), "confidence_temperature": (8,),
+              "fc.weight": (HIDDEN, len(target.aux_layer_ids) * HIDDEN), "hidden_norm.weight": (HIDDEN,),
+              "norm.weight": (HIDDEN,)}
+    for name, shape in shapes.items():
+        assert tuple(sd[name].shape) == shape, name
+    assert ("lm_head.weight" in sd) == bool(vocab) and not any("mask_hidden" in n or "embed_tokens" in n for n in sd)
+    path = d.save_pretrained(tmp_path / "ckpt")
+    loaded = Drafter.from_pretrained(path)
+    assert isinstance(loaded, DSparkDrafter) and loaded.cfg == d.cfg
+    for k, v in d.drafter_state_dict().items():
+        assert torch.equal(v, loaded.drafter_state_dict()[k]), k
+    loaded.attach_target(target)
+    batch = make_batch(target)
+    sa, sb = state_at(d, batch, 0, 11), state_at(loaded, batch, 0, 11)
+    pa, pb = d.propose([sa], [8])[0], loaded.propose([sb], [8])[0]
+    assert pa.token_ids.tolist() == pb.token_ids.tolist()
+    torch.testing.assert_close(loaded.confidences(pb), d.confidences(pa))
+
+
+def test_bf16_checkpoint_keeps_the_calibration_temperatures_in_float32(tmp_path):
+    """A published (train.save_dtype: bfloat16) checkpoint casts the weights but not confidence_temperature:
+    bf16 would round a fitted T such as 1.2345 to 1.234375."""
+    from safetensors.torch import load_file
+
+    from speculators.drafters.checkpoint import save_pretrained
+
+    _, d = make()
+    temp = torch.tensor([0.7031, 1.2345, 1.9999, 3.1416])
+    with torch.no_grad():
+        d.confidence_temperature.copy_(temp)
+    path = save_pretrained(d, tmp_path / "final", dtype="bfloat16", frozen_copies=False)
+    sd = load_file(str(path / "model.safetensors"))
+    assert sd["fc.weight"].dtype == torch.bfloat16
+    assert sd["confidence_temperature"].dtype == torch.float32 and torch.equal(sd["confidence_temperature"], temp)
+    assert torch.equal(Drafter.from_pretrained(path).confidence_temperature, temp)
+
+
+def test_without_confidence_head():
+    target, d = make(enable_confidence_head=False)
+    assert not any(n.startswith("confidence") for n in d.export_state_dict())
+    state = state_at(d, make_batch(target), 0, 8)
+    p = d.propose([state], [3])[0]
+    assert p.confidence_logits is None and d.confidences(p) is None
+    d.train()
+    _, metrics = d.loss(make_batch(target))
+    assert "bce_0" not in metrics and "ce_0" in metrics
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("markov_rank", 0, r"drafter\.markov_rank.*rank >= 1"),
+    ("markov_head_type", "gated", r"drafter\.markov_head_type.*'gated' is not implemented; allowed: vanilla"),
+    ("markov_head_type", "rnn", r"drafter\.markov_head_type.*not implemented"),
+    ("markov_head_type", "lstm", r"drafter\.markov_head_type.*unknown; allowed: vanilla"),
+    ("position_decay", 0.0, r"drafter\.position_decay"),
+    ("bce_weight", -1.0, r"drafter\.bce_weight"),
+    ("block_size", 1, r"drafter\.block_size"),
+])
+def test_bad_config_is_one_clear_error(key, value, needle):
+    raw = {"target": {"model": "x"}, "data": {"sources": [{"source": "humaneval"}]},
+           "drafter": {"algorithm": "dspark", key: value}}
+    with pytest.raises(SpeculatorsError, match=needle):
+        recipe_from_dict(raw)
+
+
+def test_no_draft_loss_is_an_error():
+    raw = {"target": {"model": "x"}, "data": {"sources": [{"source": "humaneval"}]},
+           "drafter": {"algorithm": "dspark", "ce_weight": 0.0, "l1_weight": 0.0}}
+    with pytest.raises(SpeculatorsError, match="ce_weight and l1_weight are both 0"):
+        recipe_from_dict(raw)
+    with pytest.raises(SpeculatorsError, match="draft_vocab_size"):
+        target = build_tiny_target(vocab_size=V, hidden_size=HIDDEN, num_layers=LAYERS, seed=1)
+        DSparkDrafter.from_target(DSparkConfig(), target, DraftVocab.from_counts(torch.ones(V), 64))
