@@ -749,7 +749,8 @@ def write_report(report: dict, output: str | Path, title: str = "speculators eva
 def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
     """One row per checkpoint, batch size and K of the drafter (and hybrid) rows of several reports on the
     same prompts, then the model-free baselines of the first report: ``{"checkpoint", "method", "batch_size",
-    "k", "tau", "tau_ci", "acceptance_rate", "tokens_per_s", "speedup", "best_k"}``.
+    "k", "tau", "tau_ci", "acceptance_rate", "per_position", "tokens_per_s", "speedup", "best_k",
+    "draft_ms_per_step", "verify_ms_per_step"}`` (the last two None in reports written before they existed).
 
     Raises:
         SpeculatorsError: the reports were not made on the same prompts / settings (``num_prompts``,
@@ -763,21 +764,27 @@ def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
             raise SpeculatorsError(f"--compare: {label} was evaluated with other {', '.join(diff)} than "
                                    f"{reports[0][0]}; compare checkpoints on the same prompts and settings")
     out = []
-    fields = ("method", "batch_size", "k", "tau", "tau_ci", "acceptance_rate", "tokens_per_s", "speedup", "best_k")
+    fields = ("method", "batch_size", "k", "tau", "tau_ci", "acceptance_rate", "per_position", "tokens_per_s",
+              "speedup", "best_k")
     for i, (label, rep) in enumerate(reports):
         for r in rep["rows"]:
             if r["method"] in ("drafter", "hybrid") or i == 0:
                 out.append({"checkpoint": label if r["method"] in ("drafter", "hybrid") else "-",
-                            **{f: r[f] for f in fields}})
+                            **{f: r[f] for f in fields},
+                            **{f: r.get(f) for f in ("draft_ms_per_step", "verify_ms_per_step")}})
     return out
 
 
 def compare_markdown(rows: list[dict]) -> str:
     """The rows of :func:`compare_rows` as one Markdown table."""
-    lines = ["| checkpoint | method | batch | K | tau [95% CI] | acceptance rate | tokens/s | speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = ["| checkpoint | method | batch | K | tau [95% CI] | acceptance rate | tokens/s | speedup | draft ms/step "
+             "| verify ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['checkpoint']} | {METHOD_LABELS[r['method']]} | {r['batch_size']} | "
                      f"{r['k']}{' ★' if r['best_k'] else ''} | {_fmt_tau(r)} | {r['acceptance_rate']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {ms(r.get('draft_ms_per_step'))} | "
+                     f"{ms(r.get('verify_ms_per_step'))} |")
     return "\n".join(lines) + "\n"

@@ -332,6 +332,10 @@ def test_compare_rows(tiny):
     assert [(r["checkpoint"], r["method"]) for r in rows] == [
         ("A", "drafter"), ("-", "ngram"), ("-", "suffix"), ("A", "hybrid"), ("B", "drafter"), ("B", "hybrid")]
     assert "| B | drafter | 1 | 1 ★ |" in compare_markdown(rows)
+    for r in rows:  # the drafting / verify split of every row travels into the compare table
+        src = next(x for x in (a if r["checkpoint"] != "B" else b)["rows"] if x["method"] == r["method"])
+        assert r["draft_ms_per_step"] == src["draft_ms_per_step"] and r["per_position"] == src["per_position"]
+        assert f"| {r['draft_ms_per_step']:.2f} | {r['verify_ms_per_step']:.2f} |" in compare_markdown(rows)
     c = run_eval(target, RandomDrafter(64), prompts[:2], 1, 4, eos_ids=set(), methods=("drafter",))
     with pytest.raises(SpeculatorsError, match="max_new_tokens"):
         compare_rows([("A", a), ("C", c)])
