@@ -141,3 +141,32 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def read_jsonl_records(path: str | Path) -> Iterator[dict]:
+    """The JSON objects of an append-only JSONL cache, one per line, in file order; a line that does not
+    parse (the torn last line of an interrupted run) or is not an object is skipped. Nothing when the
+    file does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
+def open_jsonl_append(path: str | Path):
+    """``path`` opened for appending JSONL records (parent folders created). When an interrupted run left
+    a torn last line (no trailing newline), a newline is written first, so the next record starts on a
+    line of its own instead of being glued to the torn one and lost on the next read."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    fh = path.open("a")
+    if torn:
+        fh.write("\n")
+    return fh

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..utils import cache_root, stable_hash
+from ..utils import cache_root, open_jsonl_append, read_jsonl_records, stable_hash
 from .chat import prompt_messages, render_prompt, render_with_mask
 from .sources import Conversation
 
@@ -87,15 +87,8 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "stop_ids": stops}
     path = regeneration_cache_file(target, source, settings, chat_template)
-    done: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from an interrupted run
-            if isinstance(rec, dict) and isinstance(rec.get("key"), str) and isinstance(rec.get("ids"), list):
-                done[rec["key"]] = rec
+    done = {rec["key"]: rec for rec in read_jsonl_records(path)
+            if isinstance(rec.get("key"), str) and isinstance(rec.get("ids"), list)}
     pms = [prompt_messages(c.messages) for c in convs]
     prompts = [render_prompt(tok, pm, chat_template) for pm in pms]
     keys = [prompt_key(pm, p) for pm, p in zip(pms, prompts)]
@@ -111,12 +104,8 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
             f"({n_distinct - len(todo)} cached) -> {path}")
         order = sorted(todo, key=lambda k: len(todo[k]))
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
-        path.parent.mkdir(parents=True, exist_ok=True)
         t0, n_new, n_cut = time.time(), 0, 0
-        torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-        with path.open("a") as f:
-            if torn:  # an interrupted run left a partial last line: start on a fresh line
-                f.write("\n")
+        with open_jsonl_append(path) as f:
             for bi in range(0, len(order), batch_size):
                 chunk = order[bi:bi + batch_size]
                 # on the target's device: generate_batch samples there (a CPU generator fails on CUDA)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..utils import cache_root, stable_hash
+from ..utils import cache_root, open_jsonl_append, read_jsonl_records, stable_hash
 from .chat import ChatError, KNOWN_END_MARKERS, end_markers, render_text
 from .sources import Conversation, SourceError
 
@@ -355,17 +355,8 @@ def _steering(s: SynthSettings, j: int) -> tuple[str | None, str | None]:
 
 
 def _read_cache(path: Path) -> dict[int, list[dict]]:
-    done: dict[int, list[dict]] = {}
-    if not path.exists():
-        return done
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of an interrupted run
-        if isinstance(rec, dict) and isinstance(rec.get("batch"), int) and isinstance(rec.get("samples"), list):
-            done[rec["batch"]] = rec["samples"]
-    return done
+    return {rec["batch"]: rec["samples"] for rec in read_jsonl_records(path)
+            if isinstance(rec.get("batch"), int) and isinstance(rec.get("samples"), list)}
 
 
 @torch.no_grad()
@@ -430,11 +421,7 @@ def synthesize_prompts(target, settings: Any = None, *, chat_template: str | Non
                 samples = [{"ids": [int(t) for t in o.ids], "stop": None if o.stop is None else int(o.stop)}
                            for o in outs]
                 if fh is None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-                    fh = path.open("a")
-                    if torn:  # an interrupted run's torn last line: start the next record on a line of its own
-                        fh.write("\n")
+                    fh = open_jsonl_append(path)
                 fh.write(json.dumps({"batch": b, "samples": samples}) + "\n")
                 fh.flush()
                 n_generated += len(samples)
