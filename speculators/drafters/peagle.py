@@ -41,8 +41,9 @@ seeded from the batch's ids and masks, ``torch.initial_seed()`` and the number o
 has trained on that same batch (so every epoch draws a new sample; in eval mode the sample is fixed).
 
 Inference (:meth:`PEagleDrafter._propose_one`): the drafter's KV cache holds the real inputs only;
-``advance`` runs the newly verified inputs (the newest one gives draft 1) and ONE forward over ``K-1``
-mask slots at position ids ``n+1..n+K-1`` gives drafts 2..K (never cached).
+ONE forward per step: ``advance`` runs the newly verified inputs followed by ``K-1`` mask slots (vLLM's
+parallel drafting); the newest real input gives draft 1 and the mask slots, at position ids
+``n+1..n+K-1``, drafts 2..K; only the real inputs are cached.
 """
 
 from __future__ import annotations
@@ -93,11 +94,11 @@ class PEagleConfig(DrafterConfig):
 
 @dataclass
 class PEagleState:
-    """Per-request inference state: KV cache of the real inputs and the newest input's logits."""
+    """Per-request inference state: KV cache of the real inputs and the next proposal's logits."""
 
     cache: KVCache
-    num_positions: int         # real inputs in the cache (position ids 1..n)
-    last_logits: torch.Tensor  # [N_draft] float32: draft 1 (depth 0 of the chain anchored at n-1)
+    num_positions: int          # real inputs in the cache (position ids 1..n)
+    draft_logits: torch.Tensor  # [num_depths, N_draft] float32: depths 0..K-1 of the chain anchored at n-1
 
 
 @dataclass
@@ -461,15 +462,23 @@ class PEagleDrafter(Drafter):
     @torch.no_grad()
     def start(self, input_ids: torch.Tensor, features) -> PEagleState:
         """``input_ids [n+1]`` (prompt + first target token), features of positions ``0..n-1``."""
-        state = PEagleState(KVCache(), 0, None)
+        state = PEagleState(KVCache(), 0, torch.empty(0))
         self._advance_one(state, input_ids.reshape(-1)[1:], features)
         return state
 
     @torch.no_grad()
     def _advance_one(self, state: PEagleState, new_ids: torch.Tensor, features) -> None:
         """Append the real inputs ``(g[t], x_{t+1})`` of the ``m`` newly verified positions of one request
-        (``new_ids [m]`` int64, ``features.aux [1, m, n_aux*H]``) to its KV cache; the newest one's logits
-        become draft 1 of the next proposal.
+        (``new_ids [m]`` int64, ``features.aux [1, m, n_aux*H]``) to its KV cache, and draft the next
+        proposal in the SAME forward (vLLM's parallel drafting: one drafter forward per step).
+
+        The forward runs ``[m real inputs, num_depths-1 mask slots]`` at position ids
+        ``n+1..n+m+num_depths-1``; the real inputs attend causally to the cache and to each other, the
+        mask slots to everything before them and causally to each other (mask slots come last, so the
+        real inputs never see them). The newest real input's logits are depth 0 (draft 1), the mask
+        slots' are depths 1..num_depths-1; they are kept in ``state.draft_logits``. Only the ``m`` real
+        inputs' keys/values stay in the cache (mask slots are never cached), so the result equals a
+        separate advance followed by a forward over the mask slots alone.
 
         Raises:
             SpeculatorsError: ``new_ids`` empty / not 1-D, or ``features.aux`` without ``m`` rows.
@@ -477,46 +486,32 @@ class PEagleDrafter(Drafter):
         ids, aux = self._check_advance_inputs(new_ids, features)
         dev, dt = self.fc.weight.device, self.fc.weight.dtype
         ids = ids.to(dev).unsqueeze(0)
-        hidden = self.fuse(aux.to(device=dev, dtype=dt).unsqueeze(0))
-        m = ids.shape[1]
-        pos = torch.arange(state.num_positions + 1, state.num_positions + 1 + m, device=dev).unsqueeze(0)
+        m, slots = ids.shape[1], self.max_k - 1
+        aux = aux.to(device=dev, dtype=dt).unsqueeze(0)
+        emb = self.embed(ids)
+        if slots > 0:  # mask_hidden replaces the aux features before fc: ONE fc over real + mask rows
+            aux = torch.cat([aux, self.mask_hidden.to(dt).expand(1, slots, -1)], 1)
+            emb = torch.cat([emb, self.mask_embedding.to(emb.dtype).expand(1, slots, -1)], 1)
+        hidden = self.fuse(aux)
+        n, cached = state.num_positions, state.cache.length
+        pos = torch.arange(n + 1, n + 1 + m + slots, device=dev).unsqueeze(0)
         cos, sin = self.rotary(hidden, pos)
-        mask = causal_mask_with_cache(m, state.cache.length, device=dev)
-        h = self._run_layers(self.embed(ids), hidden, cos, sin,
+        mask = causal_mask_with_cache(m + slots, cached, device=dev)
+        h = self._run_layers(emb, hidden, cos, sin,
                              lambda i, q, k, v: cached_attend(state.cache, i, q, k, v, mask))
+        state.cache.crop(cached + m)  # the mask slots' keys/values are not part of the context
         state.num_positions += m
-        state.last_logits = self.lm_head(self.norm(h[:, -1])).float()[0]
+        state.draft_logits = self.lm_head(self.norm(h[0, m - 1:])).float()  # [num_depths, N]
 
     @torch.no_grad()
     def draft_logits(self, state: PEagleState, k: int) -> torch.Tensor:
-        """``[k, N]`` float32 draft-vocabulary logits of drafts 1..k: draft 1 from the newest real input
-        (computed by ``advance``), drafts 2..k from ONE forward over ``k-1`` mask slots at position ids
-        ``n+1..n+k-1`` that attend to the cached real inputs and causally to each other. The cache is
-        not modified (mask slots are never cached).
+        """``[k, N]`` float32 draft-vocabulary logits of drafts 1..k, computed by the last ``advance``
+        (one forward; see :meth:`_advance_one`). The state is not modified.
 
         Raises:
             SpeculatorsError: ``k`` outside ``0..num_depths`` (:meth:`check_k`).
         """
-        k = self.check_k(k)
-        if k <= 1:
-            return state.last_logits.reshape(1, -1)[:k]
-        m = k - 1
-        dev, dt = self.fc.weight.device, self.fc.weight.dtype
-        emb, hidden = self._mask_inputs(1, m, dt)
-        n = state.num_positions
-        pos = torch.arange(n + 1, n + 1 + m, device=dev).unsqueeze(0)
-        cos, sin = self.rotary(hidden, pos)
-        mask = causal_mask_with_cache(m, state.cache.length, device=dev)
-        cache = state.cache
-
-        def attend(i, q, k_new, v_new):
-            kk = torch.cat([cache.k[i], k_new], dim=2)
-            vv = torch.cat([cache.v[i], v_new], dim=2)
-            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != q.shape[1])
-
-        h = self._run_layers(emb, hidden, cos, sin, attend)
-        rest = self.lm_head(self.norm(h[0])).float()  # [m, N]
-        return torch.cat([state.last_logits.reshape(1, -1), rest], 0)
+        return state.draft_logits[:self.check_k(k)]
 
     @torch.no_grad()
     def _propose_one(self, state: PEagleState, k: int, sampling: SamplingParams | None = None,
