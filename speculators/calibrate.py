@@ -308,6 +308,52 @@ def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | No
             "reliability": reliability_bins(s, y, bins) if s.numel() else [], "per_position": per}
 
 
+THRESHOLD_GRID = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def threshold_sweep(record: ConfidenceRecord, temperature: torch.Tensor | None,
+                    thresholds=THRESHOLD_GRID) -> list[dict]:
+    """What confidence-gated verification (:class:`speculators.generate.ConfidenceGate`, threshold mode)
+    would have done on the recorded UNGATED steps: per threshold, the drafts it keeps ``m`` (the leading
+    drafts whose survival under ``temperature`` is ``>= threshold``), the drafts it would have verified per
+    step (``mean m`` against the recorded ``mean n``) and the tokens per step it would have emitted
+    (``1 + min(accepted, m)``: the gate is a stopping time, so with the same draws the verifier accepts
+    the same prefix cut at ``m`` and adds one recovered/bonus token; right per recorded step at any
+    temperature). It is an estimate of the gated run's tau, not a replay: after a cut the gated run
+    continues from contexts the ungated record never visited, so the real gated tau comes from
+    ``speculators eval --confidence-threshold``.
+
+    Returns:
+        One dict per threshold: ``threshold``, ``verified_per_step``, ``verified_cut`` (1 - gated / ungated
+        verified drafts), ``tau_est`` (tokens per step), ``tau_ratio`` (against the ungated steps' tau).
+    """
+    from .generate import ConfidenceGate
+
+    ungated_v = float(record.drafted.double().mean()) if len(record) else 0.0
+    ungated_tau = 1.0 + float(record.accepted.double().mean()) if len(record) else 1.0
+    rows = []
+    for thr in thresholds:
+        gate = ConfidenceGate(float(thr))
+        kept, emitted = [], []
+        for z, n, a in zip(record.logits, record.drafted.tolist(), record.accepted.tolist()):
+            m = gate.keep_length(survival_probabilities(z[:n], temperature))
+            kept.append(m)
+            emitted.append(1 + min(a, m))
+        v = sum(kept) / max(len(kept), 1)
+        tau = sum(emitted) / max(len(emitted), 1)
+        rows.append({"threshold": float(thr), "verified_per_step": v,
+                     "verified_cut": 1.0 - v / ungated_v if ungated_v else 0.0,
+                     "tau_est": tau, "tau_ratio": tau / ungated_tau})
+    return rows
+
+
+def choose_threshold(rows: list[dict], min_tau_ratio: float = 0.97) -> dict | None:
+    """The :func:`threshold_sweep` row that cuts the most verified drafts while keeping ``tau_ratio >=
+    min_tau_ratio`` (ties: the lower threshold), or None when no threshold keeps it with a cut > 0."""
+    ok = [r for r in rows if r["tau_ratio"] >= min_tau_ratio and r["verified_cut"] > 0]
+    return max(ok, key=lambda r: (round(r["verified_cut"], 12), -r["threshold"])) if ok else None
+
+
 # ----------------------------------------------------------------------------- checkpoint
 def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor) -> Path:
     """Replace the ``confidence_temperature`` tensor of ``checkpoint_dir/model.safetensors`` with
@@ -365,7 +411,7 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor) ->
 # ----------------------------------------------------------------------------- the whole calibration
 def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int, sampling=None,
                       batch_size: int = 8, eos_ids: set[int] | None = None, seed: int = 0,
-                      fit_fraction: float = 0.5, bins: int = DEFAULT_BINS,
+                      fit_fraction: float = 0.5, bins: int = DEFAULT_BINS, min_tau_ratio: float = 0.97,
                       log: Callable[[str], None] = print) -> tuple[torch.Tensor, dict]:
     """Collect outcomes, fit the temperatures and measure ECE before/after (steps 1-3 of the module
     docstring), on a live target and drafter. Nothing is written (see :func:`store_temperatures`).
@@ -378,7 +424,12 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         ``(temperature [B] float32, report dict)``; the report holds ``temperatures_before`` /
         ``temperatures_after``, ``before`` / ``after`` (:func:`calibration_summary` on the ECE prompts),
         ``in_sample`` (the same on the fit prompts), ``steps_fit``, ``steps_eval``, prompt counts,
-        ``binning`` and the decoding settings.
+        ``binning``, the decoding settings, ``threshold_sweep_fitted`` / ``threshold_sweep_current``
+        (:func:`threshold_sweep` of the ECE prompts' steps under the fitted / the drafter's current T),
+        ``recommended_threshold_fitted`` / ``_current`` (:func:`choose_threshold` with ``min_tau_ratio``:
+        the gate threshold for ``speculators eval --confidence-threshold``, chosen on these held-out
+        prompts, or None) and ``threshold_sweep`` / ``recommended_threshold`` = the fitted ones
+        (:func:`use_sweep` switches them when the fitted T is not stored).
     Raises:
         SpeculatorsError: see :func:`collect_confidence_outcomes`; no prompts; ``fit_fraction`` outside
             [0, 1].
@@ -411,9 +462,25 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         "in_sample": {"before": calibration_summary(fit_rec, before_t, bins)["ece"],
                       "after": calibration_summary(fit_rec, T, bins)["ece"]},
     }
+    report["min_tau_ratio"] = min_tau_ratio
+    for key, temps in (("fitted", T), ("current", before_t)):  # the gate reads whatever T the checkpoint keeps
+        rows = threshold_sweep(eval_rec, temps)
+        report[f"threshold_sweep_{key}"] = rows
+        report[f"recommended_threshold_{key}"] = choose_threshold(rows, min_tau_ratio)
+    use_sweep(report, "fitted")
     log(f"calibrate: {len(fit_rec)} steps fit T = [{', '.join(f'{x:.3f}' for x in T[:k].tolist())}]; survival ECE "
         f"{report['before']['ece']:.4f} -> {report['after']['ece']:.4f} on {len(eval_rec)} steps ({report['split']})")
     return T, report
+
+
+def use_sweep(report: dict, which: str) -> dict:
+    """Point ``report["threshold_sweep"]`` / ``["recommended_threshold"]`` at the sweep under the ``"fitted"``
+    or the ``"current"`` (checkpoint's, before calibration) temperatures: the threshold must be read with
+    the temperatures the checkpoint ends up holding. Returns ``report``."""
+    report["sweep_temperatures"] = which
+    report["threshold_sweep"] = report[f"threshold_sweep_{which}"]
+    report["recommended_threshold"] = report[f"recommended_threshold_{which}"]
+    return report
 
 
 def reliability_plot(report: dict, file: str | Path) -> Path:
@@ -464,10 +531,23 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
         i = p["k"]
         lines.append(f"| {i} | {tb[i - 1]:.3f} | {report['temperatures_after'][i - 1]:.3f} | {p['pairs']} | "
                      f"{pb[i]['mean_survival_pred']:.3f} | {p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} |")
+    if report.get("threshold_sweep"):
+        rec_t = report.get("recommended_threshold")
+        which = "fitted T" if report.get("sweep_temperatures", "fitted") == "fitted" else "the checkpoint's T (not replaced)"
+        lines += ["", f"Confidence gating simulated on the ECE prompts' ungated steps ({which}; tokens per step "
+                  "1 + min(accepted, kept) per recorded step, an estimate of the gated run's tau):", "",
+                  "| threshold | verified drafts / step | cut | tau (est.) | tau ratio |", "|---|---|---|---|---|"]
+        for r in report["threshold_sweep"]:
+            mark = " (chosen)" if rec_t and r["threshold"] == rec_t["threshold"] else ""
+            lines.append(f"| {r['threshold']:g}{mark} | {r['verified_per_step']:.2f} | {100 * r['verified_cut']:.0f}% | "
+                         f"{r['tau_est']:.3f} | {r['tau_ratio']:.3f} |")
+        lines += ["", (f"Chosen threshold (most verified drafts cut with tau ratio >= {report.get('min_tau_ratio', 0.97)}): "
+                       f"{rec_t['threshold']:g}" if rec_t else "No threshold keeps the tau ratio; gating not recommended.")]
     if plot:
         lines += ["", f"![reliability diagram]({plot})"]
     if report.get("stored") is not None:
-        lines += ["", f"Temperatures stored in the checkpoint: {'yes' if report['stored'] else 'no'}."]
+        lines += ["", f"Temperatures stored in the checkpoint: {'yes' if report['stored'] else 'no'}"
+                  + (f" ({report['not_stored']})." if report.get("not_stored") else ".")]
     return "\n".join(lines) + "\n"
 
 

@@ -208,6 +208,9 @@ def calibrate(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype (default: the recipe's)"),
     target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
     output: Optional[Path] = typer.Option(None, "--output", help="report directory (default: RUN_DIR/calibration)"),
+    skip_prompts: Optional[int] = typer.Option(None, "--skip-prompts", min=0, help="leading prompts not used (default: "
+                                               "the recipe's eval.num_prompts held-out prompts that `speculators eval` "
+                                               "scores; 0 with --prompts)"),
 ):
     """Calibrate the drafter's confidence head (per-position temperatures, fitted left to right) on held-out
     prompts; report the survival ECE before and after with a reliability diagram; store T in the checkpoint."""
@@ -217,9 +220,15 @@ def calibrate(
     report, out = calibrate_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None}, k=k,
                                 prompts=prompts or None, target_model=target_model, output=output, store=store,
                                 fit_fraction=fit_fraction, device=device, dtype=dtype, log=log,
-                                override_names=_EVAL_OPTIONS)
+                                override_names=_EVAL_OPTIONS, skip_prompts=skip_prompts)
     console.print(f"survival ECE {report['before']['ece']:.4f} -> {report['after']['ece']:.4f} "
                   f"({report['split']}); T = {[round(x, 3) for x in report['temperatures_after'][:report['k']]]}")
+    chosen = report.get("recommended_threshold")
+    if chosen:
+        temps = "the fitted T, now stored" if report["stored"] else "the checkpoint's own T (the fitted T was not stored)"
+        console.print(f"gate threshold chosen on these prompts: {chosen['threshold']:g} (verified drafts "
+                      f"-{100 * chosen['verified_cut']:.0f}%, tau x{chosen['tau_ratio']:.3f} estimated; with {temps}): "
+                      f"speculators eval {checkpoint} --confidence-threshold {chosen['threshold']:g}")
     log(f"report written to {out}/calibration.md (reliability diagram {out}/reliability.png)")
 
 

@@ -28,10 +28,32 @@ class Strict(BaseModel):
 
 
 class TargetSpec(Strict):
+    """The target (verifier) model: what to load, in which dtype, where, and which layers to tap.
+
+    ``device_map`` is accelerate's big-model placement (``speculators.target.check_device_map``): None
+    (default) loads the whole model on one device (CUDA when present, ``--device`` for eval); ``auto`` /
+    ``balanced`` / ``balanced_low_0`` / ``sequential`` or a mapping module name -> device spreads a large
+    target over the GPUs of one process, read straight onto them in ``dtype`` (use ``bfloat16``). Refused
+    in a multi-process (``accelerate launch``) run, where every rank loads the whole target on its own GPU.
+    """
+
     model: str = Field(description="hub id, local dir, .gguf file, or the alias smollm2-135m-instruct")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     aux_layer_ids: list[int] | None = Field(
         default=None, description="0-based decoder layers whose OUTPUT is tapped; default [1, L//2-1, L-4]")
+    device_map: str | dict[str, int | str] | None = Field(
+        default=None, description="None = one device; auto | balanced | balanced_low_0 | sequential | "
+                                  "{module name: device} = accelerate's placement over several GPUs (one process)")
+
+    @field_validator("device_map", mode="before")
+    @classmethod
+    def _placement(cls, v: Any) -> Any:
+        from .target import check_device_map
+
+        try:
+            return check_device_map(v, where="")
+        except SpeculatorsError as e:
+            raise ValueError(str(e)) from None
 
 
 class SelfSynthSpec(Strict):

@@ -14,7 +14,12 @@ the generation loop need:
   rejected drafts (as a serving engine does);
 * ``BatchDecodeSession`` (``Target.batch_session(max_batch)``): the same for a ragged batch of requests
   over one KV cache, with requests joining and leaving between forwards (continuous batching);
-* ``Target.load(..., device=None)``: CUDA when present, else CPU (:func:`resolve_device`).
+* ``Target.load(..., device=None)``: CUDA when present, else CPU (:func:`resolve_device`);
+  ``Target.load(..., device_map="auto")`` (recipe ``target.device_map``): accelerate's big-model placement
+  over several devices, weights read straight onto them in the target's dtype (:func:`check_device_map`);
+  inputs and every returned tensor then live on the input embedding's device (:attr:`Target.device`).
+  Under ``accelerate launch`` each training process loads the whole target on its own device
+  (:func:`process_device_map`).
 
 Layer-id convention (ALGORITHMS.md): ``aux_layer_ids`` are 0-based indices of decoder layers whose
 OUTPUT is tapped: the PRE-norm residual stream leaving decoder layer ``l`` (read with a forward hook on
@@ -94,6 +99,149 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
+#: the placement strategies of accelerate's big-model inference that ``target.device_map`` accepts by name
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_DEVICE_MAP_ALLOWED = ("None (the whole model on one device), 'auto', 'balanced', 'balanced_low_0', 'sequential', "
+                       "or a mapping module name -> device such as {'': 'cuda:1'} or {'model.embed_tokens': 0, "
+                       "'model.layers.0': 0, ..., 'model.norm': 1, 'lm_head': 1} (devices: a CUDA index, 'cuda:N', "
+                       "'cpu', 'mps')")
+
+
+def check_device_map(device_map, where: str = "target.device_map") -> str | dict[str, int | str] | None:
+    """Validate a target placement (``target.device_map`` of a recipe, ``Target.load(device_map=...)``).
+
+    The value is what ``transformers.AutoModelForCausalLM.from_pretrained(device_map=...)`` takes for
+    accelerate's big-model placement (weights loaded straight onto their devices, ``low_cpu_mem_usage``):
+    a strategy name (:data:`DEVICE_MAP_STRATEGIES`: ``auto`` / ``balanced`` / ``balanced_low_0`` spread the
+    layers evenly over the visible GPUs, ``sequential`` fills GPU 0 first) or an explicit mapping from
+    module names (``""`` = the whole model, ``model.layers.3``, ``lm_head``) to devices. Only the form is
+    checked here; that the devices exist and that the names are modules of the model is checked by
+    :meth:`Target.load`. Offloading (``disk``, ``meta``) is refused: drafters read the target's frozen
+    embedding, norm and head directly, and an offloaded weight is not there.
+
+    Args:
+        device_map: None, a strategy name, or a mapping ``str -> int | str | torch.device``.
+        where: the field named in errors ("" = none: the caller names it).
+    Returns:
+        None, the strategy name, or a new ``dict[str, int | str]`` (``torch.device`` values as strings).
+    Raises:
+        SpeculatorsError: any other value, naming ``where`` and what is allowed.
+    """
+    if where:
+        where = f"{where}: "
+    if device_map is None:
+        return None
+    if isinstance(device_map, str):
+        if device_map in DEVICE_MAP_STRATEGIES:
+            return device_map
+        raise SpeculatorsError(f"{where}{device_map!r} is not a placement; allowed: {_DEVICE_MAP_ALLOWED}")
+    if not isinstance(device_map, dict) or not device_map:
+        what = "an empty mapping" if isinstance(device_map, dict) else f"a {type(device_map).__name__}"
+        raise SpeculatorsError(f"{where}{what} is not a placement; allowed: {_DEVICE_MAP_ALLOWED}")
+    out: dict[str, int | str] = {}
+    for name, dev in device_map.items():
+        if not isinstance(name, str):
+            raise SpeculatorsError(f"{where}the key {name!r} is not a module name (a string; '' = the whole "
+                                   f"model); allowed: {_DEVICE_MAP_ALLOWED}")
+        here = f"{where[:-2] or 'device_map'}[{name!r}]: "
+        if isinstance(dev, torch.device):
+            dev = str(dev)
+        if isinstance(dev, bool) or not isinstance(dev, (int, str)) or (isinstance(dev, int) and dev < 0):
+            raise SpeculatorsError(f"{here}{dev!r} is not a device; allowed: a CUDA index >= 0, 'cuda:N', "
+                                   f"'cpu' or 'mps'")
+        if isinstance(dev, str):
+            if dev in ("disk", "meta"):
+                raise SpeculatorsError(f"{here}{dev!r} offloads weights, which a target does not support "
+                                       "(drafters read its frozen embedding, norm and head); allowed: a CUDA "
+                                       "index, 'cuda:N', 'cpu' or 'mps'")
+            try:
+                torch.device(dev)
+            except (RuntimeError, TypeError, ValueError):
+                raise SpeculatorsError(f"{here}{dev!r} is not a device; allowed: a CUDA index >= 0, 'cuda:N', "
+                                       f"'cpu' or 'mps'") from None
+        out[name] = dev
+    return out
+
+
+def process_device_map(device_map, num_processes: int, device) -> str | dict[str, int | str] | None:
+    """The ``device_map`` one training process loads its target with.
+
+    One process: the recipe's ``target.device_map`` (None = the whole model on one device, as before).
+    Several processes (``accelerate launch``, one per GPU): ``{"": device}``, the rank's own device
+    (accelerate's ``PartialState().device``, ``cuda:<local rank>`` on GPUs), so every rank loads the whole
+    frozen target straight onto its own GPU (not ``cuda:0`` for every rank, no full copy in CPU memory
+    per rank). A recipe ``target.device_map`` is then refused: spreading one target over several GPUs
+    while each process owns one GPU would place the ranks' targets on each other's devices; a target
+    that needs several GPUs trains in one process.
+
+    Raises:
+        SpeculatorsError: ``device_map`` set with ``num_processes > 1``, or an invalid ``device_map``.
+    """
+    device_map = check_device_map(device_map)
+    if num_processes <= 1:
+        return device_map
+    if device_map is not None:
+        raise SpeculatorsError(
+            f"target.device_map: {device_map!r} is set, but this run has {num_processes} processes that each "
+            f"load the whole target on their own device ({device} here; a recipe map cannot name it per rank); "
+            "unset it (target.device_map=null) when the target fits one device, else train in one process "
+            "(`speculators train RECIPE` without accelerate launch)")
+    return {"": str(device)}
+
+
+def _placement_device(dev: int | str) -> torch.device:
+    """A ``device_map`` value as a torch device (an int is a CUDA index, as accelerate reads it)."""
+    return torch.device(f"cuda:{dev}") if isinstance(dev, int) else torch.device(dev)
+
+
+def _check_placement(model, device_map, where: str = "target.device_map") -> None:
+    """After a ``device_map`` load: every explicit module name exists and every parameter is covered, and
+    nothing was offloaded (accelerate leaves offloaded weights on the ``meta`` device).
+
+    Raises:
+        SpeculatorsError: naming ``where`` and the offending modules.
+    """
+    if isinstance(device_map, dict):
+        names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+        unknown = [k for k in device_map if k and k not in names]
+        if unknown:
+            some = sorted(n for n, _ in model.named_modules() if n and n.count(".") <= 1)[:8]
+            raise SpeculatorsError(f"{where}: {unknown} are not modules of this model (e.g. {some}, or '' for "
+                                   f"the whole model)")
+    if isinstance(device_map, dict) and "" not in device_map:
+        keys = list(device_map)
+        uncovered = [n for n, _ in model.named_parameters()
+                     if not any(n == k or n.startswith(k + ".") for k in keys)]
+        if uncovered:
+            raise SpeculatorsError(f"{where}: no device for {len(uncovered)} parameters, e.g. {uncovered[:4]}; "
+                                   "name their modules (or '' for the rest of the model)")
+    offloaded = sorted({n.rsplit(".", 1)[0] for n, p in model.named_parameters() if p.device.type == "meta"})
+    if offloaded:
+        hf_map = getattr(model, "hf_device_map", None) or {}
+        where_to = sorted({str(v) for v in hf_map.values() if v in ("cpu", "disk")})
+        raise SpeculatorsError(f"{where}: {len(offloaded)} modules (e.g. {offloaded[:3]}) were offloaded "
+                               f"({where_to or 'meta'}) because the model does not fit the devices; a target must "
+                               "be resident (drafters read its frozen weights): use more or larger GPUs, "
+                               "target.dtype: bfloat16, or offline features extracted on a bigger machine")
+
+
+def _placement(model, device_map) -> dict[str, str]:
+    """Where the model's modules live: ``hf_device_map`` when accelerate dispatched the model over several
+    devices, else every explicit entry (or ``""``) on the one device the parameters are on."""
+    hf_map = getattr(model, "hf_device_map", None)
+    if hf_map:
+        return {k: f"cuda:{v}" if isinstance(v, int) else str(v) for k, v in hf_map.items()}
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    if not isinstance(device_map, dict):
+        return {"": str(tensors[0][1].device)}
+
+    def device_of(k: str) -> str:
+        found = [t.device for n, t in tensors if not k or n == k or n.startswith(k + ".")]
+        return str(found[0]) if found else str(_placement_device(device_map[k]))
+
+    return {k: device_of(k) for k in device_map}
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3 default taps as outputs of layers ``[1, L//2 - 1, L - 4]`` (0-based).
 
@@ -138,20 +286,36 @@ def resolve_model_ref(ref: str) -> tuple[str, str | None]:
     return ref, None
 
 
-def _load_gguf_cached(directory: str, gguf_file: str, dtype: torch.dtype):
+def gguf_cache_dir(path: str | Path) -> Path:
+    """Where the converted copy of the GGUF file ``path`` is cached: ``<cache>/targets/<stem>-<key>``, the key
+    hashing the file's resolved path, size and modification time (a changed file converts again)."""
+    path = Path(path)
+    st = path.stat()
+    key = stable_hash({"gguf": str(path.resolve()), "size": st.st_size, "mtime": int(st.st_mtime)})
+    return cache_root() / "targets" / f"{path.stem}-{key}"
+
+
+def _load_gguf_cached(directory: str, gguf_file: str, dtype: torch.dtype, device_map=None):
     """Load a GGUF model through transformers, converting (dequantising) once and caching the result.
 
     The converted model + tokenizer are saved with ``save_pretrained`` under
     ``<cache>/targets/<key>``; later loads take well under a second instead of ~20-35 s.
+
+    With a ``device_map`` (:func:`check_device_map`) the converted copy in the cache is what accelerate
+    places: on a first load the GGUF is converted on the CPU (float32), written to the cache, and the
+    cached copy is then loaded with ``device_map`` and ``dtype``.
+
+    Raises:
+        SpeculatorsError: a ``device_map`` while the cache directory cannot be written (naming
+            ``target.device_map`` and the directory).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(directory) / gguf_file
-    st = path.stat()
-    key = stable_hash({"gguf": str(path.resolve()), "size": st.st_size, "mtime": int(st.st_mtime)})
-    cached = cache_root() / "targets" / f"{path.stem}-{key}"
+    cached = gguf_cache_dir(path)
+    placed = {} if device_map is None else {"device_map": device_map}
     if (cached / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **placed)
         tok = AutoTokenizer.from_pretrained(cached)
         return model, tok, True
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
@@ -164,8 +328,15 @@ def _load_gguf_cached(directory: str, gguf_file: str, dtype: torch.dtype):
         with atomic_dir(cached, overwrite=True) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-    except OSError:
-        pass  # a read-only cache is not fatal: we just convert again next time
+    except OSError as e:
+        if device_map is not None:
+            raise SpeculatorsError(f"target.device_map: a GGUF target is placed from its converted copy in "
+                                   f"{cached}, which could not be written ({e}); make the cache writable "
+                                   "(SPECULATORS_CACHE) or unset target.device_map") from None
+        # without a device_map a read-only cache is not fatal: we just convert again next time
+    if device_map is not None:
+        del model
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, device_map=device_map), tok, False
     return model.to(dtype), tok, False
 
 
@@ -225,6 +396,23 @@ def _layer_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+class _ReturnToInputDevice(torch.nn.Module):
+    """A frozen module of a target spread over several devices, called from another device: the output
+    comes back to the input's device (accelerate's hook already moves the input to the module's)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def weight(self):
+        return getattr(self.inner, "weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return self.inner(x.to(w.device) if isinstance(w, torch.Tensor) else x).to(x.device)
+
+
 class Target:
     """A frozen causal LM used as the verifier and as the source of drafter training features.
 
@@ -260,11 +448,12 @@ class Target:
         self._marker_cache: dict[str | None, int | None] = {}
         self._fingerprint: str | None = None
         self._lora = None  # the peft model wrapping self.model after adapt_lora (joint training)
+        self._device_map = None  # the device_map Target.load placed the model with (None: one device)
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, ref: str, dtype: str = "float32", aux_layer_ids: list[int] | None = None,
-             log=print, device: str | torch.device | None = None) -> "Target":
+             log=print, device: str | torch.device | None = None, device_map=None) -> "Target":
         """Load a target from a hub id, local directory, GGUF file or the SmolLM2 alias.
 
         Args:
@@ -272,36 +461,67 @@ class Target:
             dtype: weight dtype name (:func:`torch_dtype`); ``bfloat16`` is the usual choice on a GPU.
             aux_layer_ids: 0-based decoder layers whose outputs are tapped (default per ALGORITHMS.md).
             log: called with one line describing the loaded model.
-            device: where the model lives (:func:`resolve_device`): ``None`` = ``"cuda"`` when
-                ``torch.cuda.is_available()``, else ``"cpu"``. A drafter used with this target must be
-                moved to the same device by whoever loads it (``drafter.to(target.device)``).
+            device: where the model lives when ``device_map`` is None (:func:`resolve_device`): ``None`` =
+                ``"cuda"`` when ``torch.cuda.is_available()``, else ``"cpu"``; the model is read on the CPU
+                and moved there. A drafter used with this target must be moved to :attr:`device` by whoever
+                loads it (``drafter.to(target.device)``).
+            device_map: accelerate's big-model placement (``target.device_map``, :func:`check_device_map`):
+                ``"auto"`` / ``"balanced"`` / ``"balanced_low_0"`` / ``"sequential"`` or a mapping module
+                name -> device, passed to ``AutoModelForCausalLM.from_pretrained(device_map=..., dtype=...)``
+                so the weights are read straight onto their devices in ``dtype`` (``low_cpu_mem_usage``);
+                ``{"": "cuda:1"}`` puts the whole model on one device that way. A GGUF target is placed
+                from its converted copy in the cache (:func:`_load_gguf_cached`). Over several devices,
+                :attr:`device` is the input embedding's and every feature/logit this class returns is on it.
+                :attr:`placement` records where the modules went.
         Raises:
-            SpeculatorsError: missing path, missing package for the alias, a load failure, or a device
-                that is not a torch device string or is not available here.
+            SpeculatorsError: missing path, missing package for the alias, a load failure, a device that is
+                not a torch device string or is not available here, both ``device`` and ``device_map``, or a
+                bad ``device_map`` (form, devices this machine lacks, names that are not modules of the
+                model, parameters without a device, offloaded weights).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dev = resolve_device(device)
+        device_map = check_device_map(device_map)
+        if device_map is None:
+            dev = resolve_device(device)
+        else:
+            if device is not None:
+                raise SpeculatorsError(f"target.device_map: {device_map!r} and device {str(device)!r} both given; "
+                                       "the device_map places the model: pass one of them")
+            for name, d in (device_map.items() if isinstance(device_map, dict) else ()):
+                try:  # a device this machine lacks: one clear error before any weight is read
+                    resolve_device(str(_placement_device(d)))
+                except SpeculatorsError as e:
+                    raise SpeculatorsError(f"target.device_map[{name!r}]: {e}") from None
         directory, gguf = resolve_model_ref(ref)
         t0 = time.time()
         td = torch_dtype(dtype)
+        placed = {} if device_map is None else {"device_map": device_map}
         try:
             if gguf is not None:
-                model, tok, hit = _load_gguf_cached(directory, gguf, td)
+                model, tok, hit = _load_gguf_cached(directory, gguf, td, device_map)
                 how = "cached conversion" if hit else "converted GGUF (cached for next time)"
             else:
-                model = AutoModelForCausalLM.from_pretrained(directory, dtype=td)
+                model = AutoModelForCausalLM.from_pretrained(directory, dtype=td, **placed)
                 tok = AutoTokenizer.from_pretrained(directory)
                 how = "transformers"
         except SpeculatorsError:
             raise
         except Exception as e:  # noqa: BLE001 - surface as a one-line user error
             raise SpeculatorsError(f"target.model: could not load {ref!r}: {type(e).__name__}: {e}") from e
-        if dev.type != "cpu":
-            model = model.to(dev)
+        if device_map is None:
+            if dev.type != "cpu":
+                model = model.to(dev)
+        else:
+            _check_placement(model, device_map)
+        target = cls(model, tok, ref, aux_layer_ids)
+        target._device_map = device_map
+        devices = sorted(set(target.placement.values()))
+        where = str(target.device) if len(devices) == 1 else f"{', '.join(devices)}; inputs on {target.device}"
+        how += "" if device_map is None else f", device_map={device_map!r}"
         log(f"target {ref}: {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
-            f"vocab {model.config.vocab_size} ({how}, {dtype} on {dev}, {time.time() - t0:.1f}s)")
-        return cls(model, tok, ref, aux_layer_ids)
+            f"vocab {model.config.vocab_size} ({how}, {dtype} on {where}, {time.time() - t0:.1f}s)")
+        return target
 
     @property
     def fingerprint(self) -> str:
@@ -310,7 +530,7 @@ class Target:
         base therefore never reads the base's cached regenerations or features."""
         if self._fingerprint is None:
             with torch.no_grad():
-                sums = [f"{float(p.double().sum()):.7e}/{float(p.double().abs().sum()):.7e}"
+                sums = [f"{float(p.sum(dtype=torch.float64)):.7e}/{float(p.abs().sum(dtype=torch.float64)):.7e}"
                         for _, p in sorted(self.model.state_dict().items())]
             cfg = {k: v for k, v in self.config.to_dict().items()
                    if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype",
@@ -331,12 +551,35 @@ class Target:
 
     @property
     def final_norm(self) -> torch.nn.Module:
-        """The target's frozen final norm (input of ``lm_head``)."""
-        return self.model.model.norm
+        """The target's frozen final norm (input of ``lm_head``): ``[..., H]`` -> ``[..., H]``.
+
+        When a ``device_map`` put the norm on another device than the embedding (:attr:`spread`), a
+        wrapper that returns the output on its input's device (the drafter's), with ``.weight`` / ``.inner``.
+        """
+        norm = self.model.model.norm
+        w = getattr(norm, "weight", None)
+        if isinstance(w, torch.Tensor) and w.device != self.device:
+            return _ReturnToInputDevice(norm)
+        return norm
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """The device of the input embedding: where ``input_ids`` go, where every feature, hidden state and
+        logit this class returns lives (also when a ``device_map`` spreads the layers over several
+        devices: the taps, the final hidden state and the logits are moved here), and where the drafter
+        belongs (``drafter.to(target.device)``)."""
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where the model's modules live: ``{module name: device}`` (``{"": "cuda:0"}`` for a model on one
+        device; accelerate's ``hf_device_map`` when a ``device_map`` spread it over several)."""
+        return _placement(self.model, self._device_map)
+
+    @property
+    def spread(self) -> bool:
+        """True when the weights live on more than one device (a ``device_map`` over several GPUs)."""
+        return len({p.device for p in self.model.parameters()}) > 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -412,8 +655,12 @@ class Target:
         return self.embed_tokens(input_ids)
 
     def lm_head(self, top: torch.Tensor) -> torch.Tensor:
-        """Frozen output head on post-norm hidden states: ``[..., H]`` -> ``[..., V]`` logits."""
-        return torch.nn.functional.linear(top, self.lm_head_weight.to(top.dtype))
+        """Frozen output head on post-norm hidden states: ``[..., H]`` -> ``[..., V]`` logits in ``top``'s
+        dtype, on ``top``'s device (computed on the head's device when a ``device_map`` put it elsewhere)."""
+        w = self.lm_head_weight
+        if w.device != top.device:
+            return torch.nn.functional.linear(top.to(w.device), w.to(top.dtype)).to(top.device)
+        return torch.nn.functional.linear(top, w.to(top.dtype))
 
     def layer_config_dict(self) -> dict:
         """The target's HF config as a plain dict (copied into drafter configs: RoPE, eps, sizes)."""
@@ -527,7 +774,7 @@ class Target:
         att = attention_mask.to(self.device).bool()
         ids = input_ids.to(self.device)
         out = self.model.model(input_ids=ids, attention_mask=att.long(), use_cache=False)
-        top = out.last_hidden_state  # [B, T, H] after the final norm, with gradients
+        top = out.last_hidden_state.to(self.device)  # [B, T, H] after the final norm, with gradients
         argmax = torch.zeros_like(ids)
         with torch.no_grad():  # the greedy token at every real position (metrics, masks), no graph
             argmax[att] = self.lm_head(top.detach()[att]).argmax(-1)
@@ -613,13 +860,15 @@ class Target:
             attention_mask: ``[B, T]`` 1 for real tokens.
             with_logits: also return ``[B, T, V]`` logits (memory: B*T*V floats).
         Returns:
-            TargetFeatures in the model's dtype.
+            TargetFeatures in the model's dtype, on :attr:`device` (the input embedding's: with a
+            ``device_map`` over several devices the taps, the final hidden state and the logits are moved
+            there from the layers that computed them).
         """
         with self.tap_layers() as taps:
             out = self.model.model(input_ids=input_ids.to(self.device),
                                    attention_mask=None if attention_mask is None else attention_mask.to(self.device),
                                    use_cache=False)
-        top = out.last_hidden_state
+        top = out.last_hidden_state.to(self.device)
         return TargetFeatures(taps.aux(), top, self.lm_head(top) if with_logits else None)
 
     @contextlib.contextmanager
@@ -632,7 +881,8 @@ class Target:
 
         Yields:
             an object whose ``aux()`` returns ``[B, T, n_aux * H]``: the last captured output of each
-            aux layer, concatenated in ``aux_layer_ids`` order.
+            aux layer, concatenated in ``aux_layer_ids`` order, on :attr:`device` (each tap is moved
+            there from its layer's device when a ``device_map`` spread the layers).
         """
         captured: dict[int, torch.Tensor] = {}
         layers = self.model.model.layers
@@ -652,7 +902,8 @@ class Target:
                 missing = [i for i in self.aux_layer_ids if i not in captured]
                 if missing:
                     raise SpeculatorsError(f"target.aux_layer_ids: layers {missing} did not run in the forward")
-                return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+                dev = self.device
+                return torch.cat([captured[i].to(dev) for i in self.aux_layer_ids], dim=-1)
 
         try:
             yield _Taps()
@@ -741,7 +992,7 @@ class Target:
             if keep.numel() == 0:
                 break
             if keep.numel() < rows.numel():
-                cache.batch_select_indices(keep)
+                cache.batch_select_indices(keep.cpu() if self.spread else keep)  # cpu: indexes every device
                 rows, nxt, att, last_pos = rows[keep], nxt[keep], att[keep], last_pos[keep]
             att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
             last_pos = last_pos + 1
@@ -827,8 +1078,9 @@ class DecodeSession:
             out = self.target.model.model(input_ids=ids, use_cache=True, **{_CACHE_KW: self.cache},
                                           cache_position=pos, position_ids=pos.unsqueeze(0))
         self.length += m
-        feats = TargetFeatures(taps.aux(), out.last_hidden_state)
-        logits = self.target.lm_head(out.last_hidden_state)[0].float()
+        top = out.last_hidden_state.to(self.target.device)
+        feats = TargetFeatures(taps.aux(), top)
+        logits = self.target.lm_head(top)[0].float()
         return logits, feats
 
     def crop(self, n: int) -> None:
@@ -1058,7 +1310,7 @@ class BatchDecodeSession:
         with self.target.tap_layers() as taps:
             out = self.target.model.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos,
                                           use_cache=True, **kw)
-        return out.last_hidden_state, taps.aux()
+        return out.last_hidden_state.to(self.target.device), taps.aux()
 
     # ------------------------------------------------------------------ join / step / leave
     @torch.no_grad()
@@ -1230,9 +1482,9 @@ class BatchDecodeSession:
             self.valid = self.valid[:0, :0]
             return
         idx = torch.tensor(others, device=self.valid.device)
-        for layer in self._check_layers(self.cache):
-            layer.keys = layer.keys.index_select(0, idx)
-            layer.values = layer.values.index_select(0, idx)
+        for layer in self._check_layers(self.cache):  # .to: a device_map may put layers on other devices
+            layer.keys = layer.keys.index_select(0, idx.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, idx.to(layer.values.device))
         self.valid = self.valid.index_select(0, idx)
 
     def _maybe_compact(self) -> None:
@@ -1256,7 +1508,7 @@ class BatchDecodeSession:
             self.valid = torch.arange(width, device=self.valid.device).unsqueeze(0) < lengths.unsqueeze(1)
             for layer in self._check_layers(self.cache):
                 B, Hk, _, D = layer.keys.shape
-                idx = order[:, None, :, None].expand(B, Hk, width, D)
+                idx = order[:, None, :, None].expand(B, Hk, width, D).to(layer.keys.device)
                 layer.keys = layer.keys.gather(2, idx)
                 layer.values = layer.values.gather(2, idx)
         else:
@@ -1265,8 +1517,8 @@ class BatchDecodeSession:
                 return
             idx = used.nonzero()[:, 0]
             for layer in self._check_layers(self.cache):
-                layer.keys = layer.keys.index_select(2, idx)
-                layer.values = layer.values.index_select(2, idx)
+                layer.keys = layer.keys.index_select(2, idx.to(layer.keys.device))
+                layer.values = layer.values.index_select(2, idx.to(layer.values.device))
             self.valid = self.valid.index_select(1, idx)
         self.compactions += 1
 
@@ -1326,6 +1578,7 @@ def build_tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: 
 
 __all__ = ["Target", "TargetFeatures", "Generation", "LoraForward", "DecodeSession", "BatchDecodeSession",
            "SingleRequestSession", "resolve_device", "default_aux_layer_ids",
-           "resolve_model_ref", "build_tiny_target", "torch_dtype", "SMOLLM2_ALIAS", "ADAPTER_WEIGHTS"]
+           "resolve_model_ref", "build_tiny_target", "torch_dtype", "check_device_map", "process_device_map",
+           "DEVICE_MAP_STRATEGIES", "SMOLLM2_ALIAS", "ADAPTER_WEIGHTS"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

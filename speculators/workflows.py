@@ -54,7 +54,8 @@ def default_output_dir(recipe: Recipe, recipe_file: str | Path | None = None) ->
 
 def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
     """``--resume``: refuse a recipe whose target, data or drafter section differs from the run's
-    ``run_dir/recipe.yaml`` (both compared as resolved JSON; nothing to check when the run has none).
+    ``run_dir/recipe.yaml`` (both compared as resolved JSON, ``target.device_map`` excepted: a run may
+    resume on other hardware; nothing to check when the run has none).
 
     Raises:
         SpeculatorsError: naming the sections that differ and the recorded recipe file.
@@ -78,6 +79,9 @@ def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
     except SpeculatorsError:
         pass  # no longer a valid recipe: compared as written
     new = recipe.model_dump(mode="json")
+    for d in (old, new):  # where the target sits (target.device_map) does not change what is trained
+        if isinstance(d.get("target"), dict):
+            d["target"] = {k: v for k, v in d["target"].items() if k != "device_map"}
     changed = [k for k in RESUME_SECTIONS if old.get(k) != new.get(k)]
     if changed:
         raise SpeculatorsError(f"--resume: the recipe's {', '.join(changed)} section(s) differ from the run's "
@@ -114,7 +118,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
 
     from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
     from .drafters import registry
-    from .target import Target
+    from .target import Target, process_device_map
     from accelerate import PartialState
 
     from .train import Trainer, check_output_dir, check_report_to, prepare_output_dir
@@ -131,13 +135,19 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
         check_resume_recipe(out, recipe)
     log(f"recipe {recipe_file if recipe_file is not None else '(in memory)'} -> {out} "
         f"(drafter {recipe.drafter.algorithm})")
+    device_map = process_device_map(recipe.target.device_map, state.num_processes, state.device)  # refuse early
+    if getattr(recipe.drafter, "joint", False) and recipe.target.device_map is not None:
+        raise SpeculatorsError("target.device_map: a joint run (drafter.joint: true) trains the target inside the "
+                               "drafter's module, which accelerate does not place across devices; unset "
+                               "target.device_map (the target on one device) for joint training")
     torch.manual_seed(recipe.train.seed)
     loaded = load_data(recipe.data, log)  # the data's identity is its content (not the file names)
     identity = dict(loaded[1])
     if resume:
         check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
-    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log,
-                         device=state.device if state.num_processes > 1 else None)  # several: this rank's
+    with state.main_process_first():  # rank 0 converts/caches a GGUF target before the others read the cache
+        target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log,
+                             device_map=device_map)
     family = registry.get(recipe.drafter.algorithm)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (before features are cached)
         target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, recipe.drafter)
@@ -187,7 +197,8 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
     from .drafters import registry
     from .target import Target
 
-    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log)
+    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log,
+                         device_map=recipe.target.device_map)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (as train_run extracts them)
         target.aux_layer_ids = registry.get(recipe.drafter.algorithm).default_aux_layer_ids(
             target.num_layers, recipe.drafter)
@@ -233,7 +244,8 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
                    log: Callable[[str], None], dtype: str | None = None):
     """The checkpoint's drafter and its target, ready to decode: ``(drafter, target, target fingerprint
     as loaded)``. The target taps the layers the drafter was trained on, loads on ``device`` (None =
-    CUDA when present, else CPU; :meth:`speculators.target.Target.load`), merges a joint checkpoint's
+    the recipe's ``target.device_map`` when set, else CUDA when present, else CPU;
+    :meth:`speculators.target.Target.load`), merges a joint checkpoint's
     LoRA adapter, and the drafter is moved to the target's device. ``dtype`` (float32 | bfloat16 |
     float16; None = the recipe's ``target.dtype``) is the target's dtype, e.g. bf16 on a GPU."""
     from .drafters import Drafter
@@ -242,7 +254,8 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
     drafter = Drafter.from_pretrained(ckpt)
     # the verifier taps the layers this drafter was trained on (check_target only checks)
     target = Target.load(target_model or rec.target.model, dtype or (rec.target.dtype if rec else "float32"),
-                         aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log, device=device)
+                         aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log, device=device,
+                         device_map=None if rec is None or device is not None else rec.target.device_map)
     fingerprint = target.fingerprint
     drafter.check_target(target, warn=log)
     if drafter.target_adapter_dir is not None:  # joint checkpoint: verify against the fine-tuned target
@@ -457,7 +470,8 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
                   k: int | None = None, prompts: str | list[str] | None = None, target_model: str | None = None,
                   output: str | Path | None = None, store: bool = True, fit_fraction: float = 0.5,
                   device: str | None = None, dtype: str | None = None, log: Callable[[str], None] = print,
-                  override_names: Mapping[str, str] | None = None) -> tuple[dict, Path]:
+                  override_names: Mapping[str, str] | None = None, skip_prompts: int | None = None
+                  ) -> tuple[dict, Path]:
     """Calibrate a drafter's confidence head on held-out prompts (``speculators calibrate RUN_DIR``; also
     callable at the end of training on ``train_run``'s final checkpoint).
 
@@ -476,15 +490,21 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
             ``confidence_temperature``, capped by what one step can draft).
         prompts, target_model, device, dtype, log, override_names: as :func:`eval_run`.
         output: report directory (default ``<run dir>/calibration``).
-        store: write the temperatures into the checkpoint (False: report only).
+        store: write the temperatures into the checkpoint (False: report only). They are not written when
+            they raise the survival ECE on the held-out half (``report["not_stored"]`` says so); the
+            recommended gate threshold is then the one under the checkpoint's own temperatures.
         fit_fraction: share of the prompts that fit T; the rest measure ECE (see ``calibrate_drafter``).
+        skip_prompts: leading prompts not used (None: with the recipe's held-out prompts, the checkpoint
+            recipe's ``eval.num_prompts``, i.e. exactly the prompts ``speculators eval`` measures by
+            default, so that the temperatures and the recommended gate threshold are chosen on held-out
+            prompts that the eval does not score; with ``prompts`` sources, 0).
     Returns:
         ``(report, report_dir)``.
     Raises:
         SpeculatorsError: a checkpoint without a confidence head, a bad override or ``k``, no prompts, and
             the errors of :func:`eval_run`'s loading.
     """
-    from .calibrate import calibrate_drafter, store_temperatures, write_calibration_report
+    from .calibrate import calibrate_drafter, store_temperatures, use_sweep, write_calibration_report
     from .generate import confidence_temperature_of
     from .verify import SamplingParams
 
@@ -508,7 +528,22 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
         k = default_k
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= default_k:
         raise SpeculatorsError(f"--k {k}: calibrate fits 1..{default_k} positions for this drafter")
-    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
+    if skip_prompts is None:
+        skip_prompts = rec.eval.num_prompts if (rec is not None and not prompts) else 0
+    if isinstance(skip_prompts, bool) or not isinstance(skip_prompts, int) or skip_prompts < 0:
+        raise SpeculatorsError(f"--skip-prompts {skip_prompts!r}: expected an integer >= 0")
+    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts + skip_prompts)
+    # per source (each --prompts source, or the held-out split as one): skip its first skip_prompts, keep
+    # at most num_prompts, as the eval takes at most num_prompts of EACH source
+    groups: dict[str, list[dict]] = {}
+    for p in plist:
+        groups.setdefault(str(p.get("source")) if prompts else "", []).append(p)
+    plist = [p for g in groups.values() for p in g[skip_prompts:skip_prompts + ev.num_prompts]]
+    if not plist:
+        raise SpeculatorsError(f"calibrate: no prompts left after skipping the first {skip_prompts} of each source "
+                               f"({label}); pass --skip-prompts 0 (the eval's own prompts) or more prompts")
+    if skip_prompts:
+        label += f", after the first {skip_prompts}" + (" (the eval's)" if not prompts else " of each source")
     sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)
     log(f"calibrate: {len(plist)} prompts ({label}), K={k}, temperature {ev.temperature}, "
         f"max_new_tokens {ev.max_new_tokens} on {target.device}")
@@ -516,10 +551,16 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
                                   sampling, batch_size=ev.batch_size or 8, seed=ev.seed, fit_fraction=fit_fraction,
                                   log=log)
     report.update(checkpoint=str(ckpt), prompts=label, device=str(target.device), stored=False)
-    if store:
+    worse = report["split"] != "in-sample" and report["after"]["ece"] > report["before"]["ece"]
+    if store and worse:
+        report["not_stored"] = (f"the fitted temperatures raise the held-out survival ECE ({report['before']['ece']:.4f} "
+                                f"-> {report['after']['ece']:.4f}); the checkpoint keeps its temperatures")
+        log(f"calibrate: not stored: {report['not_stored']}")
+    elif store:
         store_temperatures(ckpt, T)
         report["stored"] = True
         log(f"calibrate: temperatures stored in {ckpt}")
+    use_sweep(report, "fitted" if report["stored"] else "current")
     out = Path(output) if output is not None else ckpt.parent / "calibration"
     write_calibration_report(report, out)
     return report, out

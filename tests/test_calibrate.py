@@ -18,10 +18,12 @@ from speculators.calibrate import (
     ConfidenceRecord,
     calibrate_drafter,
     calibration_summary,
+    choose_threshold,
     expected_calibration_error,
     fit_temperatures,
     reliability_bins,
     store_temperatures,
+    threshold_sweep,
     write_calibration_report,
 )
 from speculators.drafters import DraftVocab, registry
@@ -159,6 +161,47 @@ def test_a_drafter_without_confidences_is_refused():
                           log=lambda m: None)
 
 
+def test_threshold_sweep_by_hand():
+    """Three steps with known survivals (T = 1): sigmoid(z) = 0.9, 0.5, ... per position. Threshold 0.4
+    keeps drafts while S_k >= 0.4: step 1 S = (0.9, 0.45, 0.225) keeps 2; step 2 S = (0.3, ...) keeps 0;
+    step 3 S = (0.9, 0.81) keeps 2."""
+    logit = lambda p: float(torch.logit(torch.tensor(p, dtype=torch.float64)))  # noqa: E731
+    nan = float("nan")
+    rec = ConfidenceRecord(torch.tensor([[logit(0.9), logit(0.5), logit(0.5)],
+                                         [logit(0.3), logit(0.9), logit(0.9)],
+                                         [logit(0.9), logit(0.9), nan]], dtype=torch.float32),
+                           torch.tensor([3, 3, 2]), torch.tensor([3, 1, 0]))
+    (row,) = threshold_sweep(rec, None, [0.4])
+    kept, acc = [2, 0, 2], [3, 1, 0]
+    assert row["verified_per_step"] == pytest.approx(sum(kept) / 3)
+    assert row["verified_cut"] == pytest.approx(1 - (4 / 3) / (8 / 3))
+    assert row["tau_est"] == pytest.approx(sum(1 + min(a, m) for a, m in zip(acc, kept)) / 3)  # (3 + 1 + 1) / 3
+    assert row["tau_ratio"] == pytest.approx((5 / 3) / ((4 + 2 + 1) / 3))
+    # a lower threshold never verifies fewer drafts, and the sweep is monotone in the cut
+    rows = threshold_sweep(rec, None, [0.1, 0.4, 0.95])
+    assert [r["verified_per_step"] for r in rows] == sorted((r["verified_per_step"] for r in rows), reverse=True)
+    assert rows[-1]["verified_per_step"] == 0.0 and rows[-1]["tau_est"] == 1.0
+
+
+def test_choose_threshold_keeps_tau_and_cuts_the_most():
+    assert choose_threshold([{"threshold": 0.1, "verified_cut": 0.0, "tau_ratio": 1.0}], 0.97) is None  # no cut
+    rows = [{"threshold": 0.1, "verified_cut": 0.1, "tau_ratio": 1.0},
+            {"threshold": 0.3, "verified_cut": 0.4, "tau_ratio": 0.98},
+            {"threshold": 0.5, "verified_cut": 0.6, "tau_ratio": 0.90}]
+    assert choose_threshold(rows, 0.97)["threshold"] == 0.3
+    assert choose_threshold(rows, 0.85)["threshold"] == 0.5
+    assert choose_threshold(rows, 1.01) is None
+
+
+def test_calibrate_report_recommends_a_threshold_that_cuts_verified_drafts():
+    """On a synthetic head with known temperatures, the recommended threshold (chosen on the record) cuts
+    verified drafts while the simulated tau stays within the bound."""
+    rec = synthetic_record([1.0, 1.0, 1.0, 1.0], n_steps=3000, seed=3)
+    rows = threshold_sweep(rec, None)
+    chosen = choose_threshold(rows, 0.97)
+    assert chosen is not None and chosen["tau_ratio"] >= 0.97 and chosen["verified_cut"] > 0.1
+
+
 # ----------------------------------------------------------------------------- the checkpoint
 @pytest.fixture()
 def confident_checkpoint(tmp_path, monkeypatch):
@@ -234,3 +277,67 @@ def test_a_checkpoint_without_a_confidence_head_is_refused(tmp_path):
     with pytest.raises(SpeculatorsError, match="no confidence_temperature tensor"):
         store_temperatures(path, torch.ones(4))
     assert (path / WEIGHTS_NAME).read_bytes() == raw
+
+
+# ----------------------------------------------------------------------------- the command
+def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolated_cache, tmp_path, monkeypatch):
+    """``speculators calibrate RUN`` fits T (and chooses the gate threshold) on held-out prompts AFTER the
+    ones ``speculators eval`` scores by default (eval.num_prompts), so the eval's tau is not measured on
+    the data the threshold was chosen on; ``--skip-prompts 0`` uses them; a skip past the end is an error."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from speculators import calibrate as cal
+    from speculators import workflows
+    from speculators.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-dspark.yaml"
+    out = tmp_path / "run"
+    runner = CliRunner()
+    r = runner.invoke(app, ["train", str(recipe), f"target.model={tiny_target_dir}", "train.steps=2",
+                            "eval.num_prompts=2", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    seen = []
+
+    def fake(target, drafter, prompts, *a, **kw):  # record the prompts; no decoding needed here
+        seen.append([tuple(p) for p in prompts])
+        sweeps = {f"{w}_{t}": [] if w == "threshold_sweep" else None
+                  for w in ("threshold_sweep", "recommended_threshold") for t in ("fitted", "current")}
+        return torch.ones(4), {"k": 1, "before": {"ece": 0.0}, "after": {"ece": 0.0}, "split": "x",
+                               "temperatures_after": [1.0], **sweeps}
+
+    monkeypatch.setattr(cal, "calibrate_drafter", fake)
+    monkeypatch.setattr(cal, "write_calibration_report", lambda report, output: Path(output))
+    rec = workflows.load_recipe(out / "final" / workflows.RUN_RECIPE)
+    workflows.calibrate_run(out, store=False, log=lambda m: None)
+    workflows.calibrate_run(out, store=False, log=lambda m: None, skip_prompts=0)
+    _, target, _ = workflows._load_for_eval(out / "final", rec, None, None, lambda m: None, None)
+    evald = [tuple(p["input_ids"]) for p in workflows._eval_prompts(None, rec, target, 2)[0]]
+    assert len(seen[1]) == 2 and seen[1] == evald  # --skip-prompts 0: the eval's own prompts
+    assert seen[0] and not set(seen[0]) & set(evald)  # default: disjoint from what eval scores
+    with pytest.raises(SpeculatorsError, match="no prompts left"):
+        workflows.calibrate_run(out, store=False, log=lambda m: None, skip_prompts=10_000)
+    # several --prompts sources: each keeps up to num_prompts after its own skip (as the eval takes each)
+    seen.clear()
+    workflows.calibrate_run(out, store=False, log=lambda m: None, prompts=["chatterbot", "humaneval"],
+                            skip_prompts=1, eval_overrides={"num_prompts": 2})
+    per = {}
+    for src in ("chatterbot", "humaneval"):
+        per[src] = [tuple(p["input_ids"]) for p in workflows._eval_prompts([src], rec, target, 3)[0]]
+    assert seen[0] == per["chatterbot"][1:3] + per["humaneval"][1:3]
+    # temperatures that RAISE the held-out ECE are not stored, and the threshold is read under the old T
+    stored = []
+    monkeypatch.setattr(cal, "store_temperatures", lambda ckpt, T: stored.append(T))
+    for after, expect in ((0.2, []), (0.05, [1])):
+        def fake2(*a, after=after, **kw):
+            T, rep = fake(*a, **kw)
+            rep.update(before={"ece": 0.1}, after={"ece": after}, split="held-out halves",
+                       recommended_threshold_fitted={"threshold": 0.3}, recommended_threshold_current={"threshold": 0.1})
+            return T, rep
+        monkeypatch.setattr(cal, "calibrate_drafter", fake2)
+        stored.clear()
+        rep, _ = workflows.calibrate_run(out, store=True, log=lambda m: None)
+        assert len(stored) == len(expect) and rep["stored"] == bool(expect)
+        assert rep["recommended_threshold"]["threshold"] == (0.3 if expect else 0.1)
+        assert ("not_stored" in rep) == (not expect)

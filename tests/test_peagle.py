@@ -55,10 +55,26 @@ def make_batch(target, lengths=(22, 15, 19), prompt=(4, 2, 6), seed=0):
     return batch
 
 
+def incremental_state(d, ids: torch.Tensor, aux: torch.Tensor, chunks=(1, 3, 2)):
+    """The inference state after tokens ``ids [n+1]`` and features ``aux [1, n, W]``, built as decoding
+    builds it: ``start`` on at most the first two positions, then ``advance`` in chunks of 1, 3, 2, ...
+    tokens, so the last forward (real inputs + mask slots) runs against a NON-empty cache."""
+    n = ids.numel() - 1
+    done = min(2, n)
+    state = d.start(ids[:done + 1], SimpleNamespace(aux=aux[:, :done]))
+    i = 0
+    while done < n:
+        m = min(chunks[i % len(chunks)], n - done)
+        d.advance([state], [ids[done + 1:done + 1 + m]], [SimpleNamespace(aux=aux[:, done:done + m])])
+        done, i = done + m, i + 1
+    return state
+
+
 def reference_logits(d, batch, b: int, a: int, depth: int) -> torch.Tensor:
-    """Element (a, depth) of row b through the INFERENCE path alone: start on the tokens x_0..x_{a+1}
-    with the features of positions 0..a, then one forward over ``depth`` mask slots."""
-    state = d.start(batch.input_ids[b, :a + 2], SimpleNamespace(aux=batch.aux[b:b + 1, :a + 1]))
+    """Element (a, depth) of row b through the INFERENCE path alone: the tokens x_0..x_{a+1} with the
+    features of positions 0..a fed as decoding feeds them (:func:`incremental_state`), then the stored
+    drafts of the last step's ONE forward (real inputs + ``num_depths - 1`` mask slots)."""
+    state = incremental_state(d, batch.input_ids[b, :a + 2], batch.aux[b:b + 1, :a + 1])
     return d.draft_logits(state, depth + 1)[depth]
 
 
@@ -231,6 +247,19 @@ def test_propose_drafts_all_depths_from_one_state_and_refuses_deeper_k(target):
         d.propose([state], [5])
     assert d._propose_one(state, 0).token_ids.numel() == 0
     assert state.cache.length == state.num_positions == 11  # mask slots are never cached
+
+
+def test_incremental_advance_equals_a_fresh_start(target):
+    """Drafts after advancing chunk by chunk (cache non-empty, mask slots in the same forward as the new
+    real inputs) equal those of one ``start`` on the whole prefix; the cache holds only real positions."""
+    d = make_drafter(target, num_depths=4).eval()
+    batch = make_batch(target, seed=8)
+    for n in (3, 7, 12, 18):
+        ids, aux = batch.input_ids[0, :n + 1], batch.aux[:1, :n]
+        inc = incremental_state(d, ids, aux, chunks=(2, 1, 3))
+        fresh = d.start(ids, SimpleNamespace(aux=aux))
+        torch.testing.assert_close(d.draft_logits(inc, 4), d.draft_logits(fresh, 4), atol=1e-5, rtol=0)
+        assert inc.cache.length == inc.num_positions == n
 
 
 # ----------------------------------------------------------------------------- 3. export

@@ -161,6 +161,12 @@ def test_resume_recipe_check_names_the_changed_sections(tmp_path):
     check_resume_recipe(tmp_path, rec)
     rec.train.lr = 1e-5  # the train section may change on --resume
     check_resume_recipe(tmp_path, rec)
+    rec.target.device_map = "auto"  # so may where the target sits (other hardware)
+    check_resume_recipe(tmp_path, rec)
+    rec.target.dtype = "bfloat16"  # but not the rest of the target section
+    with pytest.raises(SpeculatorsError, match=r"target section\(s\) differ"):
+        check_resume_recipe(tmp_path, rec)
+    rec.target.dtype = "float32"
     rec.drafter = {**rec.model_dump()["drafter"], "ttt_steps": 3}
     rec.data.max_length = 128
     with pytest.raises(SpeculatorsError, match=r"data, drafter section\(s\) differ") as e:
