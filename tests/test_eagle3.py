@@ -50,16 +50,18 @@ def capture_step_logits(drafter, batch):
     return loss, metrics, seen
 
 
-@pytest.mark.parametrize("eagle31", [False, True])
-def test_ttt_steps_match_inference_chain(target, eagle31):
+@pytest.mark.parametrize("eagle31,nbr", [(False, False), (True, False), (True, True), (False, True)])
+def test_ttt_steps_match_inference_chain(target, eagle31, nbr):
     """Step j of training at index t must compute exactly what inference computes for draft j+1.
 
     Fails if the token shift, the position ids, the fed-back hidden state or the diagonal mask of
     the TTT attention differ from the drafter's autoregressive inference with its KV cache; with
     ``eagle31`` (``norm_before_fc`` + ``norm_output``) also if training and inference feed different
-    hidden states (pre- vs post-norm) to the next step.
+    hidden states (pre- vs post-norm) to the next step; with ``nbr`` (``norm_before_residual``) if the
+    two start layer 0's residual differently.
     """
-    d = make_drafter(target, ttt_steps=3, norm_before_fc=eagle31, norm_output=eagle31).eval()
+    d = make_drafter(target, ttt_steps=3, norm_before_fc=eagle31, norm_output=eagle31,
+                     norm_before_residual=nbr).eval()
     g = torch.Generator().manual_seed(0)
     n = 9  # prompt x_0..x_{n-1}, first target token x_n
     prefix = torch.randint(0, V, (n + 1,), generator=g)
@@ -81,7 +83,8 @@ def dense_ttt_reference(d, batch) -> list[torch.Tensor]:
     concatenated keys of steps 0..j (not :func:`speculators.drafters.layers.ttt_attention`): query t of
     step j sees step-0 keys ``s <= t`` of real inputs and, of each step 1..j, only the key at t. Step j
     takes token ``x_{t+1+j}``, position id ``t+1+j`` and step j-1's output hidden state at t: ``h``, or
-    ``norm(h)`` with ``norm_output``."""
+    ``norm(h)`` with ``norm_output``. Layer 0's residual is its hidden input, or ``hidden_norm`` of it with
+    ``norm_before_residual`` (vLLM's Eagle3 decoder layer)."""
     import torch.nn.functional as F
 
     B, T = batch.input_ids.shape
@@ -101,8 +104,12 @@ def dense_ttt_reference(d, batch) -> list[torch.Tensor]:
         mask = torch.cat([causal[None] & key_valid[:, None, :]] + [eye[None].expand(B, T, T)] * j, dim=-1)
         h = hidden
         for i, layer in enumerate(d.layers):
-            residual = h
-            x = layer.attn_input(emb, h) if i == 0 else layer.input_layernorm(h)
+            if i == 0:
+                hn = layer.hidden_norm(h)
+                x = torch.cat([layer.input_layernorm(emb), hn], dim=-1)
+                residual = hn if d.cfg.norm_before_residual else h
+            else:
+                residual, x = h, layer.input_layernorm(h)
             q, k, v = layer.self_attn.qkv(x, cos, sin)
             ks[i].append(k)
             vs[i].append(v)
@@ -115,14 +122,17 @@ def dense_ttt_reference(d, batch) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("norm_output,num_layers", [(False, 1), (True, 1), (True, 2)])
-def test_ttt_steps_equal_dense_reference(target, norm_output, num_layers):
+@pytest.mark.parametrize("norm_output,num_layers,nbr", [(False, 1, False), (True, 1, False), (True, 2, False),
+                                                         (False, 1, True), (True, 2, True)])
+def test_ttt_steps_equal_dense_reference(target, norm_output, num_layers, nbr):
     """Issue 15: every TTT step's logits equal :func:`dense_ttt_reference` (explicit mask over all steps'
-    keys, explicit hidden-state feed), on right-padded rows. Fails if the fed hidden state is pre-norm
-    while ``norm_output`` asks for ``norm(h)`` (the old code had no Eagle 3.1 feed at all), or if step j
-    sees other keys or position ids than the reference."""
+    keys, explicit hidden-state feed, explicit layer-0 residual), on right-padded rows. Fails if the fed
+    hidden state is pre-norm while ``norm_output`` asks for ``norm(h)`` (the old code had no Eagle 3.1
+    feed at all), if layer 0's residual is the raw hidden state while ``norm_before_residual`` asks for
+    ``hidden_norm`` of it (the old code had no such option), or if step j sees other keys or position
+    ids than the reference."""
     d = make_drafter(target, ttt_steps=3, num_layers=num_layers, norm_before_fc=norm_output,
-                     norm_output=norm_output)
+                     norm_output=norm_output, norm_before_residual=nbr)
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(11))
     batch, _ = batch_for(target, ids, lengths=[12, 8])
     _, _, step_logits = capture_step_logits(d, batch)
@@ -144,6 +154,41 @@ def test_norm_output_is_exported_only_when_set(target, tmp_path):
     assert cfg["norm_output"] is True and cfg["norm_before_fc"] is True
     back = registry.get("eagle3").from_pretrained(e31)
     assert back.cfg.norm_output and back.cfg.norm_before_fc
+
+
+def test_norm_before_residual_is_exported_and_loaded(target, tmp_path):
+    """vLLM's Eagle3 layer reads ``norm_before_residual`` from the config: it must say what the drafter was
+    trained with (the old export always wrote false), and a saved drafter must load with it."""
+    plain = json.loads((make_drafter(target).save_pretrained(tmp_path / "a") / "config.json").read_text())
+    nbr = make_drafter(target, norm_before_residual=True).save_pretrained(tmp_path / "b")
+    assert plain["norm_before_residual"] is False
+    assert json.loads((nbr / "config.json").read_text())["norm_before_residual"] is True
+    assert registry.get("eagle3").from_pretrained(nbr).cfg.norm_before_residual is True
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_norm_before_residual_removes_the_feature_scale(target, nbr):
+    """Issue 15: SmolLM2's aux hidden states carry massive activations (fused g with rms ~50 against ~1
+    for the layer's own attention/MLP output). With ``norm_before_residual`` layer 0's residual is
+    ``hidden_norm(g)``, so every TTT step's logits are the same whatever the scale of the target's
+    features (fc is linear, every later input is normalised); the raw-residual default is dominated by
+    g: the same drafter's logits move when the features are scaled. Fails if the option does not reach
+    the residual (the old code always used the raw g)."""
+    d = make_drafter(target, ttt_steps=3, norm_before_residual=nbr)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
+    batch, _ = batch_for(target, ids, lengths=[12, 9])
+    real = torch.zeros(2, 12, dtype=torch.bool)
+    real[:, :11] = batch.attention_mask[:, 1:]
+    with torch.no_grad():
+        _, _, base = capture_step_logits(d, batch)
+        batch.aux = batch.aux * 1000.0
+        _, _, scaled = capture_step_logits(d, batch)
+    for j in range(3):
+        diff = (base[j][real] - scaled[j][real]).abs().max().item()
+        if nbr:
+            assert diff < 1e-3, (j, diff)
+        else:
+            assert diff > 1e-1, (j, diff)
 
 
 @pytest.mark.parametrize("train_lm_head", [True, False])

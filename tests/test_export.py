@@ -187,7 +187,8 @@ def _strip(cfg: dict) -> dict:
 
 # drafter-config fields added since v0, at the defaults that keep v0's behaviour (a v0 checkpoint, without
 # them, loads with these values: test_checkpoint_written_by_the_previous_version_loads)
-ADDED_SINCE_V0 = {"eagle3": {"norm_output": False, "train_lm_head": True}}  # issue 15 (Eagle 3.1 feed, frozen head)
+ADDED_SINCE_V0 = {"eagle3": {"norm_output": False, "train_lm_head": True,  # issue 15 (Eagle 3.1 feed, frozen head,
+                              "norm_before_residual": False}}  # layer-0 residual from hidden_norm)
 
 
 @pytest.mark.parametrize("name", V0_VARIANTS)

@@ -23,8 +23,11 @@ for the context followed by its own chain.
 Eagle 3.1 (``norm_before_fc: true, norm_output: true``; vllm-project/speculators' training defaults
 since 0.7, vLLM's ``norm_before_fc`` / ``norm_output`` config fields): the fc input is RMS-normalised
 (SmolLM2's aux hidden states carry massive activations: position norms up to ~25000 against a median
-of ~150-500), and the next draft step takes ``norm(h)``. The defaults stay off so that checkpoints
-written before these fields load unchanged.
+of ~150-500), and the next draft step takes ``norm(h)``. ``norm_before_residual`` (vLLM's field of that
+name, vllm-project/speculators' trainer default) starts layer 0's residual from ``hidden_norm(g)`` instead of
+``g``. The defaults stay off so that checkpoints written before these fields load unchanged (issue 15's
+50-step SmolLM2 runs: ``norm_output`` helps, ``norm_before_fc`` and ``norm_before_residual`` slow early
+learning; ALGORITHMS.md).
 
 Inference is batched (issue 11): :meth:`Eagle3Drafter.propose` runs ONE drafter forward per chain step
 for all requests still drafting and :meth:`Eagle3Drafter.advance` ONE forward for all requests' verified
@@ -87,6 +90,11 @@ class Eagle3Config(DrafterConfig):
     norm_output: bool = Field(
         default=False, description="feed the POST-norm output hidden state norm(h) to the next draft step (TTT "
                                    "step and inference chain alike; Eagle 3.1) instead of the pre-norm h")
+    norm_before_residual: bool = Field(
+        default=False, description="layer 0's residual stream starts from hidden_norm(hidden) instead of the raw "
+                                   "fused hidden state (vLLM's and vllm-project/speculators' norm_before_residual; "
+                                   "the latter's trainer default): the layer's output no longer drowns in the "
+                                   "target's massive activations carried by g, nor in the fed-back h at TTT steps")
     train_lm_head: bool = Field(
         default=True, description="train the drafter's lm_head (initialised from the target's rows of the draft "
                                   "vocabulary); False keeps it frozen, as vllm-project/speculators does (fewer "
@@ -170,10 +178,12 @@ class Eagle3Drafter(Drafter):
         return (normed if self.cfg.norm_output else h), self.lm_head(normed).float()
 
     def _run_layers(self, emb, hidden, cos, sin, attend) -> torch.Tensor:
-        """Decoder stack; ``attend(layer_idx, attn_module, q, k, v) -> o [B, nh, T, hd]``."""
+        """Decoder stack; ``attend(layer_idx, attn_module, q, k, v) -> o [B, nh, T, hd]``. Layer 0's residual
+        is ``hidden`` itself, or ``hidden_norm(hidden)`` with ``norm_before_residual``."""
         h = hidden
         for i, layer in enumerate(self.layers):
-            residual = h
+            # layer 0 with norm_before_residual: the residual is hidden_norm(hidden), as in vLLM's Eagle3 layer
+            residual = layer.hidden_norm(h) if i == 0 and self.cfg.norm_before_residual else h
             x = layer.attn_input(emb, h) if i == 0 else layer.input_layernorm(h)
             q, k, v = layer.self_attn.qkv(x, cos, sin)
             h = residual + layer.self_attn.out(attend(i, q, k, v))
@@ -511,7 +521,7 @@ class Eagle3Drafter(Drafter):
             "draft_vocab_size": int(self.d2t.numel()),
             "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
             "target_hidden_size": None,
-            "norm_before_residual": False,
+            "norm_before_residual": cfg.norm_before_residual,
             "norm_before_fc": cfg.norm_before_fc,
             # Eagle 3.1's feedback of the post-norm hidden state; written only when set (vLLM reads it with a
             # False default), so a default export keeps FORMATS.md's key set
