@@ -117,7 +117,7 @@ def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
 _EVAL_OPTIONS = {"k": "-k", "k_sweep": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
                  "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts", "batch_size": "--batch-size",
                  "methods": "--methods", "confidence_threshold": "--confidence-threshold",
-                 "confidence_cost_aware": "--cost-aware"}
+                 "confidence_cost_aware": "--cost-aware", "hybrid_drafter_k": "--hybrid-drafter-k"}
 
 
 def _parse_k(value: str | None) -> dict:
@@ -169,6 +169,9 @@ def eval_cmd(
     cost_aware: Optional[bool] = typer.Option(
         None, "--cost-aware/--no-cost-aware", help="gated rows pick the prefix maximising expected tokens per "
         "unit of verify cost (cost of K+1-token target forwards measured once on this machine)"),
+    hybrid_drafter_k: Optional[int] = typer.Option(
+        None, "--hybrid-drafter-k", help="hybrid proposer: most drafts the neural drafter proposes per step "
+        "(default: K; suffix matches still draft K)"),
 ):
     """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
     real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
@@ -177,7 +180,8 @@ def eval_cmd(
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
              "num_prompts": num_prompts, "batch_size": batch_size, **_parse_k(k),
              "methods": None if methods is None else [m.strip() for m in methods.split(",") if m.strip()],
-             "confidence_threshold": confidence_threshold, "confidence_cost_aware": cost_aware}
+             "confidence_threshold": confidence_threshold, "confidence_cost_aware": cost_aware,
+             "hybrid_drafter_k": hybrid_drafter_k}
     report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
                            progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or (),

@@ -296,6 +296,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampling=None, ngram_max: int = 3,
              seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
              methods=METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
+             hybrid_drafter_k: int | None = None,
              confidence_threshold: float | None = None, verify_cost: list[float] | None = None) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
@@ -413,7 +414,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
             return NGramProposer(max_n=ngram_max)
         if method == "suffix":
             return SuffixProposer()
-        return HybridProposer(drafter, SuffixProposer(), min_match=hybrid_min_match)
+        return HybridProposer(drafter, SuffixProposer(), min_match=hybrid_min_match, drafter_k=hybrid_drafter_k)
 
     from .generate import speculative_generate
 
@@ -498,6 +499,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         "num_prompts": n, "k": head_k, "ks": ks, "batch_size": batch_size, "batch_sizes": batch_sizes,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "seed": seed, "stop_token_ids": sorted(stop), "methods": list(methods), "hybrid_min_match": hybrid_min_match,
+        "hybrid_drafter_k": hybrid_drafter_k,
         "bootstrap": {"resamples": bootstrap_resamples, "level": 0.95, "seed": seed, "over": "prompts"},
         "rows": rows, "plain_rows": plain_rows, "best_k": best_k,
         "headline": {"batch_size": head_b, "k": head_k},
@@ -648,7 +650,9 @@ def report_markdown(report: dict, title: str = "speculators eval", plots: dict[s
     if hy is not None and hy.get("proposals"):
         c = hy["proposals"]
         lines += ["", f"hybrid: {c.get('suffix', 0)} drafts from the suffix tree (match >= "
-                      f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter."]
+                      f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter"
+                      + (f" (at most {report['hybrid_drafter_k']} drafts per step)." if report.get("hybrid_drafter_k")
+                         else ".")]
     lines += _by_source_markdown(report)
     lines += _gating_markdown(report)
     kmax, b1 = max(ks), report["batch_sizes"][0]

@@ -191,12 +191,18 @@ class HybridProposer:
     writes is bookkeeping for the report: ``state.source`` (which part drafted this step) and ``counts``.
     """
 
-    def __init__(self, drafter, lookup: SuffixProposer | None = None, min_match: int = 3):
+    def __init__(self, drafter, lookup: SuffixProposer | None = None, min_match: int = 3,
+                 drafter_k: int | None = None):
         """``drafter``: any batched proposer (a drafter family); ``lookup``: the suffix proposer (default
-        ``SuffixProposer()``); ``min_match`` >= 1: shortest suffix match that wins over the drafter.
+        ``SuffixProposer()``); ``min_match`` >= 1: shortest suffix match that wins over the drafter;
+        ``drafter_k`` >= 1: the most drafts the neural drafter proposes in a step (None: the step's K, as
+        the suffix draft). A suffix match is free to draft and often long; the drafter's later drafts cost
+        a drafter forward and a verified token each and are rarely accepted, so a hybrid may draft K
+        tokens by lookup and only ``drafter_k`` by the drafter.
 
         Raises:
-            SpeculatorsError: ``min_match`` < 1 or above the lookup's ``max_match`` (it could never win).
+            SpeculatorsError: ``min_match`` < 1 or above the lookup's ``max_match`` (it could never win);
+                ``drafter_k`` < 1.
         """
         self.drafter = drafter
         self.lookup = lookup if lookup is not None else SuffixProposer()
@@ -204,6 +210,7 @@ class HybridProposer:
         if self.min_match > self.lookup.max_match:
             raise SpeculatorsError(f"HybridProposer min_match ({min_match}) must be <= the suffix proposer's "
                                    f"max_match ({self.lookup.max_match})")
+        self.drafter_k = None if drafter_k is None else _check_int("HybridProposer drafter_k", drafter_k, 1)
         self.counts = {"suffix": 0, "drafter": 0}
 
     def start(self, input_ids: torch.Tensor, features: Any) -> HybridState:
@@ -231,7 +238,7 @@ class HybridProposer:
                 s.source = "suffix"
                 self.counts["suffix"] += 1
             else:
-                neural_ks[i] = k
+                neural_ks[i] = k if self.drafter_k is None else min(k, self.drafter_k)
         if any(neural_ks):
             props = self.drafter.propose([s.neural for s in states], neural_ks, sampling, generators)
             if len(props) != len(states):

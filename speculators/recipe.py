@@ -202,6 +202,8 @@ class EvalSpec(Strict):
                                    "beside batch 1; None = 16 on CUDA, 8 elsewhere")
     hybrid_min_match: int = Field(default=3, gt=0, le=32, description="hybrid proposer: shortest suffix match "
                                   "that drafts instead of the neural drafter")
+    hybrid_drafter_k: int | None = Field(default=None, gt=0, le=64, description="hybrid proposer: most drafts the "
+                                         "neural drafter proposes per step (None = K; the suffix draft keeps K)")
     methods: list[Literal["drafter", "ngram", "suffix", "hybrid"]] = Field(
         default_factory=lambda: ["drafter", "ngram", "suffix", "hybrid"], min_length=1,
         description="proposers measured beside plain decoding (drafter, ngram, suffix, hybrid)")

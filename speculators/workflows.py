@@ -424,7 +424,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             return run_eval(t, d, plist, ev.ks, ev.max_new_tokens, sampling, ngram_max=ev.ngram_max, seed=ev.seed,
                             log=log, progress=make(f"speculative vs plain decoding{what}") if make else None,
                             batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match,
-                            confidence_threshold=ev.confidence_threshold if gated else None,
+                            hybrid_drafter_k=ev.hybrid_drafter_k, confidence_threshold=ev.confidence_threshold if gated else None,
                             verify_cost=verify_cost if gated else None)
 
     def describe(rep, path, d, t):

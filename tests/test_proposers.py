@@ -155,6 +155,20 @@ def test_hybrid_advances_both_parts_every_step():
     assert hy.propose([s], [3])[0].token_ids.tolist() == [1, 2, 3]
 
 
+def test_hybrid_drafter_k_caps_only_the_drafter():
+    """``drafter_k``: the neural drafter proposes at most drafter_k drafts; a suffix match still drafts K."""
+    fake = FakeDrafter()
+    hy = HybridProposer(fake, min_match=3, drafter_k=1)
+    long_match = hy.start(torch.tensor([1, 2, 3, 9, 1, 2, 3]), None)
+    no_match = hy.start(torch.tensor([1, 2, 3, 4]), None)
+    props = hy.propose([long_match, no_match], [3, 3])
+    assert props[0].token_ids.tolist() == [9, 1, 2]  # the suffix draft keeps K = 3
+    assert props[1].token_ids.tolist() == [99]  # the drafter is capped at 1
+    assert fake.calls == [([0, 1], None)]
+    with pytest.raises(SpeculatorsError, match="drafter_k"):
+        HybridProposer(FakeDrafter(), drafter_k=0)
+
+
 def test_hybrid_bad_min_match():
     with pytest.raises(SpeculatorsError, match="min_match"):
         HybridProposer(FakeDrafter(), min_match=0)
