@@ -5,11 +5,21 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
+from speculators.data import sources as sources_mod
 from speculators.data.sources import (
+    DROP_DUPLICATE_CONVERSATION,
+    DROP_DUPLICATE_PROMPT,
+    DROP_EMPTY_CONVERSATION,
+    DROP_FILE_WITHOUT_CONVERSATIONS,
+    DROP_MALFORMED_ENTRY,
+    DROP_UNREADABLE_FILE,
+    DROP_USER_TURN_WITHOUT_TEXT,
     Conversation,
     SourceError,
     first_user_message,
@@ -180,6 +190,169 @@ def test_errors(tmp_path):
         load_source("humaneval", max_examples=0)
     with pytest.raises(SourceError):  # SourceError is a ValueError and a SpeculatorsError
         load_source("nope")
+
+
+# ---------------------------------------------------------------------------- rows the loaders drop
+
+
+def test_humaneval_drops_nothing():
+    drops = Counter()
+    assert len(load_source("humaneval", drops=drops)) == 164 and drops == Counter()
+
+
+def _entries_of_readable_files(root: Path) -> int:
+    import yaml
+
+    n = 0
+    for fn in sorted(root.glob("*.yml")):
+        try:
+            doc = yaml.load(fn.read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+        except Exception:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("conversations"), list):
+            n += len(doc["conversations"])
+    return n
+
+
+def test_chatterbot_counts_every_skipped_entry():
+    """Real corpus: every entry of a readable file is either a conversation or a counted drop."""
+    root = Path(importlib.util.find_spec("chatterbot_corpus").submodule_search_locations[0]) / "data" / "english"
+    drops = Counter()
+    convs = load_source("chatterbot", drops=drops)
+    assert drops[DROP_DUPLICATE_PROMPT] > 0  # the corpus repeats many prompts across files
+    assert len(convs) + sum(drops.values()) == _entries_of_readable_files(root)
+    # a cap stops the loader: only the rows read before it are counted (the 7th conversation ends the read)
+    capped = Counter()
+    seven = load_source("chatterbot", max_examples=7, drops=capped)
+    assert len(seven) == 7 and sum(capped.values()) < sum(drops.values())
+
+
+def test_chatterbot_drops_by_reason(tmp_path, monkeypatch):
+    eng = tmp_path / "data" / "english"
+    eng.mkdir(parents=True)
+    (eng / "a.yml").write_text(
+        "conversations:\n"
+        "- - Hi\n  - Hello!\n"             # kept
+        "- just a string\n"                # malformed entry
+        "- []\n"                           # malformed entry
+        "- - '   '\n  - reply\n"           # user turn without text
+        "- - [nested, list]\n  - reply\n"  # user turn without text
+        "- - ' Hi '\n  - Hey.\n"           # duplicate prompt (after stripping)
+        "- - Bye\n"                        # kept, prompt only
+    )
+    (eng / "b.yml").write_text("conversations:\n- - [unclosed\n")  # unreadable YAML
+    (eng / "c.yml").write_text("categories:\n- misc\n")  # no conversations list
+    (eng / "d.yml").write_text("conversations:\n- - Hi\n  - Again\n- - New\n  - One\n")  # one duplicate
+    monkeypatch.setattr(sources_mod, "_package_dir", lambda name, pip: tmp_path)
+    drops = Counter()
+    with pytest.warns(UserWarning, match=r"chatterbot: skipping .*b\.yml"):
+        convs = load_source("chatterbot", drops=drops)
+    assert [c.messages[0]["content"] for c in convs] == ["Hi", "Bye", "New"]
+    assert drops == Counter({DROP_MALFORMED_ENTRY: 2, DROP_USER_TURN_WITHOUT_TEXT: 2, DROP_DUPLICATE_PROMPT: 2,
+                             DROP_UNREADABLE_FILE: 1, DROP_FILE_WITHOUT_CONVERSATIONS: 1})
+    capped = Counter()
+    assert len(load_source("chatterbot", max_examples=1, drops=capped)) == 1 and capped == Counter()
+
+
+def test_chitchat_counts_every_skipped_conversation():
+    """Real package: conversations + drops == the conversations of its dataset.json."""
+    path = Path(importlib.util.find_spec("chitchat_dataset").submodule_search_locations[0]) / "dataset.json"
+    raw = json.loads(path.read_text())
+    drops = Counter()
+    convs = load_source("chitchat", drops=drops)
+    assert set(drops) <= {DROP_DUPLICATE_CONVERSATION, DROP_EMPTY_CONVERSATION}
+    assert drops[DROP_DUPLICATE_CONVERSATION] > 0
+    assert len(convs) + sum(drops.values()) == len(raw)
+    # with a cap, the rows counted are exactly those read up to the last kept conversation
+    capped = Counter()
+    some = load_source("chitchat", max_examples=300, drops=capped)
+    last = sorted(raw).index(some[-1].id.split("/", 1)[1])
+    assert len(some) + sum(capped.values()) == last + 1
+
+
+def test_chitchat_drops_by_reason(tmp_path, monkeypatch):
+    def conv(*turns):
+        return {"messages": [[{"sender": "ab"[i % 2], "text": t}] for i, t in enumerate(turns)]}
+
+    doc = {"1": conv("Hi", "Hello"), "2": conv("  ", "Hello"), "3": conv("Hi", "Hello"), "4": {"messages": []},
+           "5": "not a conversation", "6": conv("Hi", "Hello", "How are you?")}  # 6: ends on the answer: dup
+    (tmp_path / "dataset.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(sources_mod, "_package_dir", lambda name, pip: tmp_path)
+    drops = Counter()
+    convs = load_source("chitchat", drops=drops)
+    assert [c.id for c in convs] == ["chitchat/1"]
+    assert drops == Counter({DROP_EMPTY_CONVERSATION: 3, DROP_DUPLICATE_CONVERSATION: 2})
+
+
+def test_files_count_empty_conversations_and_keep_duplicates(tmp_path):
+    rows = [
+        {"id": "e1", "messages": []},
+        {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {"id": "e2", "messages": [{"role": "system", "content": "Be brief."}]},
+        {"id": "b", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {"id": "e3", "conversations": [{"from": "system", "value": "x"}]},
+    ]
+    path = _write(tmp_path, "chat.jsonl", rows)
+    drops = Counter()
+    convs = load_source(path, drops=drops)
+    assert [c.id for c in convs] == ["chat/a", "chat/b"]  # files are not deduplicated
+    assert drops == Counter({DROP_EMPTY_CONVERSATION: 3})
+    (tmp_path / "chat.json").write_text(json.dumps(rows))  # a JSON list: the same
+    drops = Counter()
+    assert len(load_source(str(tmp_path / "chat.json"), drops=drops)) == 2
+    assert drops == Counter({DROP_EMPTY_CONVERSATION: 3})
+    capped = Counter()
+    assert [c.id for c in load_source(path, max_examples=1, drops=capped)] == ["chat/a"]
+    assert capped == Counter({DROP_EMPTY_CONVERSATION: 1})  # e2/e3 come after the cap: not read
+    before = Counter({"already there": 1})
+    load_source(path, drops=before)  # the Counter is added to, not replaced
+    assert before == Counter({"already there": 1, DROP_EMPTY_CONVERSATION: 3})
+    # all rows empty: the error says why
+    with pytest.raises(SourceError, match=r"zero conversations \(every row was dropped: .*empty conversation.*3"):
+        load_source(_write(tmp_path, "none.jsonl", [rows[0], rows[2], rows[4]]))
+    with pytest.raises(SourceError, match=r"drops must be a collections\.Counter"):
+        load_source(path, drops={})
+
+
+def test_datasets_count_empty_conversations(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Hi"}]}, {"messages": []},
+            {"messages": [{"role": "system", "content": "s"}]}, {"messages": [{"role": "user", "content": "Yo"}]}]
+    path = _write(tmp_path, "ds.jsonl", rows)
+    drops = Counter()
+    assert len(load_source({"dataset": path}, drops=drops)) == 2
+    assert drops == Counter({DROP_EMPTY_CONVERSATION: 2})
+
+
+def test_load_data_reports_loader_drops(tmp_path):
+    """The loaders' drops reach ``stats``, the log and the run card's table, next to the empty-answer drops."""
+    from speculators.data.pipeline import data_report, load_data, report_markdown
+    from speculators.recipe import recipe_from_dict
+
+    rows = [{"id": "e", "messages": [{"role": "system", "content": "only a system prompt"}]},
+            {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+            {"id": "t", "messages": [{"role": "user", "content": "Hm"}, {"role": "assistant", "content": ""}]},
+            {"id": "f", "messages": []}]
+    path = _write(tmp_path, "chat.jsonl", rows)
+    raw = yaml.safe_load((Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml").read_text())
+    raw["target"]["model"] = "unused"
+    raw["data"]["sources"] = [{"source": path, "regenerate": False}, {"source": "chatterbot", "max_examples": 40}]
+    rec = recipe_from_dict(raw, "test")
+    logs = []
+    loaded = load_data(rec.data, logs.append)
+    st = loaded.stats
+    assert st[path] == {"conversations": 1, "dropped": Counter({DROP_EMPTY_CONVERSATION: 2,
+                                                                "assistant turn without text": 1})}
+    want_cb = Counter()
+    load_source("chatterbot", max_examples=40, drops=want_cb)
+    assert st["chatterbot"]["conversations"] == 40 and st["chatterbot"]["dropped"] == want_cb
+    assert want_cb[DROP_DUPLICATE_PROMPT] > 0
+    assert [x for x in logs if x.startswith("data: dropped")] == [
+        f"data: dropped 2 conversations of {path}: {DROP_EMPTY_CONVERSATION}",
+        f"data: dropped 1 conversations of {path}: assistant turn without text",
+        f"data: dropped {want_cb[DROP_DUPLICATE_PROMPT]} conversations of chatterbot: {DROP_DUPLICATE_PROMPT}"]
+    card = "\n".join(report_markdown(data_report(rec.data, st, [], [], [], [], [], Counter())))
+    assert f"| `{path}` | {DROP_EMPTY_CONVERSATION} | 2 |" in card
+    assert f"| `chatterbot` | {DROP_DUPLICATE_PROMPT} | {want_cb[DROP_DUPLICATE_PROMPT]} |" in card
 
 
 # ---------------------------------------------------------------------------- held-out split

