@@ -27,7 +27,8 @@ The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows
    keeps its temperature (with a handful of outcomes the fit runs to a bound of the search). (A head
    whose raw logits are ``a`` times the true acceptance logits gets ``T ~ a``.)
 3. :func:`expected_calibration_error` of the survival probabilities (every (step, k) pair with k <=
-   drafted, pooled over positions) before (the checkpoint's current temperatures) and after, with
+   drafted, pooled over positions) before (the checkpoint's current temperatures), after, and for the
+   raw head (every T = 1; differs from "before" when an earlier calibration stored temperatures), with
    EQUAL-MASS bins (15 by default: each bin holds the same number of pairs, so sparse regions of
    probability do not make noisy bins; Nixon et al. 2019, "Measuring calibration in deep learning").
    With enough prompts the fit and the ECE use disjoint halves of the prompts (``fit_fraction``), so the
@@ -409,6 +410,20 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor) ->
 
 
 # ----------------------------------------------------------------------------- the whole calibration
+def interleaved_split(n: int, n_fit: int) -> list[int]:
+    """The indices (sorted) of ``n_fit`` of ``n`` items spread evenly over ``range(n)``: item ``i`` is
+    taken when ``floor((i + 1) * n_fit / n) > floor(i * n_fit / n)`` (n_fit = n/2 takes every second one).
+    The calibration's fit side: a first-half/second-half split of prompts listed source by source (or by
+    id) would fit on one kind of prompt and measure on another.
+
+    Raises:
+        SpeculatorsError: not ``0 <= n_fit <= n``.
+    """
+    if not 0 <= n_fit <= n:
+        raise SpeculatorsError(f"interleaved_split: need 0 <= n_fit <= n, got n_fit={n_fit}, n={n}")
+    return [i for i in range(n) if ((i + 1) * n_fit) // n > (i * n_fit) // n]
+
+
 def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int, sampling=None,
                       batch_size: int = 8, eos_ids: set[int] | None = None, seed: int = 0,
                       fit_fraction: float = 0.5, bins: int = DEFAULT_BINS, min_tau_ratio: float = 0.97,
@@ -416,14 +431,17 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
     """Collect outcomes, fit the temperatures and measure ECE before/after (steps 1-3 of the module
     docstring), on a live target and drafter. Nothing is written (see :func:`store_temperatures`).
 
-    With at least 2 prompts and ``0 < fit_fraction < 1``, the first ``round(fit_fraction * n)`` prompts (at
-    least one, at most n - 1) fit the temperatures and the others measure ECE; otherwise every prompt does
-    both (``report["split"] == "in-sample"``).
+    With at least 2 prompts and ``0 < fit_fraction < 1``, ``round(fit_fraction * n)`` prompts (at least one,
+    at most n - 1), spread evenly over the list (:func:`interleaved_split`: prompts listed source by source
+    give both sides every source), fit the temperatures and the others measure ECE; otherwise every prompt
+    does both (``report["split"] == "in-sample"``).
 
     Returns:
         ``(temperature [B] float32, report dict)``; the report holds ``temperatures_before`` /
-        ``temperatures_after``, ``before`` / ``after`` (:func:`calibration_summary` on the ECE prompts),
-        ``in_sample`` (the same on the fit prompts), ``steps_fit``, ``steps_eval``, prompt counts,
+        ``temperatures_after``, ``before`` / ``after`` (:func:`calibration_summary` on the ECE prompts, under
+        the checkpoint's current / the fitted T), ``uncalibrated`` (the same under every T = 1: the raw
+        head, the reference when the checkpoint already held fitted temperatures), ``in_sample`` (the
+        three ECEs on the fit prompts), ``steps_fit``, ``steps_eval``, prompt counts,
         ``binning``, the decoding settings, ``threshold_sweep_fitted`` / ``threshold_sweep_current``
         (:func:`threshold_sweep` of the ECE prompts' steps under the fitted / the drafter's current T),
         ``recommended_threshold_fitted`` / ``_current`` (:func:`choose_threshold` with ``min_tau_ratio``:
@@ -442,7 +460,9 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         raise SpeculatorsError(f"fit_fraction must lie in [0, 1], got {fit_fraction!r}")
     n = len(prompts)
     n_fit = min(max(round(fit_fraction * n), 1), n - 1) if n >= 2 and 0.0 < fit_fraction < 1.0 else n
-    fit_p, eval_p = prompts[:n_fit], (prompts[n_fit:] if n_fit < n else prompts)
+    fit_idx = set(interleaved_split(n, n_fit))
+    fit_p = [p for i, p in enumerate(prompts) if i in fit_idx]
+    eval_p = [p for i, p in enumerate(prompts) if i not in fit_idx] if n_fit < n else prompts
     current = getattr(drafter, TEMPERATURE_BUFFER, None)
     before_t = current.detach().float().cpu().clone() if isinstance(current, torch.Tensor) else None
     collect = dict(k=k, max_new_tokens=max_new_tokens, sampling=sampling, batch_size=batch_size, eos_ids=eos_ids)
@@ -459,8 +479,11 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         "binning": f"equal-mass, {bins} bins, survival pairs of every position pooled",
         "temperatures_before": None if before_t is None else before_t.tolist(), "temperatures_after": T.tolist(),
         "before": calibration_summary(eval_rec, before_t, bins), "after": calibration_summary(eval_rec, T, bins),
+        # the raw head (every T = 1): the reference when the checkpoint already holds fitted temperatures
+        "uncalibrated": calibration_summary(eval_rec, None, bins),
         "in_sample": {"before": calibration_summary(fit_rec, before_t, bins)["ece"],
-                      "after": calibration_summary(fit_rec, T, bins)["ece"]},
+                      "after": calibration_summary(fit_rec, T, bins)["ece"],
+                      "uncalibrated": calibration_summary(fit_rec, None, bins)["ece"]},
     }
     report["min_tau_ratio"] = min_tau_ratio
     for key, temps in (("fitted", T), ("current", before_t)):  # the gate reads whatever T the checkpoint keeps
@@ -468,8 +491,10 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         report[f"threshold_sweep_{key}"] = rows
         report[f"recommended_threshold_{key}"] = choose_threshold(rows, min_tau_ratio)
     use_sweep(report, "fitted")
+    raw = "" if not _holds_temperatures(before_t, k) else f" (uncalibrated, T = 1: {report['uncalibrated']['ece']:.4f})"
     log(f"calibrate: {len(fit_rec)} steps fit T = [{', '.join(f'{x:.3f}' for x in T[:k].tolist())}]; survival ECE "
-        f"{report['before']['ece']:.4f} -> {report['after']['ece']:.4f} on {len(eval_rec)} steps ({report['split']})")
+        f"{report['before']['ece']:.4f} -> {report['after']['ece']:.4f} on {len(eval_rec)} steps ({report['split']})"
+        + raw)
     return T, report
 
 
@@ -507,12 +532,28 @@ def reliability_plot(report: dict, file: str | Path) -> Path:
     return Path(file)
 
 
+def _holds_temperatures(temperature, k: int) -> bool:
+    """Whether the first ``k`` entries of ``temperature`` (a tensor or list of T, or None: the positions a
+    calibration measures) differ from the raw head's all-ones."""
+    if temperature is None:
+        return False
+    ts = temperature.tolist() if isinstance(temperature, torch.Tensor) else list(temperature)
+    return any(abs(float(t) - 1.0) > 1e-6 for t in ts[:k])
+
+
 def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     """The report of :func:`calibrate_drafter` as Markdown (temperatures, ECE / NLL / Brier before and
-    after, per-position survival, the reliability diagram linked as ``plot``)."""
+    after, and of the raw head (every T = 1) when the checkpoint already held temperatures; per-position
+    survival; the reliability diagram linked as ``plot``)."""
     k = report["k"]
     before, after = report["before"], report["after"]
     tb = report["temperatures_before"] or [1.0] * k
+    ece_rows = [("before", before), ("after", after)]
+    recalibration = _holds_temperatures(report["temperatures_before"], k) and bool(report.get("uncalibrated"))
+    if recalibration:
+        # "before" is the checkpoint's stored T (an earlier calibration): also show the raw head
+        ece_rows = [("uncalibrated (every T = 1)", report["uncalibrated"]), ("before (the checkpoint's T)", before),
+                    ("after", after)]
     lines = [f"# Confidence calibration{': ' + report['checkpoint'] if report.get('checkpoint') else ''}", "",
              f"{report['num_prompts']} prompts ({report['fit_prompts']} fit the temperatures, {report['ece_prompts']} "
              f"measure ECE: {report['split']}), K={k}, max_new_tokens {report['max_new_tokens']}, sampling "
@@ -521,9 +562,10 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
              "left to right (STS), each T_k by maximum likelihood on the steps that accepted drafts 1..k-1; ECE uses "
              + report["binning"] + ".", "",
              "| | ECE | NLL | Brier |", "|---|---|---|---|",
-             f"| before | {before['ece']:.4f} | {before['nll']:.4f} | {before['brier']:.4f} |",
-             f"| after | {after['ece']:.4f} | {after['nll']:.4f} | {after['brier']:.4f} |", "",
-             f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}.",
+             *(f"| {name} | {r['ece']:.4f} | {r['nll']:.4f} | {r['brier']:.4f} |" for name, r in ece_rows), "",
+             f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}"
+             + (f" (uncalibrated: {report['in_sample']['uncalibrated']:.4f})."
+                if recalibration and "uncalibrated" in report["in_sample"] else "."),
              "", "| position k | T before | T after | pairs | mean S_k before | mean S_k after | observed |",
              "|---|---|---|---|---|---|---|"]
     pb = {p["k"]: p for p in before["per_position"]}

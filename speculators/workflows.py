@@ -270,12 +270,18 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
     return drafter, target, fingerprint
 
 
-def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: int) -> tuple[list[dict], str]:
+def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: int,
+                  log: Callable[[str], None] | None = None) -> tuple[list[dict], str]:
     """``(prompt list, label)``: the distinct prompts of the ``prompts`` data sources (in order, at most
     ``limit`` from EACH source, so that every source is measured; a prompt already taken from an earlier
     source is not repeated), each with ``"source"`` = the source as given (``--prompts`` value); else the
-    recipe's held-out prompts (at most ``limit``; ``"source"`` = the recipe source they came from)."""
+    recipe's held-out prompts (at most ``limit``; ``"source"`` = the recipe source they came from).
+    Rows a ``--prompts`` source's loader skipped (duplicates, empty or malformed rows:
+    :func:`speculators.data.sources.load_source`'s ``drops``) are logged, one line per source and reason,
+    as ``eval prompts: dropped N of SOURCE (the whole source, before --num-prompts): REASON`` (N counts
+    rows, or files for the reasons that say so)."""
     import dataclasses
+    from collections import Counter
 
     from .data.pipeline import held_out_prompts, load_data, unique_prompts
     from .data.sources import load_source
@@ -284,12 +290,16 @@ def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: 
     if prompts:
         plist, seen = [], set()
         for src in prompts:
+            drops: Counter = Counter()
             try:
-                convs = [dataclasses.replace(c, source=src) for c in load_source(src)]
+                convs = [dataclasses.replace(c, source=src) for c in load_source(src, drops=drops)]
             except SpeculatorsError:
                 raise
             except ValueError as e:
                 raise SpeculatorsError(f"--prompts {src}: {e}") from None
+            for reason, n in sorted(drops.items()):
+                if log is not None and n > 0:
+                    log(f"eval prompts: dropped {n} of {src} (the whole source, before --num-prompts): {reason}")
             for p in unique_prompts(convs, target.tokenizer, template, limit=limit):
                 if repr(p["messages"]) not in seen:
                     seen.add(repr(p["messages"]))
@@ -400,7 +410,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         # before any target loads or decoding: K above what a parallel drafter was trained for
         _check_eval_k(Drafter.from_pretrained(path), ev, eval_overrides or {}, override_names or {}, str(given))
     drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
-    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts)
+    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts, log)
     batch = ev.batch_size or default_batch_size(str(target.device))
     if batch > 1 and ev.batch_size is None:  # the default load: fall back to batch 1 where batching is impossible
         try:
@@ -532,7 +542,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
         skip_prompts = rec.eval.num_prompts if (rec is not None and not prompts) else 0
     if isinstance(skip_prompts, bool) or not isinstance(skip_prompts, int) or skip_prompts < 0:
         raise SpeculatorsError(f"--skip-prompts {skip_prompts!r}: expected an integer >= 0")
-    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts + skip_prompts)
+    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts + skip_prompts, log)
     # per source (each --prompts source, or the held-out split as one): skip its first skip_prompts, keep
     # at most num_prompts, as the eval takes at most num_prompts of EACH source
     groups: dict[str, list[dict]] = {}

@@ -10,6 +10,7 @@ place of EAGLE-3 for the test only.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from speculators.calibrate import (
     ConfidenceRecord,
     calibrate_drafter,
+    calibration_markdown,
     calibration_summary,
     choose_threshold,
     expected_calibration_error,
@@ -147,6 +149,58 @@ def test_calibration_through_the_decoding_loop_finds_the_known_temperature(tmp_p
     md = (out / "calibration.md").read_text()
     assert "![reliability diagram](reliability.png)" in md and "equal-mass" in md
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_recalibration_reports_the_raw_head_beside_the_stored_temperatures(tmp_path):
+    """A checkpoint that already holds fitted T: "before" is read under that T, "uncalibrated" under every
+    T = 1 (the raw head, the issue's reference), and the Markdown shows both rows."""
+    target = untied_target()
+    prompts = [rand_prompt(4 + i % 5, 300 + i) for i in range(12)]
+    drafter = OracleWithKnownConfidence(target, 3.0)
+    drafter.confidence_temperature = torch.full((4,), 2.5)
+    logged: list[str] = []
+    T, report = calibrate_drafter(target, drafter, prompts, 4, 24, None, batch_size=4, log=logged.append)
+    assert f"(uncalibrated, T = 1: {report['uncalibrated']['ece']:.4f})" in logged[-1]
+    assert report["temperatures_before"] == pytest.approx([2.5] * 4)
+    # an oracle whose logits are 3x the true ones: the raw head is the worst calibrated of the three
+    assert report["uncalibrated"]["ece"] > report["before"]["ece"], (report["uncalibrated"], report["before"])
+    assert report["uncalibrated"]["ece"] != pytest.approx(report["before"]["ece"])
+    md = calibration_markdown(report)
+    assert f"| uncalibrated (every T = 1) | {report['uncalibrated']['ece']:.4f} |" in md
+    assert f"| before (the checkpoint's T) | {report['before']['ece']:.4f} |" in md
+    drafter.confidence_temperature = torch.ones(4)  # a raw head: the extra row would repeat "before"
+    _, raw = calibrate_drafter(target, drafter, prompts[:4], 4, 16, None, batch_size=4, log=lambda m: None)
+    assert raw["uncalibrated"]["ece"] == pytest.approx(raw["before"]["ece"])
+    assert "uncalibrated (every T = 1)" not in calibration_markdown(raw) and "| before |" in calibration_markdown(raw)
+    drafter.confidence_temperature = torch.tensor([1.0, 1.0, 2.5, 2.5])  # stored T only beyond the K measured
+    _, k2 = calibrate_drafter(target, drafter, prompts[:4], 2, 16, None, batch_size=4, log=lambda m: None)
+    assert "uncalibrated (every T = 1)" not in calibration_markdown(k2)
+
+
+def test_the_fit_and_measure_sides_interleave_the_prompts(monkeypatch):
+    """Prompts listed source by source (8 of A, then 8 of B): both sides get 4 of each, not A to fit and B
+    to measure; the split is even for other fractions too."""
+    import speculators.calibrate as cal
+
+    assert cal.interleaved_split(10, 5) == [1, 3, 5, 7, 9]
+    assert cal.interleaved_split(4, 4) == [0, 1, 2, 3] and cal.interleaved_split(4, 0) == []
+    idx = cal.interleaved_split(12, 3)
+    assert len(idx) == 3 and all(b - a == 4 for a, b in zip(idx, idx[1:]))
+    with pytest.raises(SpeculatorsError, match="n_fit"):
+        cal.interleaved_split(3, 4)
+    seen: list[list[str]] = []
+
+    def fake_collect(target, drafter, prompts, k, max_new_tokens, **kw):
+        seen.append(list(prompts))
+        return ConfidenceRecord.from_steps([(torch.tensor([0.5, -0.5]), i % 3) for i in range(30)])
+
+    monkeypatch.setattr(cal, "collect_confidence_outcomes", fake_collect)
+    prompts = [f"A{i}" for i in range(8)] + [f"B{i}" for i in range(8)]
+    _, report = cal.calibrate_drafter(None, SimpleNamespace(), prompts, 2, 8, None, log=lambda m: None)
+    fit, measured = seen
+    assert report["fit_prompts"] == 8 and sorted(fit + measured) == sorted(prompts)
+    for side in (fit, measured):
+        assert sum(p.startswith("A") for p in side) == 4 and sum(p.startswith("B") for p in side) == 4
 
 
 def test_a_drafter_without_confidences_is_refused():
