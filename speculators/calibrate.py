@@ -508,17 +508,38 @@ def use_sweep(report: dict, which: str) -> dict:
     return report
 
 
+def _holds_temperatures(temperature, k: int) -> bool:
+    """Whether the first ``k`` entries of ``temperature`` (a tensor or list of T, or None: the positions a
+    calibration measures) differ from the raw head's all-ones."""
+    if temperature is None:
+        return False
+    ts = temperature.tolist() if isinstance(temperature, torch.Tensor) else list(temperature)
+    return any(abs(float(t) - 1.0) > 1e-6 for t in ts[:k])
+
+
+def _summaries(report: dict) -> list[tuple[str, dict]]:
+    """``[(label, calibration_summary)]`` of a :func:`calibrate_drafter` report, in the order the Markdown
+    table and the reliability diagram show them: before / after, with the raw head (every T = 1) first
+    when the checkpoint already held temperatures at the measured positions."""
+    rows = [("before", report["before"]), ("after", report["after"])]
+    if _holds_temperatures(report["temperatures_before"], report["k"]) and report.get("uncalibrated"):
+        rows = [("uncalibrated (every T = 1)", report["uncalibrated"]),
+                ("before (the checkpoint's T)", report["before"]), ("after", report["after"])]
+    return rows
+
+
 def reliability_plot(report: dict, file: str | Path) -> Path:
     """Draw the reliability diagram of a :func:`calibrate_drafter` report: per equal-mass bin, observed
-    survival frequency against mean predicted survival, before and after calibration, with the diagonal
-    (matplotlib's Agg canvas; pyplot's global state is not touched)."""
+    survival frequency against mean predicted survival, before and after calibration (and of the raw head,
+    every T = 1, when the checkpoint already held temperatures), with the diagonal (matplotlib's Agg
+    canvas; pyplot's global state is not touched)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.8, 4.4), dpi=110)
     ax = fig.add_subplot()
     ax.plot([0, 1], [0, 1], color="grey", linewidth=0.8, linestyle="--", label="perfect calibration")
-    for key, marker in (("before", "o"), ("after", "s")):
-        r = report[key]
+    rows = _summaries(report)
+    for (key, r), marker in zip(rows, ("^", "o", "s")[3 - len(rows):]):
         ax.plot([b["mean_pred"] for b in r["reliability"]], [b["frac_pos"] for b in r["reliability"]],
                 marker=marker, label=f"{key} (ECE {r['ece']:.3f})")
     ax.set_xlim(0, 1)
@@ -532,15 +553,6 @@ def reliability_plot(report: dict, file: str | Path) -> Path:
     return Path(file)
 
 
-def _holds_temperatures(temperature, k: int) -> bool:
-    """Whether the first ``k`` entries of ``temperature`` (a tensor or list of T, or None: the positions a
-    calibration measures) differ from the raw head's all-ones."""
-    if temperature is None:
-        return False
-    ts = temperature.tolist() if isinstance(temperature, torch.Tensor) else list(temperature)
-    return any(abs(float(t) - 1.0) > 1e-6 for t in ts[:k])
-
-
 def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     """The report of :func:`calibrate_drafter` as Markdown (temperatures, ECE / NLL / Brier before and
     after, and of the raw head (every T = 1) when the checkpoint already held temperatures; per-position
@@ -548,12 +560,8 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     k = report["k"]
     before, after = report["before"], report["after"]
     tb = report["temperatures_before"] or [1.0] * k
-    ece_rows = [("before", before), ("after", after)]
-    recalibration = _holds_temperatures(report["temperatures_before"], k) and bool(report.get("uncalibrated"))
-    if recalibration:
-        # "before" is the checkpoint's stored T (an earlier calibration): also show the raw head
-        ece_rows = [("uncalibrated (every T = 1)", report["uncalibrated"]), ("before (the checkpoint's T)", before),
-                    ("after", after)]
+    ece_rows = _summaries(report)  # "before" is the checkpoint's stored T: the raw head too when they differ
+    recalibration = len(ece_rows) == 3
     lines = [f"# Confidence calibration{': ' + report['checkpoint'] if report.get('checkpoint') else ''}", "",
              f"{report['num_prompts']} prompts ({report['fit_prompts']} fit the temperatures, {report['ece_prompts']} "
              f"measure ECE: {report['split']}), K={k}, max_new_tokens {report['max_new_tokens']}, sampling "

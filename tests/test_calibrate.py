@@ -168,6 +168,8 @@ def test_a_recalibration_reports_the_raw_head_beside_the_stored_temperatures(tmp
     md = calibration_markdown(report)
     assert f"| uncalibrated (every T = 1) | {report['uncalibrated']['ece']:.4f} |" in md
     assert f"| before (the checkpoint's T) | {report['before']['ece']:.4f} |" in md
+    out = write_calibration_report(report, tmp_path / "recalibration")  # the diagram draws all three
+    assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     drafter.confidence_temperature = torch.ones(4)  # a raw head: the extra row would repeat "before"
     _, raw = calibrate_drafter(target, drafter, prompts[:4], 4, 16, None, batch_size=4, log=lambda m: None)
     assert raw["uncalibrated"]["ece"] == pytest.approx(raw["before"]["ece"])
