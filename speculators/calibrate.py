@@ -296,14 +296,16 @@ def fit_temperatures(record: ConfidenceRecord, initial: torch.Tensor | None = No
 def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | None,
                         bins: int = DEFAULT_BINS) -> dict:
     """ECE, NLL, Brier score and the reliability table of the survival probabilities of ``record`` under
-    ``temperature``, plus per position: pairs, mean predicted survival, observed survival rate."""
+    ``temperature``, plus per position: pairs, mean predicted survival, observed survival rate and the ECE
+    of that position's pairs alone (the pooled ECE is dominated by late positions whose survival and
+    outcome are both near 0; slot 1 carries most of the signal)."""
     s, y, pos = survival_pairs(record, temperature)
     per = []
     for k in range(1, record.k + 1):
         m = pos == k
         if bool(m.any()):
             per.append({"k": k, "pairs": int(m.sum()), "mean_survival_pred": float(s[m].mean()),
-                        "survival_rate": float(y[m].mean())})
+                        "survival_rate": float(y[m].mean()), "ece": expected_calibration_error(s[m], y[m], bins)})
     return {"ece": expected_calibration_error(s, y, bins), "nll": _nll(s, y),
             "brier": float(((s - y) ** 2).mean()) if s.numel() else 0.0, "pairs": int(s.numel()),
             "reliability": reliability_bins(s, y, bins) if s.numel() else [], "per_position": per}
@@ -553,6 +555,11 @@ def reliability_plot(report: dict, file: str | Path) -> Path:
     return Path(file)
 
 
+def _fmt_ece(position: dict) -> str:
+    """A per-position ECE cell ("-" for reports written before per-position ECE existed)."""
+    return f"{position['ece']:.4f}" if "ece" in position else "-"
+
+
 def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     """The report of :func:`calibrate_drafter` as Markdown (temperatures, ECE / NLL / Brier before and
     after, and of the raw head (every T = 1) when the checkpoint already held temperatures; per-position
@@ -574,13 +581,14 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
              f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}"
              + (f" (uncalibrated: {report['in_sample']['uncalibrated']:.4f})."
                 if recalibration and "uncalibrated" in report["in_sample"] else "."),
-             "", "| position k | T before | T after | pairs | mean S_k before | mean S_k after | observed |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| position k | T before | T after | pairs | mean S_k before | mean S_k after | observed | "
+             "ECE_k before | ECE_k after |", "|---|---|---|---|---|---|---|---|---|"]
     pb = {p["k"]: p for p in before["per_position"]}
     for p in after["per_position"]:
         i = p["k"]
         lines.append(f"| {i} | {tb[i - 1]:.3f} | {report['temperatures_after'][i - 1]:.3f} | {p['pairs']} | "
-                     f"{pb[i]['mean_survival_pred']:.3f} | {p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} |")
+                     f"{pb[i]['mean_survival_pred']:.3f} | {p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} | "
+                     f"{_fmt_ece(pb[i])} | {_fmt_ece(p)} |")
     if report.get("threshold_sweep"):
         rec_t = report.get("recommended_threshold")
         which = "fitted T" if report.get("sweep_temperatures", "fitted") == "fitted" else "the checkpoint's T (not replaced)"

@@ -65,6 +65,32 @@ def test_sts_recovers_known_temperatures_and_lowers_ece():
     assert torch.allclose(T1, torch.ones(4), rtol=0.12), T1
 
 
+def test_per_position_ece_isolates_the_miscalibrated_slot():
+    # slot 1 reports 3x its true logit (over-confident), slots 2-3 are calibrated: the per-position ECE
+    # (over each slot's own survival pairs) picks slot 1 out, and fitting T brings it down
+    rec = synthetic_record([3.0, 1.0, 1.0], seed=3)
+    raw = calibration_summary(rec, None)
+    from speculators.calibrate import survival_pairs
+    s, y, pos = survival_pairs(rec, None)
+    for p in raw["per_position"]:
+        m = pos == p["k"]
+        assert p["ece"] == pytest.approx(expected_calibration_error(s[m], y[m]))
+    ece = {p["k"]: p["ece"] for p in raw["per_position"]}
+    assert ece[1] > 0.05 and ece[1] > 2 * ece[3], ece
+    fitted = calibration_summary(synthetic_record([3.0, 1.0, 1.0], seed=4), fit_temperatures(rec))
+    assert fitted["per_position"][0]["ece"] < 0.5 * ece[1], (fitted["per_position"][0]["ece"], ece[1])
+    assert "| ECE_k before | ECE_k after |" in calibration_markdown(
+        {**_markdown_report(raw, fitted), "k": 3})
+
+
+def _markdown_report(before: dict, after: dict) -> dict:
+    """The smallest report :func:`calibration_markdown` renders (no sweep, no plot)."""
+    return {"num_prompts": 2, "fit_prompts": 1, "ece_prompts": 1, "split": "interleaved", "max_new_tokens": 8,
+            "sampling": "greedy", "steps_fit": 1, "steps_eval": 1, "binning": "equal-mass bins",
+            "temperatures_before": None, "temperatures_after": [1.0, 1.0, 1.0], "before": before, "after": after,
+            "in_sample": {"before": 0.0, "after": 0.0}}
+
+
 def test_positions_without_data_keep_their_temperature():
     rec = synthetic_record([2.0, 2.0])
     initial = torch.tensor([1.0, 1.0, 5.0, 7.0])  # the drafter's buffer is longer than K
