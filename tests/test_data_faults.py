@@ -8,6 +8,8 @@ a chosen chain to its successor. Its greedy continuation is therefore known exac
 
 from __future__ import annotations
 
+from collections import Counter
+
 import copy
 import json
 from pathlib import Path
@@ -208,6 +210,39 @@ def test_regeneration_that_stops_trains_its_stop_token(smol_tokenizer, isolated_
     masked = [t for t, m in zip(out.input_ids[:len(prompt)], out.loss_mask) if m]
     assert masked == yo + [IM_END]
     assert out.messages[-1] == {"role": "assistant", "content": "Hello!"}
+
+
+def test_a_prompt_that_fills_the_training_window_is_not_generated(smol_tokenizer, isolated_cache):
+    # a long multi-turn history once asked the batched prefill for 27.6 GB; no token of its answer could be
+    # trained, so it is not generated: the earlier answer inside the window still trains, nothing else does
+    hello, bang = ids_of(smol_tokenizer, "Hello!")
+    target = scripted_target(smol_tokenizer, {NL: hello, hello: bang, bang: IM_END})
+    history = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Yo"},
+               {"role": "user", "content": "word " * 60}]
+    long_c = Conversation("s/long", "s", history)
+    only_user = Conversation("s/user", "s", [{"role": "user", "content": "word " * 60}])
+    short = Conversation("s/short", "s", [{"role": "user", "content": "Hi"}])
+    limit = 40
+    assert len(render_prompt(smol_tokenizer, history)) >= limit > len(render_prompt(smol_tokenizer, short.messages))
+    seen = []
+    real = target.generate_batch
+    target.generate_batch = lambda prompts, *a, **k: seen.extend(prompts) or real(prompts, *a, **k)
+    logs = []
+    out_long, out_user, out_short = regenerate(target, [long_c, only_user, short], "s", max_new_tokens=8,
+                                               log=logs.append, max_length=limit)
+    assert seen == [render_prompt(smol_tokenizer, short.messages)]  # the long prompts never reach the target
+    assert any("2 of 3 prompts of 's' not generated" in m and "max_length" in m for m in logs), logs
+    assert out_short.input_ids[-3:] == [hello, bang, IM_END]
+    prompt = render_prompt(smol_tokenizer, history)
+    assert out_long.input_ids == prompt and out_long.messages == history  # no response at all
+    rec = recipe([{"source": "chatterbot"}], regeneration={"max_new_tokens": 8}, max_length=limit)
+    drops = Counter()
+    exs = tokenize(target, [out_long, out_user, out_short], rec.data, drop_counts=drops)
+    yo = ids_of(smol_tokenizer, "Yo")
+    kept = {e.id: e for e in exs}
+    assert set(kept) == {"s/long", "s/short"}
+    assert [t for t, m in zip(kept["s/long"].input_ids, kept["s/long"].loss_mask) if m] == yo + [IM_END]
+    assert drops == Counter({("s", f"whole answer beyond data.max_length={limit}"): 1})
 
 
 # ----------------------------------------------------------------------------- 3. stop ids

@@ -352,7 +352,8 @@ def _materialise(target, pairs, data_spec: DataSpec, log, progress) -> list[Conv
     for source, convs in by_source.items():
         for c in regenerate(target, convs, source, spec.max_new_tokens, spec.temperature, spec.top_p,
                             spec.batch_size, spec.seed, data_spec.chat_template, log=log,
-                            progress=progress(f"regenerating {source}") if progress else None):
+                            progress=progress(f"regenerating {source}") if progress else None,
+                            max_length=data_spec.max_length):
             out[c.id] = c
     return [out[c.id] for c, _ in pairs]
 
@@ -415,6 +416,9 @@ def _drop_reason(target, c: Conversation, data_spec: DataSpec) -> str:
     """Why ``c`` has no loss token within ``data.max_length`` (the reasons of :func:`tokenize`)."""
     if c.input_ids is not None:
         full = list(c.loss_mask)
+        if len(c.input_ids) >= data_spec.max_length and c.messages[-1:] and c.messages[-1].get("role") != "assistant":
+            # a prompt of max_length tokens or more, not regenerated (regenerate's max_length)
+            return f"whole answer beyond data.max_length={data_spec.max_length}"
     elif not any(m.get("role") == "assistant" for m in c.messages):
         return "no assistant turn"
     else:  # render again without the cut: were there assistant tokens past it?

@@ -62,8 +62,17 @@ def _prompt_mask(tok, messages: list[dict], prompt_ids: list[int], chat_template
 @torch.no_grad()
 def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, seed: int = 0,
-               chat_template: str | None = None, log=print, progress=None) -> list[Conversation]:
+               chat_template: str | None = None, log=print, progress=None,
+               max_length: int | None = None) -> list[Conversation]:
     """Replace the final assistant turn of each conversation by the target's own response.
+
+    A prompt of ``max_length`` tokens or more (the recipe's ``data.max_length``, the training window) is
+    not generated: no token of its answer could be trained, and one long multi-turn prompt padded into
+    a batch makes the batched prefill's attention scores ``[batch, heads, L, L]`` (a 5,400-token chat
+    history in a batch of 26 asked for 27.6 GB). Its conversation comes back with the prompt ids and
+    mask only (no response, nothing trained as an answer); :func:`speculators.data.pipeline.tokenize`
+    keeps what of its earlier assistant turns fits the window, or drops it as an answer beyond
+    ``data.max_length``. The skipped prompts are counted in the log.
 
     Args:
         target: :class:`speculators.target.Target` (needs a tokenizer).
@@ -75,6 +84,7 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         chat_template: the recipe's ``data.chat_template`` (None = the tokenizer's); also selects the
             end-of-turn stop token (:meth:`speculators.target.Target.stop_ids_for`).
         progress: optional ``(done, total)`` callable.
+        max_length: prompts with at least this many tokens are not generated (None: every prompt is).
     Returns:
         Conversations in input order, each with ``messages = prompt + [{"role": "assistant",
         "content": decoded response}]`` (for display) and the training ids: ``input_ids = prompt ids
@@ -92,11 +102,16 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
     pms = [prompt_messages(c.messages) for c in convs]
     prompts = [render_prompt(tok, pm, chat_template) for pm in pms]
     keys = [prompt_key(pm, p) for pm, p in zip(pms, prompts)]
+    too_long = {k for k, p in zip(keys, prompts) if max_length is not None and len(p) >= max_length}
     todo: dict[str, list[int]] = {}
     for k, p in zip(keys, prompts):
-        if k not in done:
+        if k not in done and k not in too_long:
             todo.setdefault(k, p)  # one generation per distinct prompt
     n_distinct = len(set(keys))
+    if too_long:
+        log(f"regeneration: {len(too_long)} of {n_distinct} prompts of {source!r} not generated: "
+            f"{max_length} tokens or longer (data.max_length), no answer token would be trained")
+    n_distinct -= len(too_long)
     if not todo:
         log(f"regeneration: cache hit {path} ({n_distinct} responses)")
     else:
@@ -127,6 +142,9 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
             f"{n_cut} of {len(order)} responses cut by max_new_tokens={max_new_tokens} (no end-of-turn trained)")
     out = []
     for c, pm, p, k in zip(convs, pms, prompts, keys):
+        if k in too_long:  # the prompt alone fills the training window: no response (see above)
+            out.append(replace(c, messages=pm, input_ids=list(p), loss_mask=_prompt_mask(tok, pm, p, chat_template)))
+            continue
         rec = done[k]
         resp = list(rec["ids"]) + ([int(rec["stop"])] if rec.get("stop") is not None else [])
         mask = _prompt_mask(tok, pm, p, chat_template) + [1] * len(resp)
