@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""What one verification step costs against a plain decoding step, and why (batch 1).
+
+Speculative decoding at batch 1 pays only when a target forward over the K+1 tokens of a verify
+(the last accepted token plus K drafts) costs little more than the 1-token forward of plain
+decoding: tau must exceed ``cost(K+1) / cost(1)`` plus the drafting time. On a GPU the forward is
+memory-bound and the ratio is near 1; on a CPU core it is not, and this script measures it.
+
+Two tables, one thread (``--threads``), nothing else should run on the machine:
+
+1. Target forward over m = 1..K+1 new tokens after a ``--context``-token prompt, batch 1, through
+   the same decode session speculative decoding uses (:func:`speculators.generate.measure_verify_cost`:
+   median of ``--reps`` timings, the cache rolled back after each), in ms and as a ratio to m = 1;
+   with the break-even tau ``cost(m) / cost(1)`` for verifying m - 1 drafts (drafting time excluded).
+2. The target's own matrix shapes (attention q/o, MLP up/down, lm_head) as ``F.linear`` over an
+   ``[m, in]`` input, microseconds and ratio to m = 1: a 1-row product runs the BLAS matrix-vector
+   path, 2+ rows a small-M GEMM whose per-call cost grows with m on a CPU core (on this machine, MKL
+   on an AVX2 AMD EPYC, 2-3 rows cost ~2-3.5x one row; 5-8 rows ~3.5-4x), which is where the
+   verify's extra cost comes from.
+
+    python scripts/bench_verify_cost.py                          # SmolLM2-135M (GGUF), K = 4
+    python scripts/bench_verify_cost.py --k 8 --context 512
+    python scripts/bench_verify_cost.py --model path/or/hub-id --dtype bfloat16
+
+Timing only; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def linear_table(shapes: dict[str, tuple[int, int]], ms: list[int], reps: int, dtype: torch.dtype) -> list[str]:
+    """Median microseconds of ``F.linear`` over ``[m, in] x [out, in]^T`` per shape and m."""
+    g = torch.Generator().manual_seed(0)
+    lines = ["| matrix (out x in) | " + " | ".join(f"m={m}" for m in ms) + " |",
+             "|---|" + "---|" * len(ms)]
+    for name, (out_f, in_f) in shapes.items():
+        w = torch.randn(out_f, in_f, generator=g).to(dtype)
+        cells = []
+        base = None
+        for m in ms:
+            x = torch.randn(m, in_f, generator=g).to(dtype)
+            for _ in range(3):
+                torch.nn.functional.linear(x, w)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                times.append(time.perf_counter() - t0)
+            us = 1e6 * statistics.median(times)
+            base = us if base is None else base
+            cells.append(f"{us:.0f} us ({us / base:.1f}x)")
+        lines.append(f"| {name} ({out_f} x {in_f}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="target (a name, path or Hub id)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--k", type=int, default=4, help="most drafts per verify (forwards of 1..K+1 tokens)")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed forwards")
+    ap.add_argument("--reps", type=int, default=15, help="timings per length (median)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from speculators.generate import measure_verify_cost
+    from speculators.target import Target
+
+    target = Target.load(args.model, dtype=args.dtype)
+    cost = measure_verify_cost(target, args.k, reps=args.reps, prompt_len=args.context)
+    print(f"\n{target.name_or_path} on {target.device}, {args.threads} thread(s), {args.dtype}, batch 1, "
+          f"after a {args.context}-token prompt (median of {args.reps})\n")
+    print("| tokens in the forward | drafts verified | ms | x 1-token (= break-even tau) |")
+    print("|---|---|---|---|")
+    for m, c in enumerate(cost):
+        print(f"| {m + 1} | {m} | {1000 * c:.1f} | {c / cost[0]:.2f} |")
+    cfg = target.model.config
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    shapes = {"q/o proj": (cfg.num_attention_heads * hd, H), "MLP up/gate": (inter, H), "MLP down": (H, inter),
+              "lm_head": (cfg.vocab_size, H)}
+    print("\nF.linear over [m, in] (the same thread count; ratio to one row)\n")
+    for line in linear_table(shapes, list(range(1, args.k + 2)), args.reps, target.dtype):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
