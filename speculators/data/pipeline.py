@@ -416,8 +416,9 @@ def _drop_reason(target, c: Conversation, data_spec: DataSpec) -> str:
     """Why ``c`` has no loss token within ``data.max_length`` (the reasons of :func:`tokenize`)."""
     if c.input_ids is not None:
         full = list(c.loss_mask)
-        if len(c.input_ids) >= data_spec.max_length and c.messages[-1:] and c.messages[-1].get("role") != "assistant":
-            # a prompt of max_length tokens or more, not regenerated (regenerate's max_length)
+        # pre-tokenized ids that reach the window's end lost their tail: the answer, or (a prompt that fills
+        # the window, not regenerated) the answer that was never generated
+        if len(c.input_ids) >= data_spec.max_length:
             return f"whole answer beyond data.max_length={data_spec.max_length}"
     elif not any(m.get("role") == "assistant" for m in c.messages):
         return "no assistant turn"
