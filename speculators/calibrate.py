@@ -1,9 +1,9 @@
-"""Calibration of a drafter's confidence head: per-position temperatures fitted left to right (STS).
+"""Calibration of a drafter's confidence head: per-position temperatures and shifts fitted left to right.
 
 A drafter with a confidence head (DSpark, ALGORITHMS.md) reports per draft a raw confidence logit
 ``z_k`` (``Proposal.confidence_logits``); its calibrated conditional confidence is
-``c_k = sigmoid(z_k / T_k)`` with the drafter's ``confidence_temperature`` buffer ``T [B]`` (ones until
-calibrated), the probability that draft k is accepted given drafts 1..k-1 were. Their running product
+``c_k = sigmoid(z_k / T_k + b_k)`` with the drafter's ``confidence_temperature`` buffer ``T [B]`` (ones
+until calibrated) and ``confidence_bias`` buffer ``b [B]`` (zeros until calibrated), the probability that draft k is accepted given drafts 1..k-1 were. Their running product
 ``S_k = prod_{i<=k} c_i`` (:func:`speculators.generate.survival_probabilities`) is the probability that
 drafts 1..k are ALL accepted: the quantity confidence-gated verification thresholds
 (:class:`speculators.generate.ConfidenceGate`).
@@ -15,28 +15,36 @@ The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows
    raw logits of the drafts and how many the verifier accepted. The last step of each request (the one
    that emitted its stop token or reached ``max_new_tokens``) is not recorded: the drafter is never
    advanced past it.
-2. :func:`fit_temperatures` (STS, left to right): for k = 1..K, T_k maximises the likelihood of the
-   observed survival under ``S_k = S_{k-1} * sigmoid(z_k / T_k)``. A step that accepted ``a`` of its ``n``
-   drafts has likelihood ``prod_{k<=a} c_k * (1 - c_{a+1})`` (the last factor when ``a < n``), so the
-   factor that depends on T_k is the Bernoulli likelihood of "draft k accepted" on the steps that drafted
-   k and accepted drafts 1..k-1 (where survival to k-1 is already a fact): T_k minimises that negative
-   log-likelihood, ``-[b log c_k + (1 - b) log(1 - c_k)]``. (The pooled survival NLL over every step is
-   minimised by the same T in expectation but is noisier: steps that already failed carry no information
-   on c_k.) One-dimensional search on ``log T`` in ``[0.05, 20]``: a 41-point grid, then golden-section
-   refinement around its best point (no scipy). A position judged on fewer than ``min_steps`` (20) steps
-   keeps its temperature (with a handful of outcomes the fit runs to a bound of the search). (A head
-   whose raw logits are ``a`` times the true acceptance logits gets ``T ~ a``.)
+2. :func:`fit_calibration` (left to right): for k = 1..K, ``(T_k, b_k)`` maximise the likelihood of the
+   observed survival under ``S_k = S_{k-1} * sigmoid(z_k / T_k + b_k)``. A step that accepted ``a`` of
+   its ``n`` drafts has likelihood ``prod_{k<=a} c_k * (1 - c_{a+1})`` (the last factor when ``a < n``),
+   so the factor that depends on (T_k, b_k) is the Bernoulli likelihood of "draft k accepted" on the
+   steps that drafted k and accepted drafts 1..k-1 (where survival to k-1 is already a fact): they
+   minimise that negative log-likelihood, ``-[y log c_k + (1 - y) log(1 - c_k)]``, a logistic regression
+   of the outcome on z_k (Platt scaling, one per position). (The pooled survival NLL over every step is
+   minimised by the same values in expectation but is noisier: steps that already failed carry no
+   information on c_k.) One-dimensional search on ``log T`` in ``[0.05, 20]``: a 41-point grid, then
+   golden-section refinement around its best point, each candidate T with its best b (Newton; no scipy).
+   A position judged on fewer than ``min_steps`` (20) steps keeps its temperature and shift (with a handful of outcomes the fit runs to a bound of the search). (A head
+   whose raw logits are ``a`` times the true acceptance logits gets ``T ~ a``; one whose logits are
+   shifted by ``d`` gets ``b ~ -d``.) Why the shift: a temperature only rescales the logit around 0, i.e.
+   around a confidence of 0.5; a head whose confidences are spread too wide around a mean of 0.2 (it
+   ranks acceptance poorly) needs them pulled towards 0.2, which takes a smaller slope AND a shift.
+   ``fit_bias=False`` (``speculators calibrate --temperature-only``) is the temperature-only STS as
+   ALGORITHMS.md states it.
 3. :func:`expected_calibration_error` of the survival probabilities (every (step, k) pair with k <=
-   drafted, pooled over positions) before (the checkpoint's current temperatures), after, and for the
-   raw head (every T = 1; differs from "before" when an earlier calibration stored temperatures), with
+   drafted, pooled over positions, and per position) before (the checkpoint's current calibration),
+   after, and for the raw head (every T = 1, b = 0; differs from "before" when an earlier calibration was
+   stored), with
    EQUAL-MASS bins (15 by default: each bin holds the same number of pairs, so sparse regions of
    probability do not make noisy bins; Nixon et al. 2019, "Measuring calibration in deep learning").
    With enough prompts the fit and the ECE use disjoint halves of the prompts (``fit_fraction``), so the
-   "after" ECE is measured on data the temperatures were not fitted on.
-4. :func:`store_temperatures`: the fitted ``T`` replaces the ``confidence_temperature`` tensor in the
-   checkpoint's ``model.safetensors`` (every other tensor byte-identical; written to a temporary file
-   and renamed, so a failure leaves the old file), and :func:`write_calibration_report` writes
-   ``calibration.json``, ``calibration.md`` and the reliability diagram ``reliability.png``.
+   "after" ECE is measured on data the calibration was not fitted on.
+4. :func:`store_temperatures`: the fitted ``T`` and ``b`` replace the ``confidence_temperature`` /
+   ``confidence_bias`` tensors in the checkpoint's ``model.safetensors`` (every other tensor
+   byte-identical; written to a temporary file and renamed, so a failure leaves the old file), and
+   :func:`write_calibration_report` writes ``calibration.json``, ``calibration.md``, the reliability
+   diagram ``reliability.png`` and the raw outcomes ``outcomes.safetensors``.
 """
 
 from __future__ import annotations
@@ -56,9 +64,14 @@ from .generate import speculative_generate, survival_probabilities
 from .utils import atomic_dir
 
 TEMPERATURE_BUFFER = "confidence_temperature"
+BIAS_BUFFER = "confidence_bias"
 DEFAULT_BINS = 15
 T_BOUNDS = (0.05, 20.0)
+B_BOUND = 20.0  # |b_k| limit: a position whose every outcome agrees runs to it (sigmoid(20) ~ 1 - 2e-9)
 PLOT_FILE = "reliability.png"
+OUTCOMES_FILE = "outcomes.safetensors"
+METHOD_PLATT = "temperature and shift per position (Platt scaling, fitted left to right)"
+METHOD_STS = "temperature per position (STS, fitted left to right)"
 
 
 # ----------------------------------------------------------------------------- data
@@ -103,6 +116,68 @@ class ConfidenceRecord:
     def k(self) -> int:
         """Width of :attr:`logits` (the most drafts one step recorded)."""
         return int(self.logits.shape[1])
+
+    @staticmethod
+    def save_many(records: dict[str, "ConfidenceRecord"], file: str | Path) -> Path:
+        """Write records (name -> record) to one safetensors file: tensors ``{name}.logits`` / ``.drafted``
+        / ``.accepted``."""
+        from safetensors.torch import save_file
+
+        tensors = {f"{name}.{field}": getattr(r, field).contiguous() for name, r in records.items()
+                   for field in ("logits", "drafted", "accepted")}
+        save_file(tensors, str(file), metadata={"format": "speculators-confidence-outcomes"})
+        return Path(file)
+
+    @staticmethod
+    def load_many(file: str | Path) -> dict[str, "ConfidenceRecord"]:
+        """Read :meth:`save_many`'s file back (name -> record).
+
+        Raises:
+            SpeculatorsError: a missing or unreadable file, or a record with a missing tensor or
+                inconsistent shapes.
+        """
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(file))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise SpeculatorsError(f"{file}: not a confidence-outcomes file ({e})") from None
+        out = {}
+        for name in sorted({k.rsplit(".", 1)[0] for k in tensors}):
+            try:
+                z, n, a = (tensors[f"{name}.{f}"] for f in ("logits", "drafted", "accepted"))
+            except KeyError as e:
+                raise SpeculatorsError(f"{file}: record {name!r} lacks the tensor {e.args[0]}") from None
+            if z.dim() != 2 or n.shape != (z.shape[0],) or a.shape != n.shape:
+                raise SpeculatorsError(f"{file}: record {name!r} has logits {tuple(z.shape)}, drafted "
+                                       f"{tuple(n.shape)}, accepted {tuple(a.shape)}; expected [N, K], [N], [N]")
+            out[name] = ConfidenceRecord(z, n, a)
+        return out
+
+
+@dataclass
+class CalibrationResult:
+    """What :func:`calibrate_drafter` fitted and measured.
+
+    Attributes:
+        temperature, bias: ``[B]`` float32 per-position temperatures / shifts (``c_k = sigmoid(z_k / T_k +
+            b_k)``; the shifts are 0 for a temperature-only fit).
+        report: the report dict (see :func:`calibrate_drafter`).
+        fit_record, eval_record: the outcomes the calibration was fitted / measured on (the same object
+            for an in-sample calibration).
+    """
+
+    temperature: torch.Tensor
+    bias: torch.Tensor
+    report: dict
+    fit_record: ConfidenceRecord
+    eval_record: ConfidenceRecord
+
+    @property
+    def records(self) -> dict[str, ConfidenceRecord]:
+        """``{"fit": ..., "eval": ...}`` (only ``"fit"`` in-sample), for :func:`write_calibration_report`."""
+        return {"fit": self.fit_record} if self.eval_record is self.fit_record else {
+            "fit": self.fit_record, "eval": self.eval_record}
 
 
 class _ConfidenceRecorder:
@@ -178,17 +253,17 @@ def collect_confidence_outcomes(target, drafter, prompts: list[list[int]], k: in
 
 
 # ----------------------------------------------------------------------------- statistics
-def survival_pairs(record: ConfidenceRecord, temperature: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def survival_pairs(record: ConfidenceRecord, temperature: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every (step, position) pair with position <= the step's drafts: ``(S [M] float64 predicted
     survival, y [M] float64 1 when drafts 1..k were all accepted, k [M] int64 1-based position)``.
 
-    ``temperature``: ``[>= K]`` positive (None = all 1), see
+    ``temperature``: ``[>= K]`` positive (None = all 1), ``bias``: ``[>= K]`` (None = all 0), see
     :func:`speculators.generate.survival_probabilities`.
     """
     probs, labels, pos = [], [], []
     for z, n, a in zip(record.logits, record.drafted.tolist(), record.accepted.tolist()):
-        s = survival_probabilities(z[:n], temperature).double()
+        s = survival_probabilities(z[:n], temperature, bias).double()
         probs.append(s)
         labels.append((torch.arange(1, n + 1) <= a).double())
         pos.append(torch.arange(1, n + 1))
@@ -254,52 +329,103 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iters: int = 
     return (a + b) / 2.0
 
 
-def fit_temperatures(record: ConfidenceRecord, initial: torch.Tensor | None = None,
-                     bounds: tuple[float, float] = T_BOUNDS, min_steps: int = 20) -> torch.Tensor:
-    """Per-position temperatures, fitted left to right (STS; module docstring, step 2).
+def _best_shift(x: torch.Tensor, y: torch.Tensor, start: float = 0.0, bound: float = B_BOUND) -> float:
+    """The shift ``b`` in ``[-bound, bound]`` that minimises the Bernoulli NLL of ``sigmoid(x + b)``
+    against 0/1 ``y`` (one-dimensional and convex: safeguarded Newton steps on the score
+    ``sum(sigmoid(x + b) - y)``; all-0 or all-1 ``y`` run to the bound)."""
+    lo, hi, b = -bound, bound, min(max(start, -bound), bound)
+    for _ in range(100):
+        p = torch.sigmoid(x + b)
+        g, h = float((p - y).sum()), float((p * (1.0 - p)).sum())
+        if g > 0:  # the NLL rises with b here: the minimum is below b
+            hi = b
+        else:
+            lo = b
+        step = b - g / h if h > 1e-12 else None
+        nb = step if step is not None and lo < step < hi else (lo + hi) / 2.0
+        if abs(nb - b) < 1e-10 or hi - lo < 1e-10:
+            return nb
+        b = nb
+    return b
+
+
+def fit_calibration(record: ConfidenceRecord, initial: torch.Tensor | None = None,
+                    initial_bias: torch.Tensor | None = None, bounds: tuple[float, float] = T_BOUNDS,
+                    min_steps: int = 20, fit_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position temperatures and shifts, fitted left to right (module docstring, step 2).
+
+    Position k's conditional confidence ``c_k = sigmoid(z_k / T_k + b_k)`` is fitted by maximum likelihood
+    on the steps that drafted k and accepted drafts 1..k-1 (outcome: draft k accepted). With ``fit_bias``
+    (Platt scaling per position) ``(T_k, b_k)`` minimise that NLL jointly: ``log T_k`` by a 41-point grid
+    and golden-section refinement over ``bounds``, each candidate with its best ``b_k`` (a convex
+    one-dimensional problem, :func:`_best_shift`); the pair is a logistic regression of the outcome on
+    ``z_k`` whose slope ``1 / T_k`` is kept in ``[1 / high, 1 / low]`` (a head whose logit does not rank
+    acceptance gets ``T_k = high``: a nearly constant confidence at the observed rate). Without it
+    (temperature-only STS, ALGORITHMS.md) ``b_k = 0`` and only ``T_k`` is fitted.
 
     Args:
         record: the steps to fit on.
-        initial: ``[B]`` current temperatures (B >= record.k; positions beyond ``record.k`` and positions
-            judged on fewer than ``min_steps`` steps keep these); None = ones of length ``record.k``.
+        initial, initial_bias: ``[B]`` current temperatures / shifts (B >= record.k; positions beyond
+            ``record.k`` and positions judged on fewer than ``min_steps`` steps keep these); None = ones /
+            zeros of the other's length (or ``record.k``).
         bounds: the search interval of each T (> 0).
         min_steps: the fewest steps (that drafted k and accepted drafts 1..k-1) position k is fitted on.
+        fit_bias: fit the shifts too (False: every fitted position gets ``b_k = 0``).
     Returns:
-        ``[B]`` float32 temperatures (a new tensor).
+        ``(T [B], b [B])`` float32 (new tensors).
     Raises:
-        SpeculatorsError: ``initial`` shorter than ``record.k`` or not positive; bad ``bounds``.
+        SpeculatorsError: ``initial`` / ``initial_bias`` shorter than ``record.k``, of different lengths, a
+            temperature not positive or a shift not finite; bad ``bounds``.
     """
     lo, hi = float(bounds[0]), float(bounds[1])
     if not 0.0 < lo < hi:
-        raise SpeculatorsError(f"fit_temperatures: bounds must satisfy 0 < low < high, got {bounds!r}")
+        raise SpeculatorsError(f"fit_calibration: bounds must satisfy 0 < low < high, got {bounds!r}")
     K = record.k
-    T = torch.ones(K, dtype=torch.float64) if initial is None else initial.detach().double().cpu().reshape(-1).clone()
+    T = None if initial is None else initial.detach().double().cpu().reshape(-1).clone()
+    bias = None if initial_bias is None else initial_bias.detach().double().cpu().reshape(-1).clone()
+    width = T.numel() if T is not None else (bias.numel() if bias is not None else K)
+    T = torch.ones(width, dtype=torch.float64) if T is None else T
+    bias = torch.zeros(width, dtype=torch.float64) if bias is None else bias
     if T.numel() < K or not bool((T > 0).all()):
-        raise SpeculatorsError(f"fit_temperatures: initial temperatures must be {K} or more positive values, "
+        raise SpeculatorsError(f"fit_calibration: initial temperatures must be {K} or more positive values, "
                                f"got {T.tolist()}")
+    if bias.numel() != T.numel() or not bool(torch.isfinite(bias).all()):
+        raise SpeculatorsError(f"fit_calibration: initial shifts must be {T.numel()} finite values (one per "
+                               f"temperature), got {bias.tolist()}")
     z, n, a = record.logits.double(), record.drafted, record.accepted
     grid = torch.linspace(math.log(lo), math.log(hi), 41).tolist()
     for k in range(1, K + 1):  # left to right: position k is judged only on steps that survived to k - 1
         rows = (n >= k) & (a >= k - 1)
         if int(rows.sum()) < max(int(min_steps), 1):
             continue
-        zk, b = z[rows, k - 1], (a[rows] >= k).double()
+        zk, y = z[rows, k - 1], (a[rows] >= k).double()
+
+        def shift(u: float) -> float:
+            return _best_shift(zk / math.exp(u), y) if fit_bias else 0.0
 
         def loss(u: float) -> float:
-            return _nll(torch.sigmoid(zk / math.exp(u)), b)
+            return _nll(torch.sigmoid(zk / math.exp(u) + shift(u)), y)
 
         best = min(range(len(grid)), key=lambda i: loss(grid[i]))
-        T[k - 1] = math.exp(_golden_min(loss, grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]))
-    return T.float()
+        u = _golden_min(loss, grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)])
+        T[k - 1], bias[k - 1] = math.exp(u), shift(u)
+    return T.float(), bias.float()
+
+
+def fit_temperatures(record: ConfidenceRecord, initial: torch.Tensor | None = None,
+                     bounds: tuple[float, float] = T_BOUNDS, min_steps: int = 20) -> torch.Tensor:
+    """Per-position temperatures alone (STS as ALGORITHMS.md states it: :func:`fit_calibration` with
+    ``fit_bias=False``), ``[B]`` float32; the arguments and errors are :func:`fit_calibration`'s."""
+    return fit_calibration(record, initial, None, bounds, min_steps, fit_bias=False)[0]
 
 
 def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | None,
-                        bins: int = DEFAULT_BINS) -> dict:
+                        bins: int = DEFAULT_BINS, bias: torch.Tensor | None = None) -> dict:
     """ECE, NLL, Brier score and the reliability table of the survival probabilities of ``record`` under
-    ``temperature``, plus per position: pairs, mean predicted survival, observed survival rate and the ECE
+    ``temperature`` and ``bias`` (None: all 1 / all 0), plus per position: pairs, mean predicted survival, observed survival rate and the ECE
     of that position's pairs alone (the pooled ECE is dominated by late positions whose survival and
     outcome are both near 0; slot 1 carries most of the signal)."""
-    s, y, pos = survival_pairs(record, temperature)
+    s, y, pos = survival_pairs(record, temperature, bias)
     per = []
     for k in range(1, record.k + 1):
         m = pos == k
@@ -315,10 +441,10 @@ THRESHOLD_GRID = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4,
 
 
 def threshold_sweep(record: ConfidenceRecord, temperature: torch.Tensor | None,
-                    thresholds=THRESHOLD_GRID) -> list[dict]:
+                    thresholds=THRESHOLD_GRID, bias: torch.Tensor | None = None) -> list[dict]:
     """What confidence-gated verification (:class:`speculators.generate.ConfidenceGate`, threshold mode)
     would have done on the recorded UNGATED steps: per threshold, the drafts it keeps ``m`` (the leading
-    drafts whose survival under ``temperature`` is ``>= threshold``), the drafts it would have verified per
+    drafts whose survival under ``temperature`` and ``bias`` is ``>= threshold``), the drafts it would have verified per
     step (``mean m`` against the recorded ``mean n``) and the tokens per step it would have emitted
     (``1 + min(accepted, m)``: the gate is a stopping time, so with the same draws the verifier accepts
     the same prefix cut at ``m`` and adds one recovered/bonus token; right per recorded step at any
@@ -339,7 +465,7 @@ def threshold_sweep(record: ConfidenceRecord, temperature: torch.Tensor | None,
         gate = ConfidenceGate(float(thr))
         kept, emitted = [], []
         for z, n, a in zip(record.logits, record.drafted.tolist(), record.accepted.tolist()):
-            m = gate.keep_length(survival_probabilities(z[:n], temperature))
+            m = gate.keep_length(survival_probabilities(z[:n], temperature, bias))
             kept.append(m)
             emitted.append(1 + min(a, m))
         v = sum(kept) / max(len(kept), 1)
@@ -358,19 +484,23 @@ def choose_threshold(rows: list[dict], min_tau_ratio: float = 0.97) -> dict | No
 
 
 # ----------------------------------------------------------------------------- checkpoint
-def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor) -> Path:
+def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> Path:
     """Replace the ``confidence_temperature`` tensor of ``checkpoint_dir/model.safetensors`` with
-    ``temperature`` (float32; every other tensor, its dtype and the file metadata unchanged).
+    ``temperature`` and, when given, its ``confidence_bias`` tensor with ``bias`` (added next to the
+    temperatures in a checkpoint written before shifts existed); float32, every other tensor, its dtype and
+    the file metadata unchanged.
 
     The new weights are checked first (the checkpoint's drafter must load them and hold exactly
-    ``temperature`` afterwards), then written to a temporary file in the same directory and renamed over
-    the old one (``os.replace``): a failure at any point leaves the old file as it was.
+    ``temperature`` / ``bias`` afterwards), then written to a temporary file in the same directory and
+    renamed over the old one (``os.replace``): a failure at any point leaves the old file as it was.
 
     Returns:
         the weights file.
     Raises:
         SpeculatorsError: not a checkpoint, a checkpoint without a ``confidence_temperature`` tensor (no
-            confidence head), a temperature of another length, or non-positive / non-finite values.
+            confidence head), a temperature or shift vector of another length, non-positive / non-finite
+            temperatures or non-finite shifts.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -391,11 +521,19 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor) ->
     if t.shape != old.shape or not bool(torch.isfinite(t).all() and (t > 0).all()):
         raise SpeculatorsError(f"{path}: {TEMPERATURE_BUFFER} must be {tuple(old.shape)} positive finite values, "
                                f"got {t.tolist()}")
-    weights[keys[0]] = t  # float32 whatever the other weights' dtype (a bf16 T would keep 3 significant digits)
+    new = {keys[0]: t}  # float32 whatever the other weights' dtype (a bf16 T would keep 3 significant digits)
+    if bias is not None:
+        b = bias.detach().float().cpu().reshape(-1)
+        if b.shape != old.shape or not bool(torch.isfinite(b).all()):
+            raise SpeculatorsError(f"{path}: {BIAS_BUFFER} must be {tuple(old.shape)} finite values, got {b.tolist()}")
+        new[keys[0][: -len(TEMPERATURE_BUFFER)] + BIAS_BUFFER] = b
+    weights.update(new)
     drafter.load_export_state_dict(complete_frozen_copies(drafter, weights))  # final/ omits frozen target copies
-    held = getattr(drafter, TEMPERATURE_BUFFER, None)
-    if not isinstance(held, torch.Tensor) or not torch.equal(held.detach().float().cpu(), weights[keys[0]].float()):
-        raise SpeculatorsError(f"{path}: the drafter does not read {keys[0]} back as its {TEMPERATURE_BUFFER}")
+    for key, value in new.items():
+        name = key.rsplit(".", 1)[-1]
+        held = getattr(drafter, name, None)
+        if not isinstance(held, torch.Tensor) or not torch.equal(held.detach().float().cpu(), value):
+            raise SpeculatorsError(f"{path}: the drafter does not read {key} back as its {name}")
     with safe_open(str(file), framework="pt") as f:
         metadata = f.metadata() or {"format": "pt"}
     mode = os.stat(file).st_mode & 0o777
@@ -429,9 +567,10 @@ def interleaved_split(n: int, n_fit: int) -> list[int]:
 def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int, sampling=None,
                       batch_size: int = 8, eos_ids: set[int] | None = None, seed: int = 0,
                       fit_fraction: float = 0.5, bins: int = DEFAULT_BINS, min_tau_ratio: float = 0.97,
-                      log: Callable[[str], None] = print) -> tuple[torch.Tensor, dict]:
-    """Collect outcomes, fit the temperatures and measure ECE before/after (steps 1-3 of the module
-    docstring), on a live target and drafter. Nothing is written (see :func:`store_temperatures`).
+                      log: Callable[[str], None] = print, fit_bias: bool = True) -> "CalibrationResult":
+    """Collect outcomes, fit the temperatures (and shifts: ``fit_bias``, :func:`fit_calibration`) and measure
+    ECE before/after (steps 1-3 of the module docstring), on a live target and drafter. Nothing is written
+    (see :func:`store_temperatures`, :func:`write_calibration_report`).
 
     With at least 2 prompts and ``0 < fit_fraction < 1``, ``round(fit_fraction * n)`` prompts (at least one,
     at most n - 1), spread evenly over the list (:func:`interleaved_split`: prompts listed source by source
@@ -439,10 +578,12 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
     does both (``report["split"] == "in-sample"``).
 
     Returns:
-        ``(temperature [B] float32, report dict)``; the report holds ``temperatures_before`` /
-        ``temperatures_after``, ``before`` / ``after`` (:func:`calibration_summary` on the ECE prompts, under
-        the checkpoint's current / the fitted T), ``uncalibrated`` (the same under every T = 1: the raw
-        head, the reference when the checkpoint already held fitted temperatures), ``in_sample`` (the
+        :class:`CalibrationResult`: the fitted ``temperature`` / ``bias`` ``[B]`` float32, the two
+        :class:`ConfidenceRecord` s and the report dict, which holds ``method``, ``temperatures_before`` /
+        ``temperatures_after``, ``biases_before`` / ``biases_after``, ``before`` / ``after``
+        (:func:`calibration_summary` on the ECE prompts, under the checkpoint's current / the fitted T and
+        b), ``uncalibrated`` (the same under every T = 1, b = 0: the raw head, the reference when the
+        checkpoint already held a calibration), ``in_sample`` (the
         three ECEs on the fit prompts), ``steps_fit``, ``steps_eval``, prompt counts,
         ``binning``, the decoding settings, ``threshold_sweep_fitted`` / ``threshold_sweep_current``
         (:func:`threshold_sweep` of the ECE prompts' steps under the fitted / the drafter's current T),
@@ -465,14 +606,16 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
     fit_idx = set(interleaved_split(n, n_fit))
     fit_p = [p for i, p in enumerate(prompts) if i in fit_idx]
     eval_p = [p for i, p in enumerate(prompts) if i not in fit_idx] if n_fit < n else prompts
-    current = getattr(drafter, TEMPERATURE_BUFFER, None)
+    current, current_b = getattr(drafter, TEMPERATURE_BUFFER, None), getattr(drafter, BIAS_BUFFER, None)
     before_t = current.detach().float().cpu().clone() if isinstance(current, torch.Tensor) else None
+    before_b = current_b.detach().float().cpu().clone() if isinstance(current_b, torch.Tensor) else None
     collect = dict(k=k, max_new_tokens=max_new_tokens, sampling=sampling, batch_size=batch_size, eos_ids=eos_ids)
     fit_rec = collect_confidence_outcomes(target, drafter, fit_p, seed=seed, **collect)
     eval_rec = fit_rec if n_fit == n else collect_confidence_outcomes(target, drafter, eval_p, seed=seed + n_fit,
                                                                       **collect)
-    T = fit_temperatures(fit_rec, before_t)
+    T, b = fit_calibration(fit_rec, before_t, before_b, fit_bias=fit_bias)
     report = {
+        "method": METHOD_PLATT if fit_bias else METHOD_STS,
         "k": k, "max_new_tokens": max_new_tokens, "sampling": dict(zip(("temperature", "top_k", "top_p"),
                                                                        sampling_values(sampling))),
         "num_prompts": n, "fit_prompts": len(fit_p), "ece_prompts": len(eval_p),
@@ -480,24 +623,29 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         "steps_fit": len(fit_rec), "steps_eval": len(eval_rec),
         "binning": f"equal-mass, {bins} bins, survival pairs of every position pooled",
         "temperatures_before": None if before_t is None else before_t.tolist(), "temperatures_after": T.tolist(),
-        "before": calibration_summary(eval_rec, before_t, bins), "after": calibration_summary(eval_rec, T, bins),
-        # the raw head (every T = 1): the reference when the checkpoint already holds fitted temperatures
+        "biases_before": None if before_b is None else before_b.tolist(), "biases_after": b.tolist(),
+        "before": calibration_summary(eval_rec, before_t, bins, before_b),
+        "after": calibration_summary(eval_rec, T, bins, b),
+        # the raw head (every T = 1, b = 0): the reference when the checkpoint already holds a calibration
         "uncalibrated": calibration_summary(eval_rec, None, bins),
-        "in_sample": {"before": calibration_summary(fit_rec, before_t, bins)["ece"],
-                      "after": calibration_summary(fit_rec, T, bins)["ece"],
+        "in_sample": {"before": calibration_summary(fit_rec, before_t, bins, before_b)["ece"],
+                      "after": calibration_summary(fit_rec, T, bins, b)["ece"],
                       "uncalibrated": calibration_summary(fit_rec, None, bins)["ece"]},
     }
     report["min_tau_ratio"] = min_tau_ratio
-    for key, temps in (("fitted", T), ("current", before_t)):  # the gate reads whatever T the checkpoint keeps
-        rows = threshold_sweep(eval_rec, temps)
+    # the gate reads whatever calibration the checkpoint keeps
+    for key, temps, shifts in (("fitted", T, b), ("current", before_t, before_b)):
+        rows = threshold_sweep(eval_rec, temps, bias=shifts)
         report[f"threshold_sweep_{key}"] = rows
         report[f"recommended_threshold_{key}"] = choose_threshold(rows, min_tau_ratio)
     use_sweep(report, "fitted")
-    raw = "" if not _holds_temperatures(before_t, k) else f" (uncalibrated, T = 1: {report['uncalibrated']['ece']:.4f})"
-    log(f"calibrate: {len(fit_rec)} steps fit T = [{', '.join(f'{x:.3f}' for x in T[:k].tolist())}]; survival ECE "
-        f"{report['before']['ece']:.4f} -> {report['after']['ece']:.4f} on {len(eval_rec)} steps ({report['split']})"
-        + raw)
-    return T, report
+    raw = ("" if not _holds_calibration(report) else
+           f" (uncalibrated, T = 1, b = 0: {report['uncalibrated']['ece']:.4f})")
+    shifts = f", b = [{', '.join(f'{x:.3f}' for x in b[:k].tolist())}]" if fit_bias else ""
+    log(f"calibrate: {len(fit_rec)} steps fit T = [{', '.join(f'{x:.3f}' for x in T[:k].tolist())}]{shifts}; "
+        f"survival ECE {report['before']['ece']:.4f} -> {report['after']['ece']:.4f} on {len(eval_rec)} steps "
+        f"({report['split']})" + raw)
+    return CalibrationResult(T, b, report, fit_rec, eval_rec)
 
 
 def use_sweep(report: dict, which: str) -> dict:
@@ -510,30 +658,29 @@ def use_sweep(report: dict, which: str) -> dict:
     return report
 
 
-def _holds_temperatures(temperature, k: int) -> bool:
-    """Whether the first ``k`` entries of ``temperature`` (a tensor or list of T, or None: the positions a
-    calibration measures) differ from the raw head's all-ones."""
-    if temperature is None:
-        return False
-    ts = temperature.tolist() if isinstance(temperature, torch.Tensor) else list(temperature)
-    return any(abs(float(t) - 1.0) > 1e-6 for t in ts[:k])
+def _holds_calibration(report: dict) -> bool:
+    """Whether the checkpoint held a calibration at the measured positions before this one: its first
+    ``k`` temperatures differ from 1 or its shifts from 0 (the raw head)."""
+    k = report["k"]
+    ts, bs = report.get("temperatures_before") or [], report.get("biases_before") or []
+    return any(abs(float(t) - 1.0) > 1e-6 for t in ts[:k]) or any(abs(float(b)) > 1e-6 for b in bs[:k])
 
 
 def _summaries(report: dict) -> list[tuple[str, dict]]:
     """``[(label, calibration_summary)]`` of a :func:`calibrate_drafter` report, in the order the Markdown
-    table and the reliability diagram show them: before / after, with the raw head (every T = 1) first
-    when the checkpoint already held temperatures at the measured positions."""
+    table and the reliability diagram show them: before / after, with the raw head (every T = 1, b = 0)
+    first when the checkpoint already held a calibration at the measured positions."""
     rows = [("before", report["before"]), ("after", report["after"])]
-    if _holds_temperatures(report["temperatures_before"], report["k"]) and report.get("uncalibrated"):
-        rows = [("uncalibrated (every T = 1)", report["uncalibrated"]),
-                ("before (the checkpoint's T)", report["before"]), ("after", report["after"])]
+    if _holds_calibration(report) and report.get("uncalibrated"):
+        rows = [("uncalibrated (every T = 1, b = 0)", report["uncalibrated"]),
+                ("before (the checkpoint's calibration)", report["before"]), ("after", report["after"])]
     return rows
 
 
 def reliability_plot(report: dict, file: str | Path) -> Path:
     """Draw the reliability diagram of a :func:`calibrate_drafter` report: per equal-mass bin, observed
     survival frequency against mean predicted survival, before and after calibration (and of the raw head,
-    every T = 1, when the checkpoint already held temperatures), with the diagonal (matplotlib's Agg
+    every T = 1 and b = 0, when the checkpoint already held a calibration), with the diagonal (matplotlib's Agg
     canvas; pyplot's global state is not touched)."""
     from matplotlib.figure import Figure
 
@@ -561,37 +708,44 @@ def _fmt_ece(position: dict) -> str:
 
 
 def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
-    """The report of :func:`calibrate_drafter` as Markdown (temperatures, ECE / NLL / Brier before and
-    after, and of the raw head (every T = 1) when the checkpoint already held temperatures; per-position
-    survival; the reliability diagram linked as ``plot``)."""
+    """The report of :func:`calibrate_drafter` as Markdown (temperatures and shifts, ECE / NLL / Brier before
+    and after, and of the raw head (every T = 1, b = 0) when the checkpoint already held a calibration;
+    per-position survival and ECE; the reliability diagram linked as ``plot``)."""
     k = report["k"]
     before, after = report["before"], report["after"]
     tb = report["temperatures_before"] or [1.0] * k
+    bb = report.get("biases_before") or [0.0] * len(tb)
+    ba = report.get("biases_after") or [0.0] * len(report["temperatures_after"])
+    platt = report.get("method", METHOD_STS) == METHOD_PLATT
     ece_rows = _summaries(report)  # "before" is the checkpoint's stored T: the raw head too when they differ
     recalibration = len(ece_rows) == 3
     lines = [f"# Confidence calibration{': ' + report['checkpoint'] if report.get('checkpoint') else ''}", "",
              f"{report['num_prompts']} prompts ({report['fit_prompts']} fit the temperatures, {report['ece_prompts']} "
              f"measure ECE: {report['split']}), K={k}, max_new_tokens {report['max_new_tokens']}, sampling "
              f"{report['sampling']}; {report['steps_fit']} / {report['steps_eval']} verification steps.", "",
-             "Survival S_k = prod_{i<=k} sigmoid(z_i / T_i) predicts that drafts 1..k are all accepted. T is fitted "
-             "left to right (STS), each T_k by maximum likelihood on the steps that accepted drafts 1..k-1; ECE uses "
-             + report["binning"] + ".", "",
+             ("Survival S_k = prod_{i<=k} sigmoid(z_i / T_i + b_i) predicts that drafts 1..k are all accepted. "
+              "T and b are fitted left to right (Platt scaling per position), each (T_k, b_k) "
+              if platt else
+              "Survival S_k = prod_{i<=k} sigmoid(z_i / T_i) predicts that drafts 1..k are all accepted. T is fitted "
+              "left to right (STS), each T_k ")
+             + "by maximum likelihood on the steps that accepted drafts 1..k-1; ECE uses " + report["binning"] + ".", "",
              "| | ECE | NLL | Brier |", "|---|---|---|---|",
              *(f"| {name} | {r['ece']:.4f} | {r['nll']:.4f} | {r['brier']:.4f} |" for name, r in ece_rows), "",
              f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}"
              + (f" (uncalibrated: {report['in_sample']['uncalibrated']:.4f})."
                 if recalibration and "uncalibrated" in report["in_sample"] else "."),
-             "", "| position k | T before | T after | pairs | mean S_k before | mean S_k after | observed | "
-             "ECE_k before | ECE_k after |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| position k | T before | T after | b before | b after | pairs | mean S_k before | mean S_k after "
+             "| observed | ECE_k before | ECE_k after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     pb = {p["k"]: p for p in before["per_position"]}
     for p in after["per_position"]:
         i = p["k"]
-        lines.append(f"| {i} | {tb[i - 1]:.3f} | {report['temperatures_after'][i - 1]:.3f} | {p['pairs']} | "
-                     f"{pb[i]['mean_survival_pred']:.3f} | {p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} | "
-                     f"{_fmt_ece(pb[i])} | {_fmt_ece(p)} |")
+        lines.append(f"| {i} | {tb[i - 1]:.3f} | {report['temperatures_after'][i - 1]:.3f} | {bb[i - 1]:+.3f} | "
+                     f"{ba[i - 1]:+.3f} | {p['pairs']} | {pb[i]['mean_survival_pred']:.3f} | "
+                     f"{p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} | {_fmt_ece(pb[i])} | {_fmt_ece(p)} |")
     if report.get("threshold_sweep"):
         rec_t = report.get("recommended_threshold")
-        which = "fitted T" if report.get("sweep_temperatures", "fitted") == "fitted" else "the checkpoint's T (not replaced)"
+        which = ("fitted calibration" if report.get("sweep_temperatures", "fitted") == "fitted"
+                 else "the checkpoint's calibration (not replaced)")
         lines += ["", f"Confidence gating simulated on the ECE prompts' ungated steps ({which}; tokens per step "
                   "1 + min(accepted, kept) per recorded step, an estimate of the gated run's tau):", "",
                   "| threshold | verified drafts / step | cut | tau (est.) | tau ratio |", "|---|---|---|---|---|"]
@@ -604,18 +758,24 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     if plot:
         lines += ["", f"![reliability diagram]({plot})"]
     if report.get("stored") is not None:
-        lines += ["", f"Temperatures stored in the checkpoint: {'yes' if report['stored'] else 'no'}"
+        lines += ["", f"Calibration stored in the checkpoint: {'yes' if report['stored'] else 'no'}"
                   + (f" ({report['not_stored']})." if report.get("not_stored") else ".")]
     return "\n".join(lines) + "\n"
 
 
-def write_calibration_report(report: dict, output: str | Path) -> Path:
+def write_calibration_report(report: dict, output: str | Path,
+                             records: dict[str, ConfidenceRecord] | None = None) -> Path:
     """Write ``calibration.json``, ``calibration.md`` and ``reliability.png`` into ``output`` (atomically
-    replaced, :func:`speculators.utils.atomic_dir`). Sets ``report["plot"]``."""
+    replaced, :func:`speculators.utils.atomic_dir`), and with ``records`` (name -> record, e.g. ``{"fit":
+    ..., "eval": ...}`` of a :class:`CalibrationResult`) the raw outcomes ``outcomes.safetensors``
+    (:meth:`ConfidenceRecord.save`: a calibration can be refitted or re-measured without decoding again).
+    Sets ``report["plot"]``."""
     with atomic_dir(output, overwrite=True) as tmp:
         reliability_plot(report, tmp / PLOT_FILE)
         report["plot"] = PLOT_FILE
+        if records:
+            ConfidenceRecord.save_many(records, tmp / OUTCOMES_FILE)
+            report["outcomes"] = OUTCOMES_FILE
         (tmp / "calibration.json").write_text(json.dumps(report, indent=2))
         (tmp / "calibration.md").write_text(calibration_markdown(report, PLOT_FILE))
     return Path(output)
-

@@ -207,7 +207,9 @@ def calibrate(
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
     fit_fraction: float = typer.Option(0.5, "--fit-fraction", help="share of the prompts that fit the "
                                        "temperatures; the others measure ECE"),
-    store: bool = typer.Option(True, "--store/--no-store", help="write the temperatures into the checkpoint"),
+    store: bool = typer.Option(True, "--store/--no-store", help="write the calibration into the checkpoint"),
+    temperature_only: bool = typer.Option(False, "--temperature-only", help="fit a temperature per position only "
+                                          "(STS); default: a temperature and a shift per position (Platt scaling)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype (default: the recipe's)"),
     target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
@@ -216,20 +218,24 @@ def calibrate(
                                                "the recipe's eval.num_prompts held-out prompts that `speculators eval` "
                                                "scores; 0 with --prompts)"),
 ):
-    """Calibrate the drafter's confidence head (per-position temperatures, fitted left to right) on held-out
-    prompts; report the survival ECE before and after with a reliability diagram; store T in the checkpoint."""
+    """Calibrate the drafter's confidence head (per-position temperature and shift, fitted left to right) on
+    held-out prompts; report the survival ECE before and after with a reliability diagram; store the
+    calibration in the checkpoint."""
     from .workflows import calibrate_run
 
     given = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature}
     report, out = calibrate_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None}, k=k,
                                 prompts=prompts or None, target_model=target_model, output=output, store=store,
                                 fit_fraction=fit_fraction, device=device, dtype=dtype, log=log,
-                                override_names=_EVAL_OPTIONS, skip_prompts=skip_prompts)
+                                override_names=_EVAL_OPTIONS, skip_prompts=skip_prompts,
+                                fit_bias=not temperature_only)
     console.print(f"survival ECE {report['before']['ece']:.4f} -> {report['after']['ece']:.4f} "
-                  f"({report['split']}); T = {[round(x, 3) for x in report['temperatures_after'][:report['k']]]}")
+                  f"({report['split']}); T = {[round(x, 3) for x in report['temperatures_after'][:report['k']]]}"
+                  + ("" if temperature_only else f", b = {[round(x, 3) for x in report['biases_after'][:report['k']]]}"))
     chosen = report.get("recommended_threshold")
     if chosen:
-        temps = "the fitted T, now stored" if report["stored"] else "the checkpoint's own T (the fitted T was not stored)"
+        temps = ("the fitted calibration, now stored" if report["stored"]
+                 else "the checkpoint's own calibration (the fitted one was not stored)")
         console.print(f"gate threshold chosen on these prompts: {chosen['threshold']:g} (verified drafts "
                       f"-{100 * chosen['verified_cut']:.0f}%, tau x{chosen['tau_ratio']:.3f} estimated; with {temps}): "
                       f"speculators eval {checkpoint} --confidence-threshold {chosen['threshold']:g}")

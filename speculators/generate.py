@@ -376,37 +376,59 @@ def check_confidence_threshold(value, name: str = "confidence_threshold") -> flo
     return v
 
 
-def confidence_temperature_of(proposer) -> torch.Tensor | None:
-    """The per-position calibration temperatures ``[B]`` float32 of a proposer with a confidence head: its
-    ``confidence_temperature`` buffer, else that of the drafter it wraps (``proposer.drafter``), else None
-    (then the raw confidences are used, i.e. every T_k = 1)."""
+def _calibration_buffer(proposer, name: str) -> torch.Tensor | None:
+    """The tensor attribute ``name`` of ``proposer``, else of the drafter it wraps (``proposer.drafter``)."""
     for obj in (proposer, getattr(proposer, "drafter", None)):
-        t = getattr(obj, "confidence_temperature", None) if obj is not None else None
+        t = getattr(obj, name, None) if obj is not None else None
         if isinstance(t, torch.Tensor):
             return t
     return None
 
 
-def survival_probabilities(confidence_logits: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """Survival ``S_k = prod_{i<=k} sigmoid(z_i / T_i)`` of drafts 1..n (DSpark, ALGORITHMS.md: the
-    calibrated conditional confidence of slot i is ``sigmoid(z_i / T_i)``, the probability that draft i is
-    accepted given drafts 1..i-1 were; their running product is the probability that drafts 1..k all are).
+def confidence_temperature_of(proposer) -> torch.Tensor | None:
+    """The per-position calibration temperatures ``[B]`` float32 of a proposer with a confidence head: its
+    ``confidence_temperature`` buffer, else that of the drafter it wraps (``proposer.drafter``), else None
+    (then the raw confidences are used, i.e. every T_k = 1)."""
+    return _calibration_buffer(proposer, "confidence_temperature")
+
+
+def confidence_bias_of(proposer) -> torch.Tensor | None:
+    """The per-position calibration shifts ``[B]`` float32 (``confidence_bias``, found as
+    :func:`confidence_temperature_of` finds the temperatures), or None (every b_k = 0)."""
+    return _calibration_buffer(proposer, "confidence_bias")
+
+
+def survival_probabilities(confidence_logits: torch.Tensor, temperature: torch.Tensor | None = None,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Survival ``S_k = prod_{i<=k} sigmoid(z_i / T_i + b_i)`` of drafts 1..n (DSpark, ALGORITHMS.md: the
+    calibrated conditional confidence of slot i is ``sigmoid(z_i / T_i + b_i)``, the probability that draft
+    i is accepted given drafts 1..i-1 were; their running product is the probability that drafts 1..k all
+    are). ``T`` is the per-position temperature of STS, ``b`` the per-position shift of Platt scaling
+    (:mod:`speculators.calibrate`).
 
     Args:
         confidence_logits: ``[n]`` raw (pre-sigmoid) confidence logits ``z`` of a proposal's drafts.
         temperature: ``[>= n]`` per-position temperatures ``T`` (> 0), or None (all 1).
+        bias: ``[>= n]`` per-position shifts ``b`` (finite), or None (all 0).
     Returns:
         ``[n]`` float32 on the CPU, non-increasing, in [0, 1].
     Raises:
-        SpeculatorsError: ``temperature`` shorter than ``n`` or not positive.
+        SpeculatorsError: ``temperature`` / ``bias`` shorter than ``n``, a temperature not positive or a
+            shift not finite.
     """
     z = confidence_logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    n = z.numel()
     if temperature is not None:
         t = temperature.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-        if t.numel() < z.numel() or not bool((t[:z.numel()] > 0).all()):
-            raise SpeculatorsError(f"confidence_temperature: expected {z.numel()} or more positive temperatures, "
+        if t.numel() < n or not bool((t[:n] > 0).all()):
+            raise SpeculatorsError(f"confidence_temperature: expected {n} or more positive temperatures, "
                                    f"got {t.tolist()}")
-        z = z / t[:z.numel()]
+        z = z / t[:n]
+    if bias is not None:
+        b = bias.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        if b.numel() < n or not bool(torch.isfinite(b[:n]).all()):
+            raise SpeculatorsError(f"confidence_bias: expected {n} or more finite shifts, got {b.tolist()}")
+        z = z + b[:n]
     return torch.cumprod(torch.sigmoid(z), 0)
 
 
@@ -414,8 +436,8 @@ class ConfidenceGate:
     """Which prefix of each proposal the target verifies (DSpark's confidence-gated verification).
 
     The rule reads only the proposal (its drafts' confidence logits) and the proposer's calibration
-    temperatures, never the target or the verifier's randomness, and whether draft k is kept depends only on
-    ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only drafts ``< k``. Dropping
+    (temperatures and shifts), never the target or the verifier's randomness, and whether draft k is kept
+    depends only on ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only drafts ``< k``. Dropping
     draft k is then the proposer stopping before drafting it, and speculative sampling stays lossless
     (Leviathan et al. 2023). A draft kept or dropped because of its OWN sampled value, or a rule that looks at
     the verifier's outcome, can bias the output (tests/test_gating.py shows the latter). Proposals
@@ -484,7 +506,7 @@ class ConfidenceGate:
         Raises:
             SpeculatorsError: ``confidence_logits`` whose length differs from the drafts'.
         """
-        temperature = confidence_temperature_of(proposer)
+        temperature, bias = confidence_temperature_of(proposer), confidence_bias_of(proposer)
         out: list[int | None] = []
         for j, p in enumerate(proposals):
             z = None if p is None else p.confidence_logits
@@ -495,7 +517,7 @@ class ConfidenceGate:
             if int(z.numel()) != n:
                 raise SpeculatorsError(f"proposal {j}: confidence_logits has {int(z.numel())} entries for {n} drafts "
                                        "(one raw confidence logit per draft)")
-            out.append(self.keep_length(survival_probabilities(z, temperature)))
+            out.append(self.keep_length(survival_probabilities(z, temperature, bias)))
         return out
 
 

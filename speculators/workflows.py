@@ -480,17 +480,18 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
                   k: int | None = None, prompts: str | list[str] | None = None, target_model: str | None = None,
                   output: str | Path | None = None, store: bool = True, fit_fraction: float = 0.5,
                   device: str | None = None, dtype: str | None = None, log: Callable[[str], None] = print,
-                  override_names: Mapping[str, str] | None = None, skip_prompts: int | None = None
-                  ) -> tuple[dict, Path]:
+                  override_names: Mapping[str, str] | None = None, skip_prompts: int | None = None,
+                  fit_bias: bool = True) -> tuple[dict, Path]:
     """Calibrate a drafter's confidence head on held-out prompts (``speculators calibrate RUN_DIR``; also
     callable at the end of training on ``train_run``'s final checkpoint).
 
     Loads the checkpoint and its target as :func:`eval_run` does, decodes the recipe's held-out prompts
     (:func:`speculators.data.pipeline.held_out_prompts`, or the ``prompts`` sources; at most
     ``eval.num_prompts``) with the eval's sampling settings and ``max_new_tokens``, fits the per-position
-    temperatures and measures the survival ECE before and after (:func:`speculators.calibrate.calibrate_drafter`),
-    stores the temperatures in the checkpoint's weights (``store``; :func:`speculators.calibrate.store_temperatures`,
-    an atomic rewrite) and writes the report (``calibration.json``, ``calibration.md``, ``reliability.png``).
+    temperatures and shifts and measures the survival ECE before and after
+    (:func:`speculators.calibrate.calibrate_drafter`), stores them in the checkpoint's weights (``store``;
+    :func:`speculators.calibrate.store_temperatures`, an atomic rewrite) and writes the report
+    (``calibration.json``, ``calibration.md``, ``reliability.png``, the raw outcomes ``outcomes.safetensors``).
 
     Args:
         checkpoint: a checkpoint or a run directory (its ``final/``; Hub ids are refused: the weights are
@@ -500,14 +501,16 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
             ``confidence_temperature``, capped by what one step can draft).
         prompts, target_model, device, dtype, log, override_names: as :func:`eval_run`.
         output: report directory (default ``<run dir>/calibration``).
-        store: write the temperatures into the checkpoint (False: report only). They are not written when
-            they raise the survival ECE on the held-out half (``report["not_stored"]`` says so); the
+        store: write the calibration into the checkpoint (False: report only). It is not written when
+            it raises the survival ECE on the held-out half (``report["not_stored"]`` says so); the
             recommended gate threshold is then the one under the checkpoint's own temperatures.
         fit_fraction: share of the prompts that fit T; the rest measure ECE (see ``calibrate_drafter``).
         skip_prompts: leading prompts not used (None: with the recipe's held-out prompts, the checkpoint
             recipe's ``eval.num_prompts``, i.e. exactly the prompts ``speculators eval`` measures by
-            default, so that the temperatures and the recommended gate threshold are chosen on held-out
+            default, so that the calibration and the recommended gate threshold are chosen on held-out
             prompts that the eval does not score; with ``prompts`` sources, 0).
+        fit_bias: fit a shift per position besides the temperature (Platt scaling; False: temperature-only
+            STS, :func:`speculators.calibrate.fit_calibration`).
     Returns:
         ``(report, report_dir)``.
     Raises:
@@ -557,20 +560,21 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)
     log(f"calibrate: {len(plist)} prompts ({label}), K={k}, temperature {ev.temperature}, "
         f"max_new_tokens {ev.max_new_tokens} on {target.device}")
-    T, report = calibrate_drafter(target, drafter, [list(p["input_ids"]) for p in plist], k, ev.max_new_tokens,
-                                  sampling, batch_size=ev.batch_size or 8, seed=ev.seed, fit_fraction=fit_fraction,
-                                  log=log)
+    result = calibrate_drafter(target, drafter, [list(p["input_ids"]) for p in plist], k, ev.max_new_tokens,
+                               sampling, batch_size=ev.batch_size or 8, seed=ev.seed, fit_fraction=fit_fraction,
+                               log=log, fit_bias=fit_bias)
+    report = result.report
     report.update(checkpoint=str(ckpt), prompts=label, device=str(target.device), stored=False)
     worse = report["split"] != "in-sample" and report["after"]["ece"] > report["before"]["ece"]
     if store and worse:
-        report["not_stored"] = (f"the fitted temperatures raise the held-out survival ECE ({report['before']['ece']:.4f} "
-                                f"-> {report['after']['ece']:.4f}); the checkpoint keeps its temperatures")
+        report["not_stored"] = (f"the fitted calibration raises the held-out survival ECE ({report['before']['ece']:.4f} "
+                                f"-> {report['after']['ece']:.4f}); the checkpoint keeps its own")
         log(f"calibrate: not stored: {report['not_stored']}")
     elif store:
-        store_temperatures(ckpt, T)
+        store_temperatures(ckpt, result.temperature, result.bias)
         report["stored"] = True
-        log(f"calibrate: temperatures stored in {ckpt}")
+        log(f"calibrate: temperatures and shifts stored in {ckpt}")
     use_sweep(report, "fitted" if report["stored"] else "current")
     out = Path(output) if output is not None else ckpt.parent / "calibration"
-    write_calibration_report(report, out)
+    write_calibration_report(report, out, result.records)
     return report, out

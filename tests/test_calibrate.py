@@ -22,6 +22,7 @@ from speculators.calibrate import (
     calibration_summary,
     choose_threshold,
     expected_calibration_error,
+    fit_calibration,
     fit_temperatures,
     reliability_bins,
     store_temperatures,
@@ -36,9 +37,11 @@ from speculators.errors import SpeculatorsError
 from test_batched import rand_prompt, untied_target
 
 
-def synthetic_record(scales, n_steps: int = 6000, seed: int = 0) -> ConfidenceRecord:
+def synthetic_record(scales, n_steps: int = 6000, seed: int = 0, shifts=None) -> ConfidenceRecord:
     """Steps of K = len(scales) drafts: true conditional acceptance logits ``u ~ N(0.8, 1.5^2)``, draft k
-    accepted with probability sigmoid(u_k) once drafts 1..k-1 were; the head reports ``scales[k] * u_k``."""
+    accepted with probability sigmoid(u_k) once drafts 1..k-1 were; the head reports ``scales[k] * u_k +
+    shifts[k]`` (shifts default 0), so the right calibration is ``T_k = scales[k]``, ``b_k = -shifts[k] /
+    scales[k]``."""
     g = torch.Generator().manual_seed(seed)
     K = len(scales)
     u = torch.randn(n_steps, K, generator=g) * 1.5 + 0.8
@@ -46,7 +49,7 @@ def synthetic_record(scales, n_steps: int = 6000, seed: int = 0) -> ConfidenceRe
     accepted = torch.cumprod(ok.long(), 1).sum(1)
     drafted = torch.randint(1, K + 1, (n_steps,), generator=g)  # ragged steps (gating, max_new_tokens)
     accepted = torch.minimum(accepted, drafted)
-    logits = u * torch.tensor(scales)
+    logits = u * torch.tensor(scales) + (torch.tensor(shifts) if shifts is not None else 0.0)
     logits[torch.arange(K)[None, :] >= drafted[:, None]] = float("nan")
     return ConfidenceRecord(logits, drafted, accepted)
 
@@ -81,6 +84,33 @@ def test_per_position_ece_isolates_the_miscalibrated_slot():
     assert fitted["per_position"][0]["ece"] < 0.5 * ece[1], (fitted["per_position"][0]["ece"], ece[1])
     assert "| ECE_k before | ECE_k after |" in calibration_markdown(
         {**_markdown_report(raw, fitted), "k": 3})
+
+
+def test_platt_recovers_a_known_scale_and_shift_where_a_temperature_cannot():
+    """A head reporting ``2 u - 3`` (over-confident AND pessimistic): the temperature alone rescales around
+    logit 0 and cannot undo the shift, so the survival ECE stays high; temperature plus shift recovers
+    T = 2, b = 1.5 and cuts the held-out ECE to a fraction."""
+    scales, shifts = [2.0, 2.0, 2.0], [-3.0, -3.0, -3.0]
+    rec, held_out = synthetic_record(scales, shifts=shifts), synthetic_record(scales, seed=1, shifts=shifts)
+    T, b = fit_calibration(rec)
+    assert torch.allclose(T, torch.tensor(scales), rtol=0.12) and torch.allclose(b, torch.full((3,), 1.5), atol=0.15), (T, b)
+    raw = calibration_summary(held_out, None)["ece"]
+    sts = calibration_summary(held_out, fit_temperatures(rec))["ece"]
+    platt = calibration_summary(held_out, T, bias=b)
+    assert platt["ece"] < 0.2 * raw and platt["ece"] < 0.5 * sts and platt["ece"] < 0.02, (raw, sts, platt["ece"])
+    assert all(p["ece"] < 0.03 for p in platt["per_position"]), platt["per_position"]
+    # a head whose logit carries no information: the fit flattens it to the observed rate (T at its bound)
+    noise = synthetic_record([1.0], seed=5)
+    noise.logits = torch.randn(noise.logits.shape, generator=torch.Generator().manual_seed(6)) * 2.0 - 2.0
+    Tn, bn = fit_calibration(noise)
+    rate = float((noise.accepted >= 1).double().mean())
+    assert float(Tn[0]) > 10.0 and float(torch.sigmoid(bn[0])) == pytest.approx(rate, abs=0.03), (Tn, bn, rate)
+    # temperature-only leaves every shift 0; positions without enough data keep both
+    assert fit_calibration(rec, fit_bias=False)[1].abs().max() == 0
+    T4, b4 = fit_calibration(rec, torch.tensor([1.0, 1.0, 1.0, 3.0]), torch.tensor([0.0, 0.0, 0.0, -0.7]))
+    assert float(T4[3]) == 3.0 and float(b4[3]) == pytest.approx(-0.7)
+    with pytest.raises(SpeculatorsError, match="initial shifts"):
+        fit_calibration(rec, torch.ones(4), torch.zeros(3))
 
 
 def _markdown_report(before: dict, after: dict) -> dict:
@@ -162,16 +192,22 @@ class OracleWithKnownConfidence:
 def test_calibration_through_the_decoding_loop_finds_the_known_temperature(tmp_path):
     target = untied_target()
     prompts = [rand_prompt(4 + i % 5, 300 + i) for i in range(32)]
-    T, report = calibrate_drafter(target, OracleWithKnownConfidence(target, 3.0), prompts, 4, 40, None,
-                                  batch_size=8, log=lambda m: None)
+    res = calibrate_drafter(target, OracleWithKnownConfidence(target, 3.0), prompts, 4, 40, None,
+                            batch_size=8, log=lambda m: None)
+    T, report = res.temperature, res.report
     assert report["split"] == "held-out halves" and report["fit_prompts"] == 16
     assert report["steps_fit"] > 150 and report["steps_eval"] > 150
     assert 2.0 < float(T[0]) < 4.2 and 2.2 < float(T.mean()) < 3.8, T  # ~200 steps: the true T is 3
+    assert float(res.bias.abs().max()) < 0.6, res.bias  # and the true shift 0
     # ECE on the OTHER half of the prompts (not fitted on)
     assert report["after"]["ece"] < 0.5 * report["before"]["ece"], (report["before"]["ece"], report["after"]["ece"])
-    out = write_calibration_report(report, tmp_path / "calibration")
+    out = write_calibration_report(report, tmp_path / "calibration", res.records)
     saved = json.loads((out / "calibration.json").read_text())
     assert saved["temperatures_after"] == pytest.approx(T.tolist())
+    assert saved["biases_after"] == pytest.approx(res.bias.tolist()) and saved["outcomes"] == "outcomes.safetensors"
+    back = ConfidenceRecord.load_many(out / "outcomes.safetensors")  # refit without decoding again
+    assert set(back) == {"fit", "eval"} and torch.equal(back["eval"].accepted, res.eval_record.accepted)
+    assert torch.equal(fit_calibration(back["fit"])[0], T)
     md = (out / "calibration.md").read_text()
     assert "![reliability diagram](reliability.png)" in md and "equal-mass" in md
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -185,24 +221,29 @@ def test_a_recalibration_reports_the_raw_head_beside_the_stored_temperatures(tmp
     drafter = OracleWithKnownConfidence(target, 3.0)
     drafter.confidence_temperature = torch.full((4,), 2.5)
     logged: list[str] = []
-    T, report = calibrate_drafter(target, drafter, prompts, 4, 24, None, batch_size=4, log=logged.append)
-    assert f"(uncalibrated, T = 1: {report['uncalibrated']['ece']:.4f})" in logged[-1]
+    report = calibrate_drafter(target, drafter, prompts, 4, 24, None, batch_size=4, log=logged.append).report
+    assert f"(uncalibrated, T = 1, b = 0: {report['uncalibrated']['ece']:.4f})" in logged[-1]
     assert report["temperatures_before"] == pytest.approx([2.5] * 4)
     # an oracle whose logits are 3x the true ones: the raw head is the worst calibrated of the three
     assert report["uncalibrated"]["ece"] > report["before"]["ece"], (report["uncalibrated"], report["before"])
     assert report["uncalibrated"]["ece"] != pytest.approx(report["before"]["ece"])
     md = calibration_markdown(report)
-    assert f"| uncalibrated (every T = 1) | {report['uncalibrated']['ece']:.4f} |" in md
-    assert f"| before (the checkpoint's T) | {report['before']['ece']:.4f} |" in md
+    assert f"| uncalibrated (every T = 1, b = 0) | {report['uncalibrated']['ece']:.4f} |" in md
+    assert f"| before (the checkpoint's calibration) | {report['before']['ece']:.4f} |" in md
     out = write_calibration_report(report, tmp_path / "recalibration")  # the diagram draws all three
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     drafter.confidence_temperature = torch.ones(4)  # a raw head: the extra row would repeat "before"
-    _, raw = calibrate_drafter(target, drafter, prompts[:4], 4, 16, None, batch_size=4, log=lambda m: None)
+    raw = calibrate_drafter(target, drafter, prompts[:4], 4, 16, None, batch_size=4, log=lambda m: None).report
     assert raw["uncalibrated"]["ece"] == pytest.approx(raw["before"]["ece"])
-    assert "uncalibrated (every T = 1)" not in calibration_markdown(raw) and "| before |" in calibration_markdown(raw)
+    assert "uncalibrated (every T = 1" not in calibration_markdown(raw) and "| before |" in calibration_markdown(raw)
     drafter.confidence_temperature = torch.tensor([1.0, 1.0, 2.5, 2.5])  # stored T only beyond the K measured
-    _, k2 = calibrate_drafter(target, drafter, prompts[:4], 2, 16, None, batch_size=4, log=lambda m: None)
-    assert "uncalibrated (every T = 1)" not in calibration_markdown(k2)
+    k2 = calibrate_drafter(target, drafter, prompts[:4], 2, 16, None, batch_size=4, log=lambda m: None).report
+    assert "uncalibrated (every T = 1" not in calibration_markdown(k2)
+    drafter.confidence_temperature = torch.ones(4)
+    drafter.confidence_bias = torch.tensor([0.5, 0.0, 0.0, 0.0])  # a stored shift alone is a calibration too
+    shifted = calibrate_drafter(target, drafter, prompts[:4], 2, 16, None, batch_size=4, log=lambda m: None).report
+    assert shifted["biases_before"] == pytest.approx([0.5, 0, 0, 0])
+    assert "uncalibrated (every T = 1, b = 0)" in calibration_markdown(shifted)
 
 
 def test_the_fit_and_measure_sides_interleave_the_prompts(monkeypatch):
@@ -224,7 +265,7 @@ def test_the_fit_and_measure_sides_interleave_the_prompts(monkeypatch):
 
     monkeypatch.setattr(cal, "collect_confidence_outcomes", fake_collect)
     prompts = [f"A{i}" for i in range(8)] + [f"B{i}" for i in range(8)]
-    _, report = cal.calibrate_drafter(None, SimpleNamespace(), prompts, 2, 8, None, log=lambda m: None)
+    report = cal.calibrate_drafter(None, SimpleNamespace(), prompts, 2, 8, None, log=lambda m: None).report
     fit, measured = seen
     assert report["fit_prompts"] == 8 and sorted(fit + measured) == sorted(prompts)
     for side in (fit, measured):
@@ -386,11 +427,12 @@ def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolat
         seen.append([tuple(p) for p in prompts])
         sweeps = {f"{w}_{t}": [] if w == "threshold_sweep" else None
                   for w in ("threshold_sweep", "recommended_threshold") for t in ("fitted", "current")}
-        return torch.ones(4), {"k": 1, "before": {"ece": 0.0}, "after": {"ece": 0.0}, "split": "x",
-                               "temperatures_after": [1.0], **sweeps}
+        return SimpleNamespace(temperature=torch.ones(4), bias=torch.zeros(4), records={}, report={
+            "k": 1, "before": {"ece": 0.0}, "after": {"ece": 0.0}, "split": "x", "temperatures_after": [1.0],
+            "biases_after": [0.0], **sweeps})
 
     monkeypatch.setattr(cal, "calibrate_drafter", fake)
-    monkeypatch.setattr(cal, "write_calibration_report", lambda report, output: Path(output))
+    monkeypatch.setattr(cal, "write_calibration_report", lambda report, output, records=None: Path(output))
     rec = workflows.load_recipe(out / "final" / workflows.RUN_RECIPE)
     workflows.calibrate_run(out, store=False, log=lambda m: None)
     workflows.calibrate_run(out, store=False, log=lambda m: None, skip_prompts=0)
@@ -410,16 +452,54 @@ def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolat
     assert seen[0] == per["chatterbot"][1:3] + per["humaneval"][1:3]
     # temperatures that RAISE the held-out ECE are not stored, and the threshold is read under the old T
     stored = []
-    monkeypatch.setattr(cal, "store_temperatures", lambda ckpt, T: stored.append(T))
+    monkeypatch.setattr(cal, "store_temperatures", lambda ckpt, T, b=None: stored.append(T))
     for after, expect in ((0.2, []), (0.05, [1])):
         def fake2(*a, after=after, **kw):
-            T, rep = fake(*a, **kw)
-            rep.update(before={"ece": 0.1}, after={"ece": after}, split="held-out halves",
-                       recommended_threshold_fitted={"threshold": 0.3}, recommended_threshold_current={"threshold": 0.1})
-            return T, rep
+            res = fake(*a, **kw)
+            res.report.update(before={"ece": 0.1}, after={"ece": after}, split="held-out halves",
+                              recommended_threshold_fitted={"threshold": 0.3},
+                              recommended_threshold_current={"threshold": 0.1})
+            return res
         monkeypatch.setattr(cal, "calibrate_drafter", fake2)
         stored.clear()
         rep, _ = workflows.calibrate_run(out, store=True, log=lambda m: None)
         assert len(stored) == len(expect) and rep["stored"] == bool(expect)
         assert rep["recommended_threshold"]["threshold"] == (0.3 if expect else 0.1)
         assert ("not_stored" in rep) == (not expect)
+
+
+def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path):
+    """``speculators calibrate`` on a (tiny, barely trained) DSpark run: the default fits a temperature and
+    a shift per position, ``--temperature-only`` leaves every shift 0; the report, the raw outcomes
+    (reloadable, as many steps as the report counts) and the checkpoint agree."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from speculators.calibrate import METHOD_PLATT, METHOD_STS
+    from speculators.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-dspark.yaml"
+    out = tmp_path / "run"
+    runner = CliRunner()
+    r = runner.invoke(app, ["train", str(recipe), f"target.model={tiny_target_dir}", "train.steps=2", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    common = ["--prompts", "chatterbot", "--num-prompts", "8", "--max-new-tokens", "12", "--skip-prompts", "0"]
+    for flags, method in (([], METHOD_PLATT), (["--temperature-only", "--no-store"], METHOD_STS)):
+        rep_dir = tmp_path / f"cal{len(flags)}"
+        r = runner.invoke(app, ["calibrate", str(out), *common, *flags, "--output", str(rep_dir)])
+        assert r.exit_code == 0, r.output
+        report = json.loads((rep_dir / "calibration.json").read_text())
+        assert report["method"] == method and len(report["biases_after"]) == 4
+        assert ("b = [" in r.output) == (method == METHOD_PLATT)
+        records = ConfidenceRecord.load_many(rep_dir / "outcomes.safetensors")
+        assert len(records["fit"]) == report["steps_fit"] and len(records["eval"]) == report["steps_eval"]
+        weights = load_file(str(out / "final" / WEIGHTS_NAME))
+        if method == METHOD_STS:
+            assert report["biases_after"] == [0.0] * 4 and report["stored"] is False
+        elif report["stored"]:
+            assert weights["confidence_bias"].tolist() == pytest.approx(report["biases_after"])
+            assert weights["confidence_temperature"].tolist() == pytest.approx(report["temperatures_after"])
+        else:
+            assert weights["confidence_bias"].abs().max() == 0 and "not_stored" in report

@@ -259,7 +259,7 @@ def test_fresh_markov_head_is_the_backbone():
     h = torch.randn(3, HIDDEN)
     logits, _ = d.corrected_logits(h, torch.tensor([1, 2, 3]))
     torch.testing.assert_close(logits, d.head(h).float())
-    assert torch.equal(d.confidence_temperature, torch.ones(BS))
+    assert torch.equal(d.confidence_temperature, torch.ones(BS)) and torch.equal(d.confidence_bias, torch.zeros(BS))
 
 
 # ----------------------------------------------------------------------------- confidences
@@ -276,6 +276,14 @@ def test_calibrated_confidences():
     with torch.no_grad():
         d.confidence_temperature.copy_(temp)
     torch.testing.assert_close(d.confidences(p), torch.sigmoid(p.confidence_logits / temp[:3]))
+    shift = torch.tensor([0.5, -1.0, 2.0, 0.0])  # Platt: sigmoid(z / T + b)
+    torch.testing.assert_close(calibrated_confidences(logits, temp, shift),
+                               torch.sigmoid(torch.tensor([1.5, -3.0, 2.5])))
+    with torch.no_grad():
+        d.confidence_bias.copy_(shift)
+    torch.testing.assert_close(d.confidences(p), torch.sigmoid(p.confidence_logits / temp[:3] + shift[:3]))
+    with pytest.raises(SpeculatorsError, match="shifts"):
+        calibrated_confidences(logits, temp, torch.zeros(2))
     with pytest.raises(SpeculatorsError, match="temperatures"):
         calibrated_confidences(logits, torch.ones(2))
     with pytest.raises(SpeculatorsError, match="> 0"):
@@ -290,6 +298,7 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     target, d = make(block_size=8, vocab=vocab, mask_token_id=5, confidence_head_with_markov=with_markov)
     with torch.no_grad():
         d.confidence_temperature.copy_(torch.linspace(0.5, 2.0, 8))  # as a calibration would leave it
+        d.confidence_bias.copy_(torch.linspace(-1.0, 0.4, 8))
     cfg = d.export_config()
     assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["DSparkDraftModel"]
     assert cfg["sample_from_anchor"] is True and cfg["block_size"] == 8 and cfg["mask_token_id"] == 5
@@ -304,7 +313,7 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     N = vocab or V
     shapes = {"markov_head.markov_w1.weight": (V, RANK), "markov_head.markov_w2.weight": (N, RANK),
               "confidence_head.proj.weight": (1, HIDDEN + (RANK if with_markov else 0)),
-              "confidence_head.proj.bias": (1,), "confidence_temperature": (8,),
+              "confidence_head.proj.bias": (1,), "confidence_temperature": (8,), "confidence_bias": (8,),
               "fc.weight": (HIDDEN, len(target.aux_layer_ids) * HIDDEN), "hidden_norm.weight": (HIDDEN,),
               "norm.weight": (HIDDEN,)}
     for name, shape in shapes.items():
@@ -323,6 +332,39 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     torch.testing.assert_close(loaded.confidences(pb), d.confidences(pa))
 
 
+def test_a_checkpoint_from_before_the_shift_loads_with_zero_shifts(tmp_path):
+    """Checkpoints written by temperature-only calibration have no ``confidence_bias``: they load with every
+    shift 0 (what they computed); any other missing weight is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    _, d = make()
+    with torch.no_grad():
+        d.confidence_temperature.copy_(torch.tensor([0.7, 1.2, 1.9, 3.1]))
+    path = d.save_pretrained(tmp_path / "old")
+    sd = load_file(str(path / "model.safetensors"))
+    del sd["confidence_bias"]
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = Drafter.from_pretrained(path)
+    assert torch.equal(loaded.confidence_bias, torch.zeros(4))
+    assert torch.equal(loaded.confidence_temperature, d.confidence_temperature)
+    # calibrating it writes the shifts next to the temperatures (every other tensor as it was)
+    from speculators.calibrate import store_temperatures
+
+    T, b = torch.tensor([1.5, 1.0, 2.0, 0.5]), torch.tensor([-0.25, 0.5, 0.0, 1.0])
+    store_temperatures(path, T, b)
+    stored = load_file(str(path / "model.safetensors"))
+    assert set(stored) == set(sd) | {"confidence_bias"}
+    assert all(torch.equal(stored[k], v) for k, v in sd.items() if k != "confidence_temperature")
+    recal = Drafter.from_pretrained(path)
+    assert torch.equal(recal.confidence_temperature, T) and torch.equal(recal.confidence_bias, b)
+    with pytest.raises(SpeculatorsError, match="confidence_bias must be"):
+        store_temperatures(path, T, torch.tensor([0.0, float("inf"), 0.0, 0.0]))
+    del sd["confidence_temperature"]
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SpeculatorsError, match="confidence_temperature"):
+        Drafter.from_pretrained(path)
+
+
 def test_bf16_checkpoint_keeps_the_calibration_temperatures_in_float32(tmp_path):
     """A published (train.save_dtype: bfloat16) checkpoint casts the weights but not confidence_temperature:
     bf16 would round a fitted T such as 1.2345 to 1.234375."""
@@ -331,13 +373,15 @@ def test_bf16_checkpoint_keeps_the_calibration_temperatures_in_float32(tmp_path)
     from speculators.drafters.checkpoint import save_pretrained
 
     _, d = make()
-    temp = torch.tensor([0.7031, 1.2345, 1.9999, 3.1416])
+    temp, shift = torch.tensor([0.7031, 1.2345, 1.9999, 3.1416]), torch.tensor([-0.1234, 0.5678, 1.0001, -2.3456])
     with torch.no_grad():
         d.confidence_temperature.copy_(temp)
+        d.confidence_bias.copy_(shift)
     path = save_pretrained(d, tmp_path / "final", dtype="bfloat16", frozen_copies=False)
     sd = load_file(str(path / "model.safetensors"))
     assert sd["fc.weight"].dtype == torch.bfloat16
     assert sd["confidence_temperature"].dtype == torch.float32 and torch.equal(sd["confidence_temperature"], temp)
+    assert sd["confidence_bias"].dtype == torch.float32 and torch.equal(sd["confidence_bias"], shift)
     assert torch.equal(Drafter.from_pretrained(path).confidence_temperature, temp)
 
 

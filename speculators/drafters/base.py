@@ -77,10 +77,11 @@ class Proposal:
         probs: ``[k, V]`` float32 draft distributions q the tokens were sampled from (target vocab),
             or None for drafters that only give ids (the verifier then treats q as a point mass).
         confidence_logits: ``[k]`` float32 raw (pre-sigmoid, uncalibrated) confidence logits of the drafts
-            (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k)`` with the
-            drafter's ``confidence_temperature`` buffer (:mod:`speculators.calibrate`). Contract (what keeps
-            confidence-gated verification lossless): logit k may read the drafter's state and drafts ``< k``,
-            never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k`` and ``x_{k-1}``).
+            (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k + b_k)`` with the
+            drafter's ``confidence_temperature`` / ``confidence_bias`` buffers (:mod:`speculators.calibrate`).
+            Contract (what keeps confidence-gated verification lossless): logit k may read the drafter's
+            state and drafts ``< k``, never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k``
+            and ``x_{k-1}``).
     """
 
     token_ids: torch.Tensor

@@ -18,9 +18,11 @@ DFlash's, unchanged; see that module's docstring). What DSpark changes (ALGORITH
   (``confidence_head_with_markov: true``, ``proj: Linear(H + r -> 1)``) or ``sigmoid(proj(h_k))``
   (``Linear(H -> 1)``): the conditional probability that draft k is accepted given that drafts
   ``0..k-1`` were. It reads only ``h_k`` and the previous token, never ``x_k``, so a proposer may stop
-  drafting on it without changing the output distribution. The buffer ``confidence_temperature``
-  ``[B]`` float32 (ones until calibrated; saved and exported) gives the calibrated confidence
-  ``sigmoid(logit_k / T_k)`` (:func:`calibrated_confidences`, :meth:`DSparkDrafter.confidences`).
+  drafting on it without changing the output distribution. The buffers ``confidence_temperature``
+  ``[B]`` (ones until calibrated) and ``confidence_bias`` ``[B]`` (zeros until calibrated), float32,
+  saved and exported, give the calibrated confidence ``sigmoid(logit_k / T_k + b_k)``
+  (:func:`calibrated_confidences`, :meth:`DSparkDrafter.confidences`, :mod:`speculators.calibrate`).
+  A checkpoint written before ``confidence_bias`` existed loads with zeros.
 
 Training (:meth:`DSparkDrafter.loss`): DFlash's anchors and one forward; the Markov input of slot k is
 teacher-forced with the DATA token ``x_{a+k}`` (``x_a`` for slot 0): the prefix the target's
@@ -58,7 +60,7 @@ Export (``speculators_model_type: dspark``, FORMATS.md): DFlash's keys with ``sa
 and ``speculative_tokens = block_size``, plus ``markov_rank``, ``markov_head_type``,
 ``enable_confidence_head``, ``confidence_head_with_markov``; weights add ``markov_head.markov_w1.weight
 [V, r]``, ``markov_head.markov_w2.weight [N, r]``, ``confidence_head.proj.{weight,bias} [1, H+r]``
-(``[1, H]`` without the Markov input) and ``confidence_temperature [B]``.
+(``[1, H]`` without the Markov input), ``confidence_temperature [B]`` and ``confidence_bias [B]``.
 """
 
 from __future__ import annotations
@@ -82,18 +84,21 @@ from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashState
 MARKOV_HEAD_TYPES = ("vanilla",)  # implemented; the paper's "gated" and "rnn" variants are not
 
 
-def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Calibrated conditional confidences ``c_k = sigmoid(logits[k] / temperature[k])``.
+def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Calibrated conditional confidences ``c_k = sigmoid(logits[k] / temperature[k] + bias[k])``.
 
     Args:
         logits: ``[k]`` float raw confidence logits of drafts ``0..k-1`` (``Proposal.confidence_logits``).
         temperature: ``[>= k]`` float per-slot temperatures (> 0), the drafter's
             ``confidence_temperature`` ``[block_size]`` buffer (ones = uncalibrated); its first k are used.
+        bias: ``[>= k]`` float per-slot shifts (Platt scaling), the drafter's ``confidence_bias`` buffer
+            (zeros = uncalibrated), or None (all 0).
     Returns:
         ``[k]`` float32 on ``logits``' device: P(draft k accepted | drafts 0..k-1 accepted); the
         survival probability of drafts 0..k is their cumulative product.
     Raises:
-        SpeculatorsError: ``logits`` not 1-D, fewer temperatures than logits, or a temperature <= 0.
+        SpeculatorsError: ``logits`` not 1-D, fewer temperatures or shifts than logits, or a temperature <= 0.
     """
     if logits.dim() != 1:
         raise SpeculatorsError(f"calibrated_confidences: logits must be [k], got shape {tuple(logits.shape)}")
@@ -105,7 +110,13 @@ def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor) -> t
     t = temp[:k].to(device=logits.device, dtype=torch.float32)
     if k and not bool((t > 0).all()):
         raise SpeculatorsError(f"calibrated_confidences: temperatures must be > 0, got {t.tolist()}")
-    return torch.sigmoid(logits.float() / t)
+    z = logits.float() / t
+    if bias is not None:
+        if bias.numel() < k:
+            raise SpeculatorsError(f"calibrated_confidences: {k} confidence logits but only {bias.numel()} "
+                                   "shifts (one per block slot)")
+        z = z + bias.reshape(-1)[:k].to(device=logits.device, dtype=torch.float32)
+    return torch.sigmoid(z)
 
 
 def confidence_label(l1: torch.Tensor) -> torch.Tensor:
@@ -204,7 +215,8 @@ class DSparkDrafter(DFlashDrafter):
                  "samples the drafts sequentially after the backbone); decode with speculators' own loop")
     sample_from_anchor: ClassVar[bool] = True
     max_speculative_tokens_source = "drafter.block_size"
-    full_precision_weights: ClassVar[tuple[str, ...]] = ("confidence_temperature",)  # float32 even in bf16 saves
+    # float32 even in bf16 saves
+    full_precision_weights: ClassVar[tuple[str, ...]] = ("confidence_temperature", "confidence_bias")
 
     def __init__(self, cfg: DSparkConfig, meta: TargetMeta | dict, draft_vocab_size: int | None = None):
         """Raises:
@@ -218,6 +230,14 @@ class DSparkDrafter(DFlashDrafter):
         if cfg.enable_confidence_head:
             self.confidence_head = ConfidenceHead(H + r if cfg.confidence_head_with_markov else H)
             self.register_buffer("confidence_temperature", torch.ones(cfg.block_size, dtype=torch.float32))
+            self.register_buffer("confidence_bias", torch.zeros(cfg.block_size, dtype=torch.float32))
+
+    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """:meth:`Drafter.load_export_state_dict`; a checkpoint written before ``confidence_bias`` existed
+        (temperature-only calibration) loads with every shift 0, which is what it computed."""
+        if self.cfg.enable_confidence_head and "confidence_bias" not in sd and "confidence_temperature" in sd:
+            sd = {**sd, "confidence_bias": torch.zeros_like(self.confidence_bias)}
+        super().load_export_state_dict(sd)
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -284,15 +304,15 @@ class DSparkDrafter(DFlashDrafter):
 
     def confidences(self, proposal: Proposal) -> torch.Tensor | None:
         """Calibrated conditional confidences of a proposal's drafts: :func:`calibrated_confidences` of
-        ``proposal.confidence_logits`` with this drafter's ``confidence_temperature``; ``[k]`` float32,
-        or None when the proposal carries no confidence logits (no confidence head).
+        ``proposal.confidence_logits`` with this drafter's ``confidence_temperature`` and ``confidence_bias``;
+        ``[k]`` float32, or None when the proposal carries no confidence logits (no confidence head).
 
         Raises:
             SpeculatorsError: see :func:`calibrated_confidences`.
         """
         if proposal.confidence_logits is None or not self.cfg.enable_confidence_head:
             return None
-        return calibrated_confidences(proposal.confidence_logits, self.confidence_temperature)
+        return calibrated_confidences(proposal.confidence_logits, self.confidence_temperature, self.confidence_bias)
 
     # ------------------------------------------------------------------ training
     def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
