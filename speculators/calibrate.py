@@ -25,7 +25,8 @@ The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows
    minimised by the same values in expectation but is noisier: steps that already failed carry no
    information on c_k.) One-dimensional search on ``log T`` in ``[0.05, 20]``: a 41-point grid, then
    golden-section refinement around its best point, each candidate T with its best b (Newton; no scipy).
-   A position judged on fewer than ``min_steps`` (20) steps keeps its temperature and shift (with a handful of outcomes the fit runs to a bound of the search). (A head
+   A position judged on fewer than ``min_steps`` (20) steps keeps its temperature and shift (with a
+   handful of outcomes the fit runs to a bound of the search). (A head
    whose raw logits are ``a`` times the true acceptance logits gets ``T ~ a``; one whose logits are
    shifted by ``d`` gets ``b ~ -d``.) Why the shift: a temperature only rescales the logit around 0, i.e.
    around a confidence of 0.5; a head whose confidences are spread too wide around a mean of 0.2 (it
@@ -119,10 +120,18 @@ class ConfidenceRecord:
 
     @staticmethod
     def save_many(records: dict[str, "ConfidenceRecord"], file: str | Path) -> Path:
-        """Write records (name -> record) to one safetensors file: tensors ``{name}.logits`` / ``.drafted``
-        / ``.accepted``."""
+        """Write records (name -> record; a name without dots) to one safetensors file: per record the
+        tensors ``{name}.logits`` ``[N, K]`` float32 (NaN beyond a step's drafts), ``{name}.drafted`` and
+        ``{name}.accepted`` ``[N]`` int64 (:meth:`load_many` reads them back). Returns ``file``.
+
+        Raises:
+            SpeculatorsError: a record name containing a dot.
+        """
         from safetensors.torch import save_file
 
+        bad = [name for name in records if "." in name or not name]
+        if bad:
+            raise SpeculatorsError(f"confidence-outcome record names must be non-empty without dots, got {bad}")
         tensors = {f"{name}.{field}": getattr(r, field).contiguous() for name, r in records.items()
                    for field in ("logits", "drafted", "accepted")}
         save_file(tensors, str(file), metadata={"format": "speculators-confidence-outcomes"})
@@ -140,7 +149,7 @@ class ConfidenceRecord:
 
         try:
             tensors = load_file(str(file))
-        except (OSError, ValueError, RuntimeError) as e:
+        except Exception as e:  # OSError, or safetensors' own error for a corrupt file
             raise SpeculatorsError(f"{file}: not a confidence-outcomes file ({e})") from None
         out = {}
         for name in sorted({k.rsplit(".", 1)[0] for k in tensors}):
@@ -355,12 +364,15 @@ def fit_calibration(record: ConfidenceRecord, initial: torch.Tensor | None = Non
     """Per-position temperatures and shifts, fitted left to right (module docstring, step 2).
 
     Position k's conditional confidence ``c_k = sigmoid(z_k / T_k + b_k)`` is fitted by maximum likelihood
-    on the steps that drafted k and accepted drafts 1..k-1 (outcome: draft k accepted). With ``fit_bias``
+    on the steps that drafted k and accepted drafts 1..k-1 (outcome: draft k accepted), with Platt's
+    smoothed targets ``(n_pos + 1) / (n_pos + 2)`` for an accept and ``1 / (n_neg + 2)`` for a reject
+    (Platt 1999: a position whose outcomes all agree gets a finite fit; negligible with many steps). With ``fit_bias``
     (Platt scaling per position) ``(T_k, b_k)`` minimise that NLL jointly: ``log T_k`` by a 41-point grid
     and golden-section refinement over ``bounds``, each candidate with its best ``b_k`` (a convex
     one-dimensional problem, :func:`_best_shift`); the pair is a logistic regression of the outcome on
     ``z_k`` whose slope ``1 / T_k`` is kept in ``[1 / high, 1 / low]`` (a head whose logit does not rank
-    acceptance gets ``T_k = high``: a nearly constant confidence at the observed rate). Without it
+    acceptance gets ``T_k = high``: a nearly constant confidence at the observed rate; ``|b_k| <= 20``
+    applies to the shift added AFTER the division by ``T_k``). Without it
     (temperature-only STS, ALGORITHMS.md) ``b_k = 0`` and only ``T_k`` is fitted.
 
     Args:
@@ -398,10 +410,22 @@ def fit_calibration(record: ConfidenceRecord, initial: torch.Tensor | None = Non
         rows = (n >= k) & (a >= k - 1)
         if int(rows.sum()) < max(int(min_steps), 1):
             continue
-        zk, y = z[rows, k - 1], (a[rows] >= k).double()
+        hit = a[rows] >= k
+        # Platt's smoothed targets: (n_pos + 1) / (n_pos + 2) and 1 / (n_neg + 2) instead of 1 and 0, so a
+        # position whose few outcomes all agree (or that its logit separates) gets a finite fit, not
+        # c_k -> 0 or 1 (which would make the gate cut it, and every later position, at any threshold)
+        n_pos = int(hit.sum())
+        n_neg = int(hit.numel()) - n_pos
+        zk = z[rows, k - 1]
+        y = torch.where(hit, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0)).double()
+
+        last = [0.0]  # warm start: neighbouring candidates of log T have nearby best shifts
 
         def shift(u: float) -> float:
-            return _best_shift(zk / math.exp(u), y) if fit_bias else 0.0
+            if not fit_bias:
+                return 0.0
+            last[0] = _best_shift(zk / math.exp(u), y, last[0])
+            return last[0]
 
         def loss(u: float) -> float:
             return _nll(torch.sigmoid(zk / math.exp(u) + shift(u)), y)
@@ -422,8 +446,8 @@ def fit_temperatures(record: ConfidenceRecord, initial: torch.Tensor | None = No
 def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | None,
                         bins: int = DEFAULT_BINS, bias: torch.Tensor | None = None) -> dict:
     """ECE, NLL, Brier score and the reliability table of the survival probabilities of ``record`` under
-    ``temperature`` and ``bias`` (None: all 1 / all 0), plus per position: pairs, mean predicted survival, observed survival rate and the ECE
-    of that position's pairs alone (the pooled ECE is dominated by late positions whose survival and
+    ``temperature`` and ``bias`` (None: all 1 / all 0), plus per position: pairs, mean predicted survival,
+    observed survival rate and the ECE of that position's pairs alone (the pooled ECE is dominated by late positions whose survival and
     outcome are both near 0; slot 1 carries most of the signal)."""
     s, y, pos = survival_pairs(record, temperature, bias)
     per = []
@@ -444,8 +468,8 @@ def threshold_sweep(record: ConfidenceRecord, temperature: torch.Tensor | None,
                     thresholds=THRESHOLD_GRID, bias: torch.Tensor | None = None) -> list[dict]:
     """What confidence-gated verification (:class:`speculators.generate.ConfidenceGate`, threshold mode)
     would have done on the recorded UNGATED steps: per threshold, the drafts it keeps ``m`` (the leading
-    drafts whose survival under ``temperature`` and ``bias`` is ``>= threshold``), the drafts it would have verified per
-    step (``mean m`` against the recorded ``mean n``) and the tokens per step it would have emitted
+    drafts whose survival under ``temperature`` and ``bias`` is ``>= threshold``), the drafts it would have
+    verified per step (``mean m`` against the recorded ``mean n``) and the tokens per step it would have emitted
     (``1 + min(accepted, m)``: the gate is a stopping time, so with the same draws the verifier accepts
     the same prefix cut at ``m`` and adds one recovered/bonus token; right per recorded step at any
     temperature). It is an estimate of the gated run's tau, not a replay: after a cut the gated run
@@ -487,8 +511,9 @@ def choose_threshold(rows: list[dict], min_tau_ratio: float = 0.97) -> dict | No
 def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
                        bias: torch.Tensor | None = None) -> Path:
     """Replace the ``confidence_temperature`` tensor of ``checkpoint_dir/model.safetensors`` with
-    ``temperature`` and, when given, its ``confidence_bias`` tensor with ``bias`` (added next to the
-    temperatures in a checkpoint written before shifts existed); float32, every other tensor, its dtype and
+    ``temperature`` and its ``confidence_bias`` tensor with ``bias`` (added next to the temperatures in a
+    checkpoint written before shifts existed; None: zeros where the checkpoint holds shifts, i.e. a
+    temperature-only calibration); float32, every other tensor, its dtype and
     the file metadata unchanged.
 
     The new weights are checked first (the checkpoint's drafter must load them and hold exactly
@@ -522,11 +547,14 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
         raise SpeculatorsError(f"{path}: {TEMPERATURE_BUFFER} must be {tuple(old.shape)} positive finite values, "
                                f"got {t.tolist()}")
     new = {keys[0]: t}  # float32 whatever the other weights' dtype (a bf16 T would keep 3 significant digits)
+    bias_key = keys[0][: -len(TEMPERATURE_BUFFER)] + BIAS_BUFFER
+    if bias is None and bias_key in weights:
+        bias = torch.zeros_like(t)  # a temperature-only calibration: no stale shift beside the new T
     if bias is not None:
         b = bias.detach().float().cpu().reshape(-1)
         if b.shape != old.shape or not bool(torch.isfinite(b).all()):
             raise SpeculatorsError(f"{path}: {BIAS_BUFFER} must be {tuple(old.shape)} finite values, got {b.tolist()}")
-        new[keys[0][: -len(TEMPERATURE_BUFFER)] + BIAS_BUFFER] = b
+        new[bias_key] = b
     weights.update(new)
     drafter.load_export_state_dict(complete_frozen_copies(drafter, weights))  # final/ omits frozen target copies
     for key, value in new.items():
@@ -568,13 +596,13 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
                       batch_size: int = 8, eos_ids: set[int] | None = None, seed: int = 0,
                       fit_fraction: float = 0.5, bins: int = DEFAULT_BINS, min_tau_ratio: float = 0.97,
                       log: Callable[[str], None] = print, fit_bias: bool = True) -> "CalibrationResult":
-    """Collect outcomes, fit the temperatures (and shifts: ``fit_bias``, :func:`fit_calibration`) and measure
+    """Collect outcomes, fit the temperatures and shifts (``fit_bias``; :func:`fit_calibration`) and measure
     ECE before/after (steps 1-3 of the module docstring), on a live target and drafter. Nothing is written
     (see :func:`store_temperatures`, :func:`write_calibration_report`).
 
     With at least 2 prompts and ``0 < fit_fraction < 1``, ``round(fit_fraction * n)`` prompts (at least one,
     at most n - 1), spread evenly over the list (:func:`interleaved_split`: prompts listed source by source
-    give both sides every source), fit the temperatures and the others measure ECE; otherwise every prompt
+    give both sides every source), fit the calibration and the others measure ECE; otherwise every prompt
     does both (``report["split"] == "in-sample"``).
 
     Returns:
@@ -586,11 +614,12 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
         checkpoint already held a calibration), ``in_sample`` (the
         three ECEs on the fit prompts), ``steps_fit``, ``steps_eval``, prompt counts,
         ``binning``, the decoding settings, ``threshold_sweep_fitted`` / ``threshold_sweep_current``
-        (:func:`threshold_sweep` of the ECE prompts' steps under the fitted / the drafter's current T),
+        (:func:`threshold_sweep` of the ECE prompts' steps under the fitted / the drafter's current
+        calibration),
         ``recommended_threshold_fitted`` / ``_current`` (:func:`choose_threshold` with ``min_tau_ratio``:
         the gate threshold for ``speculators eval --confidence-threshold``, chosen on these held-out
         prompts, or None) and ``threshold_sweep`` / ``recommended_threshold`` = the fitted ones
-        (:func:`use_sweep` switches them when the fitted T is not stored).
+        (:func:`use_sweep` switches them when the fitted calibration is not stored).
     Raises:
         SpeculatorsError: see :func:`collect_confidence_outcomes`; no prompts; ``fit_fraction`` outside
             [0, 1].
@@ -650,8 +679,8 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
 
 def use_sweep(report: dict, which: str) -> dict:
     """Point ``report["threshold_sweep"]`` / ``["recommended_threshold"]`` at the sweep under the ``"fitted"``
-    or the ``"current"`` (checkpoint's, before calibration) temperatures: the threshold must be read with
-    the temperatures the checkpoint ends up holding. Returns ``report``."""
+    or the ``"current"`` (checkpoint's, before calibration) temperatures and shifts: the threshold must be
+    read with the calibration the checkpoint ends up holding. Returns ``report``."""
     report["sweep_temperatures"] = which
     report["threshold_sweep"] = report[f"threshold_sweep_{which}"]
     report["recommended_threshold"] = report[f"recommended_threshold_{which}"]
@@ -717,10 +746,10 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     bb = report.get("biases_before") or [0.0] * len(tb)
     ba = report.get("biases_after") or [0.0] * len(report["temperatures_after"])
     platt = report.get("method", METHOD_STS) == METHOD_PLATT
-    ece_rows = _summaries(report)  # "before" is the checkpoint's stored T: the raw head too when they differ
+    ece_rows = _summaries(report)  # "before" is the checkpoint's calibration: the raw head too when they differ
     recalibration = len(ece_rows) == 3
     lines = [f"# Confidence calibration{': ' + report['checkpoint'] if report.get('checkpoint') else ''}", "",
-             f"{report['num_prompts']} prompts ({report['fit_prompts']} fit the temperatures, {report['ece_prompts']} "
+             f"{report['num_prompts']} prompts ({report['fit_prompts']} fit the calibration, {report['ece_prompts']} "
              f"measure ECE: {report['split']}), K={k}, max_new_tokens {report['max_new_tokens']}, sampling "
              f"{report['sampling']}; {report['steps_fit']} / {report['steps_eval']} verification steps.", "",
              ("Survival S_k = prod_{i<=k} sigmoid(z_i / T_i + b_i) predicts that drafts 1..k are all accepted. "
@@ -768,7 +797,7 @@ def write_calibration_report(report: dict, output: str | Path,
     """Write ``calibration.json``, ``calibration.md`` and ``reliability.png`` into ``output`` (atomically
     replaced, :func:`speculators.utils.atomic_dir`), and with ``records`` (name -> record, e.g. ``{"fit":
     ..., "eval": ...}`` of a :class:`CalibrationResult`) the raw outcomes ``outcomes.safetensors``
-    (:meth:`ConfidenceRecord.save`: a calibration can be refitted or re-measured without decoding again).
+    (:meth:`ConfidenceRecord.save_many`: a calibration can be refitted or re-measured without decoding again).
     Sets ``report["plot"]``."""
     with atomic_dir(output, overwrite=True) as tmp:
         reliability_plot(report, tmp / PLOT_FILE)

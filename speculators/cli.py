@@ -206,7 +206,7 @@ def calibrate(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
     fit_fraction: float = typer.Option(0.5, "--fit-fraction", help="share of the prompts that fit the "
-                                       "temperatures; the others measure ECE"),
+                                       "calibration; the others measure ECE"),
     store: bool = typer.Option(True, "--store/--no-store", help="write the calibration into the checkpoint"),
     temperature_only: bool = typer.Option(False, "--temperature-only", help="fit a temperature per position only "
                                           "(STS); default: a temperature and a shift per position (Platt scaling)"),

@@ -497,14 +497,14 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
         checkpoint: a checkpoint or a run directory (its ``final/``; Hub ids are refused: the weights are
             rewritten in place).
         eval_overrides: ``{EvalSpec field: value}`` (``temperature``, ``num_prompts``, ``max_new_tokens``, ...).
-        k: drafts per step whose temperatures are fitted (default: every position of the drafter's
+        k: drafts per step whose calibration is fitted (default: every position of the drafter's
             ``confidence_temperature``, capped by what one step can draft).
         prompts, target_model, device, dtype, log, override_names: as :func:`eval_run`.
         output: report directory (default ``<run dir>/calibration``).
         store: write the calibration into the checkpoint (False: report only). It is not written when
             it raises the survival ECE on the held-out half (``report["not_stored"]`` says so); the
-            recommended gate threshold is then the one under the checkpoint's own temperatures.
-        fit_fraction: share of the prompts that fit T; the rest measure ECE (see ``calibrate_drafter``).
+            recommended gate threshold is then the one under the checkpoint's own calibration.
+        fit_fraction: share of the prompts that fit the calibration; the rest measure ECE (see ``calibrate_drafter``).
         skip_prompts: leading prompts not used (None: with the recipe's held-out prompts, the checkpoint
             recipe's ``eval.num_prompts``, i.e. exactly the prompts ``speculators eval`` measures by
             default, so that the calibration and the recommended gate threshold are chosen on held-out
@@ -573,7 +573,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     elif store:
         store_temperatures(ckpt, result.temperature, result.bias)
         report["stored"] = True
-        log(f"calibrate: temperatures and shifts stored in {ckpt}")
+        log(f"calibrate: {'temperatures and shifts' if fit_bias else 'temperatures (shifts 0)'} stored in {ckpt}")
     use_sweep(report, "fitted" if report["stored"] else "current")
     out = Path(output) if output is not None else ckpt.parent / "calibration"
     write_calibration_report(report, out, result.records)

@@ -113,6 +113,43 @@ def test_platt_recovers_a_known_scale_and_shift_where_a_temperature_cannot():
         fit_calibration(rec, torch.ones(4), torch.zeros(3))
 
 
+def test_a_position_whose_outcomes_all_agree_gets_a_finite_calibration():
+    """30 steps that all rejected draft 1 (or all accepted it): Platt's smoothed targets give
+    c_1 ~ 1/32 (or 31/32), not sigmoid(-20) ~ 0, which would make the gate cut every draft at any threshold;
+    the same for STS."""
+    z = torch.linspace(-2.0, 1.0, 30).unsqueeze(1)
+    for accepted, target in ((0, 1 / 32), (1, 31 / 32)):
+        rec = ConfidenceRecord(z.clone(), torch.ones(30, dtype=torch.int64), torch.full((30,), accepted))
+        for fit_bias in (True, False):
+            T, b = fit_calibration(rec, fit_bias=fit_bias)
+            c = torch.sigmoid(z[:, 0] / T[0] + b[0])
+            assert bool(torch.isfinite(T).all() and torch.isfinite(b).all())
+            assert 0.005 < float(c.min()) and float(c.max()) < 0.995, (accepted, fit_bias, T, b)
+            if fit_bias:  # the best constant is the smoothed rate
+                assert float(c.mean()) == pytest.approx(target, abs=0.02), (accepted, c.mean())
+
+
+def test_outcome_files_refuse_what_they_cannot_read(tmp_path):
+    from safetensors.torch import save_file
+
+    rec = synthetic_record([1.0, 1.0], n_steps=50)
+    path = ConfidenceRecord.save_many({"fit": rec}, tmp_path / "o.safetensors")
+    back = ConfidenceRecord.load_many(path)["fit"]
+    assert torch.equal(back.drafted, rec.drafted) and torch.equal(back.logits.isnan(), rec.logits.isnan())
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\x10\x00garbage")
+    with pytest.raises(SpeculatorsError, match="not a confidence-outcomes file"):
+        ConfidenceRecord.load_many(tmp_path / "corrupt.safetensors")
+    save_file({"fit.logits": rec.logits, "fit.drafted": rec.drafted}, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(SpeculatorsError, match="lacks the tensor fit.accepted"):
+        ConfidenceRecord.load_many(tmp_path / "missing.safetensors")
+    save_file({"fit.logits": rec.logits, "fit.drafted": rec.drafted, "fit.accepted": rec.accepted[:3]},
+              str(tmp_path / "shapes.safetensors"))
+    with pytest.raises(SpeculatorsError, match="expected \\[N, K\\], \\[N\\], \\[N\\]"):
+        ConfidenceRecord.load_many(tmp_path / "shapes.safetensors")
+    with pytest.raises(SpeculatorsError, match="without dots"):
+        ConfidenceRecord.save_many({"a.b": rec}, tmp_path / "x.safetensors")
+
+
 def _markdown_report(before: dict, after: dict) -> dict:
     """The smallest report :func:`calibration_markdown` renders (no sweep, no plot)."""
     return {"num_prompts": 2, "fit_prompts": 1, "ece_prompts": 1, "split": "interleaved", "max_new_tokens": 8,
@@ -486,7 +523,8 @@ def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path)
     r = runner.invoke(app, ["train", str(recipe), f"target.model={tiny_target_dir}", "train.steps=2", "-o", str(out)])
     assert r.exit_code == 0, r.output
     common = ["--prompts", "chatterbot", "--num-prompts", "8", "--max-new-tokens", "12", "--skip-prompts", "0"]
-    for flags, method in (([], METHOD_PLATT), (["--temperature-only", "--no-store"], METHOD_STS)):
+    # in-sample (--fit-fraction 1): always stored; then temperature-only on held-out halves, not stored
+    for flags, method in ((["--fit-fraction", "1"], METHOD_PLATT), (["--temperature-only", "--no-store"], METHOD_STS)):
         rep_dir = tmp_path / f"cal{len(flags)}"
         r = runner.invoke(app, ["calibrate", str(out), *common, *flags, "--output", str(rep_dir)])
         assert r.exit_code == 0, r.output
@@ -494,12 +532,14 @@ def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path)
         assert report["method"] == method and len(report["biases_after"]) == 4
         assert ("b = [" in r.output) == (method == METHOD_PLATT)
         records = ConfidenceRecord.load_many(rep_dir / "outcomes.safetensors")
-        assert len(records["fit"]) == report["steps_fit"] and len(records["eval"]) == report["steps_eval"]
+        assert len(records["fit"]) == report["steps_fit"]
+        assert len(records.get("eval", records["fit"])) == report["steps_eval"]
         weights = load_file(str(out / "final" / WEIGHTS_NAME))
-        if method == METHOD_STS:
-            assert report["biases_after"] == [0.0] * 4 and report["stored"] is False
-        elif report["stored"]:
+        if method == METHOD_PLATT:  # what was fitted is what the checkpoint now holds
+            assert report["stored"] is True and set(records) == {"fit"}
             assert weights["confidence_bias"].tolist() == pytest.approx(report["biases_after"])
             assert weights["confidence_temperature"].tolist() == pytest.approx(report["temperatures_after"])
-        else:
-            assert weights["confidence_bias"].abs().max() == 0 and "not_stored" in report
+        else:  # not stored: the checkpoint keeps the Platt calibration of the first run
+            assert report["biases_after"][:report["k"]] == [0.0] * report["k"] and report["stored"] is False
+            assert report["biases_before"] == pytest.approx(weights["confidence_bias"].tolist())
+            assert set(records) == {"fit", "eval"}

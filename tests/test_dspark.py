@@ -382,7 +382,8 @@ def test_bf16_checkpoint_keeps_the_calibration_temperatures_in_float32(tmp_path)
     assert sd["fc.weight"].dtype == torch.bfloat16
     assert sd["confidence_temperature"].dtype == torch.float32 and torch.equal(sd["confidence_temperature"], temp)
     assert sd["confidence_bias"].dtype == torch.float32 and torch.equal(sd["confidence_bias"], shift)
-    assert torch.equal(Drafter.from_pretrained(path).confidence_temperature, temp)
+    reloaded = Drafter.from_pretrained(path)
+    assert torch.equal(reloaded.confidence_temperature, temp) and torch.equal(reloaded.confidence_bias, shift)
 
 
 def test_without_confidence_head():

@@ -124,6 +124,13 @@ def test_survival_is_the_running_product_of_calibrated_confidences():
     assert torch.allclose(survival_probabilities(z), torch.cumprod(torch.sigmoid(z), 0))
     with pytest.raises(SpeculatorsError, match="confidence_temperature"):
         survival_probabilities(z, torch.tensor([1.0, 1.0]))  # shorter than the drafts
+    b = torch.tensor([0.5, -0.25, 1.0, 9.0])  # Platt shifts: c_i = sigmoid(z_i / T_i + b_i)
+    cb = torch.sigmoid(z / T[:3] + b[:3])
+    assert torch.allclose(survival_probabilities(z, T, b), torch.cumprod(cb, 0))
+    assert torch.allclose(survival_probabilities(z, None, b), torch.cumprod(torch.sigmoid(z + b[:3]), 0))
+    for bad in (torch.tensor([0.0, 0.0]), torch.tensor([0.0, float("nan"), 0.0])):
+        with pytest.raises(SpeculatorsError, match="confidence_bias"):
+            survival_probabilities(z, T, bad)
 
 
 def test_threshold_keeps_the_drafts_before_the_first_survival_below_it():
@@ -139,6 +146,13 @@ def test_threshold_keeps_the_drafts_before_the_first_survival_below_it():
     gate = ConfidenceGate(0.6)
     assert gate.keep(P(), [prop, None, Proposal(torch.tensor([1]))]) == [2, None, None]
     assert gate.keep(object(), [prop]) == [1]
+    # and its shifts (z / T = [4, 4, -4]): b_2 = -4 gives c_2 = sigmoid(0) = 0.5, S_2 = 0.491 < 0.6: 1 draft;
+    # b_2 = -3 gives c_2 = sigmoid(1) = 0.731, S_2 = 0.718: 2 drafts
+    class PB(P):
+        confidence_bias = torch.tensor([0.0, -4.0, 0.0])
+    assert gate.keep(PB(), [prop]) == [1]
+    PB.confidence_bias = torch.tensor([0.0, -3.0, 0.0])
+    assert gate.keep(PB(), [prop]) == [2]
     with pytest.raises(SpeculatorsError, match="confidence_logits has 2 entries for 3 drafts"):
         gate.keep(P(), [Proposal(torch.tensor([5, 6, 7]), None, torch.tensor([1.0, 1.0]))])
 

@@ -98,7 +98,8 @@ def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
         ``[k]`` float32 on ``logits``' device: P(draft k accepted | drafts 0..k-1 accepted); the
         survival probability of drafts 0..k is their cumulative product.
     Raises:
-        SpeculatorsError: ``logits`` not 1-D, fewer temperatures or shifts than logits, or a temperature <= 0.
+        SpeculatorsError: ``logits`` not 1-D, fewer temperatures or shifts than logits, a temperature <= 0
+            or a shift that is not finite.
     """
     if logits.dim() != 1:
         raise SpeculatorsError(f"calibrated_confidences: logits must be [k], got shape {tuple(logits.shape)}")
@@ -115,7 +116,10 @@ def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
         if bias.numel() < k:
             raise SpeculatorsError(f"calibrated_confidences: {k} confidence logits but only {bias.numel()} "
                                    "shifts (one per block slot)")
-        z = z + bias.reshape(-1)[:k].to(device=logits.device, dtype=torch.float32)
+        b = bias.reshape(-1)[:k].to(device=logits.device, dtype=torch.float32)
+        if not bool(torch.isfinite(b).all()):
+            raise SpeculatorsError(f"calibrated_confidences: shifts must be finite, got {b.tolist()}")
+        z = z + b
     return torch.sigmoid(z)
 
 
