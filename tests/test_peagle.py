@@ -258,7 +258,9 @@ def test_incremental_advance_equals_a_fresh_start(target):
         ids, aux = batch.input_ids[0, :n + 1], batch.aux[:1, :n]
         inc = incremental_state(d, ids, aux, chunks=(2, 1, 3))
         fresh = d.start(ids, SimpleNamespace(aux=aux))
-        torch.testing.assert_close(d.draft_logits(inc, 4), d.draft_logits(fresh, 4), atol=1e-5, rtol=0)
+        # fp32 through chunked vs one-shot matmuls: BLAS picks other kernels (summation orders) for other
+        # row counts, ~1e-5 apart on AVX512/AMX CPUs; a wrong position or mask is off by orders more
+        torch.testing.assert_close(d.draft_logits(inc, 4), d.draft_logits(fresh, 4), atol=1e-4, rtol=1e-4)
         assert inc.cache.length == inc.num_positions == n
 
 
