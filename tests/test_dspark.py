@@ -161,10 +161,12 @@ def fixed_anchors(d, monkeypatch):
     return anchors, ok
 
 
-@pytest.mark.parametrize("vocab,labels", [(None, "token"), (100, "argmax"), (100, "token")])
-def test_loss_by_hand(vocab, labels, monkeypatch):
+@pytest.mark.parametrize("vocab,labels,conf_label", [(None, "token", "tv"), (100, "argmax", "tv"),
+                                                     (100, "token", "tv"), (100, "argmax", "greedy"),
+                                                     (None, "token", "greedy")])
+def test_loss_by_hand(vocab, labels, conf_label, monkeypatch):
     weights = dict(ce_weight=0.3, l1_weight=0.5, bce_weight=0.7, position_decay=2.5)
-    target, d = make(vocab=vocab, labels=labels, **weights)
+    target, d = make(vocab=vocab, labels=labels, confidence_label=conf_label, **weights)
     batch = make_batch(target)
     anchors, ok = fixed_anchors(d, monkeypatch)
     with torch.no_grad():
@@ -177,7 +179,18 @@ def test_loss_by_hand(vocab, labels, monkeypatch):
     t2d = d.t2d if vocab else torch.ones(V, dtype=torch.bool)
     rank = torch.cumsum(t2d.long(), 0) - 1
     head_w = target.lm_head_weight.detach().float()[ids]  # the target's rows of the draft vocabulary
-    sums, counts = [0.0] * BS, [0] * BS
+    sums, counts, hits = [0.0] * BS, [0] * BS, [0, 0]
+    if conf_label == "greedy":
+        # a random drafter's top-1 rarely is the target's greedy token: make it so at every other slot (the
+        # hand computation below and the loss both read the edited batch.argmax)
+        for b in range(2):
+            for i in range(4):
+                a = int(anchors[b, i])
+                for k in range(0, BS, 2):
+                    if a + k < T and ok[b, i]:
+                        x_prev = int(batch.input_ids[b, a + k])
+                        z = d.head(h[b, i, k]).float().detach() + w2 @ w1[x_prev]
+                        batch.argmax[b, a + k] = int(ids[int(z.argmax())])
     for b in range(2):
         for i in range(4):
             a = int(anchors[b, i])
@@ -195,11 +208,16 @@ def test_loss_by_hand(vocab, labels, monkeypatch):
                 l1 = float((pd - pt).abs().sum())
                 ce = float(-torch.log_softmax(z, -1)[int(rank[label])])
                 c = torch.sigmoid(proj.weight[0] @ torch.cat([h[b, i, k], w1[x_prev]]) + proj.bias[0])
-                y = 1 - 0.5 * l1
+                # tv: the detached 1 - TV; greedy: 1 when the top-1 draft is the target's greedy token at a + k
+                y = 1 - 0.5 * l1 if conf_label == "tv" else float(int(ids[int(z.argmax())]) == int(batch.argmax[b, a + k]))
+                if conf_label == "greedy":
+                    hits[int(y)] += 1
                 bce = float(-(y * torch.log(c) + (1 - y) * torch.log(1 - c)).detach())
                 sums[k] += 0.3 * ce + 0.5 * l1 + 0.7 * bce
                 counts[k] += 1
     assert min(counts) > 0
+    if conf_label == "greedy":  # both label values occur (the pre-pass planted matches)
+        assert min(hits) > 0, hits
     w = [math.exp(-k / 2.5) for k in range(BS)]
     assert d.slot_weights() == pytest.approx(w)
     assert d.loss_counts(batch).tolist() == counts

@@ -41,7 +41,11 @@ supervised (anchor, slot k) pair, with ``z`` the corrected logits over the draft
   the calibration temperatures absorb the bias);
 * ``BCE(c_k, y_k)`` with the soft label ``y_k = 1 - 0.5 * L1`` DETACHED (:func:`confidence_label`):
   the confidence learns to predict the acceptance probability, it does not push the draft towards
-  being easy to predict.
+  being easy to predict. That is the acceptance of a draft SAMPLED from ``p_draft`` at temperature 1
+  (ALGORITHMS.md). ``confidence_label: greedy`` (a departure, for drafters served at temperature 0)
+  uses instead the hard label ``y_k = 1[argmax z == the target's greedy token at a+k]``
+  (:func:`greedy_confidence_label`): exactly whether the greedy verifier accepts slot k's draft given
+  that the drafts before it were accepted (the teacher-forced prefix is then the accepted one).
 
 ``loss = sum_k exp(-k / position_decay) * (ce_weight * CE_k + l1_weight * L1_k + bce_weight * BCE_k)
 / norm[k]`` over slots k = 0..B-1 (defaults 0.1 / 0.9 / 1.0, decay 4), the sums running over the
@@ -123,6 +127,19 @@ def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
     return torch.sigmoid(z)
 
 
+def greedy_confidence_label(draft_ids: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """The confidence head's hard BCE label for greedy serving (``confidence_label: greedy``): 1.0 where
+    the draft's top-1 token equals the target's greedy token, else 0.0 (greedy verification accepts
+    exactly those; a target token outside a reduced draft vocabulary is never matched).
+
+    Args:
+        draft_ids: ``[n]`` int64 argmax drafts in TARGET ids. target_argmax: ``[n]`` int64 target greedy ids.
+    Returns:
+        ``[n]`` float32 in {0, 1}, no gradient.
+    """
+    return (draft_ids == target_argmax).float()
+
+
 def confidence_label(l1: torch.Tensor) -> torch.Tensor:
     """The confidence head's soft BCE label ``1 - 0.5 * l1`` (the acceptance probability of a draft
     sampled from ``p_draft`` when the target is ``p_target``, ``l1 = ||p_draft - p_target||_1``),
@@ -143,6 +160,9 @@ class DSparkConfig(DFlashBlockConfig):
         ce_weight, l1_weight, bce_weight: loss weights of CE, ``||p_draft - p_target||_1`` and the
             confidence BCE (>= 0; 0.1 / 0.9 / 1.0; ce + l1 must be > 0).
         position_decay: slot k's weight ``exp(-k / position_decay)``, k from 0 (> 0; default 4).
+        confidence_label: the BCE label of the confidence head: ``tv`` (default, ALGORITHMS.md: the
+            detached ``1 - 0.5 * L1``, acceptance at temperature 1) or ``greedy`` (1 when the
+            teacher-forced top-1 draft is the target's greedy token: acceptance at temperature 0).
     """
 
     algorithm: Literal["dspark"] = "dspark"
@@ -154,6 +174,9 @@ class DSparkConfig(DFlashBlockConfig):
     l1_weight: float = Field(default=0.9, ge=0.0, description="weight of the L1 (2 x TV) term")
     bce_weight: float = Field(default=1.0, ge=0.0, description="weight of the confidence BCE term")
     position_decay: float = Field(default=4.0, gt=0.0, description="slot-k loss weight exp(-k/position_decay)")
+    confidence_label: Literal["tv", "greedy"] = Field(
+        default="tv", description="confidence BCE label: tv (1 - TV, acceptance when sampling at temperature 1) "
+        "or greedy (1[top-1 draft == target's greedy token], acceptance at temperature 0)")
 
     @field_validator("markov_rank")
     @classmethod
@@ -356,7 +379,12 @@ class DSparkDrafter(DFlashDrafter):
         sums, parts = [], {"ce": [], "l1": [], "bce": []}
         bce = None
         if conf is not None:
-            bce = F.binary_cross_entropy_with_logits(conf, confidence_label(l1), reduction="none")
+            if cfg.confidence_label == "greedy":
+                y = greedy_confidence_label(self.to_target_ids(logits.detach().argmax(-1)),
+                                            batch.argmax[rows[sel], pos[sel]])
+            else:
+                y = confidence_label(l1)
+            bce = F.binary_cross_entropy_with_logits(conf, y, reduction="none")
         for k in range(Bs):
             m = ce_valid & (slot == k)
             ce_k = hard_cross_entropy(logits, lbl, m)
