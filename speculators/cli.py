@@ -208,6 +208,8 @@ def calibrate(
     fit_fraction: float = typer.Option(0.5, "--fit-fraction", help="share of the prompts that fit the "
                                        "calibration; the others measure ECE"),
     store: bool = typer.Option(True, "--store/--no-store", help="write the calibration into the checkpoint"),
+    min_tau_ratio: float = typer.Option(0.97, "--min-tau-ratio", min=0.0, max=1.0, help="the recommended gate "
+                                        "threshold cuts the most verified drafts with a simulated tau ratio >= this"),
     temperature_only: bool = typer.Option(False, "--temperature-only", help="fit a temperature per position only "
                                           "(STS); default: a temperature and a shift per position (Platt scaling)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
@@ -228,7 +230,7 @@ def calibrate(
                                 prompts=prompts or None, target_model=target_model, output=output, store=store,
                                 fit_fraction=fit_fraction, device=device, dtype=dtype, log=log,
                                 override_names=_EVAL_OPTIONS, skip_prompts=skip_prompts,
-                                fit_bias=not temperature_only)
+                                fit_bias=not temperature_only, min_tau_ratio=min_tau_ratio)
     console.print(f"survival ECE {report['before']['ece']:.4f} -> {report['after']['ece']:.4f} "
                   f"({report['split']}); T = {[round(x, 3) for x in report['temperatures_after'][:report['k']]]}"
                   + ("" if temperature_only else f", b = {[round(x, 3) for x in report['biases_after'][:report['k']]]}"))

@@ -481,7 +481,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
                   output: str | Path | None = None, store: bool = True, fit_fraction: float = 0.5,
                   device: str | None = None, dtype: str | None = None, log: Callable[[str], None] = print,
                   override_names: Mapping[str, str] | None = None, skip_prompts: int | None = None,
-                  fit_bias: bool = True) -> tuple[dict, Path]:
+                  fit_bias: bool = True, min_tau_ratio: float = 0.97) -> tuple[dict, Path]:
     """Calibrate a drafter's confidence head on held-out prompts (``speculators calibrate RUN_DIR``; also
     callable at the end of training on ``train_run``'s final checkpoint).
 
@@ -511,6 +511,9 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
             prompts that the eval does not score; with ``prompts`` sources, 0).
         fit_bias: fit a shift per position besides the temperature (Platt scaling; False: temperature-only
             STS, :func:`speculators.calibrate.fit_calibration`).
+        min_tau_ratio: the recommended gate threshold is the one that cuts the most verified drafts while
+            the simulated tau stays >= this ratio of the ungated tau
+            (:func:`speculators.calibrate.choose_threshold`).
     Returns:
         ``(report, report_dir)``.
     Raises:
@@ -562,7 +565,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
         f"max_new_tokens {ev.max_new_tokens} on {target.device}")
     result = calibrate_drafter(target, drafter, [list(p["input_ids"]) for p in plist], k, ev.max_new_tokens,
                                sampling, batch_size=ev.batch_size or 8, seed=ev.seed, fit_fraction=fit_fraction,
-                               log=log, fit_bias=fit_bias)
+                               log=log, fit_bias=fit_bias, min_tau_ratio=min_tau_ratio)
     report = result.report
     report.update(checkpoint=str(ckpt), prompts=label, device=str(target.device), stored=False)
     worse = report["split"] != "in-sample" and report["after"]["ece"] > report["before"]["ece"]

@@ -524,12 +524,14 @@ def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path)
     assert r.exit_code == 0, r.output
     common = ["--prompts", "chatterbot", "--num-prompts", "8", "--max-new-tokens", "12", "--skip-prompts", "0"]
     # in-sample (--fit-fraction 1): always stored; then temperature-only on held-out halves, not stored
-    for flags, method in ((["--fit-fraction", "1"], METHOD_PLATT), (["--temperature-only", "--no-store"], METHOD_STS)):
+    for flags, method in ((["--fit-fraction", "1"], METHOD_PLATT),
+                          (["--temperature-only", "--no-store", "--min-tau-ratio", "0.5"], METHOD_STS)):
         rep_dir = tmp_path / f"cal{len(flags)}"
         r = runner.invoke(app, ["calibrate", str(out), *common, *flags, "--output", str(rep_dir)])
         assert r.exit_code == 0, r.output
         report = json.loads((rep_dir / "calibration.json").read_text())
         assert report["method"] == method and len(report["biases_after"]) == 4
+        assert report["min_tau_ratio"] == (0.97 if method == METHOD_PLATT else 0.5)
         assert ("b = [" in r.output) == (method == METHOD_PLATT)
         records = ConfidenceRecord.load_many(rep_dir / "outcomes.safetensors")
         assert len(records["fit"]) == report["steps_fit"]
