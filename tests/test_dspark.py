@@ -426,6 +426,7 @@ def test_without_confidence_head():
     ("position_decay", 0.0, r"drafter\.position_decay"),
     ("bce_weight", -1.0, r"drafter\.bce_weight"),
     ("block_size", 1, r"drafter\.block_size"),
+    ("confidence_label", "soft", r"drafter\.confidence_label.*'tv' or 'greedy'"),
 ])
 def test_bad_config_is_one_clear_error(key, value, needle):
     raw = {"target": {"model": "x"}, "data": {"sources": [{"source": "humaneval"}]},
