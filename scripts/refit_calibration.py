@@ -36,6 +36,9 @@ def main() -> None:
     args = ap.parse_args()
 
     records = ConfidenceRecord.load_many(args.outcomes)
+    if "fit" not in records:
+        raise SystemExit(f"{args.outcomes}: no 'fit' record (records: {sorted(records)}); expected the "
+                         "outcomes.safetensors that `speculators calibrate` writes")
     fit = records["fit"]
     ev = records.get("eval", fit)
     where = "held-out prompts (fitted on the others)" if "eval" in records else "in-sample (one side only)"

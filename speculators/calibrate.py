@@ -125,7 +125,7 @@ class ConfidenceRecord:
         ``{name}.accepted`` ``[N]`` int64 (:meth:`load_many` reads them back). Returns ``file``.
 
         Raises:
-            SpeculatorsError: a record name containing a dot.
+            SpeculatorsError: an empty record name or one containing a dot.
         """
         from safetensors.torch import save_file
 

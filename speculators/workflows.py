@@ -576,7 +576,8 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     elif store:
         store_temperatures(ckpt, result.temperature, result.bias)
         report["stored"] = True
-        log(f"calibrate: {'temperatures and shifts' if fit_bias else 'temperatures (shifts 0)'} stored in {ckpt}")
+        log(f"calibrate: {'temperatures and shifts' if fit_bias else 'temperatures (shifts 0 where fitted)'} "
+            f"stored in {ckpt}")
     use_sweep(report, "fitted" if report["stored"] else "current")
     out = Path(output) if output is not None else ckpt.parent / "calibration"
     write_calibration_report(report, out, result.records)

@@ -23,14 +23,17 @@ V, HIDDEN, LAYERS = 128, 32, 2
 BS, RANK = 4, 8
 
 
-def make(block_size: int = BS, vocab: int | None = None, seed: int = 0, **kw) -> tuple:
+def make(block_size: int = BS, vocab: int | None = None, seed: int = 0, counts: torch.Tensor | None = None,
+         **kw) -> tuple:
     """(target, drafter) in eval mode with randomised norms and a NON-zero Markov W2 (fresh heads start
-    at zero, which would hide the correction)."""
+    at zero, which would hide the correction). ``counts``: token counts the reduced draft vocabulary is
+    built from (default: descending by id, so the draft ids are the lowest ``vocab`` target ids)."""
     target = build_tiny_target(vocab_size=V, hidden_size=HIDDEN, num_layers=LAYERS, seed=1)
     torch.manual_seed(seed)
     kw.setdefault("markov_rank", RANK)
     cfg = DSparkConfig(block_size=block_size, num_layers=2, num_anchors=64, draft_vocab_size=vocab, **kw)
-    dv = DraftVocab.full(V) if vocab is None else DraftVocab.from_counts(torch.arange(V, 0, -1), vocab)
+    counts = torch.arange(V, 0, -1) if counts is None else counts
+    dv = DraftVocab.full(V) if vocab is None else DraftVocab.from_counts(counts, vocab)
     d = DSparkDrafter.from_target(cfg, target, dv)
     with torch.no_grad():
         for n, p in d.named_parameters():
@@ -166,7 +169,11 @@ def fixed_anchors(d, monkeypatch):
                                                      (None, "token", "greedy")])
 def test_loss_by_hand(vocab, labels, conf_label, monkeypatch):
     weights = dict(ce_weight=0.3, l1_weight=0.5, bce_weight=0.7, position_decay=2.5)
-    target, d = make(vocab=vocab, labels=labels, confidence_label=conf_label, **weights)
+    # greedy: a scattered draft vocabulary, so that draft index != target id (to_target_ids is exercised)
+    counts = torch.randperm(V, generator=torch.Generator().manual_seed(3)) + 1 if conf_label == "greedy" else None
+    target, d = make(vocab=vocab, labels=labels, confidence_label=conf_label, counts=counts, **weights)
+    if vocab and conf_label == "greedy":
+        assert not torch.equal(d.draft_ids, torch.arange(vocab))
     batch = make_batch(target)
     anchors, ok = fixed_anchors(d, monkeypatch)
     with torch.no_grad():
