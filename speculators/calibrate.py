@@ -3,10 +3,10 @@
 A drafter with a confidence head (DSpark, ALGORITHMS.md) reports per draft a raw confidence logit
 ``z_k`` (``Proposal.confidence_logits``); its calibrated conditional confidence is
 ``c_k = sigmoid(z_k / T_k + b_k)`` with the drafter's ``confidence_temperature`` buffer ``T [B]`` (ones
-until calibrated) and ``confidence_bias`` buffer ``b [B]`` (zeros until calibrated), the probability that draft k is accepted given drafts 1..k-1 were. Their running product
-``S_k = prod_{i<=k} c_i`` (:func:`speculators.generate.survival_probabilities`) is the probability that
-drafts 1..k are ALL accepted: the quantity confidence-gated verification thresholds
-(:class:`speculators.generate.ConfidenceGate`).
+until calibrated) and ``confidence_bias`` buffer ``b [B]`` (zeros until calibrated), the probability
+that draft k is accepted given drafts 1..k-1 were. Their running product ``S_k = prod_{i<=k} c_i``
+(:func:`speculators.generate.survival_probabilities`) is the probability that drafts 1..k are ALL
+accepted: the quantity confidence-gated verification thresholds (:class:`speculators.generate.ConfidenceGate`).
 
 The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows.calibrate_run`):
 
@@ -447,8 +447,8 @@ def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | No
                         bins: int = DEFAULT_BINS, bias: torch.Tensor | None = None) -> dict:
     """ECE, NLL, Brier score and the reliability table of the survival probabilities of ``record`` under
     ``temperature`` and ``bias`` (None: all 1 / all 0), plus per position: pairs, mean predicted survival,
-    observed survival rate and the ECE of that position's pairs alone (the pooled ECE is dominated by late positions whose survival and
-    outcome are both near 0; slot 1 carries most of the signal)."""
+    observed survival rate and the ECE of that position's pairs alone (the pooled ECE is dominated by
+    late positions whose survival and outcome are both near 0; slot 1 carries most of the signal)."""
     s, y, pos = survival_pairs(record, temperature, bias)
     per = []
     for k in range(1, record.k + 1):

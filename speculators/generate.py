@@ -52,7 +52,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .drafters.base import Proposal, advance_each, check_speculative_tokens, propose_each
+from .drafters.base import Proposal, advance_each, calibrated_confidence_logits, check_speculative_tokens, propose_each
 from .errors import SpeculatorsError
 from .verify import SamplingParams, rejection_sample
 
@@ -417,19 +417,7 @@ def survival_probabilities(confidence_logits: torch.Tensor, temperature: torch.T
             shift not finite.
     """
     z = confidence_logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-    n = z.numel()
-    if temperature is not None:
-        t = temperature.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-        if t.numel() < n or not bool((t[:n] > 0).all()):
-            raise SpeculatorsError(f"confidence_temperature: expected {n} or more positive temperatures, "
-                                   f"got {t.tolist()}")
-        z = z / t[:n]
-    if bias is not None:
-        b = bias.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-        if b.numel() < n or not bool(torch.isfinite(b[:n]).all()):
-            raise SpeculatorsError(f"confidence_bias: expected {n} or more finite shifts, got {b.tolist()}")
-        z = z + b[:n]
-    return torch.cumprod(torch.sigmoid(z), 0)
+    return torch.cumprod(torch.sigmoid(calibrated_confidence_logits(z, temperature, bias)), 0)
 
 
 class ConfidenceGate:
@@ -437,8 +425,8 @@ class ConfidenceGate:
 
     The rule reads only the proposal (its drafts' confidence logits) and the proposer's calibration
     (temperatures and shifts), never the target or the verifier's randomness, and whether draft k is kept
-    depends only on ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only drafts ``< k``. Dropping
-    draft k is then the proposer stopping before drafting it, and speculative sampling stays lossless
+    depends only on ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only
+    drafts ``< k``. Dropping draft k is then the proposer stopping before drafting it, and speculative sampling stays lossless
     (Leviathan et al. 2023). A draft kept or dropped because of its OWN sampled value, or a rule that looks at
     the verifier's outcome, can bias the output (tests/test_gating.py shows the latter). Proposals
     without ``confidence_logits`` (n-gram, suffix, families without a confidence head) are untouched.

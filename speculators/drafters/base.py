@@ -89,6 +89,37 @@ class Proposal:
     confidence_logits: torch.Tensor | None = None
 
 
+def calibrated_confidence_logits(z: torch.Tensor, temperature: torch.Tensor | None = None,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``z / T + b`` per draft: the calibrated confidence logits of ``Proposal.confidence_logits``
+    (:mod:`speculators.calibrate`; the one place that applies and checks a calibration).
+
+    Args:
+        z: ``[n]`` raw confidence logits. temperature: ``[>= n]`` temperatures (> 0), None = all 1.
+        bias: ``[>= n]`` shifts (finite), None = all 0. Only the first n entries are read.
+    Returns:
+        ``[n]`` float32 on ``z``'s device.
+    Raises:
+        SpeculatorsError: fewer temperatures or shifts than drafts, a temperature <= 0 or a shift that
+            is not finite.
+    """
+    z = z.float()
+    n = z.numel()
+    if temperature is not None:
+        t = temperature.detach().reshape(-1)[:n].to(device=z.device, dtype=torch.float32)
+        if t.numel() < n or not bool((t > 0).all()):
+            raise SpeculatorsError(f"confidence_temperature: expected {n} or more positive temperatures (> 0, one "
+                                   f"per draft position), got {temperature.reshape(-1).tolist()}")
+        z = z / t
+    if bias is not None:
+        b = bias.detach().reshape(-1)[:n].to(device=z.device, dtype=torch.float32)
+        if b.numel() < n or not bool(torch.isfinite(b).all()):
+            raise SpeculatorsError(f"confidence_bias: expected {n} or more finite shifts (one per draft "
+                                   f"position), got {bias.reshape(-1).tolist()}")
+        z = z + b
+    return z
+
+
 def _empty_proposal() -> Proposal:
     return Proposal(torch.empty(0, dtype=torch.int64))
 

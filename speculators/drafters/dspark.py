@@ -84,7 +84,7 @@ from .. import export
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
-from .base import Proposal, register
+from .base import Proposal, calibrated_confidence_logits, register
 from .checkpoint import TargetMeta
 from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashState
 
@@ -110,24 +110,7 @@ def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
     """
     if logits.dim() != 1:
         raise SpeculatorsError(f"calibrated_confidences: logits must be [k], got shape {tuple(logits.shape)}")
-    k = logits.shape[0]
-    temp = temperature.reshape(-1)
-    if temp.numel() < k:
-        raise SpeculatorsError(f"calibrated_confidences: {k} confidence logits but only {temp.numel()} "
-                               "temperatures (one per block slot)")
-    t = temp[:k].to(device=logits.device, dtype=torch.float32)
-    if k and not bool((t > 0).all()):
-        raise SpeculatorsError(f"calibrated_confidences: temperatures must be > 0, got {t.tolist()}")
-    z = logits.float() / t
-    if bias is not None:
-        if bias.numel() < k:
-            raise SpeculatorsError(f"calibrated_confidences: {k} confidence logits but only {bias.numel()} "
-                                   "shifts (one per block slot)")
-        b = bias.reshape(-1)[:k].to(device=logits.device, dtype=torch.float32)
-        if not bool(torch.isfinite(b).all()):
-            raise SpeculatorsError(f"calibrated_confidences: shifts must be finite, got {b.tolist()}")
-        z = z + b
-    return torch.sigmoid(z)
+    return torch.sigmoid(calibrated_confidence_logits(logits, temperature, bias))
 
 
 def greedy_confidence_label(draft_ids: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
