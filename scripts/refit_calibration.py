@@ -12,7 +12,8 @@ on ``fit`` and measures on ``eval`` (or in-sample when the run had one side only
 * Platt: a temperature and a shift per position (the default of ``speculators calibrate``);
 
 and prints one table: the survival ECE pooled over positions and per position (equal-mass bins), the
-NLL, the mean predicted and observed survival per position, and each calibrator's ECE as a ratio to
+ECE a perfectly calibrated head with the same predictions would score (mean [5%, 95%] over outcomes
+redrawn from the predictions: the resolution of the ECE on this many steps), the NLL, the mean predicted and observed survival per position, and each calibrator's ECE as a ratio to
 the raw head's.
 
     python scripts/refit_calibration.py outputs/smollm2-dspark/calibration/outcomes.safetensors
@@ -49,7 +50,7 @@ def main() -> None:
     rows = [("raw (T = 1, b = 0)", None, None), ("STS (T per position)", t_sts, None),
             ("Platt (T and b per position)", t_platt, b_platt)]
     P = min(args.positions, ev.k)
-    head = ["calibrator", "ECE pooled", "x raw", "NLL"] + [f"ECE_{k}" for k in range(1, P + 1)] \
+    head = ["calibrator", "ECE pooled", "x raw", "perfect head's ECE", "NLL"] + [f"ECE_{k}" for k in range(1, P + 1)] \
         + [f"S_{k} pred/obs" for k in range(1, P + 1)]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -58,7 +59,9 @@ def main() -> None:
         s = calibration_summary(ev, T, args.bins, bias=b)
         raw_ece = s["ece"] if raw_ece is None else raw_ece
         per = {p["k"]: p for p in s["per_position"]}
-        cells = [name, f"{s['ece']:.4f}", f"{s['ece'] / raw_ece:.2f}" if raw_ece else "-", f"{s['nll']:.4f}"]
+        fl = s["ece_floor"]
+        cells = [name, f"{s['ece']:.4f}", f"{s['ece'] / raw_ece:.2f}" if raw_ece else "-",
+                 f"{fl['mean']:.4f} [{fl['lo']:.4f}, {fl['hi']:.4f}]", f"{s['nll']:.4f}"]
         cells += [f"{per[k]['ece']:.4f}" if k in per else "-" for k in range(1, P + 1)]
         cells += [f"{per[k]['mean_survival_pred']:.3f}/{per[k]['survival_rate']:.3f}" if k in per else "-"
                   for k in range(1, P + 1)]

@@ -315,6 +315,45 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
     return sum(b["count"] / m * abs(b["mean_pred"] - b["frac_pos"]) for b in table) if m else 0.0
 
 
+NOISE_DRAWS = 200  # label redraws of :func:`ece_noise_floor`
+
+
+def ece_noise_floor(probs: torch.Tensor, bins: int = DEFAULT_BINS, draws: int = NOISE_DRAWS,
+                    seed: int = 0) -> dict:
+    """The ECE that a PERFECTLY calibrated head making the same predictions would score on this many pairs:
+    outcomes redrawn ``draws`` times as ``y ~ Bernoulli(probs)`` and binned like
+    :func:`expected_calibration_error` (equal-mass bins, the same bin edges since the predictions do not
+    change). The plug-in ECE is biased upwards by sampling noise; an ECE, or a difference of two ECEs,
+    inside this band is not evidence of miscalibration, or of a better calibration.
+
+    Args:
+        probs: ``[M]`` predictions in [0, 1] (any float dtype).
+        bins: equal-mass bins (>= 1). draws: redraws (>= 1). seed: the redraws' generator seed.
+    Returns:
+        ``{"mean", "lo", "hi"}``: the mean and the 5% / 95% quantiles of the redrawn ECEs (all 0.0 without
+        pairs).
+    Raises:
+        SpeculatorsError: ``bins`` or ``draws`` < 1.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise SpeculatorsError(f"bins must be an integer >= 1, got {bins!r}")
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise SpeculatorsError(f"draws must be an integer >= 1, got {draws!r}")
+    p = torch.sort(probs.double().reshape(-1).clamp(0.0, 1.0), stable=True).values
+    m = p.numel()
+    if m == 0:
+        return {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+    sizes = torch.tensor([len(i) for i in torch.tensor_split(torch.arange(m), min(bins, m))], dtype=torch.int64)
+    sizes = sizes[sizes > 0]
+    bin_of = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+    mean_pred = torch.zeros(sizes.numel(), dtype=torch.float64).index_add_(0, bin_of, p) / sizes
+    y = torch.bernoulli(p.expand(draws, m), generator=torch.Generator().manual_seed(seed))
+    frac = torch.zeros(draws, sizes.numel(), dtype=torch.float64).index_add_(1, bin_of, y) / sizes
+    eces = ((frac - mean_pred).abs() * sizes / m).sum(dim=1)
+    lo, hi = torch.quantile(eces, torch.tensor([0.05, 0.95], dtype=torch.float64)).tolist()
+    return {"mean": float(eces.mean()), "lo": lo, "hi": hi}
+
+
 def _nll(s: torch.Tensor, y: torch.Tensor) -> float:
     s = s.clamp(1e-12, 1.0 - 1e-12)
     return float(-(y * s.log() + (1.0 - y) * torch.log1p(-s)).mean()) if s.numel() else 0.0
@@ -448,15 +487,18 @@ def calibration_summary(record: ConfidenceRecord, temperature: torch.Tensor | No
     """ECE, NLL, Brier score and the reliability table of the survival probabilities of ``record`` under
     ``temperature`` and ``bias`` (None: all 1 / all 0), plus per position: pairs, mean predicted survival,
     observed survival rate and the ECE of that position's pairs alone (the pooled ECE is dominated by
-    late positions whose survival and outcome are both near 0; slot 1 carries most of the signal)."""
+    late positions whose survival and outcome are both near 0; slot 1 carries most of the signal).
+    Beside each ECE, ``ece_floor`` (:func:`ece_noise_floor`): what a perfectly calibrated head with the
+    same predictions would score on as many pairs, the resolution of that ECE."""
     s, y, pos = survival_pairs(record, temperature, bias)
     per = []
     for k in range(1, record.k + 1):
         m = pos == k
         if bool(m.any()):
             per.append({"k": k, "pairs": int(m.sum()), "mean_survival_pred": float(s[m].mean()),
-                        "survival_rate": float(y[m].mean()), "ece": expected_calibration_error(s[m], y[m], bins)})
-    return {"ece": expected_calibration_error(s, y, bins), "nll": _nll(s, y),
+                        "survival_rate": float(y[m].mean()), "ece": expected_calibration_error(s[m], y[m], bins),
+                        "ece_floor": ece_noise_floor(s[m], bins, seed=k)})
+    return {"ece": expected_calibration_error(s, y, bins), "ece_floor": ece_noise_floor(s, bins), "nll": _nll(s, y),
             "brier": float(((s - y) ** 2).mean()) if s.numel() else 0.0, "pairs": int(s.numel()),
             "reliability": reliability_bins(s, y, bins) if s.numel() else [], "per_position": per}
 
@@ -736,6 +778,12 @@ def _fmt_ece(position: dict) -> str:
     return f"{position['ece']:.4f}" if "ece" in position else "-"
 
 
+def _fmt_floor(summary: dict) -> str:
+    """An ECE noise-floor cell, ``mean [5%, 95%]`` ("-" for reports written before the floor existed)."""
+    f = summary.get("ece_floor")
+    return f"{f['mean']:.4f} [{f['lo']:.4f}, {f['hi']:.4f}]" if f else "-"
+
+
 def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     """The report of :func:`calibrate_drafter` as Markdown (temperatures and shifts, ECE / NLL / Brier before
     and after, and of the raw head (every T = 1, b = 0) when the checkpoint already held a calibration;
@@ -758,19 +806,26 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
               "Survival S_k = prod_{i<=k} sigmoid(z_i / T_i) predicts that drafts 1..k are all accepted. T is fitted "
               "left to right (STS), each T_k ")
              + "by maximum likelihood on the steps that accepted drafts 1..k-1; ECE uses " + report["binning"] + ".", "",
-             "| | ECE | NLL | Brier |", "|---|---|---|---|",
-             *(f"| {name} | {r['ece']:.4f} | {r['nll']:.4f} | {r['brier']:.4f} |" for name, r in ece_rows), "",
+             "| | ECE | ECE of a perfectly calibrated head with these predictions | NLL | Brier |",
+             "|---|---|---|---|---|",
+             *(f"| {name} | {r['ece']:.4f} | {_fmt_floor(r)} | {r['nll']:.4f} | {r['brier']:.4f} |"
+               for name, r in ece_rows), "",
+             "The third column is the ECE's resolution: outcomes redrawn from the predictions themselves (200 "
+             "draws, mean [5%, 95%]). An ECE inside it, or a difference of two ECEs smaller than it, is "
+             "sampling noise, not miscalibration. Steps of one prompt are correlated, so the true noise is "
+             "larger still.", "",
              f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}"
              + (f" (uncalibrated: {report['in_sample']['uncalibrated']:.4f})."
                 if recalibration and "uncalibrated" in report["in_sample"] else "."),
              "", "| position k | T before | T after | b before | b after | pairs | mean S_k before | mean S_k after "
-             "| observed | ECE_k before | ECE_k after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| observed | ECE_k before | ECE_k after | ECE_k perfectly calibrated (after) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     pb = {p["k"]: p for p in before["per_position"]}
     for p in after["per_position"]:
         i = p["k"]
         lines.append(f"| {i} | {tb[i - 1]:.3f} | {report['temperatures_after'][i - 1]:.3f} | {bb[i - 1]:+.3f} | "
                      f"{ba[i - 1]:+.3f} | {p['pairs']} | {pb[i]['mean_survival_pred']:.3f} | "
-                     f"{p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} | {_fmt_ece(pb[i])} | {_fmt_ece(p)} |")
+                     f"{p['mean_survival_pred']:.3f} | {p['survival_rate']:.3f} | {_fmt_ece(pb[i])} | {_fmt_ece(p)} | {_fmt_floor(p)} |")
     if report.get("threshold_sweep"):
         rec_t = report.get("recommended_threshold")
         which = ("fitted calibration" if report.get("sweep_temperatures", "fitted") == "fitted"

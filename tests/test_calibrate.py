@@ -21,6 +21,7 @@ from speculators.calibrate import (
     calibration_markdown,
     calibration_summary,
     choose_threshold,
+    ece_noise_floor,
     expected_calibration_error,
     fit_calibration,
     fit_temperatures,
@@ -184,6 +185,40 @@ def test_equal_mass_bins_and_ece_by_hand():
         reliability_bins(p, y, bins=0)
 
 
+def test_ece_noise_floor_is_the_ece_of_redrawn_outcomes():
+    """By hand: each redraw's ECE through expected_calibration_error, with the floor's own draws."""
+    p = torch.rand(301, generator=torch.Generator().manual_seed(3)) ** 2
+    floor = ece_noise_floor(p, bins=7, draws=40, seed=11)
+    ps = torch.sort(p.double()).values
+    y = torch.bernoulli(ps.expand(40, ps.numel()), generator=torch.Generator().manual_seed(11))
+    eces = torch.tensor([expected_calibration_error(ps, y[d], bins=7) for d in range(40)], dtype=torch.float64)
+    assert floor["mean"] == pytest.approx(float(eces.mean()), abs=1e-12)
+    assert floor["lo"] == pytest.approx(float(torch.quantile(eces, 0.05)), abs=1e-12)
+    assert floor["hi"] == pytest.approx(float(torch.quantile(eces, 0.95)), abs=1e-12)
+    assert 0.0 < floor["lo"] < floor["mean"] < floor["hi"]
+    assert ece_noise_floor(torch.zeros(0)) == {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+    for bad in ({"bins": 0}, {"draws": 0}, {"draws": True}):
+        with pytest.raises(SpeculatorsError, match=next(iter(bad))):
+            ece_noise_floor(p, **bad)
+
+
+def test_ece_noise_floor_separates_calibrated_from_miscalibrated_heads():
+    """Outcomes drawn from the predictions (a calibrated head) score inside the band in ~90% of seeds; a
+    head off by 0.1 everywhere scores far above it; more pairs narrow the band like 1/sqrt(n)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(4000, generator=g) * 0.8 + 0.1
+    floor = ece_noise_floor(p)
+    inside = sum(floor["lo"] <= expected_calibration_error(p, torch.bernoulli(p, generator=g)) <= floor["hi"]
+                 for _ in range(100))
+    assert 75 <= inside <= 99, inside
+    off = expected_calibration_error(p, torch.bernoulli((p + 0.1).clamp(max=1.0), generator=g))
+    assert off > 2 * floor["hi"], (off, floor)
+    big = ece_noise_floor(p.repeat(16))
+    assert 0.15 < big["mean"] / floor["mean"] < 0.4, (big, floor)
+    summary = calibration_summary(synthetic_record([1.0, 1.0]), None)
+    assert summary["ece_floor"]["hi"] > 0 and all(q["ece_floor"]["hi"] > 0 for q in summary["per_position"])
+
+
 # ----------------------------------------------------------------------------- through the decoding loop
 class OracleWithKnownConfidence:
     """Greedy drafts that are the target's own argmax with probability sigmoid(u_k) (else a wrong token), with
@@ -247,6 +282,10 @@ def test_calibration_through_the_decoding_loop_finds_the_known_temperature(tmp_p
     assert torch.equal(fit_calibration(back["fit"])[0], T)
     md = (out / "calibration.md").read_text()
     assert "![reliability diagram](reliability.png)" in md and "equal-mass" in md
+    f = report["after"]["ece_floor"]  # the ECE's resolution, beside it
+    assert f"| after | {report['after']['ece']:.4f} | {f['mean']:.4f} [{f['lo']:.4f}, {f['hi']:.4f}] |" in md
+    # the raw 3x head is miscalibrated far beyond sampling noise; the fitted one is not
+    assert report["before"]["ece"] > report["before"]["ece_floor"]["hi"] and report["after"]["ece"] < 2 * f["hi"]
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
