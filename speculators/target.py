@@ -40,7 +40,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -915,7 +915,8 @@ class Target:
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int,
                        stop_token_ids: Iterable[int] | int | None = None,
                        temperature: float = 0.0, top_p: float = 1.0,
-                       generator: torch.Generator | None = None, pad_token_id: int = 0) -> list[Generation]:
+                       generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                       pad_token_id: int = 0) -> list[Generation]:
         """Batched generation with batch compaction: finished rows leave the batch (and the KV cache).
 
         Prompts are left-padded; each step runs only the rows still generating, so the cost follows
@@ -929,13 +930,16 @@ class Target:
                 :attr:`stop_token_ids`; an empty collection = never stop before ``max_new_tokens``.
             temperature: 0 = greedy; otherwise sampling with ``top_p`` (vLLM semantics through
                 :func:`speculators.verify.apply_sampling`).
-            generator: RNG for sampling.
+            generator: RNG for sampling: one for the whole batch, or one per prompt (``len(prompts)`` of
+                them, on the target's device), so that what a prompt samples does not depend on which
+                other prompts share its batch or on their order.
             pad_token_id: id written in the left padding (masked out).
         Returns:
             One :class:`Generation` per prompt: ``ids`` (without the prompt and the stop token) and
             ``stop`` (the stop id that ended it, or None when cut by ``max_new_tokens``).
         Raises:
-            SpeculatorsError: an empty prompt or ``max_new_tokens < 1``.
+            SpeculatorsError: an empty prompt, ``max_new_tokens < 1`` or a generator list whose length is
+                not ``len(prompts)``.
         """
         from transformers import DynamicCache
 
@@ -950,6 +954,9 @@ class Target:
         else:
             stops = {int(t) for t in stop_token_ids}
         B = len(prompts)
+        per_row = generator is not None and not isinstance(generator, torch.Generator)
+        if per_row and len(generator) != B:
+            raise SpeculatorsError(f"generate_batch: {len(generator)} generators for {B} prompts (one per prompt)")
         if B == 0:
             return []
         T = max(len(p) for p in prompts)
@@ -976,7 +983,11 @@ class Target:
                 n = logits.shape[0]
                 probs = apply_sampling(logits, torch.full((n,), temperature), None,
                                        torch.full((n,), top_p) if top_p < 1 else None)
-                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                if per_row:
+                    nxt = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=generator[r])[:, 0]
+                                     for i, r in enumerate(rows.tolist())])
+                else:
+                    nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
             else:
                 nxt = logits.argmax(-1)
             done = torch.zeros_like(nxt, dtype=torch.bool)

@@ -323,6 +323,32 @@ def test_regeneration_resumes_after_a_torn_last_line(smol_tokenizer, isolated_ca
     assert rb.input_ids == render_prompt(smol_tokenizer, b.messages) + [hello, bang, IM_END]
 
 
+def test_sampled_regeneration_does_not_depend_on_batching_or_resuming(smol_tokenizer, isolated_cache):
+    """At temperature > 0 each prompt samples from its own generator (seed, prompt key): the responses of
+    an uninterrupted run, of one prompt per batch, and of a run resumed after its first batch are the
+    same, and no two prompts replay one random stream (they did: batch i was seeded seed + i of the
+    prompts still to generate, so a resumed run gave prompts 3-4 the samples of prompts 1-2)."""
+    target = build_tiny_target(vocab_size=len(smol_tokenizer), hidden_size=32, num_layers=2, seed=0)
+    target.tokenizer = smol_tokenizer
+    convs = [Conversation(f"s/{i}", "s", [{"role": "user", "content": f"Question number {i}?"}]) for i in range(5)]
+    kw = dict(max_new_tokens=6, temperature=30.0, seed=3, log=lambda m: None)  # the tiny target is peaked
+
+    def responses(batches, batch_size):
+        for part in batches:
+            out = regenerate(target, part, "s", batch_size=batch_size, **kw)
+        for f in (isolated_cache / "regen").glob("*.jsonl"):
+            f.unlink()
+        return [c.input_ids for c in out]
+
+    whole = responses([convs], 4)
+    assert responses([convs], 1) == whole  # one prompt per batch
+    assert responses([convs[:2], convs], 2) == whole  # resumed after two prompts were cached
+    news = [ids[len(render_prompt(smol_tokenizer, c.messages)):] for c, ids in zip(convs, whole)]
+    assert len({tuple(n) for n in news}) == len(news), news  # no stream replayed
+    other = regenerate(target, convs[:1], "s", batch_size=4, **{**kw, "seed": 4})[0].input_ids
+    assert other != whole[0]  # the recipe's seed still matters
+
+
 def test_data_identity_follows_file_content(tmp_path):
     f = tmp_path / "chat.jsonl"
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}

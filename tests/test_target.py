@@ -103,6 +103,25 @@ def test_generate_batch_sampling_is_seeded(target):
     assert a == b and all(len(x.ids) == 10 and x.stop is None for x in a)
 
 
+def test_generate_batch_samples_each_row_from_its_own_generator(target):
+    """One generator per prompt: a prompt's sample is the same alone, in a batch, and in another order."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    T = 30.0  # the tiny target is nearly deterministic at T = 1
+
+    def gens(seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    batch = target.generate_batch(prompts, 8, [], temperature=T, generator=gens([10, 11, 12]))
+    alone = [target.generate_batch([p], 8, [], temperature=T, generator=gens([s]))[0]
+             for p, s in zip(prompts, [10, 11, 12])]
+    flipped = target.generate_batch(prompts[::-1], 8, [], temperature=T, generator=gens([12, 11, 10]))
+    assert batch == alone == flipped[::-1]
+    assert len({t for g in batch for t in g.ids}) > 6  # really sampled
+    assert batch != target.generate_batch(prompts, 8, [], temperature=T, generator=gens([10, 11, 13]))
+    with pytest.raises(SpeculatorsError, match="2 generators for 3 prompts"):
+        target.generate_batch(prompts, 8, [], temperature=T, generator=gens([1, 2]))
+
+
 def test_stop_token_ids_without_tokenizer(target):
     assert target.stop_token_ids == []  # tokenizer-less tiny target, no generation-config EOS
     t = build_tiny_target(vocab_size=64, num_layers=2)

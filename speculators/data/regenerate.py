@@ -44,6 +44,12 @@ def prompt_key(messages: list[dict], prompt_ids: list[int]) -> str:
     return stable_hash({"messages": messages, "ids": prompt_ids}, n=24)
 
 
+def prompt_seed(seed: int, key: str) -> int:
+    """The sampling seed of one prompt's regeneration: a 60-bit hash of the recipe's ``seed`` and the
+    prompt's content key (:func:`prompt_key`), independent of batching and of the other prompts."""
+    return int(stable_hash({"seed": int(seed), "key": key}, n=15), 16)
+
+
 def _prompt_mask(tok, messages: list[dict], prompt_ids: list[int], chat_template: str | None) -> list[int]:
     """Loss mask of the prompt part: earlier assistant turns keep their :func:`render_with_mask` mask
     when those ids are a prefix of ``prompt_ids``; otherwise (or with no assistant turn) all zeros."""
@@ -80,7 +86,7 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         source: source label for the cache key.
         max_new_tokens, temperature, top_p: generation settings (temperature 0 = greedy).
         batch_size: prompts per ``generate_batch`` call.
-        seed: sampling seed (batch ``i`` uses ``seed + i * batch_size``).
+        seed: sampling seed (each prompt samples from its own generator, :func:`prompt_seed`).
         chat_template: the recipe's ``data.chat_template`` (None = the tokenizer's); also selects the
             end-of-turn stop token (:meth:`speculators.target.Target.stop_ids_for`).
         progress: optional ``(done, total)`` callable.
@@ -96,6 +102,8 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
     stops = target.stop_ids_for(chat_template)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "stop_ids": stops}
+    if temperature > 0:  # sampled responses: one generator per prompt (earlier caches seeded per batch)
+        settings["rng"] = "per-prompt"
     path = regeneration_cache_file(target, source, settings, chat_template)
     done = {rec["key"]: rec for rec in read_jsonl_records(path)
             if isinstance(rec.get("key"), str) and isinstance(rec.get("ids"), list)}
@@ -123,10 +131,13 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         with open_jsonl_append(path) as f:
             for bi in range(0, len(order), batch_size):
                 chunk = order[bi:bi + batch_size]
-                # on the target's device: generate_batch samples there (a CPU generator fails on CUDA)
-                gen = torch.Generator(device=target.device).manual_seed(seed + bi)
+                # one generator per prompt, seeded from (seed, prompt key): a prompt samples the same
+                # response whichever prompts share its batch, so a resumed or extended run reproduces an
+                # uninterrupted one and no two prompts replay one random stream. On the target's device:
+                # generate_batch samples there (a CPU generator fails on CUDA).
+                gens = [torch.Generator(device=target.device).manual_seed(prompt_seed(seed, k)) for k in chunk]
                 outs = target.generate_batch([todo[k] for k in chunk], max_new_tokens, stops,
-                                             temperature, top_p, generator=gen, pad_token_id=pad)
+                                             temperature, top_p, generator=gens, pad_token_id=pad)
                 for k, (new, stop) in zip(chunk, outs):
                     n_new += len(new)
                     n_cut += stop is None
