@@ -163,6 +163,60 @@ def test_prepare_data_logs_held_out_conversations_without_loss_examples(tmp_path
     assert "data: dropped 1 held-out conversations of chat: whole answer beyond data.max_length=40" in logs
 
 
+def test_held_out_examples_of_regenerated_sources_are_the_targets_answers(tmp_path, smol_tokenizer, isolated_cache):
+    """Review finding: held-out examples were rendered from the data's own answers even for sources
+    whose training rows are regenerated, so the held-out loss and acceptance measured text the target
+    never wrote (and self-synthesized prompts gave none). They are regenerated now (cached), exactly
+    like the training side; an off-policy source keeps its answers; a sequence listed twice is counted."""
+    hello, bang = ids_of(smol_tokenizer, "Hello!")
+    target = scripted_target(smol_tokenizer, {NL: hello, hello: bang, bang: IM_END})
+    rows = [{"id": i, "messages": [{"role": "user", "content": f"Question {i}?"},
+                                   {"role": "assistant", "content": f"The original answer number {i}."}]}
+            for i in range(8)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = recipe([{"source": str(tmp_path / "chat.jsonl"), "regenerate": True},
+                  {"source": str(tmp_path / "chat.jsonl"), "regenerate": False},
+                  {"source": str(tmp_path / "chat.jsonl"), "regenerate": False}],
+                 held_out={"fraction": 0.5, "seed": 1})
+    logs = []
+    data = prepare_data(rec.data, target, draft_vocab_size=None, log=logs.append)
+    held = data.held_out
+    n_prompts = len(data.eval_prompts)
+    assert 1 <= n_prompts <= 7
+    examples = [held.example(i)["input_ids"].tolist() for i in range(len(held))]
+    answers = [ids_of(smol_tokenizer, r["messages"][1]["content"]) for r in rows]
+    regenerated = [e for e in examples if e[-3:] == [hello, bang, IM_END]]
+    original = [e for e in examples if any(e[-len(a) - 2:-2] == a for a in answers)]  # answer, <|im_end|>, \n
+    assert len(regenerated) == n_prompts and len(original) == n_prompts and len(examples) == 2 * n_prompts
+    again = data.report[f"{tmp_path / 'chat.jsonl'} (data.sources.2)"]["dropped"]
+    assert again == {"held-out: duplicate of another held-out example": n_prompts}, data.report
+
+
+def test_rows_that_cannot_give_an_example_are_dropped_at_load_on_both_sides(tmp_path):
+    """Review finding: an off-policy row without an answer aborted the run when it fell on the train side
+    and was kept as an eval prompt on the held-out side (the split decided); an assistant-only row of a
+    regenerated source failed inside the chat template with no file or row named. Both are dropped and
+    counted at load, before the split; a regenerate: false source with no answer at all is an error."""
+    rows = [{"prompt": "Hi", "response": "Hello"}, {"prompt": "Bye", "response": None},
+            {"messages": [{"role": "user", "content": "Q"}]}]
+    (tmp_path / "pr.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "lone.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "only"}]}) + "\n"
+                                         + json.dumps({"messages": [{"role": "system", "content": "S"},
+                                                                    {"role": "assistant", "content": "x"}]}) + "\n"
+                                         + json.dumps({"messages": [{"role": "user", "content": "U"}]}) + "\n")
+    logs = []
+    pairs, _ = load_data(recipe([{"source": str(tmp_path / "pr.jsonl"), "regenerate": False},
+                                 {"source": str(tmp_path / "lone.jsonl"), "regenerate": True}]).data, logs.append)
+    assert sorted(c.id.split("#")[0].split("/")[-1] for c, _ in pairs) == ["1", "3"]  # ids: line numbers
+    assert any(x.endswith("conversations of " + str(tmp_path / "lone.jsonl") + ": no user turn before the answer")
+               and "dropped 2" in x for x in logs), logs
+    assert any("no reference answer (regenerate: false)" in x and "pr.jsonl" in x and "dropped 2" in x
+               for x in logs), logs
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Q"}]}) + "\n")
+    with pytest.raises(SpeculatorsError, match=r"data\.sources\.0 .*set regenerate: true"):
+        load_data(recipe([{"source": str(tmp_path / "prompts.jsonl"), "regenerate": False}]).data)
+
+
 def test_textless_assistant_turn_kinds():
     assert has_textless_assistant_turn([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
     assert has_textless_assistant_turn([{"role": "user", "content": "x"}, {"role": "assistant"}])

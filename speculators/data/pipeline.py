@@ -127,11 +127,13 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
     ``regenerate`` flag, and the identity of the data.
 
     Ids are suffixed by mode (``#regen`` / ``#orig``) so that one source may be listed twice, once
-    regenerated and once off-policy. A conversation with an assistant turn that carries no text
-    (content null, missing, ``""``, whitespace, a content-part list without text) is dropped and
-    counted, one log line per source: off-policy it would train only the end-of-turn token; when
-    regenerated only the turns kept in the prompt are checked (the final answer is rewritten).
-    Every conversation's ``label`` is its entry's name (:func:`source_labels`). The rows a source's
+    regenerated and once off-policy. A conversation that cannot give an example is dropped and
+    counted here, before the held-out split, one log line per source and reason
+    (:func:`unusable_reason`): an assistant turn that carries no text (content null, missing, ``""``,
+    whitespace, a content-part list without text; off-policy it would train only the end-of-turn
+    token; when regenerated only the turns kept in the prompt are checked, the final answer is
+    rewritten), an off-policy conversation that does not end with an answer, a regenerated one with
+    no user turn to answer. Every conversation's ``label`` is its entry's name (:func:`source_labels`). The rows a source's
     loader skipped (empty conversations, duplicates of chatterbot and chitchat, malformed entries,
     unreadable files: the ``drops`` of :func:`speculators.data.sources.load_source`) are counted the
     same way, one log line ``data: dropped N conversations of SOURCE: REASON`` per reason, before the
@@ -150,7 +152,8 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
         :func:`speculators.data.sources.conversations_identity`).
 
     Raises:
-        SpeculatorsError: a source cannot be loaded (see :func:`speculators.data.sources.load_source`).
+        SpeculatorsError: a source cannot be loaded (see :func:`speculators.data.sources.load_source`);
+            a ``regenerate: false`` source none of whose conversations ends with an answer.
     """
     out, identity, stats = [], {}, {}
     labels = source_labels(data_spec)
@@ -169,10 +172,18 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
             raise SpeculatorsError(str(e)) from None
         label = _source_label(s.source)
         identity[f"data.sources.{n} ({label})"] = conversations_identity(convs)
-        kept = [c for c in convs if not has_textless_assistant_turn(c.messages, prompt_only=regen)]
         dropped = Counter({r: k for r, k in load_drops.items() if k > 0})  # skipped by the loader
-        if len(kept) < len(convs):
-            dropped["assistant turn without text"] += len(convs) - len(kept)
+        kept = []
+        for c in convs:
+            why = unusable_reason(c.messages, regen)
+            if why is None:
+                kept.append(c)
+            else:
+                dropped[why] += 1
+        if convs and not kept and dropped[DROP_NO_REFERENCE] == len(convs):
+            raise SpeculatorsError(
+                f"data.sources.{n} ({label}): none of its {len(convs)} conversations ends with an assistant "
+                "answer; set regenerate: true for this source (the target writes the answers)")
         if log is not None:
             for reason, k in dropped.items():
                 log(f"data: dropped {k} conversations of {label}: {reason}")
@@ -182,6 +193,32 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
     if target is not None:
         out.extend(synthesize_self_sources(data_spec, target, stats, log, progress))
     return LoadedData(out, identity, stats)
+
+
+DROP_TEXTLESS = "assistant turn without text"
+DROP_NO_REFERENCE = "no reference answer (regenerate: false)"
+DROP_NO_PROMPT = "no user turn before the answer"
+
+
+def unusable_reason(messages: list[dict], regenerate: bool) -> str | None:
+    """Why a loaded conversation cannot give a training or held-out example (None: it can). Checked at
+    load time, before the held-out split, so a row is dropped and counted the same way on either side:
+
+    * ``assistant turn without text``: an assistant turn with no text that would be trained as an
+      empty answer (with ``regenerate``, only the turns kept in the prompt count: the final answer is
+      replaced by the target's);
+    * ``no reference answer (regenerate: false)``: the data's own answer is trained, and the
+      conversation does not end with one;
+    * ``no user turn before the answer`` (``regenerate``): nothing but system messages is left for the
+      target to answer.
+    """
+    if has_textless_assistant_turn(messages, prompt_only=regenerate):
+        return DROP_TEXTLESS
+    if not regenerate:
+        return None if messages and messages[-1].get("role") == "assistant" else DROP_NO_REFERENCE
+    if not any(m.get("role") != "system" for m in prompt_messages(messages)):
+        return DROP_NO_PROMPT
+    return None
 
 
 def apply_weights(pairs: list[tuple[Conversation, bool]], data_spec: DataSpec, log=None
@@ -431,19 +468,6 @@ def _drop_reason(target, c: Conversation, data_spec: DataSpec) -> str:
     return "no assistant turn"
 
 
-def _log_held_out_without_answers(held_convs: list[Conversation], log) -> None:
-    """Log, per source and reason, the held-out conversations that give an eval prompt but no
-    held-out loss example (no final assistant answer, or an assistant turn without text)."""
-    drops: Counter = Counter()
-    for c in held_convs:
-        if not c.messages or c.messages[-1]["role"] != "assistant":
-            drops[(c.source, "no reference answer (used as eval prompts only)")] += 1
-        elif has_textless_assistant_turn(c.messages):
-            drops[(c.source, "assistant turn without text (used as eval prompts only)")] += 1
-    for (source, reason), n in sorted(drops.items()):
-        log(f"data: {n} held-out conversations of {source} give no held-out loss example: {reason}")
-
-
 def _features(target, examples: list[TokenizedExample], data_spec: DataSpec, log, progress) -> FeatureStore:
     """The :class:`FeatureStore` of ``examples`` for ``data.features``: ``offline`` extracts (or reads) the
     on-disk cache in ``data.feature_dtype`` (:func:`speculators.data.features.extract_features`);
@@ -508,18 +532,19 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
             f"rounding, as the offline cache would store them)")
     train = _features(target, train_ex, data_spec, log, progress("target features") if progress else None)
     held = None
-    held_convs = [c for c, _ in held_pairs]
-    held_with_answers = [c for c in held_convs if c.messages and c.messages[-1]["role"] == "assistant"
-                         and not has_textless_assistant_turn(c.messages)]
-    _log_held_out_without_answers(held_convs, log)
-    if held_with_answers:
+    if held_pairs:
+        # the held-out examples are what the drafter is trained on: the target's own answers for the
+        # regenerated sources (cached like the train side's), the data's answers for the others
+        held_convs = _materialise(target, held_pairs, data_spec, log, progress)
         held_ex, seen_ids = [], set()
-        # a prompt listed by two sources: once
         held_drops: Counter = Counter()
-        for e in tokenize(target, held_with_answers, data_spec, log=log, split="held-out", drop_counts=held_drops):
-            if tuple(e.input_ids) not in seen_ids:
-                seen_ids.add(tuple(e.input_ids))
-                held_ex.append(e)
+        label = {c.id: c.label or c.source for c in held_convs}
+        for e in tokenize(target, held_convs, data_spec, log=log, split="held-out", drop_counts=held_drops):
+            if tuple(e.input_ids) in seen_ids:  # one sequence listed twice (e.g. a prompt in two sources)
+                held_drops[(label[e.id], "duplicate of another held-out example")] += 1
+                continue
+            seen_ids.add(tuple(e.input_ids))
+            held_ex.append(e)
         if held_ex:
             held = _features(target, held_ex, data_spec, log, None)
         drop_counts.update({(lab, f"held-out: {why}"): n for (lab, why), n in held_drops.items()})
