@@ -202,7 +202,8 @@ class HybridProposer:
 
         Raises:
             SpeculatorsError: ``min_match`` < 1 or above the lookup's ``max_match`` (it could never win);
-                ``drafter_k`` < 1.
+                ``drafter_k`` < 1 or above what the drafter drafts in one step (its
+                ``max_speculative_tokens``).
         """
         self.drafter = drafter
         self.lookup = lookup if lookup is not None else SuffixProposer()
@@ -211,7 +212,21 @@ class HybridProposer:
             raise SpeculatorsError(f"HybridProposer min_match ({min_match}) must be <= the suffix proposer's "
                                    f"max_match ({self.lookup.max_match})")
         self.drafter_k = None if drafter_k is None else _check_int("HybridProposer drafter_k", drafter_k, 1)
+        cap = getattr(drafter, "max_speculative_tokens", None)
+        if self.drafter_k is not None and cap is not None and self.drafter_k > int(cap):
+            raise SpeculatorsError(f"HybridProposer drafter_k ({self.drafter_k}) is more than the drafter drafts "
+                                   f"in one step ({int(cap)})")
         self.counts = {"suffix": 0, "drafter": 0}
+
+    @property
+    def max_speculative_tokens(self) -> int | None:
+        """The K bound of the hybrid: the drafter's when it may be asked for the step's whole K
+        (``drafter_k`` None); None (unbounded, like the suffix proposer) when ``drafter_k`` caps the
+        drafter's share, since only the lookup then drafts more than ``drafter_k`` tokens."""
+        if self.drafter_k is not None:
+            return None
+        cap = getattr(self.drafter, "max_speculative_tokens", None)
+        return None if cap is None else int(cap)
 
     def start(self, input_ids: torch.Tensor, features: Any) -> HybridState:
         """Start both parts on ``input_ids [n+1]`` and the prompt's target ``features``."""

@@ -169,6 +169,22 @@ def test_hybrid_drafter_k_caps_only_the_drafter():
         HybridProposer(FakeDrafter(), drafter_k=0)
 
 
+def test_hybrid_k_bound_follows_drafter_k():
+    """Review finding: the K check read the drafter's cap even when drafter_k keeps the drafter under it,
+    so a hybrid whose lookup may draft K = 6 beside a 3-draft drafter capped at 2 was refused."""
+    from speculators.drafters.base import check_speculative_tokens
+
+    capped = FakeDrafter()
+    capped.max_speculative_tokens = 3
+    check_speculative_tokens(HybridProposer(capped, drafter_k=2), [6])  # the lookup drafts 6, the drafter 2
+    assert HybridProposer(capped, drafter_k=2).max_speculative_tokens is None
+    assert HybridProposer(capped).max_speculative_tokens == 3
+    with pytest.raises(SpeculatorsError, match="k=6"):
+        check_speculative_tokens(HybridProposer(capped), [6])  # the drafter would be asked for 6
+    with pytest.raises(SpeculatorsError, match=r"drafter_k \(4\) is more than the drafter drafts in one step \(3\)"):
+        HybridProposer(capped, drafter_k=4)
+
+
 def test_hybrid_bad_min_match():
     with pytest.raises(SpeculatorsError, match="min_match"):
         HybridProposer(FakeDrafter(), min_match=0)

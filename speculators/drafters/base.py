@@ -213,12 +213,14 @@ def advance_each(one, states: list, new_ids: list, features: list | None) -> Non
 
 
 def max_speculative_tokens_of(proposer) -> int | None:
-    """The K bound of any proposer: its ``max_speculative_tokens`` (a :class:`Drafter`'s property), else
-    that of the drafter it wraps (``proposer.drafter``, e.g. :class:`speculators.proposers.HybridProposer`,
-    which asks its drafter for up to K drafts), else None (unbounded: n-gram, suffix, plain)."""
-    cap = getattr(proposer, "max_speculative_tokens", None)
-    if cap is None and getattr(proposer, "drafter", None) is not None:
-        cap = getattr(proposer.drafter, "max_speculative_tokens", None)
+    """The K bound of any proposer: its ``max_speculative_tokens`` where it has one (a :class:`Drafter`'s
+    property; :class:`speculators.proposers.HybridProposer`'s, None when ``drafter_k`` keeps its drafter
+    under the bound), else that of the drafter it wraps (``proposer.drafter``), else None (unbounded:
+    n-gram, suffix, plain)."""
+    if hasattr(proposer, "max_speculative_tokens"):
+        cap = proposer.max_speculative_tokens
+    else:
+        cap = getattr(getattr(proposer, "drafter", None), "max_speculative_tokens", None)
     return None if cap is None else int(cap)
 
 
@@ -239,7 +241,7 @@ def check_speculative_tokens(proposer, ks, name: str = "k") -> None:
     values = [ks] if isinstance(ks, int) else list(ks)
     bad = [k for k in values if isinstance(k, int) and k > cap]
     if bad:
-        d = proposer if isinstance(getattr(proposer, "max_speculative_tokens", None), int) else proposer.drafter
+        d = getattr(proposer, "drafter", None) or proposer  # a wrapper (the hybrid) names its drafter
         src = getattr(d, "max_speculative_tokens_source", "") or "its training"
         given = f"{name}{' ' if name.startswith('-') else '='}{','.join(map(str, bad))}"
         raise SpeculatorsError(f"{given}: this {getattr(d, 'algorithm', '') or type(d).__name__} "
