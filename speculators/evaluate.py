@@ -416,11 +416,14 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
             return SuffixProposer()
         return HybridProposer(drafter, SuffixProposer(), min_match=hybrid_min_match, drafter_k=hybrid_drafter_k)
 
-    from .generate import speculative_generate
-
-    # warm-up (discarded): the first decode pays one-off costs (allocator, kernels) that would
-    # otherwise be charged to batch 1's plain baseline and inflate every speedup
-    speculative_generate(target, None, ids[:1], 0, min(4, max_new_tokens), None, 1, eos_ids=stop)
+    # warm-up (discarded): the first decode of each kind pays one-off costs (allocator, kernel
+    # compilation: the Triton sampling and verifier kernels at temperature > 0 on CUDA, the drafter's
+    # first forward) that would otherwise be charged to the first measured pass (batch 1's plain
+    # baseline, which every speedup divides by) or to a method's first row. Same sampling settings
+    # as the measured passes, a few tokens of one prompt, plain and every method.
+    for method in (None, *methods):
+        _generate(target, None if method is None else make(method), ids[:1], 0 if method is None else max(ks),
+                  min(4, max_new_tokens), temperature, top_k, top_p, 1, stop, seed)
     rows, plain_rows, mismatches, reference = [], [], [], None
     results_of: dict[tuple, list] = {}  # (method, K, batch) -> the pass's results (for the per-source table)
     for b in batch_sizes:

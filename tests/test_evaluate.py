@@ -236,14 +236,21 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     real = ev._generate
 
     def spy(target, proposer, ids, k, *a, **kw):
-        calls.append((type(proposer).__name__, k, a[4]))  # proposer, K, batch size
+        calls.append((type(proposer).__name__, k, a[4], len(ids), a[0], a[1]))  # + prompts, tokens, temperature
         return real(target, proposer, ids, k, *a, **kw)
 
     monkeypatch.setattr(ev, "_generate", spy)
     rep = run_eval(target, RandomDrafter(64), prompts, [2, 1], 8, batch_size=2, eos_ids=set())
+    # warm-up first: plain and every method once, 4 tokens of one prompt at the largest K (sampling as measured)
+    warm, calls = calls[:5], calls[5:]
+    assert [c[:5] for c in warm] == [("NoneType", 0, 1, 1, 4), ("RandomDrafter", 2, 1, 1, 4),
+                                     ("NGramProposer", 2, 1, 1, 4), ("SuffixProposer", 2, 1, 1, 4),
+                                     ("HybridProposer", 2, 1, 1, 4)]
+    assert {c[5] for c in warm + calls} == {0.0}
+    measured = [c[:3] for c in calls]
     # plain decoding runs ONCE per batch size; every method once per K and batch size
-    assert [c for c in calls if c[0] == "NoneType"] == [("NoneType", 0, 1), ("NoneType", 0, 2)]
-    assert len(calls) == 2 * (1 + 4 * 2)
+    assert [c for c in measured if c[0] == "NoneType"] == [("NoneType", 0, 1), ("NoneType", 0, 2)]
+    assert len(measured) == 2 * (1 + 4 * 2)
     assert rep["ks"] == [1, 2] and rep["batch_sizes"] == [1, 2] and rep["methods"] == list(ev.METHODS)
     assert len(rep["rows"]) == 2 * 4 * 2
     assert rep["greedy_mismatches"] == []  # every proposer, K and batch size == plain greedy at batch 1
@@ -266,6 +273,14 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     hy = [r for r in rep["rows"] if r["method"] == "hybrid"]
     assert all(sum(r["proposals"].values()) > 0 for r in hy)
     json.dumps(rep)
+    # sampled: the warm-up samples like the measured passes (Triton's sampling kernels compile on first use)
+    from speculators.verify import SamplingParams
+
+    calls.clear()
+    run_eval(target, RandomDrafter(64), prompts[:1], [1], 4, SamplingParams.uniform(1, 0.5, 0, 1.0),
+             eos_ids=set(), methods=("ngram",))
+    assert [c[0] for c in calls] == ["NoneType", "NGramProposer", "NoneType", "NGramProposer"]
+    assert {c[5] for c in calls} == {0.5}
 
 
 def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
@@ -278,7 +293,7 @@ def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
 
     def corrupt(target, proposer, ids, k, *a, **kw):
         out = real(target, proposer, ids, k, *a, **kw)
-        if type(proposer).__name__ == "SuffixProposer" and k == 2:
+        if type(proposer).__name__ == "SuffixProposer" and k == 2 and len(ids) > 1:  # not the warm-up
             out.results[1].tokens[3] = (out.results[1].tokens[3] + 1) % 64
         return out
 
