@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"{args.run_dir}: no recipe.yaml (not a run directory written by `speculators train`)")
     rec = load_recipe(recipe_path)
     target = Target.load(rec.target.model, rec.target.dtype, log=print)
-    prompts = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data, log=print, target=target)[0])
+    loaded = load_data(rec.data, log=print, target=target)
+    prompts = held_out_prompts(rec.data, target.tokenizer, loaded[0], dropped_groups=loaded.dropped_groups)
     if not prompts:
         sys.exit(f"{recipe_path}: no held-out prompts (data.held_out.fraction = 0)")
     by_source: dict[str, list[dict]] = {}

@@ -931,8 +931,9 @@ class Target:
             temperature: 0 = greedy; otherwise sampling with ``top_p`` (vLLM semantics through
                 :func:`speculators.verify.apply_sampling`).
             generator: RNG for sampling: one for the whole batch, or one per prompt (``len(prompts)`` of
-                them, on the target's device), so that what a prompt samples does not depend on which
-                other prompts share its batch or on their order.
+                them, on the target's device), so that a prompt's random stream does not depend on which
+                other prompts share its batch or on their order (its logits may still differ from a lone
+                forward's in the last bits, so a draw at a boundary can flip).
             pad_token_id: id written in the left padding (masked out).
         Returns:
             One :class:`Generation` per prompt: ``ids`` (without the prompt and the stop token) and

@@ -307,8 +307,8 @@ def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: 
         if not plist:
             raise SpeculatorsError(f"--prompts {', '.join(prompts)}: no prompts in these sources")
         return plist, ", ".join(prompts)
-    plist = held_out_prompts(rec.data, target.tokenizer, load_data(rec.data, target=target)[0],  # target: source self
-                             limit=limit)
+    loaded = load_data(rec.data, target=target)  # target: source self
+    plist = held_out_prompts(rec.data, target.tokenizer, loaded[0], limit=limit, dropped_groups=loaded.dropped_groups)
     if not plist:
         raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
     return plist, "held-out split of the recipe's sources"
@@ -316,19 +316,28 @@ def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: 
 
 def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Mapping[str, str], what: str) -> None:
     """Refuse every K of the eval (``ev.ks``: the sweep or ``[k]``) above what ``drafter`` can draft per
-    step (:func:`speculators.drafters.base.check_speculative_tokens`), naming the setting the K came
-    from: the command-line option (``names``, e.g. ``-k``) when overridden, else ``eval.k`` /
-    ``eval.k_sweep`` of the checkpoint's recipe.
+    step (:func:`speculators.drafters.base.check_speculative_tokens`), for the methods that ask the
+    drafter for K drafts: ``drafter`` (gated or not) and ``hybrid`` without ``hybrid_drafter_k``. A
+    hybrid with ``hybrid_drafter_k`` asks the drafter for at most that many (its lookup drafts the whole
+    K), so that value is checked instead. The error names the setting the value came from: the
+    command-line option (``names``, e.g. ``-k``, ``--hybrid-drafter-k``) when overridden, else
+    ``eval.k`` / ``eval.k_sweep`` / ``eval.hybrid_drafter_k`` of the checkpoint's recipe.
 
     Raises:
-        SpeculatorsError: one line with the offending K values, the allowed maximum and ``what``.
+        SpeculatorsError: one line with the offending values, the allowed maximum and ``what``.
     """
     from .drafters.base import check_speculative_tokens
 
-    field = "k_sweep" if ev.k_sweep else "k"
-    name = names.get(field) if overrides.get(field) is not None else None
+    def setting(field: str) -> str:
+        return (names.get(field) if overrides.get(field) is not None else None) or f"eval.{field}"
+
+    methods = set(ev.methods)
+    capped_hybrid = "hybrid" in methods and ev.hybrid_drafter_k is not None
     try:
-        check_speculative_tokens(drafter, ev.ks, name or f"eval.{field}")
+        if "drafter" in methods or ("hybrid" in methods and not capped_hybrid):
+            check_speculative_tokens(drafter, ev.ks, setting("k_sweep" if ev.k_sweep else "k"))
+        if capped_hybrid:
+            check_speculative_tokens(drafter, [ev.hybrid_drafter_k], setting("hybrid_drafter_k"))
     except SpeculatorsError as e:
         raise SpeculatorsError(f"{what}: {e}") from None
 

@@ -188,8 +188,10 @@ def test_held_out_examples_of_regenerated_sources_are_the_targets_answers(tmp_pa
     regenerated = [e for e in examples if e[-3:] == [hello, bang, IM_END]]
     original = [e for e in examples if any(e[-len(a) - 2:-2] == a for a in answers)]  # answer, <|im_end|>, \n
     assert len(regenerated) == n_prompts and len(original) == n_prompts and len(examples) == 2 * n_prompts
-    again = data.report[f"{tmp_path / 'chat.jsonl'} (data.sources.2)"]["dropped"]
-    assert again == {"held-out: duplicate of another held-out example": n_prompts}, data.report
+    rep = {n: data.report[f"{tmp_path / 'chat.jsonl'} (data.sources.{n})"] for n in (1, 2)}
+    assert rep[2]["dropped"] == {"held-out: duplicate of another held-out example": n_prompts}, data.report
+    # one source listed twice in one mode: its own ids (#orig@1, #orig@2), so each entry counts its own rows
+    assert rep[1]["dropped"] == {} and rep[1]["train_examples"] == rep[2]["train_examples"] == 8 - n_prompts
 
 
 def test_rows_that_cannot_give_an_example_are_dropped_at_load_on_both_sides(tmp_path):
@@ -215,6 +217,28 @@ def test_rows_that_cannot_give_an_example_are_dropped_at_load_on_both_sides(tmp_
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Q"}]}) + "\n")
     with pytest.raises(SpeculatorsError, match=r"data\.sources\.0 .*set regenerate: true"):
         load_data(recipe([{"source": str(tmp_path / "prompts.jsonl"), "regenerate": False}]).data)
+
+
+def test_rows_dropped_at_load_move_no_other_row_across_the_held_out_split(tmp_path):
+    """Review finding: the split ranked only the rows kept, so dropping a held-out row pulled a training
+    row onto the held-out side (and trained rows became eval prompts). The dropped rows' groups still
+    count: the split of the kept rows is the split of everything loaded, minus the dropped rows."""
+    from speculators.data.pipeline import split_conversations
+    from speculators.data.sources import held_out_split
+
+    rows = [{"prompt": f"Question {i}?", "response": None if i in (3, 17, 29) else f"Answer {i}."} for i in range(40)]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = recipe([{"source": str(tmp_path / "qa.jsonl"), "regenerate": False}], held_out={"fraction": 0.2, "seed": 0})
+    loaded = load_data(rec.data)
+    assert len(loaded[0]) == 37 and len(loaded.dropped_groups) == 3
+    _, held = split_conversations(loaded[0], rec.data.held_out, loaded.dropped_groups)
+    everything = [Conversation(f"x/{i}", "x", [{"role": "user", "content": f"Question {i}?"}]) for i in range(40)]
+    _, full_held = held_out_split(everything, 0.2, 0)
+    expected = {c.messages[0]["content"] for c in full_held} - {f"Question {i}?" for i in (3, 17, 29)}
+    assert {c.messages[0]["content"] for c, _ in held} == expected
+    # without the dropped groups the split would differ (the test can fail)
+    _, naive = split_conversations(loaded[0], rec.data.held_out)
+    assert {c.messages[0]["content"] for c, _ in naive} != expected
 
 
 def test_textless_assistant_turn_kinds():

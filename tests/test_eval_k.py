@@ -135,6 +135,27 @@ def test_eval_run_checks_compared_checkpoints_too(target, tmp_path, monkeypatch)
                     prompts=str(write_prompts(tmp_path / "p.jsonl")), compare=[shallow])
 
 
+def test_eval_run_checks_k_per_method(target, tmp_path, monkeypatch):
+    """Review finding: the pre-load check read the drafter's bound for every method, so an eval of prompt
+    lookup and a hybrid whose drafter_k stays under the bound was refused at K = 6, while a drafter_k
+    above the bound passed it and failed only once the eval ran, naming no setting."""
+    import speculators.workflows as wf
+
+    ckpt = make(target, "dflash").save_pretrained(tmp_path / "ckpt")  # drafts at most 3
+    loaded = []
+    monkeypatch.setattr(wf, "_load_for_eval", lambda *a, **kw: loaded.append(1) or (_ for _ in ()).throw(KeyError))
+    kw = dict(override_names=_EVAL_OPTIONS, target_model="none", prompts=str(write_prompts(tmp_path / "p.jsonl")))
+    with pytest.raises(KeyError):  # passed the K check: reached the target load
+        wf.eval_run(ckpt, eval_overrides={"k": 6, "methods": ["ngram", "hybrid"], "hybrid_drafter_k": 2}, **kw)
+    with pytest.raises(SpeculatorsError, match=r"--hybrid-drafter-k 4: this dflash drafter drafts at most 3"):
+        wf.eval_run(ckpt, eval_overrides={"k": 6, "methods": ["hybrid"], "hybrid_drafter_k": 4}, **kw)
+    with pytest.raises(SpeculatorsError, match=r"-k 6: this dflash drafter drafts at most 3"):  # uncapped hybrid
+        wf.eval_run(ckpt, eval_overrides={"k": 6, "methods": ["ngram", "hybrid"]}, **kw)
+    with pytest.raises(SpeculatorsError, match=r"-k 6: this dflash"):  # the drafter row itself
+        wf.eval_run(ckpt, eval_overrides={"k": 6, "methods": ["drafter", "hybrid"], "hybrid_drafter_k": 2}, **kw)
+    assert loaded == [1]
+
+
 def test_cli_eval_k_sweep_above_the_bound_is_one_error_line(target, tmp_path):
     ckpt = make(target, "dflash").save_pretrained(tmp_path / "ckpt")
     r = CliRunner().invoke(app, ["eval", str(ckpt), "--target", str(tmp_path / "none"), "--prompts",

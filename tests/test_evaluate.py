@@ -236,7 +236,7 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     real = ev._generate
 
     def spy(target, proposer, ids, k, *a, **kw):
-        calls.append((type(proposer).__name__, k, a[4], len(ids), a[0], a[1]))  # + prompts, tokens, temperature
+        calls.append((type(proposer).__name__, k, a[4], len(ids), a[0], a[1:4]))  # + prompts, tokens, sampling
         return real(target, proposer, ids, k, *a, **kw)
 
     monkeypatch.setattr(ev, "_generate", spy)
@@ -246,7 +246,7 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     assert [c[:5] for c in warm] == [("NoneType", 0, 1, 1, 4), ("RandomDrafter", 2, 1, 1, 4),
                                      ("NGramProposer", 2, 1, 1, 4), ("SuffixProposer", 2, 1, 1, 4),
                                      ("HybridProposer", 2, 1, 1, 4)]
-    assert {c[5] for c in warm + calls} == {0.0}
+    assert {c[5] for c in warm + calls} == {(0.0, 0, 1.0)}
     measured = [c[:3] for c in calls]
     # plain decoding runs ONCE per batch size; every method once per K and batch size
     assert [c for c in measured if c[0] == "NoneType"] == [("NoneType", 0, 1), ("NoneType", 0, 2)]
@@ -272,15 +272,17 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     assert rep["drafter"]["batch_size"] == 2 and rep["plain"]["batch_size"] == 2
     hy = [r for r in rep["rows"] if r["method"] == "hybrid"]
     assert all(sum(r["proposals"].values()) > 0 for r in hy)
+    # the warm-up's (and other passes') proposals are not counted in a row
+    assert all(sum(r["proposals"].values()) <= r["steps"] for r in hy), hy  # at most one per request and step
     json.dumps(rep)
     # sampled: the warm-up samples like the measured passes (Triton's sampling kernels compile on first use)
     from speculators.verify import SamplingParams
 
     calls.clear()
-    run_eval(target, RandomDrafter(64), prompts[:1], [1], 4, SamplingParams.uniform(1, 0.5, 0, 1.0),
+    run_eval(target, RandomDrafter(64), prompts[:1], [1], 4, SamplingParams.uniform(1, 0.5, 5, 0.9),
              eos_ids=set(), methods=("ngram",))
     assert [c[0] for c in calls] == ["NoneType", "NGramProposer", "NoneType", "NGramProposer"]
-    assert {c[5] for c in calls} == {0.5}
+    assert {c[5] for c in calls} == {(0.5, 5, 0.9)}
 
 
 def test_run_eval_reports_every_mismatch(tiny, monkeypatch):

@@ -104,21 +104,25 @@ def test_generate_batch_sampling_is_seeded(target):
 
 
 def test_generate_batch_samples_each_row_from_its_own_generator(target):
-    """One generator per prompt: a prompt's sample is the same alone, in a batch, and in another order."""
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    """One generator per prompt: a prompt's sample is the same alone, in a batch, and in another order,
+    also after rows that stopped early left the batch (generator ``r`` stays with original row ``r``)."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11], [12, 13, 14]]
     T = 30.0  # the tiny target is nearly deterministic at T = 1
+    stops = set(range(0, 128, 9))  # rows finish at different steps: the batch compacts
 
     def gens(seeds):
         return [torch.Generator().manual_seed(s) for s in seeds]
 
-    batch = target.generate_batch(prompts, 8, [], temperature=T, generator=gens([10, 11, 12]))
-    alone = [target.generate_batch([p], 8, [], temperature=T, generator=gens([s]))[0]
-             for p, s in zip(prompts, [10, 11, 12])]
-    flipped = target.generate_batch(prompts[::-1], 8, [], temperature=T, generator=gens([12, 11, 10]))
+    seeds = [10, 11, 12, 13, 14]
+    batch = target.generate_batch(prompts, 12, stops, temperature=T, generator=gens(seeds))
+    alone = [target.generate_batch([p], 12, stops, temperature=T, generator=gens([s]))[0]
+             for p, s in zip(prompts, seeds)]
+    flipped = target.generate_batch(prompts[::-1], 12, stops, temperature=T, generator=gens(seeds[::-1]))
     assert batch == alone == flipped[::-1]
     assert len({t for g in batch for t in g.ids}) > 6  # really sampled
-    assert batch != target.generate_batch(prompts, 8, [], temperature=T, generator=gens([10, 11, 13]))
-    with pytest.raises(SpeculatorsError, match="2 generators for 3 prompts"):
+    assert len({len(g.ids) for g in batch}) > 1 and any(g.stop is not None for g in batch)  # compacted
+    assert batch != target.generate_batch(prompts, 12, stops, temperature=T, generator=gens([10, 11, 12, 13, 15]))
+    with pytest.raises(SpeculatorsError, match="2 generators for 5 prompts"):
         target.generate_batch(prompts, 8, [], temperature=T, generator=gens([1, 2]))
 
 

@@ -28,7 +28,7 @@ from .features import DEFAULT_FEATURE_DTYPE, FeatureStore, TokenizedExample, ext
 from .regenerate import regenerate
 from .selfsynth import SELF_SOURCE, synthesis_identity, synthesize_prompts
 from .sources import (Conversation, conversations_identity, has_textless_assistant_turn, held_out_split,
-                      load_source)
+                      load_source, split_group)
 from .vocab import DraftVocab
 
 if TYPE_CHECKING:  # types only: the recipe module imports the drafters (its drafter section is typed)
@@ -76,13 +76,17 @@ def source_labels(data_spec: DataSpec) -> list[str]:
 
 class LoadedData(tuple):
     """``(pairs, identity)`` of :func:`load_data` (it unpacks as that 2-tuple), plus ``stats``:
-    ``{label: {"conversations": int, "dropped": Counter(reason -> rows)}}`` per recipe source."""
+    ``{label: {"conversations": int, "dropped": Counter(reason -> rows)}}`` per recipe source, and
+    ``dropped_groups``: the held-out split groups (:func:`speculators.data.sources.split_group`) of the
+    conversations dropped at load, which the split still counts (:func:`split_conversations`)."""
 
     stats: dict[str, dict]
+    dropped_groups: frozenset
 
-    def __new__(cls, pairs, identity, stats):
+    def __new__(cls, pairs, identity, stats, dropped_groups=frozenset()):
         obj = super().__new__(cls, (pairs, identity))
         obj.stats = stats
+        obj.dropped_groups = frozenset(dropped_groups)
         return obj
 
 
@@ -155,10 +159,13 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
         SpeculatorsError: a source cannot be loaded (see :func:`speculators.data.sources.load_source`);
             a ``regenerate: false`` source none of whose conversations ends with an answer.
     """
-    out, identity, stats = [], {}, {}
+    out, identity, stats, dropped_groups = [], {}, {}, set()
     labels = source_labels(data_spec)
+    modes = [(s.source, data_spec.regenerate if s.regenerate is None else s.regenerate) for s in data_spec.sources]
     for n, s in enumerate(data_spec.sources):
         regen = data_spec.regenerate if s.regenerate is None else s.regenerate
+        # id suffix: the mode, and the entry's index when one source is listed twice in one mode
+        tag = ("regen" if regen else "orig") + (f"@{n}" if modes.count(modes[n]) > 1 else "")
         if s.source == SELF_SOURCE:
             identity[f"data.sources.{n} ({SELF_SOURCE})"] = synthesis_identity(s.synth)
             stats[labels[n]] = {"conversations": 0, "dropped": Counter()}
@@ -180,6 +187,7 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
                 kept.append(c)
             else:
                 dropped[why] += 1
+                dropped_groups.add(split_group(replace(c, id=f"{c.id}#{tag}")))
         if convs and not kept and dropped[DROP_NO_REFERENCE] == len(convs):
             raise SpeculatorsError(
                 f"data.sources.{n} ({label}): none of its {len(convs)} conversations ends with an assistant "
@@ -188,11 +196,10 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
             for reason, k in dropped.items():
                 log(f"data: dropped {k} conversations of {label}: {reason}")
         stats[labels[n]] = {"conversations": len(kept), "dropped": dropped}
-        tag = "regen" if regen else "orig"
         out.extend((replace(c, id=f"{c.id}#{tag}", label=labels[n]), regen) for c in kept)
     if target is not None:
         out.extend(synthesize_self_sources(data_spec, target, stats, log, progress))
-    return LoadedData(out, identity, stats)
+    return LoadedData(out, identity, stats, dropped_groups)
 
 
 DROP_TEXTLESS = "assistant turn without text"
@@ -306,20 +313,23 @@ def record_run_identity(run_dir: str | Path, identity: dict[str, str]) -> None:
     atomic_write_text(Path(run_dir) / RUN_IDENTITY_FILE, json.dumps(identity, indent=1, sort_keys=True) + "\n")
 
 
-def split_conversations(pairs: list[tuple[Conversation, bool]], held_out_spec: HeldOutSpec
+def split_conversations(pairs: list[tuple[Conversation, bool]], held_out_spec: HeldOutSpec,
+                        dropped_groups=frozenset()
                         ) -> tuple[list[tuple[Conversation, bool]], list[tuple[Conversation, bool]]]:
     """Held-out split BY PROMPT over all sources (a prompt never lands on both sides).
 
     Args:
         pairs: ``(Conversation, regenerate)`` pairs of :func:`load_data`.
         held_out_spec: the recipe's ``data.held_out`` (``fraction``, ``seed``).
+        dropped_groups: :attr:`LoadedData.dropped_groups`: the split is made over every conversation
+            loaded, so a row dropped at load moves no other row across it.
     Returns:
         ``(train_pairs, held_out_pairs)``, each pair keeping its ``regenerate`` flag
         (:func:`speculators.data.sources.held_out_split`).
     """
     convs = [c for c, _ in pairs]
     flags = {c.id: r for c, r in pairs}
-    train, held = held_out_split(convs, held_out_spec.fraction, held_out_spec.seed)
+    train, held = held_out_split(convs, held_out_spec.fraction, held_out_spec.seed, dropped_groups)
     return [(c, flags[c.id]) for c in train], [(c, flags[c.id]) for c in held]
 
 
@@ -355,7 +365,7 @@ def unique_prompts(convs: list[Conversation], tokenizer: Any, chat_template: str
 
 
 def held_out_prompts(data_spec: DataSpec, tokenizer: Any, loaded_pairs: list[tuple[Conversation, bool]],
-                     limit: int | None = None) -> list[dict]:
+                     limit: int | None = None, dropped_groups=frozenset()) -> list[dict]:
     """The held-out prompts of a recipe's data: the ONE definition used by :func:`prepare_data`
     (``PreparedData.eval_prompts``) and by ``speculators eval`` (its default prompts).
 
@@ -364,10 +374,11 @@ def held_out_prompts(data_spec: DataSpec, tokenizer: Any, loaded_pairs: list[tup
         tokenizer: the target's tokenizer.
         loaded_pairs: ``(Conversation, regenerate)`` pairs of :func:`load_data` for ``data_spec``.
         limit: at most this many prompts (None = all).
+        dropped_groups: :attr:`LoadedData.dropped_groups` of the same load.
     Returns:
         :func:`unique_prompts` of the held-out side of :func:`split_conversations`, in split order.
     """
-    _, held = split_conversations(loaded_pairs, data_spec.held_out)
+    _, held = split_conversations(loaded_pairs, data_spec.held_out, dropped_groups)
     return unique_prompts([c for c, _ in held], tokenizer, data_spec.chat_template, limit=limit)
 
 
@@ -516,7 +527,8 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
     stats = {k: {**v, "dropped": Counter(v["dropped"])} for k, v in getattr(loaded, "stats", {}).items()}
     if any(s.source == SELF_SOURCE for s in data_spec.sources) and not _has_self_pairs(pairs):
         pairs = list(pairs) + synthesize_self_sources(data_spec, target, stats, log, progress)
-    train_pairs, held_pairs = split_conversations(pairs, data_spec.held_out)
+    dropped_groups = getattr(loaded, "dropped_groups", frozenset())
+    train_pairs, held_pairs = split_conversations(pairs, data_spec.held_out, dropped_groups)
     log(f"data: {len(pairs)} conversations from {len(data_spec.sources)} source(s): "
         f"{len(train_pairs)} train, {len(held_pairs)} held-out (split by prompt)")
     unweighted = train_pairs
@@ -548,7 +560,8 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
         if held_ex:
             held = _features(target, held_ex, data_spec, log, None)
         drop_counts.update({(lab, f"held-out: {why}"): n for (lab, why), n in held_drops.items()})
-    eval_prompts = held_out_prompts(data_spec, target.tokenizer, pairs)  # for generation: one per prompt
+    eval_prompts = held_out_prompts(data_spec, target.tokenizer, pairs,  # for generation: one per prompt
+                                    dropped_groups=dropped_groups)
     counts = torch.bincount(train.input_ids[train.loss_mask], minlength=target.vocab_size)[:target.vocab_size]
     vocab = DraftVocab.from_counts(counts, draft_vocab_size)
     covered = float(counts[vocab.t2d].sum() / counts.sum().clamp(min=1))

@@ -596,28 +596,35 @@ def load_source(spec: str | dict, *, max_examples: int | None = None,
 # held-out split
 
 
+def split_group(c: Conversation) -> tuple[str, str]:
+    """The held-out split's group of a conversation: ``("u", first user message)``, or ``("id", id)``
+    for a conversation without a user message."""
+    u = first_user_message(c.messages)
+    return ("u", u) if u is not None else ("id", c.id)
+
+
 def held_out_split(
-    convs: list[Conversation], fraction: float, seed: int
+    convs: list[Conversation], fraction: float, seed: int, extra_groups: Iterable[tuple[str, str]] = ()
 ) -> tuple[list[Conversation], list[Conversation]]:
     """Split conversations into (train, eval) by prompt.
 
     Conversations are grouped by their first user message (conversations without one form their own
-    group, keyed by id); whole groups go to one side, so the same prompt never appears on both.
-    ``round(fraction * n_groups)`` groups go to eval, chosen by ranking groups with
+    group, keyed by id: :func:`split_group`); whole groups go to one side, so the same prompt never
+    appears on both. ``round(fraction * n_groups)`` groups go to eval, chosen by ranking groups with
     ``sha256(f"{seed}:{prompt}")``: deterministic given the seed, independent of input order and of
     ``PYTHONHASHSEED``. When ``fraction > 0`` and there are >= 2 groups, eval gets at least one group
     and train always keeps at least one (a single prompt goes to train). Order within each side follows the input.
+
+    ``extra_groups``: groups of conversations that were loaded and then dropped (they count and rank
+    like the others, holding no conversation), so dropping a row never moves another across the split.
 
     Raises:
         ValueError: ``fraction`` is not in [0, 1).
     """
     if not (0.0 <= float(fraction) < 1.0):
         raise SourceError(f"held-out fraction must be in [0, 1), got {fraction!r}")
-    keys = []
-    for c in convs:
-        u = first_user_message(c.messages)
-        keys.append(("u", u) if u is not None else ("id", c.id))
-    groups = sorted(set(keys))
+    keys = [split_group(c) for c in convs]
+    groups = sorted(set(keys) | set(extra_groups))
     n_eval = round(float(fraction) * len(groups))
     if fraction > 0 and len(groups) >= 2:
         n_eval = max(n_eval, 1)
