@@ -281,6 +281,18 @@ def survival_pairs(record: ConfidenceRecord, temperature: torch.Tensor | None = 
     return torch.cat(probs), torch.cat(labels), torch.cat(pos)
 
 
+def _equal_mass_bins(m: int, bins: int) -> list[torch.Tensor]:
+    """The index ranges of ``min(bins, m)`` contiguous equal-mass bins over ``m`` sorted predictions
+    (sizes differ by at most one; none empty; ``[]`` for ``m = 0``).
+
+    Raises:
+        SpeculatorsError: ``bins`` not an integer >= 1.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise SpeculatorsError(f"bins must be an integer >= 1, got {bins!r}")
+    return [idx for idx in torch.tensor_split(torch.arange(m), min(bins, max(m, 1))) if idx.numel()]
+
+
 def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = DEFAULT_BINS) -> list[dict]:
     """Equal-mass bins of predictions ``probs [M]`` in [0, 1] against 0/1 ``labels [M]``: sorted by
     prediction and split into ``min(bins, M)`` contiguous groups whose sizes differ by at most one.
@@ -291,17 +303,13 @@ def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = DEFA
     Raises:
         SpeculatorsError: ``bins`` < 1 or shapes that differ.
     """
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise SpeculatorsError(f"bins must be an integer >= 1, got {bins!r}")
     p, y = probs.double().reshape(-1), labels.double().reshape(-1)
     if p.shape != y.shape:
         raise SpeculatorsError(f"reliability_bins: {p.numel()} predictions for {y.numel()} labels")
     order = torch.argsort(p, stable=True)
     p, y = p[order], y[order]
     out = []
-    for idx in torch.tensor_split(torch.arange(p.numel()), min(bins, max(p.numel(), 1))):
-        if idx.numel() == 0:
-            continue
+    for idx in _equal_mass_bins(p.numel(), bins):
         out.append({"lo": float(p[idx[0]]), "hi": float(p[idx[-1]]), "mean_pred": float(p[idx].mean()),
                     "frac_pos": float(y[idx].mean()), "count": int(idx.numel())})
     return out
@@ -323,8 +331,9 @@ def ece_noise_floor(probs: torch.Tensor, bins: int = DEFAULT_BINS, draws: int = 
     """The ECE that a PERFECTLY calibrated head making the same predictions would score on this many pairs:
     outcomes redrawn ``draws`` times as ``y ~ Bernoulli(probs)`` and binned like
     :func:`expected_calibration_error` (equal-mass bins, the same bin edges since the predictions do not
-    change). The plug-in ECE is biased upwards by sampling noise; an ECE, or a difference of two ECEs,
-    inside this band is not evidence of miscalibration, or of a better calibration.
+    change). The plug-in ECE is biased upwards by sampling noise; an ECE inside this band is what a
+    perfectly calibrated head would score, so it is no evidence of miscalibration (the band is the
+    resolution of one ECE, not a test of the difference between two on the same outcomes).
 
     Args:
         probs: ``[M]`` predictions in [0, 1] (any float dtype).
@@ -335,16 +344,13 @@ def ece_noise_floor(probs: torch.Tensor, bins: int = DEFAULT_BINS, draws: int = 
     Raises:
         SpeculatorsError: ``bins`` or ``draws`` < 1.
     """
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise SpeculatorsError(f"bins must be an integer >= 1, got {bins!r}")
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise SpeculatorsError(f"draws must be an integer >= 1, got {draws!r}")
     p = torch.sort(probs.double().reshape(-1).clamp(0.0, 1.0), stable=True).values
     m = p.numel()
+    sizes = torch.tensor([idx.numel() for idx in _equal_mass_bins(m, bins)], dtype=torch.int64)
     if m == 0:
         return {"mean": 0.0, "lo": 0.0, "hi": 0.0}
-    sizes = torch.tensor([len(i) for i in torch.tensor_split(torch.arange(m), min(bins, m))], dtype=torch.int64)
-    sizes = sizes[sizes > 0]
     bin_of = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
     mean_pred = torch.zeros(sizes.numel(), dtype=torch.float64).index_add_(0, bin_of, p) / sizes
     gen = torch.Generator().manual_seed(seed)

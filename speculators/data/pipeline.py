@@ -163,7 +163,7 @@ def load_data(data_spec: DataSpec, log=None, *, target=None, progress=None) -> L
     labels = source_labels(data_spec)
     modes = [(s.source, data_spec.regenerate if s.regenerate is None else s.regenerate) for s in data_spec.sources]
     for n, s in enumerate(data_spec.sources):
-        regen = data_spec.regenerate if s.regenerate is None else s.regenerate
+        regen = modes[n][1]
         # id suffix: the mode, and the entry's index when one source is listed twice in one mode
         tag = ("regen" if regen else "orig") + (f"@{n}" if modes.count(modes[n]) > 1 else "")
         if s.source == SELF_SOURCE:
