@@ -14,7 +14,8 @@ on ``fit`` and measures on ``eval`` (or in-sample when the run had one side only
 and prints one table: the survival ECE pooled over positions and per position (equal-mass bins), the
 ECE a perfectly calibrated head with the same predictions would score (mean [5%, 95%] over outcomes
 redrawn from the predictions: the resolution of the ECE on this many steps), the NLL, the mean predicted and observed survival per position, and each calibrator's ECE as a ratio to
-the raw head's.
+the raw head's; with the prompt indices that newer outcome files keep, also each ECE and ratio with a
+95% interval from resampling whole prompts (steps of one prompt are correlated).
 
     python scripts/refit_calibration.py outputs/smollm2-dspark/calibration/outcomes.safetensors
     python scripts/refit_calibration.py OUTCOMES --positions 4 --bins 10
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import argparse
 
-from speculators.calibrate import DEFAULT_BINS, ConfidenceRecord, calibration_summary, fit_calibration
+from speculators.calibrate import (DEFAULT_BINS, ConfidenceRecord, calibration_summary, ece_prompt_bootstrap,
+                                   fit_calibration)
 
 
 def main() -> None:
@@ -68,6 +70,15 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
     fmt = lambda v: ", ".join(f"{x:.3f}" for x in v[:P].tolist())  # noqa: E731
     print(f"\nSTS T = [{fmt(t_sts)}]; Platt T = [{fmt(t_platt)}], b = [{fmt(b_platt)}] (first {P} positions)")
+    boot = ece_prompt_bootstrap(ev, {name: (T, b) for name, T, b in rows}, rows[0][0], args.bins)
+    if boot is None:
+        print("\nNo prompt indices in these outcomes (written before they were kept): no prompt bootstrap.")
+        return
+    print(f"\nPrompt bootstrap ({boot['prompts']} prompts resampled whole, {boot['resamples']} times, 95%):")
+    for name, _, _ in rows:
+        e, r = boot["ece"][name], boot["ratio"].get(name)
+        print(f"- {name}: ECE {e['point']:.4f} [{e['lo']:.4f}, {e['hi']:.4f}]"
+              + (f", x raw {r['point']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" if r else ""))
 
 
 if __name__ == "__main__":

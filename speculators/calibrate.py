@@ -54,6 +54,7 @@ import json
 import math
 import os
 import tempfile
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -84,31 +85,43 @@ class ConfidenceRecord:
         logits: ``[N, K]`` float32 raw confidence logits; NaN beyond a step's ``drafted``.
         drafted: ``[N]`` int64 drafts verified in the step (1..K).
         accepted: ``[N]`` int64 drafts the verifier accepted (0..drafted).
+        prompt: ``[N]`` int64 index of the prompt (request) each step decoded, in the order the record's
+            prompts were given; None when unknown (records written before it existed). Steps of one prompt
+            are correlated; :func:`ece_prompt_bootstrap` resamples whole prompts with it.
     """
 
     logits: torch.Tensor
     drafted: torch.Tensor
     accepted: torch.Tensor
+    prompt: torch.Tensor | None = None
 
     @classmethod
-    def from_steps(cls, steps: list[tuple[torch.Tensor, int]], k: int | None = None) -> "ConfidenceRecord":
-        """From ``[(logits [n] float, accepted int)]`` per step; ``k`` = width (default: the longest n).
+    def from_steps(cls, steps: list[tuple], k: int | None = None) -> "ConfidenceRecord":
+        """From ``[(logits [n] float, accepted int)]`` or ``[(logits, accepted, prompt index int)]`` per
+        step (all steps of one kind); ``k`` = width (default: the longest n).
 
         Raises:
-            SpeculatorsError: an accepted count outside ``[0, n]`` or a step without drafts.
+            SpeculatorsError: an accepted count outside ``[0, n]``, a step without drafts, or prompt indices
+                given for some steps only.
         """
-        width = k if k is not None else max((int(z.numel()) for z, _ in steps), default=0)
+        width = k if k is not None else max((int(st[0].numel()) for st in steps), default=0)
         logits = torch.full((len(steps), width), float("nan"))
         drafted = torch.zeros(len(steps), dtype=torch.int64)
         accepted = torch.zeros(len(steps), dtype=torch.int64)
-        for i, (z, a) in enumerate(steps):
-            z = z.detach().reshape(-1).float().cpu()
+        with_prompt = {len(st) == 3 for st in steps}
+        if len(with_prompt) > 1:
+            raise SpeculatorsError("confidence record: prompt indices given for some steps only")
+        prompt = torch.zeros(len(steps), dtype=torch.int64) if with_prompt == {True} else None
+        for i, st in enumerate(steps):
+            z, a = st[0].detach().reshape(-1).float().cpu(), st[1]
             n = int(z.numel())
             if n == 0 or n > width or not 0 <= int(a) <= n:
                 raise SpeculatorsError(f"confidence record step {i}: {n} drafts (1..{width} allowed) with {a} accepted")
             logits[i, :n] = z
             drafted[i], accepted[i] = n, int(a)
-        return cls(logits, drafted, accepted)
+            if prompt is not None:
+                prompt[i] = int(st[2])
+        return cls(logits, drafted, accepted, prompt)
 
     def __len__(self) -> int:
         return int(self.drafted.numel())
@@ -121,8 +134,9 @@ class ConfidenceRecord:
     @staticmethod
     def save_many(records: dict[str, "ConfidenceRecord"], file: str | Path) -> Path:
         """Write records (name -> record; a name without dots) to one safetensors file: per record the
-        tensors ``{name}.logits`` ``[N, K]`` float32 (NaN beyond a step's drafts), ``{name}.drafted`` and
-        ``{name}.accepted`` ``[N]`` int64 (:meth:`load_many` reads them back). Returns ``file``.
+        tensors ``{name}.logits`` ``[N, K]`` float32 (NaN beyond a step's drafts), ``{name}.drafted``,
+        ``{name}.accepted`` and, when known, ``{name}.prompt`` ``[N]`` int64 (:meth:`load_many` reads them
+        back). Returns ``file``.
 
         Raises:
             SpeculatorsError: an empty record name or one containing a dot.
@@ -133,7 +147,7 @@ class ConfidenceRecord:
         if bad:
             raise SpeculatorsError(f"confidence-outcome record names must be non-empty without dots, got {bad}")
         tensors = {f"{name}.{field}": getattr(r, field).contiguous() for name, r in records.items()
-                   for field in ("logits", "drafted", "accepted")}
+                   for field in ("logits", "drafted", "accepted", "prompt") if getattr(r, field) is not None}
         save_file(tensors, str(file), metadata={"format": "speculators-confidence-outcomes"})
         return Path(file)
 
@@ -157,10 +171,13 @@ class ConfidenceRecord:
                 z, n, a = (tensors[f"{name}.{f}"] for f in ("logits", "drafted", "accepted"))
             except KeyError as e:
                 raise SpeculatorsError(f"{file}: record {name!r} lacks the tensor {e.args[0]}") from None
-            if z.dim() != 2 or n.shape != (z.shape[0],) or a.shape != n.shape:
+            p = tensors.get(f"{name}.prompt")  # absent in files written before prompt indices were kept
+            if z.dim() != 2 or n.shape != (z.shape[0],) or a.shape != n.shape or (p is not None and p.shape != n.shape):
                 raise SpeculatorsError(f"{file}: record {name!r} has logits {tuple(z.shape)}, drafted "
-                                       f"{tuple(n.shape)}, accepted {tuple(a.shape)}; expected [N, K], [N], [N]")
-            out[name] = ConfidenceRecord(z, n, a)
+                                       f"{tuple(n.shape)}, accepted {tuple(a.shape)}"
+                                       + ("" if p is None else f", prompt {tuple(p.shape)}")
+                                       + "; expected [N, K], [N], [N] (and prompt [N])")
+            out[name] = ConfidenceRecord(z, n, a, p)
         return out
 
 
@@ -191,18 +208,29 @@ class CalibrationResult:
 
 class _ConfidenceRecorder:
     """A transparent :class:`speculators.generate.Proposer` around a drafter that records, per step and
-    request, the proposal's raw confidence logits and (at ``advance``) how many drafts were accepted
-    (``len(new_ids) - 1``). Steps are matched by the identity of the request's state object; a step
-    whose request finished (never advanced) is dropped when the next ``propose`` starts."""
+    request, the proposal's raw confidence logits, (at ``advance``) how many drafts were accepted
+    (``len(new_ids) - 1``) and which of ``prompts`` the request decodes (``start`` receives the prompt
+    and the first generated token; identical prompts take their indices in order). Steps are matched by
+    the identity of the request's state object; a step whose request finished (never advanced) is
+    dropped when the next ``propose`` starts."""
 
-    def __init__(self, proposer):
+    def __init__(self, proposer, prompts: list[list[int]]):
         self.proposer = proposer
         self.pending: dict[int, torch.Tensor] = {}
-        self.steps: list[tuple[torch.Tensor, int]] = []
+        self.steps: list[tuple[torch.Tensor, int, int]] = []
         self.without_confidence = 0
+        self.unstarted: dict[tuple[int, ...], deque[int]] = {}
+        for i, p in enumerate(prompts):
+            self.unstarted.setdefault(tuple(int(t) for t in p), deque()).append(i)
+        self.prompt_of: dict[int, int] = {}
 
     def start(self, input_ids, features):
-        return self.proposer.start(input_ids, features)
+        state = self.proposer.start(input_ids, features)
+        queue = self.unstarted.get(tuple(input_ids.reshape(-1)[:-1].tolist()))
+        if not queue:
+            raise SpeculatorsError("calibrate: a request started whose prompt is not among the prompts given")
+        self.prompt_of[id(state)] = queue.popleft()
+        return state
 
     def propose(self, states, ks, sampling=None, generators=None):
         props = self.proposer.propose(states, ks, sampling, generators)
@@ -220,7 +248,7 @@ class _ConfidenceRecorder:
         for s, ids in zip(states, new_ids):
             z = self.pending.pop(id(s), None)
             if z is not None:
-                self.steps.append((z, int(ids.numel()) - 1))
+                self.steps.append((z, int(ids.numel()) - 1, self.prompt_of[id(s)]))
         self.proposer.advance(states, new_ids, features)
 
 
@@ -239,7 +267,7 @@ def collect_confidence_outcomes(target, drafter, prompts: list[list[int]], k: in
             greedy); prompt i draws from a generator seeded with ``seed + i``.
         batch_size, eos_ids: as :func:`speculators.generate.speculative_generate`.
     Returns:
-        :class:`ConfidenceRecord` of width ``k``.
+        :class:`ConfidenceRecord` of width ``k``, with each step's prompt index (into ``prompts``).
     Raises:
         SpeculatorsError: the drafter's proposals carry no confidence logits (no confidence head), no step
             was recorded, or a decoding argument is invalid.
@@ -249,7 +277,7 @@ def collect_confidence_outcomes(target, drafter, prompts: list[list[int]], k: in
 
     temperature, top_k, top_p = sampling_values(sampling)
     sp = SamplingParams.uniform(len(prompts), temperature, top_k, top_p)
-    rec = _ConfidenceRecorder(drafter)
+    rec = _ConfidenceRecorder(drafter, prompts)
     speculative_generate(target, rec, prompts, k, max_new_tokens, sp, batch_size, eos_ids=eos_ids,
                          seeds=[seed + i for i in range(len(prompts))])
     if not rec.steps:
@@ -279,6 +307,69 @@ def survival_pairs(record: ConfidenceRecord, temperature: torch.Tensor | None = 
     if not probs:
         return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.int64)
     return torch.cat(probs), torch.cat(labels), torch.cat(pos)
+
+
+BOOTSTRAP_RESAMPLES = 1000  # prompt resamples of :func:`ece_prompt_bootstrap`
+
+
+def ece_prompt_bootstrap(record: ConfidenceRecord, calibrations: dict[str, tuple[torch.Tensor | None,
+                                                                                  torch.Tensor | None]],
+                         reference: str, bins: int = DEFAULT_BINS, resamples: int = BOOTSTRAP_RESAMPLES,
+                         seed: int = 0) -> dict | None:
+    """Sampling uncertainty of the survival ECE over PROMPTS: whole prompts (all their steps) are
+    resampled with replacement ``resamples`` times and every calibration's pooled ECE
+    (:func:`expected_calibration_error`) and its ratio to ``reference``'s are recomputed on each resample
+    (a cluster bootstrap: steps of one prompt are correlated, which :func:`ece_noise_floor`, redrawing
+    each pair independently, does not see).
+
+    Args:
+        record: steps with prompt indices (``record.prompt``). calibrations: name -> ``(temperature,
+            bias)`` as :func:`survival_pairs` takes them (None = 1 / 0). reference: the name every ratio
+            divides by (e.g. the raw head). bins: equal-mass bins. resamples: >= 1. seed: the
+            resampling generator's seed.
+    Returns:
+        None without prompt indices or with fewer than 2 prompts; else ``{"prompts", "resamples",
+        "reference", "ece": {name: {"point", "lo", "hi"}}, "ratio": {name: {"point", "lo", "hi"}}}``
+        with 2.5% / 97.5% percentile bounds (``ratio`` for every name but ``reference``; a resample
+        whose reference ECE is 0 is left out of the ratios).
+    Raises:
+        SpeculatorsError: ``reference`` not among ``calibrations``, ``resamples`` < 1, ``bins`` < 1.
+    """
+    if reference not in calibrations:
+        raise SpeculatorsError(f"ece_prompt_bootstrap: reference {reference!r} is not one of {sorted(calibrations)}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise SpeculatorsError(f"resamples must be an integer >= 1, got {resamples!r}")
+    if record.prompt is None:
+        return None
+    prompts, step_prompt = torch.unique(record.prompt, return_inverse=True)
+    n_prompts = prompts.numel()
+    if n_prompts < 2:
+        return None
+    pair_prompt = torch.repeat_interleave(step_prompt, record.drafted)  # the pairs' prompt, pair order as survival_pairs
+    members = [torch.nonzero(pair_prompt == j).reshape(-1) for j in range(n_prompts)]
+    pairs = {name: survival_pairs(record, t, b)[:2] for name, (t, b) in calibrations.items()}
+    gen = torch.Generator().manual_seed(seed)
+    draws: dict[str, list[float]] = {name: [] for name in calibrations}
+    for _ in range(resamples):
+        pick = torch.randint(n_prompts, (n_prompts,), generator=gen).tolist()
+        idx = torch.cat([members[j] for j in pick])
+        for name, (s, y) in pairs.items():
+            draws[name].append(expected_calibration_error(s[idx], y[idx], bins))
+
+    def band(values: list[float], point: float) -> dict:
+        v = torch.tensor(values, dtype=torch.float64)
+        lo, hi = torch.quantile(v, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist() if v.numel() else (point, point)
+        return {"point": point, "lo": lo, "hi": hi}
+
+    point = {name: expected_calibration_error(s, y, bins) for name, (s, y) in pairs.items()}
+    ref = draws[reference]
+    out = {"prompts": int(n_prompts), "resamples": resamples, "reference": reference,
+           "ece": {name: band(draws[name], point[name]) for name in calibrations}, "ratio": {}}
+    for name in calibrations:
+        if name != reference:
+            ratios = [e / r for e, r in zip(draws[name], ref) if r > 0]
+            out["ratio"][name] = band(ratios, point[name] / point[reference] if point[reference] > 0 else float("nan"))
+    return out
 
 
 def _equal_mass_bins(m: int, bins: int) -> list[torch.Tensor]:
@@ -717,6 +808,10 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
                       "after": calibration_summary(fit_rec, T, bins, b, floors=False)["ece"],
                       "uncalibrated": calibration_summary(fit_rec, None, bins, floors=False)["ece"]},
     }
+    calibrations = {"uncalibrated": (None, None), "after": (T, b)}
+    if _holds_calibration(report):
+        calibrations["before"] = (before_t, before_b)
+    report["bootstrap"] = ece_prompt_bootstrap(eval_rec, calibrations, "uncalibrated", bins, seed=seed)
     report["min_tau_ratio"] = min_tau_ratio
     # the gate reads whatever calibration the checkpoint keeps
     for key, temps, shifts in (("fitted", T, b), ("current", before_t, before_b)):
@@ -798,6 +893,18 @@ def _fmt_floor(summary: dict) -> str:
     return f"{f['mean']:.4f} [{f['lo']:.4f}, {f['hi']:.4f}]" if f else "-"
 
 
+def _bootstrap_lines(boot: dict | None) -> list[str]:
+    """The report's prompt-bootstrap paragraph (:func:`ece_prompt_bootstrap`); none without one."""
+    if not boot:
+        return []
+    e, r = boot["ece"], boot["ratio"]
+    names = {"uncalibrated": "raw head", "before": "checkpoint's calibration", "after": "fitted"}
+    cells = [f"{names.get(n, n)} {v['point']:.4f} [{v['lo']:.4f}, {v['hi']:.4f}]" for n, v in e.items()]
+    ratios = [f"{names.get(n, n)} / raw {v['point']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}]" for n, v in r.items()]
+    return [f"Sampling uncertainty over prompts (the {boot['prompts']} measuring prompts resampled whole, "
+            f"{boot['resamples']} times; 95% intervals): ECE {'; '.join(cells)}; ratio {'; '.join(ratios)}.", ""]
+
+
 def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
     """The report of :func:`calibrate_drafter` as Markdown (temperatures and shifts, ECE / NLL / Brier before
     and after, and of the raw head (every T = 1, b = 0) when the checkpoint already held a calibration;
@@ -828,6 +935,7 @@ def calibration_markdown(report: dict, plot: str | None = PLOT_FILE) -> str:
              "themselves (200 draws, mean [5%, 95%]). An ECE inside it is what a perfectly calibrated head "
              "would score: no evidence of miscalibration. Steps of one prompt are correlated, so the true "
              "noise is larger still.", "",
+             *_bootstrap_lines(report.get("bootstrap")),
              f"In-sample (fit prompts) ECE: {report['in_sample']['before']:.4f} -> {report['in_sample']['after']:.4f}"
              + (f" (uncalibrated: {report['in_sample']['uncalibrated']:.4f})."
                 if recalibration and "uncalibrated" in report["in_sample"] else "."),

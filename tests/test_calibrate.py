@@ -22,11 +22,13 @@ from speculators.calibrate import (
     calibration_summary,
     choose_threshold,
     ece_noise_floor,
+    ece_prompt_bootstrap,
     expected_calibration_error,
     fit_calibration,
     fit_temperatures,
     reliability_bins,
     store_temperatures,
+    survival_pairs,
     threshold_sweep,
     write_calibration_report,
 )
@@ -149,6 +151,62 @@ def test_outcome_files_refuse_what_they_cannot_read(tmp_path):
         ConfidenceRecord.load_many(tmp_path / "shapes.safetensors")
     with pytest.raises(SpeculatorsError, match="without dots"):
         ConfidenceRecord.save_many({"a.b": rec}, tmp_path / "x.safetensors")
+    assert back.prompt is None  # a record without prompt indices (and files written before them) loads
+    tagged = ConfidenceRecord(rec.logits, rec.drafted, rec.accepted, torch.arange(50) // 7)
+    back = ConfidenceRecord.load_many(ConfidenceRecord.save_many({"eval": tagged}, tmp_path / "p.safetensors"))
+    assert torch.equal(back["eval"].prompt, torch.arange(50) // 7)
+    save_file({"fit.logits": rec.logits, "fit.drafted": rec.drafted, "fit.accepted": rec.accepted,
+               "fit.prompt": torch.zeros(3, dtype=torch.int64)}, str(tmp_path / "pshape.safetensors"))
+    with pytest.raises(SpeculatorsError, match="prompt \\(3,\\)"):
+        ConfidenceRecord.load_many(tmp_path / "pshape.safetensors")
+    assert torch.equal(ConfidenceRecord.from_steps([(torch.tensor([0.1]), 1, 4), (torch.tensor([0.2]), 0, 2)]).prompt,
+                       torch.tensor([4, 2]))
+    with pytest.raises(SpeculatorsError, match="some steps only"):
+        ConfidenceRecord.from_steps([(torch.tensor([0.1]), 1, 4), (torch.tensor([0.2]), 0)])
+
+
+def clustered_record(n_prompts: int = 40, steps_per_prompt: int = 100, seed: int = 0) -> ConfidenceRecord:
+    """One draft per step and an uninformative head (about 0.5 each step, a little noise so that no two
+    predictions tie), while each prompt's real acceptance rate is drawn from U(0.05, 0.95): calibrated on
+    average, but the steps of one prompt share their rate."""
+    g = torch.Generator().manual_seed(seed)
+    rate = torch.rand(n_prompts, generator=g) * 0.9 + 0.05
+    prompt = torch.arange(n_prompts).repeat_interleave(steps_per_prompt)
+    accepted = (torch.rand(prompt.numel(), generator=g) < rate[prompt]).long()
+    n = prompt.numel()
+    return ConfidenceRecord(torch.randn(n, 1, generator=g) * 0.01, torch.ones(n, dtype=torch.int64), accepted, prompt)
+
+
+def test_ece_prompt_bootstrap_resamples_whole_prompts():
+    rec = synthetic_record([3.0, 3.0, 1.0], n_steps=1200, seed=4)
+    rec.prompt = torch.arange(1200) // 20  # 60 prompts of 20 steps
+    T = torch.tensor([3.0, 3.0, 1.0])
+    boot = ece_prompt_bootstrap(rec, {"raw": (None, None), "fit": (T, None)}, "raw", resamples=200)
+    assert boot["prompts"] == 60 and boot["resamples"] == 200 and set(boot["ratio"]) == {"fit"}
+    for name, temps in (("raw", None), ("fit", T)):  # the point estimates are the plain ECEs
+        s, y, _ = survival_pairs(rec, temps)
+        e = boot["ece"][name]
+        assert e["point"] == pytest.approx(expected_calibration_error(s, y)) and e["lo"] <= e["point"] <= e["hi"]
+    r = boot["ratio"]["fit"]
+    assert r["point"] == pytest.approx(boot["ece"]["fit"]["point"] / boot["ece"]["raw"]["point"])
+    assert r["hi"] < 1.0  # the known temperatures beat the 3x-overconfident head on every resample band
+    # correlated steps widen the interval: the same outcomes with every step its own prompt give a
+    # far narrower band than with the 40 shared acceptance rates kept together
+    clustered = clustered_record()
+    spread = {}
+    for name, prompt in (("clustered", clustered.prompt), ("independent", torch.arange(clustered.prompt.numel()))):
+        rec2 = ConfidenceRecord(clustered.logits, clustered.drafted, clustered.accepted, prompt)
+        e = ece_prompt_bootstrap(rec2, {"raw": (None, None)}, "raw", resamples=300, seed=1)["ece"]["raw"]
+        spread[name] = e["hi"] - e["lo"]
+    assert spread["clustered"] > 2.0 * spread["independent"], spread
+    # nothing to resample: no prompt indices or one prompt; bad arguments are refused
+    assert ece_prompt_bootstrap(synthetic_record([1.0], n_steps=50), {"raw": (None, None)}, "raw") is None
+    one = ConfidenceRecord(rec.logits, rec.drafted, rec.accepted, torch.zeros(1200, dtype=torch.int64))
+    assert ece_prompt_bootstrap(one, {"raw": (None, None)}, "raw") is None
+    with pytest.raises(SpeculatorsError, match="reference 'x'"):
+        ece_prompt_bootstrap(rec, {"raw": (None, None)}, "x")
+    with pytest.raises(SpeculatorsError, match="resamples"):
+        ece_prompt_bootstrap(rec, {"raw": (None, None)}, "raw", resamples=0)
 
 
 def _markdown_report(before: dict, after: dict) -> dict:
@@ -282,6 +340,11 @@ def test_calibration_through_the_decoding_loop_finds_the_known_temperature(tmp_p
     assert torch.equal(fit_calibration(back["fit"])[0], T)
     md = (out / "calibration.md").read_text()
     assert "![reliability diagram](reliability.png)" in md and "equal-mass" in md
+    boot = report["bootstrap"]  # the measuring prompts resampled whole
+    assert boot["prompts"] == 16 and set(boot["ratio"]) == {"after"}
+    assert boot["ece"]["uncalibrated"]["point"] == pytest.approx(report["uncalibrated"]["ece"])
+    assert boot["ratio"]["after"]["hi"] < 1.0 and "ratio fitted / raw" in md
+    assert torch.equal(back["eval"].prompt, res.eval_record.prompt)
     f = report["after"]["ece_floor"]  # the ECE's resolution, beside it
     assert f"| after | {report['after']['ece']:.4f} | {f['mean']:.4f} [{f['lo']:.4f}, {f['hi']:.4f}] |" in md
     # the raw 3x head is miscalibrated far beyond sampling noise; the fitted one is not
@@ -588,3 +651,33 @@ def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path)
                 assert report["biases_after"][k] == 0.0 or kept, k
             assert report["biases_before"] == pytest.approx(weights["confidence_bias"].tolist())
             assert set(records) == {"fit", "eval"}
+
+
+class PromptTagger(OracleWithKnownConfidence):
+    """Reports each draft's confidence logit as its request's prompt length, so a step's prompt index can
+    be checked against the logits it recorded."""
+
+    def start(self, ids, features=None):
+        return {"ctx": ids.reshape(-1).tolist(), "len": ids.numel() - 1}
+
+    def propose(self, states, ks, sampling=None, generators=None):
+        props = super().propose([s["ctx"] for s in states], ks, sampling, generators)
+        return [Proposal(p.token_ids, None, torch.full((p.token_ids.numel(),), float(s["len"])))
+                for s, p in zip(states, props)]
+
+    def advance(self, states, new_ids, features):
+        super().advance([s["ctx"] for s in states], new_ids, features)
+
+
+def test_every_recorded_step_knows_its_prompt():
+    """Steps carry the index of the prompt they decoded (batched, requests joining as others finish),
+    identical prompts included: the tagger's logit (its prompt's length) matches the indexed prompt."""
+    from speculators.calibrate import collect_confidence_outcomes
+
+    target = untied_target()
+    prompts = [rand_prompt(3 + i, 500 + i) for i in range(7)]
+    prompts.insert(3, list(prompts[1]))  # the same prompt twice: both requests get their own index
+    rec = collect_confidence_outcomes(target, PromptTagger(target, 1.0), prompts, 3, 12, batch_size=3)
+    assert rec.prompt is not None and set(rec.prompt.tolist()) == set(range(len(prompts)))
+    for z, p in zip(rec.logits[:, 0].tolist(), rec.prompt.tolist()):
+        assert z == len(prompts[p])
