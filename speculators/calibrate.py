@@ -346,7 +346,7 @@ def ece_prompt_bootstrap(record: ConfidenceRecord, calibrations: dict[str, tuple
     if n_prompts < 2:
         return None
     pair_prompt = torch.repeat_interleave(step_prompt, record.drafted)  # the pairs' prompt, pair order as survival_pairs
-    members = [torch.nonzero(pair_prompt == j).reshape(-1) for j in range(n_prompts)]
+    members = torch.split(torch.argsort(pair_prompt, stable=True), torch.bincount(pair_prompt, minlength=n_prompts).tolist())
     pairs = {name: survival_pairs(record, t, b)[:2] for name, (t, b) in calibrations.items()}
     gen = torch.Generator().manual_seed(seed)
     draws: dict[str, list[float]] = {name: [] for name in calibrations}
@@ -898,9 +898,10 @@ def _bootstrap_lines(boot: dict | None) -> list[str]:
     if not boot:
         return []
     e, r = boot["ece"], boot["ratio"]
-    names = {"uncalibrated": "raw head", "before": "checkpoint's calibration", "after": "fitted"}
+    names = {"uncalibrated": "raw", "before": "checkpoint's calibration", "after": "fitted"}
     cells = [f"{names.get(n, n)} {v['point']:.4f} [{v['lo']:.4f}, {v['hi']:.4f}]" for n, v in e.items()]
-    ratios = [f"{names.get(n, n)} / raw {v['point']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}]" for n, v in r.items()]
+    ref = names.get(boot["reference"], boot["reference"])
+    ratios = [f"{names.get(n, n)} / {ref} {v['point']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}]" for n, v in r.items()]
     return [f"Sampling uncertainty over prompts (the {boot['prompts']} measuring prompts resampled whole, "
             f"{boot['resamples']} times; 95% intervals): ECE {'; '.join(cells)}; ratio {'; '.join(ratios)}.", ""]
 
