@@ -23,7 +23,7 @@ import copy
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 #: The aux-layer-id convention recorded beside the ids in a checkpoint (ALGORITHMS.md).
 AUX_LAYER_IDS_CONVENTION = ("0-based index of the decoder layer whose OUTPUT is tapped (pre-norm residual, also "
