@@ -245,8 +245,33 @@ def test_propose_is_one_block_and_leaves_no_trace():
     expect = d.head(d.block_hidden(state)[1:4]).float().argmax(-1)
     assert p.token_ids.tolist() == expect.tolist() and p.probs is None
     assert all(torch.equal(a, b) for a, b in zip(k_before, state.cache.k)) and state.num_positions == 8
-    assert d.propose([state], [2])[0].token_ids.tolist() == expect[:2].tolist()  # fewer drafts: a prefix
     assert d.propose([state], [0])[0].token_ids.numel() == 0
+
+
+def test_k_below_the_block_runs_vllms_shrunken_block():
+    """Served with K < block_size - 1, vLLM's DFlash proposer runs ``1 + K`` query slots (anchor + K masks);
+    the block is bidirectional, so every slot differs from the full block's: a proposal of K drafts is the
+    forward of the shrunken block, not the first K slots of the full one."""
+    from speculators.verify import SamplingParams
+
+    target, d = make(block_size=8)
+    batch = make_batch(target)
+    ids, feats = batch.input_ids[0], TargetFeatures(batch.aux[:1], batch.top[:1])
+    state = d.start(ids[:9], feats.slice(0, 8))
+    full = d.head(d.block_hidden(state)).float()  # [8, V]
+    for k in (1, 3, 6):
+        shrunk = d.head(d.block_hidden(state, k + 1)).float()  # [k + 1, V]
+        assert shrunk.shape[0] == k + 1
+        p = d.propose([state], [k], SamplingParams.uniform(1, 1.0), [torch.Generator().manual_seed(0)])[0]
+        torch.testing.assert_close(p.probs, torch.softmax(shrunk[1:], -1), atol=1e-6, rtol=1e-5)
+        assert (shrunk[1:] - full[1:k + 1]).abs().max() > 1e-2  # not the truncated full block
+        greedy = d.propose([state], [k])[0]
+        assert greedy.token_ids.tolist() == shrunk[1:].argmax(-1).tolist()
+    k = 7  # K = block_size - 1: the trained block itself
+    p = d.propose([state], [k], SamplingParams.uniform(1, 1.0), [torch.Generator().manual_seed(0)])[0]
+    torch.testing.assert_close(p.probs, torch.softmax(full[1:], -1), atol=1e-6, rtol=1e-5)
+    with pytest.raises(SpeculatorsError, match="allowed 1..8"):
+        d.block_hidden(state, 9)
 
 
 # ----------------------------------------------------------------------------- (4) export

@@ -118,18 +118,41 @@ def _check_markov_at_inference(d, batch):
     assert q.token_ids.shape == (BS,) and q.confidence_logits.shape == (BS,)
 
 
-def test_propose_prefix_bounds_and_no_trace():
+def test_propose_bounds_and_no_trace():
     target, d = make()
     batch = make_batch(target)
     state = state_at(d, batch, 0, 8)
     k_before = [t.clone() for t in state.cache.k]
-    full = d.propose([state], [BS])[0]
-    assert d.propose([state], [2])[0].token_ids.tolist() == full.token_ids[:2].tolist()
+    d.propose([state], [BS])
+    d.propose([state], [2])
     assert all(torch.equal(a, b) for a, b in zip(k_before, state.cache.k)) and state.num_positions == 8
     assert d.propose([state], [0])[0].token_ids.numel() == 0
     assert d.max_speculative_tokens == BS
     with pytest.raises(SpeculatorsError, match=rf"K={BS + 1}.*block_size {BS}.*at most {BS}"):
         d.propose([state], [BS + 1])
+
+
+def test_k_below_the_block_runs_vllms_shrunken_block():
+    """Served with K < block_size, vLLM's DSpark proposer (``sample_from_anchor``) runs a block of K slots
+    (anchor + K-1 masks); the block is bidirectional, so a K-draft proposal is the K-slot block's forward
+    followed by the Markov chain, not the first K slots of the full block."""
+    target, d = make(block_size=8)
+    batch = make_batch(target)
+    state = state_at(d, batch, 0, 9)
+    w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+    sp = SamplingParams.uniform(1, temperature=1.0)
+    with torch.no_grad():
+        full = d.block_hidden(state)  # [8, H]
+        for k in (1, 3, 5):
+            shrunk = d.block_hidden(state, k)  # [k, H]
+            q = d.propose([state], [k], sp, [torch.Generator().manual_seed(k)])[0]
+            prev = [int(state.last_id)] + q.token_ids.tolist()[:-1]
+            expect = torch.stack([torch.softmax(d.head(shrunk[j]).float() + w2 @ w1[prev[j]], -1) for j in range(k)])
+            torch.testing.assert_close(q.probs, expect, atol=1e-6, rtol=1e-5)
+            assert (d.head(shrunk).float() - d.head(full[:k]).float()).abs().max() > 1e-2  # not the truncation
+            conf = torch.stack([d.confidence_head.proj.weight[0] @ torch.cat([shrunk[j], w1[prev[j]]])
+                                + d.confidence_head.proj.bias[0] for j in range(k)])
+            torch.testing.assert_close(q.confidence_logits, conf, atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- training path == inference path

@@ -38,8 +38,9 @@ the count normalisation, :meth:`Drafter.loss`). Memory: the mask and SDPA scores
 
 Inference: the state holds, per draft layer, the context K/V cache of the verified positions
 ``0..n-1`` (rotated, from their target features) and the newest token ``x_n``. ``propose`` runs ONE
-forward over ``[x_n, MASK x (B-1)]`` at positions ``n..n+B-1`` against the cache and returns the
-drafts of slots ``1..k`` (k <= B-1), without writing anything (rejected drafts leave no trace);
+forward over ``[x_n, MASK x k]`` at positions ``n..n+k`` against the cache (the block vLLM serves with
+``num_speculative_tokens = k <= B-1``: shorter than the trained block when k < B-1) and returns the
+drafts of slots ``1..k``, without writing anything (rejected drafts leave no trace);
 ``advance`` appends the K/V of the newly verified positions' features.
 
 Export (``speculators_model_type: dflash``, FORMATS.md): ``block_size``, ``aux_hidden_state_layer_ids``
@@ -606,10 +607,26 @@ class DFlashDrafter(Drafter):
         return [empty] * len(self.layers), [empty] * len(self.layers)
 
     @torch.no_grad()
-    def block_hidden(self, state: DFlashState) -> torch.Tensor:
-        """The inference path: ONE forward of ``[x_n, MASK x (Bs-1)]`` at positions ``n..n+Bs-1`` over the
-        cached context (nothing is written). Returns ``[Bs, H]`` final-normed hidden states."""
-        Bs, n, dev = self.block_size, state.num_positions, self.fc.weight.device
+    def block_hidden(self, state: DFlashState, size: int | None = None) -> torch.Tensor:
+        """The inference path: ONE forward of ``[x_n, MASK x (S-1)]`` at positions ``n..n+S-1`` over the
+        cached context (nothing is written).
+
+        Args:
+            state: the request's state (left as found).
+            size: S, the block length (default: the trained ``block_size``). vLLM serves a block of
+                ``num_speculative_tokens + 1`` slots (DFlash) / ``num_speculative_tokens`` slots (DSpark,
+                ``sample_from_anchor``), whatever block the drafter was trained with; the block attends
+                bidirectionally, so a shorter block changes every slot (:meth:`_propose_one`).
+        Returns:
+            ``[S, H]`` final-normed hidden states.
+        Raises:
+            SpeculatorsError: ``size`` outside ``1..block_size``.
+        """
+        n, dev = state.num_positions, self.fc.weight.device
+        Bs = self.block_size if size is None else int(size)
+        if not 1 <= Bs <= self.block_size:
+            raise SpeculatorsError(f"{self.algorithm} block of {Bs} slots: allowed 1..{self.block_size} "
+                                   "(drafter.block_size, the trained block)")
         ids = torch.full((1, Bs), self.cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[0, 0] = state.last_id
         ks, vs = self._context_of(state)
@@ -619,7 +636,13 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def _propose_one(self, state: DFlashState, k: int, sampling: SamplingParams | None = None,
                      generator: torch.Generator | None = None) -> Proposal:
-        """``k`` drafts from ONE forward: slots ``1..k`` of the block anchored at ``x_n``.
+        """``k`` drafts from ONE forward of the block ``[x_n, MASK x k]`` (``k + 1`` slots): its slots ``1..k``.
+
+        The block shrinks with ``k`` exactly as vLLM's DFlash proposer builds it (``1 +
+        num_speculative_tokens`` query slots per request, ``vllm/v1/spec_decode/dflash.py``): served with
+        fewer speculative tokens than ``block_size - 1``, vLLM runs the shorter block, and since the block
+        attends bidirectionally every slot differs from the full trained block's; this method computes
+        what the engine serves, not the first k slots of the full block.
 
         Each draft comes from :func:`speculators.losses.sample_draft` on its slot's logits under
         ``sampling`` (the request's :class:`speculators.verify.SamplingParams`, batch of one; ``None`` =
@@ -637,7 +660,7 @@ class DFlashDrafter(Drafter):
                                    "train with a larger drafter.block_size")
         if k <= 0:
             return Proposal(torch.zeros(0, dtype=torch.int64), None)
-        logits = self.head(self.block_hidden(state)[1:k + 1]).float()  # [k, N]
+        logits = self.head(self.block_hidden(state, k + 1)[1:]).float()  # [k, N]: vLLM's shrunken block
         ids, q = sample_draft(logits, sampling, generator, d2t=self.d2t if self.reduced_vocab else None,
                               vocab_size=self.meta.vocab_size)
         return Proposal(ids.to(torch.int64), q)

@@ -56,8 +56,9 @@ supervised pairs of slot k (slot inside the sequence, loss-masked, label in the 
 one term per slot for the count normalisation (:meth:`Drafter.loss`, ``loss_counts`` = DFlash's with
 ``sample_from_anchor``).
 
-Inference (:meth:`DSparkDrafter._propose_one`): ONE backbone forward of the block (DFlash's
-``block_hidden``), the frozen head over the first k slots, then k cheap sequential steps: step j adds
+Inference (:meth:`DSparkDrafter._propose_one`): ONE backbone forward of the block of ``k`` slots
+(DFlash's ``block_hidden``; vLLM serves ``num_speculative_tokens = k`` as a block of k slots, shorter
+than the trained one when ``k < B``), the frozen head over its slots, then k cheap sequential steps: step j adds
 ``W2(W1[x_{j-1}])`` to slot j's logits and draws ``x_j`` with :func:`speculators.losses.sample_draft`
 under the request's sampling settings (greedy argmax, or the verifier's temperature/top-k/top-p
 transform with the request's generator; the ``[k, V]`` draft distributions are returned), and reads
@@ -226,9 +227,7 @@ class DSparkDrafter(DFlashDrafter):
 
     algorithm = "dspark"
     config_class = DSparkConfig
-    vllm_method = None
-    vllm_note = ("no vLLM loader for speculators `dspark` checkpoints is known to this code (the Markov head "
-                 "samples the drafts sequentially after the backbone); decode with speculators' own loop")
+    vllm_method = "dspark"  # vLLM's DSparkProposer (vllm/v1/spec_decode/dspark.py) and its DSpark model loader
     sample_from_anchor: ClassVar[bool] = True
     max_speculative_tokens_source = "drafter.block_size"
     # float32 even in bf16 saves
@@ -406,8 +405,11 @@ class DSparkDrafter(DFlashDrafter):
     @torch.no_grad()
     def _propose_one(self, state: DFlashState, k: int, sampling: SamplingParams | None = None,
                      generator: torch.Generator | None = None) -> Proposal:
-        """``k`` drafts: ONE backbone forward of the block anchored at ``x_n``, then k sequential Markov
-        steps (module docstring). Step j draws ``x_j`` from slot j's corrected logits with
+        """``k`` drafts: ONE backbone forward of the block ``[x_n, MASK x (k-1)]`` (``k`` slots) anchored at
+        ``x_n``, then k sequential Markov steps (module docstring). The block shrinks with ``k`` as vLLM's
+        DSpark proposer builds it (``num_speculative_tokens`` query slots per request, anchor first,
+        ``vllm/v1/spec_decode/dspark.py``); the block attends bidirectionally, so for ``k < block_size``
+        every slot differs from the full trained block's, and this is what the engine serves. Step j draws ``x_j`` from slot j's corrected logits with
         :func:`speculators.losses.sample_draft` (greedy argmax and ``probs=None`` when ``sampling`` is
         None or greedy; else the verifier's transform with ``generator``, default the request's own).
 
@@ -425,7 +427,7 @@ class DSparkDrafter(DFlashDrafter):
                                    "a larger drafter.block_size")
         if k <= 0:
             return Proposal(torch.zeros(0, dtype=torch.int64), None)
-        h = self.block_hidden(state)[:k]  # [k, H]
+        h = self.block_hidden(state, k)  # [k, H]: vLLM's block of num_speculative_tokens = k slots
         base = self.head(h).float()  # [k, N]
         d2t = self.d2t if self.reduced_vocab else None
         prev = torch.tensor([state.last_id], dtype=torch.int64, device=h.device)
