@@ -1,0 +1,407 @@
+"""The parity gate: an exported checkpoint, loaded by the reference implementation, drafts what ours does.
+
+vLLM's team keeps vllm-project/speculators (:data:`.reference_env.REFERENCE_VERSION`) in step with vLLM's
+speculative-decoding models. :func:`check_parity` loads a checkpoint directory AS EXPORTED with the
+reference's ``from_pretrained`` (in its own venv, :mod:`.reference_worker`), runs the first drafting step
+on the same inputs on both sides and compares:
+
+* load: no missing or unexpected keys against the file, every weight equal to the file, the config
+  fields the reference parses equal to the file's;
+* outputs, in float32: max |delta logit| <= :data:`TOLERANCE` and equal argmax at every compared row
+  (EAGLE-3: TTT step 0 at every position; P-EAGLE: every depth of one parallel step; DFlash: every
+  slot of one block; DSpark: every slot of one block, Markov-corrected along our greedy chain, and
+  the confidence logits).
+
+The inputs are token ids and the target's hidden states at the layers the CHECKPOINT'S config names
+(vLLM ids - 1), while our drafter reads the layers it was trained on: a config whose aux ids are off
+by one is caught. On a failure the first divergence is named: a config/aux-id mismatch, else the first
+weight that differs, else the first hooked module (in the reference's forward order) whose output
+differs beyond the tolerance.
+
+Each family's first step lives in :mod:`.parity_families`; this module holds the driver and the typed
+result.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import SpeculatorsError
+from . import reference_env
+from .reference_env import REFERENCE_VERSION, ReferenceUnavailable
+
+#: Pass threshold: max |delta| of any compared logit, float32 on both sides.
+TOLERANCE = 1e-4
+#: Families the reference implements (its ``speculators.models.<family>``) in our export layout.
+REFERENCE_FAMILIES = ("eagle3", "peagle", "dflash", "dspark")
+#: Built-in text for ``speculators check`` when no sequences are given (tokenised by the target's tokenizer).
+DEFAULT_TEXTS = (
+    "The quick brown fox jumps over the lazy dog while the cat watches from the window.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Speculative decoding drafts several tokens cheaply and lets the target verify them in one pass.",
+)
+WORKER = Path(__file__).with_name("reference_worker.py")
+
+
+@dataclass
+class OutputDelta:
+    """One compared output: ``name`` (e.g. ``seq0.logits``), ``max_abs_delta`` (float32), the fraction of
+    rows whose argmax agrees (None for scalar-per-row outputs such as DSpark's confidence logits), rows."""
+
+    name: str
+    max_abs_delta: float
+    argmax_agreement: float | None
+    rows: int
+
+
+@dataclass
+class ParityResult:
+    """What the gate checked and found (:func:`check_parity`). ``passed`` is None when it could not run
+    (``skipped`` says why: the reference is unavailable or does not implement the family)."""
+
+    checkpoint: str
+    family: str
+    reference_version: str = REFERENCE_VERSION
+    inputs: str = ""
+    tolerance: float = TOLERANCE
+    outputs: list[OutputDelta] = field(default_factory=list)
+    load_problems: list[str] = field(default_factory=list)
+    first_divergence: str | None = None
+    passed: bool | None = None
+    skipped: str | None = None
+
+    @property
+    def max_abs_delta(self) -> float | None:
+        """The largest ``max_abs_delta`` over all outputs (None when nothing was compared)."""
+        return max((o.max_abs_delta for o in self.outputs), default=None)
+
+    @property
+    def argmax_agreement(self) -> float | None:
+        """The lowest argmax agreement over all logit outputs."""
+        vals = [o.argmax_agreement for o in self.outputs if o.argmax_agreement is not None]
+        return min(vals) if vals else None
+
+    def summary(self) -> str:
+        """One line: verdict, family, reference version, max difference, argmax agreement."""
+        ref = f"vllm-project/speculators {self.reference_version}"
+        if self.passed is None:
+            return f"parity vs {ref}: not checked ({self.skipped})"
+        verdict = "PASS" if self.passed else "FAIL"
+        d = self.max_abs_delta
+        a = self.argmax_agreement
+        line = (f"parity vs {ref}: {verdict} ({self.family}; max |delta logit| "
+                f"{'n/a' if d is None else f'{d:.2e}'} (tolerance {self.tolerance:.0e}), argmax agreement "
+                f"{'n/a' if a is None else f'{100 * a:.1f}%'}; inputs: {self.inputs})")
+        if self.first_divergence:
+            line += f"; first divergence: {self.first_divergence}"
+        return line
+
+    def to_markdown(self) -> str:
+        """A short Markdown section (run card, model card, ``speculators check``)."""
+        lines = ["## Parity with the reference implementation", "", self.summary(), ""]
+        if self.outputs:
+            lines += ["| output | max abs delta | argmax agreement | rows |", "|---|---|---|---|"]
+            for o in self.outputs:
+                agree = "-" if o.argmax_agreement is None else f"{100 * o.argmax_agreement:.1f}%"
+                lines.append(f"| {o.name} | {o.max_abs_delta:.2e} | {agree} | {o.rows} |")
+            lines.append("")
+        if self.load_problems:
+            lines += ["Load problems:", ""] + [f"- {p}" for p in self.load_problems] + [""]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain dict (``parity.json``), with the derived maxima."""
+        d = asdict(self)
+        d["max_abs_delta"] = self.max_abs_delta
+        d["argmax_agreement"] = self.argmax_agreement
+        return d
+
+
+def _hook_modules(module: torch.nn.Module, store: dict[str, torch.Tensor], order: list[str]):
+    """Forward hooks on every submodule that owns parameters: the output of its last call, float32."""
+    handles = []
+
+    def hook_for(name):
+        def hook(_m, _a, out):
+            t = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, (tuple, list)) else None)
+            if isinstance(t, torch.Tensor):  # the last call wins: a family's full-sequence step runs last
+                if name not in store:
+                    order.append(name)
+                store[name] = t.detach().float().clone()
+        return hook
+
+    for name, m in module.named_modules():
+        if name and any(True for _ in m.parameters(recurse=False)):
+            handles.append(m.register_forward_hook(hook_for(name)))
+    return handles
+
+
+def export_module_names(drafter) -> dict[str, str]:
+    """``{our module name: exported (reference) module name}`` from :meth:`export_state_dict`: a parameter
+    ``M.weight`` written as ``R.weight`` maps module ``M`` to ``R`` (matched by storage, else by name)."""
+    exported = drafter.export_state_dict()
+    by_ptr = {t.data_ptr(): n for n, t in exported.items() if isinstance(t, torch.Tensor) and t.numel()}
+    out = {}
+    for name, p in drafter.named_parameters():
+        exp = by_ptr.get(p.data_ptr()) or (name if name in exported else None)
+        if exp is None:
+            continue
+        mod, _, leaf = name.rpartition(".")
+        emod, _, eleaf = exp.rpartition(".")
+        if leaf == eleaf:
+            out[mod] = emod
+    return out
+
+
+def _run_worker(python: Path, request: dict[str, Any], workdir: Path, timeout: int = 1800) -> dict[str, Any]:
+    req_file = workdir / "request.json"
+    req_file.write_text(json.dumps(request))
+    r = subprocess.run([str(python), str(WORKER), str(req_file)], capture_output=True, text=True,
+                       cwd=str(workdir), env=reference_env._clean_env(), timeout=timeout)
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.strip().splitlines()[-6:])
+        raise _WorkerFailed(tail or f"exit status {r.returncode}")
+    return json.loads(Path(request["report"]).read_text())
+
+
+class _WorkerFailed(Exception):
+    pass
+
+
+def _config_problems(file_cfg: dict[str, Any], ref_cfg: dict[str, Any]) -> list[str]:
+    """Top-level keys of ``config.json`` (and of its ``transformer_layer_config``) that the reference
+    parsed to a different value. Our own block and bookkeeping keys are not compared."""
+    skip = {"speculators_training", "speculators_version", "torch_dtype", "dtype", "transformers_version",
+            "speculators_config", "architectures"}
+    out = []
+    for k, v in file_cfg.items():
+        if k in skip or k not in ref_cfg:
+            continue
+        if k == "transformer_layer_config" and isinstance(v, dict):
+            rv = ref_cfg[k] or {}
+            for kk, vv in v.items():
+                if kk in rv and kk not in ("architectures", "torch_dtype", "dtype", "transformers_version") \
+                        and rv[kk] != vv and not (isinstance(vv, (int, float)) and rv[kk] == vv):
+                    out.append(f"config transformer_layer_config.{kk}: file {vv!r}, reference {rv[kk]!r}")
+        elif ref_cfg[k] != v:
+            out.append(f"config {k}: file {v!r}, reference parsed {ref_cfg[k]!r}")
+    return out
+
+
+def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tolerance: float = TOLERANCE
+            ) -> list[OutputDelta]:
+    """Compare each output of ours with the reference's of the same name (float32): ``[..., N]`` logits get
+    max |delta| and per-row argmax agreement; other outputs max |delta| only.
+
+    Raises:
+        SpeculatorsError: an output missing on the reference side or of another shape (named).
+    """
+    out = []
+    for name, a in ours.items():
+        if name not in ref:
+            raise SpeculatorsError(f"parity: the reference produced no `{name}`")
+        b = ref[name]
+        if tuple(a.shape) != tuple(b.shape):
+            raise SpeculatorsError(f"parity: `{name}` has shape {tuple(a.shape)} here, {tuple(b.shape)} in the reference")
+        a, b = a.float(), b.float()
+        d = float((a - b).abs().max()) if a.numel() else 0.0
+        agree = None
+        if name.endswith("logits") and not name.endswith("confidence_logits") and a.dim() >= 1:
+            agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+        out.append(OutputDelta(name, d, agree, int(a.numel() // (a.shape[-1] if a.dim() else 1))))
+    return out
+
+
+def first_hook_divergence(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], ref_order: list[str],
+                          names: dict[str, str], tolerance: float = TOLERANCE) -> str | None:
+    """The first module, in the reference's forward order, whose output differs beyond ``tolerance``
+    (``names`` maps our module names to the reference's); None when all shared ones agree."""
+    ours_by_ref = {names.get(k, k): v for k, v in ours.items()}
+    for r in ref_order:
+        if r not in ours_by_ref:
+            continue
+        a, b = ours_by_ref[r].float(), ref[r].float()
+        if a.shape != b.shape:
+            if a.numel() == b.numel():
+                b = b.reshape(a.shape)
+            else:
+                continue
+        d = float((a - b).abs().max()) if a.numel() else 0.0
+        if d > tolerance:
+            return f"module `{r}` output (max |delta| {d:.2e})"
+    return None
+
+
+def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]] | None = None,
+                 num_sequences: int = 3, reference_python: str | Path | None = None, build: bool = True,
+                 log=print, inputs_label: str | None = None) -> ParityResult:
+    """Run the parity gate on ``checkpoint`` (module docstring).
+
+    Args:
+        checkpoint: an exported directory (``config.json`` + ``model.safetensors``), ours or trained elsewhere
+            with our ``speculators_training`` block.
+        target: a :class:`speculators.target.Target` (its hidden states feed both sides); None loads the
+            checkpoint's recorded target (``speculators_training.target.name_or_path``).
+        sequences: token id lists (held-out sequences of the run); None: :data:`DEFAULT_TEXTS` tokenised
+            by the target's tokenizer (seeded random ids, labelled synthetic, when it has none).
+        num_sequences: how many sequences to compare at most.
+        reference_python: the reference venv's interpreter (:func:`.reference_env.ensure_reference_python`).
+        build: build the cached reference venv when none is found.
+        log: progress lines.
+        inputs_label: how the inputs are described in the result (default: from where they came).
+    Returns:
+        A :class:`ParityResult`; ``passed`` None (with ``skipped``) when the reference is unavailable
+        or does not implement the family.
+    Raises:
+        SpeculatorsError: the checkpoint cannot be read by our own loader, or the target cannot be loaded.
+    """
+    from ..drafters.checkpoint import read_checkpoint_config
+    from ..drafters import Drafter
+    from . import parity_families
+
+    checkpoint = Path(checkpoint)
+    cfg = read_checkpoint_config(checkpoint)
+    family = cfg.get("speculators_model_type") or "?"
+    result = ParityResult(str(checkpoint), family)
+    if family not in REFERENCE_FAMILIES:
+        result.skipped = f"vllm-project/speculators {REFERENCE_VERSION} has no `{family}` model in this layout"
+        return result
+    try:
+        python = reference_env.ensure_reference_python(reference_python, build=build, log=log)
+    except ReferenceUnavailable as e:
+        result.skipped = str(e)
+        return result
+
+    drafter = Drafter.from_pretrained(checkpoint).float()
+    if target is None:
+        from ..target import Target
+
+        name = drafter.meta.name_or_path
+        target = Target.load(name, aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
+    if getattr(drafter, "_frozen_from_target", None) or True:
+        drafter.attach_target(target)
+    drafter.eval()
+    seqs, label = _sequences(target, sequences, num_sequences)
+    result.inputs = inputs_label or label
+
+    fam = parity_families.FAMILIES[family]
+    cfg_ids = parity_families.config_aux_ids(cfg, family)
+    problems = []
+    ours_ids = list(drafter.meta.aux_layer_ids)
+    if cfg_ids != [i + 1 for i in ours_ids]:
+        problems.append(f"config.json aux layer ids {cfg_ids} (vLLM convention) tap layers "
+                        f"{[i - 1 for i in cfg_ids]}, the drafter was trained on {ours_ids}")
+
+    with tempfile.TemporaryDirectory(prefix="speculators-parity-") as tmp:
+        tmp = Path(tmp)
+        verifier = _verifier_dir(target, tmp / "verifier")
+        ref_inputs, requests, ours_out, ours_hooks = {}, [], {}, {}
+        names = export_module_names(drafter)
+        for i, ids in enumerate(seqs):
+            s = f"seq{i}"
+            feats_ref = _features(target, ids, [v - 1 for v in cfg_ids] if min(cfg_ids, default=1) >= 1 else None)
+            feats_ours = _features(target, ids, ours_ids)
+            if feats_ref is None:
+                problems.append(f"config.json aux layer ids {cfg_ids}: an id below 1 names no decoder layer output")
+                feats_ref = feats_ours
+            store, order = {}, []
+            handles = _hook_modules(drafter, store, order)
+            try:
+                step = fam(drafter, cfg, ids, feats_ours, feats_ref)
+            finally:
+                for h in handles:
+                    h.remove()
+            for k, v in step.ref_tensors.items():
+                ref_inputs[f"{s}.{k}"] = v.contiguous()
+            requests.append({"name": s, "kwargs": step.ref_kwargs, "pin": step.pin})
+            for k, v in step.outputs.items():
+                ours_out[f"{s}.{k}"] = v.float()
+            if i == 0:
+                ours_hooks = store
+        save_file(ref_inputs, str(tmp / "inputs.safetensors"))
+        request = {"checkpoint": str(checkpoint.resolve()), "family": family, "verifier": str(verifier),
+                   "inputs": str(tmp / "inputs.safetensors"), "output": str(tmp / "out.safetensors"),
+                   "report": str(tmp / "report.json"), "attn_implementation": "eager", "sequences": requests}
+        log(f"parity: running the reference ({python})")
+        try:
+            rep = _run_worker(python, request, tmp)
+        except _WorkerFailed as e:
+            result.load_problems = problems + [f"the reference failed to load or run the checkpoint: {e}"]
+            result.first_divergence = result.load_problems[0]
+            result.passed = False
+            return result
+        ref_out = load_file(str(tmp / "out.safetensors"))
+    result.reference_version = rep.get("version", REFERENCE_VERSION)
+    for k in rep["missing_keys"]:
+        problems.append(f"weight `{k}` missing from model.safetensors (the reference keeps its init)")
+    for k in rep["unexpected_keys"]:
+        problems.append(f"weight `{k}` in model.safetensors reaches no reference parameter (vLLM refuses it)")
+    for u in rep["unequal_weights"]:
+        problems.append(f"weight `{u['name']}` loaded unequal to the file (max |delta| {u['max_abs_diff']})")
+    problems += _config_problems(cfg, rep["config"])
+    result.outputs = compare({k: v for k, v in ours_out.items()}, ref_out)
+    bad_out = [o for o in result.outputs if o.max_abs_delta > TOLERANCE
+               or (o.argmax_agreement is not None and o.argmax_agreement < 1.0)]
+    result.load_problems = problems
+    result.passed = not problems and not bad_out
+    if problems:
+        result.first_divergence = problems[0]
+    elif bad_out:
+        hooked = {k[len("seq0.hook."):]: v for k, v in ref_out.items() if k.startswith("seq0.hook.")}
+        result.first_divergence = (first_hook_divergence(ours_hooks, hooked, rep["hook_order"].get("seq0", []),
+                                                         names) or f"output `{bad_out[0].name}`")
+    return result
+
+
+def _features(target, ids: list[int], layer_ids: list[int] | None):
+    """Target features of ``ids`` (one row) tapped at ``layer_ids`` (our convention), float32 on the CPU;
+    None when an id is out of range."""
+    if layer_ids is None or any(not 0 <= i < target.num_layers for i in layer_ids):
+        return None
+    saved = target.aux_layer_ids
+    target.aux_layer_ids = list(layer_ids)
+    try:
+        with torch.no_grad():
+            f = target.features(torch.tensor([ids], dtype=torch.long), with_logits=False)
+    finally:
+        target.aux_layer_ids = saved
+    return type(f)(f.aux.float().cpu(), f.top.float().cpu(), None)
+
+
+def _sequences(target, sequences, n: int) -> tuple[list[list[int]], str]:
+    if sequences:
+        seqs = [list(map(int, s)) for s in sequences[:n]]
+        return seqs, f"{len(seqs)} held-out sequences of the run, target features"
+    tok = getattr(target, "tokenizer", None)
+    if tok is not None:
+        seqs = [tok(t, add_special_tokens=False)["input_ids"][:48] for t in DEFAULT_TEXTS[:n]]
+        return seqs, f"{len(seqs)} built-in texts, target features"
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, target.vocab_size, (32,), generator=g).tolist() for _ in range(n)]
+    return seqs, f"{len(seqs)} SYNTHETIC random token sequences (target has no tokenizer), target features"
+
+
+def _verifier_dir(target, path: Path) -> Path:
+    """The target as a local HF directory for the reference (its config, embedding, head and final norm):
+    the reference reads the verifier's layer count and copies those weights when a checkpoint lacks them."""
+    from safetensors.torch import save_file as save
+
+    path.mkdir(parents=True, exist_ok=True)
+    target.model.config.to_json_file(str(path / "config.json"))
+    sd = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu().clone(),
+          "lm_head.weight": target.lm_head_weight.detach().float().cpu().clone(),
+          "model.norm.weight": target.final_norm.weight.detach().float().cpu().clone()}
+    save(sd, str(path / "model.safetensors"))
+    return path
+
+
+__all__ = ["OutputDelta", "ParityResult", "REFERENCE_FAMILIES", "TOLERANCE", "check_parity", "compare",
+           "export_module_names", "first_hook_divergence"]

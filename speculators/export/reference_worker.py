@@ -1,0 +1,177 @@
+"""Reference side of the parity gate: run BY PATH with the reference venv's python, never imported.
+
+    <reference-python> reference_worker.py REQUEST.json
+
+It loads an exported checkpoint directory with vllm-project/speculators' own ``from_pretrained`` (the
+package this script imports as ``speculators`` is the REFERENCE, installed in that venv; our package
+must not be importable here, so the script's own directory is taken off ``sys.path`` first and the
+imported package is checked to be the reference), runs the first drafting step on the inputs
+:mod:`speculators.export.parity` wrote, and writes back:
+
+* ``OUTPUT.safetensors``: ``{seq}.logits`` (and ``{seq}.confidence_logits`` for DSpark), the draft
+  logits exactly as the reference computes them (captured at the family's ``compute_metrics`` call,
+  i.e. after DSpark's Markov bias), and ``{seq}.hook.{module}``: the output of every module that owns
+  parameters, and of every decoder layer, on the first call (forward hooks);
+* ``OUTPUT.json``: reference version, missing / unexpected keys (against the file), weights that differ
+  from the file, the loaded config (``to_dict``), and the order in which hooked modules ran.
+
+How each family's first step is driven (the reference's forwards are training forwards; the random
+choices are pinned so the step is the one the engine runs):
+
+* ``eagle3``: ``forward(..., ttt_steps=1)``: TTT step 0 at every position;
+* ``peagle``: ``generate_cod_sample_indices`` returns every context position at depth 0 plus depths
+  ``1..D-1`` at the last position (one parallel step);
+* ``dflash`` / ``dspark``: ``select_anchors`` returns the one anchor the request names (one block);
+  DSpark's Markov chain conditions on the block tokens of ``input_ids`` (the caller puts its greedy
+  chain there).
+
+REQUEST.json: ``{"checkpoint": dir, "family": str, "verifier": dir|null, "inputs": file,
+"output": file, "report": file, "attn_implementation": "eager", "sequences": [{"name": str,
+"kwargs": {...}}]}``; tensors of sequence ``s`` are ``{s}.{argument}`` in ``inputs``.
+"""
+
+import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
+
+
+def _first_tensor(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def main(request_file):
+    with open(request_file) as f:
+        req = json.load(f)
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    import speculators
+    import speculators.models.utils as ref_utils
+    from speculators.model import SpeculatorModel
+    from speculators.version import version
+
+    root = os.path.dirname(os.path.abspath(speculators.__file__))
+    if os.path.exists(os.path.join(root, "drafters")):  # our package has drafters/, the reference does not
+        raise SystemExit(f"the package imported as speculators ({root}) is not the reference implementation")
+    torch.manual_seed(0)
+    ckpt, family = req["checkpoint"], req["family"]
+
+    # The verifier (for the reference's layer-id check and its verifier weights) is the caller's
+    # local copy of the target, whatever name the checkpoint records.
+    if req.get("verifier"):
+        real = ref_utils.get_verifier_config
+        verifier = req["verifier"]
+
+        def get_verifier_config(_name, trust_remote_code=False):
+            return real(verifier, trust_remote_code=trust_remote_code)
+
+        ref_utils.get_verifier_config = get_verifier_config
+        import speculators.utils.loading as loading
+
+        real_layers = loading.load_model_layers
+
+        def load_model_layers(names, _path, *a, **k):
+            return real_layers(names, verifier, *a, **k)
+
+        loading.load_model_layers = load_model_layers
+
+    from speculators.config import SpeculatorModelConfig
+
+    cfg = SpeculatorModelConfig.from_pretrained(ckpt)
+    if req.get("verifier"):
+        cfg.speculators_config.verifier.name_or_path = req["verifier"]
+    cfg.transformer_layer_config._attn_implementation = req.get("attn_implementation", "eager")
+    model = SpeculatorModel.from_pretrained(ckpt, config=cfg).float().eval()
+
+    # keys and weights against the file, as exported
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        file_keys = list(f.keys())
+    file_weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    ignore_save = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
+    state = {k: v for k, v in model.state_dict().items() if k not in ignore_save}
+    missing = sorted(k for k in state if k not in file_weights)
+    unexpected = sorted(k for k in file_keys if k not in state)
+    unequal = []
+    for k, v in file_weights.items():
+        if k in state and (state[k].shape != v.shape or not torch.equal(state[k], v.to(state[k].dtype))):
+            d = None if state[k].shape != v.shape else float((state[k].float() - v.float()).abs().max())
+            unequal.append({"name": k, "max_abs_diff": d, "shape_file": list(v.shape),
+                            "shape_reference": list(state[k].shape)})
+
+    # capture the logits where each family hands them to its loss
+    captured = {}
+    core = __import__(f"speculators.models.{family}.core", fromlist=["compute_metrics"])
+
+    def compute_metrics(*args, **kwargs):
+        logits = kwargs.get("logits", args[0] if args else None)
+        captured.setdefault("logits", logits.detach().float().reshape(-1, logits.shape[-1]).clone())
+        conf = kwargs.get("confidence_logits", args[2] if family == "dspark" and len(args) > 2 else None)
+        if conf is not None:
+            captured.setdefault("confidence_logits", conf.detach().float().reshape(-1).clone())
+        return torch.zeros((), requires_grad=False), {}
+
+    core.compute_metrics = compute_metrics
+
+    hooks, order, handles = {}, [], []
+
+    def hook_for(name):
+        def hook(_m, _a, out):
+            t = _first_tensor(out)
+            if t is not None and name not in hooks:
+                hooks[name] = t.detach().float().clone()
+                order.append(name)
+        return hook
+
+    for name, m in model.named_modules():
+        owns = any(True for _ in m.parameters(recurse=False))
+        is_layer = name.count(".") == 1 and name.startswith("layers.")
+        if name and (owns or is_layer):
+            handles.append(m.register_forward_hook(hook_for(name)))
+
+    inputs = load_file(req["inputs"])
+    outputs, orders = {}, {}
+    for seq in req["sequences"]:
+        s = seq["name"]
+        kw = {k[len(s) + 1:]: v for k, v in inputs.items() if k.startswith(s + ".")}
+        kw.update(seq.get("kwargs", {}))
+        pin = seq.get("pin", {})
+        if family == "peagle":
+            import speculators.models.peagle.core as pcore
+
+            a, d = torch.tensor(pin["anchor_pos"]), torch.tensor(pin["depth"])
+            pcore.generate_cod_sample_indices = lambda *_a, **_k: (a, d)
+        if family in ("dflash", "dspark"):
+            import speculators.models.dflash.core as dcore
+
+            anchors = torch.tensor(pin["anchor_positions"])
+            dcore.select_anchors = lambda *_a, **_k: (anchors, torch.ones_like(anchors, dtype=torch.bool))
+        captured.clear()
+        hooks.clear()
+        order.clear()
+        with torch.no_grad():
+            model(**kw)
+        for k, v in captured.items():
+            outputs[f"{s}.{k}"] = v.contiguous()
+        for k, v in hooks.items():
+            outputs[f"{s}.hook.{k}"] = v.contiguous()
+        orders[s] = list(order)
+    save_file(outputs, req["output"])
+    report = {"version": version, "model_class": type(model).__name__, "missing_keys": missing,
+              "unexpected_keys": unexpected, "unequal_weights": unequal, "config": cfg.to_dict(),
+              "hook_order": orders}
+    with open(req["report"], "w") as f:
+        json.dump(report, f, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
