@@ -153,7 +153,9 @@ def eval_cmd(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype: float32, bfloat16, float16 (default: "
                                         "the recipe's target.dtype; bfloat16 is the usual choice on a GPU)"),
     methods: Optional[str] = typer.Option(None, "--methods", help="proposers to measure beside plain decoding, "
-                                          "comma-separated: drafter,ngram,suffix,hybrid (default: all)"),
+                                          "comma-separated: drafter,drafter_argmax,ngram,suffix,hybrid (default: all but "
+                                          "drafter_argmax, which is added beside drafter at temperature > 0: the "
+                                          "drafter under vLLM's default draft_sample_method greedy)"),
     compare: Optional[list[str]] = typer.Option(None, "--compare", help="another checkpoint / run directory / "
                                                 "Hub id to compare on the same prompts (repeatable)"),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
@@ -303,6 +305,16 @@ def _print_report(report: dict) -> None:
                       f"{r['k']}{' ★' if r['best_k'] else ''}", tau(r), f"{r['acceptance_rate']:.3f}",
                       f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
         console.print(c)
+    sc = report.get("serving_conventions")
+    if sc:
+        t = Table(title=f"tau under vLLM's draft_sample_method (temperature {sc['temperature']}, batch "
+                        f"{sc['batch_size']}, K={sc['k']}; both lossless)")
+        for col in ("vLLM --speculative-config", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
+            t.add_column(col)
+        for r in sc["rows"]:
+            t.add_row(r["engine_setting"], tau(r), f"{r['acceptance_rate']:.3f}", f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.2f}x")
+        console.print(t)
     g = report.get("gating")
     if g:
         t = Table(title=f"confidence-gated verification (threshold {g['threshold']}"

@@ -182,10 +182,32 @@ class AcceptanceStats:
                 "verified_per_step": self.drafted / self.steps if self.steps else 0.0}
 
 
-# the proposers every report compares (report keys and table labels)
-METHODS = ("drafter", "ngram", "suffix", "hybrid")
-METHOD_LABELS = {"drafter": "drafter", "ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding",
+# the proposers a report can compare (report keys and table labels, in report order), and the default set
+# (drafter_argmax joins drafter by itself at temperature > 0: run_eval)
+METHODS = ("drafter", "drafter_argmax", "ngram", "suffix", "hybrid")
+DEFAULT_METHODS = ("drafter", "ngram", "suffix", "hybrid")
+METHOD_LABELS = {"drafter": "drafter", "drafter_argmax": "drafter, argmax drafts",
+                 "ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding",
                  "hybrid": "hybrid (suffix, else drafter)", "plain": "plain target"}
+
+#: The vLLM ``--speculative-config`` setting under which each method's row holds at temperature > 0
+#: (``draft_sample_method``: vLLM's default ``greedy`` drafts by argmax and verifies each draft as a
+#: point mass; ``probabilistic`` samples drafts from the drafter and verifies them with its
+#: probabilities). Model-free proposers draft ids only (point masses) under either setting.
+ENGINE_SETTINGS = {"drafter": 'draft_sample_method: "probabilistic"',
+                   "drafter_argmax": 'draft_sample_method: "greedy" (vLLM\'s default)',
+                   "hybrid": 'draft_sample_method: "probabilistic" (drafter part)'}
+
+
+def draft_sample_method(method: str, temperature: float) -> str | None:
+    """vLLM's ``draft_sample_method`` that reproduces ``method``'s drafts at ``temperature``:
+    ``"probabilistic"`` (drafts sampled from the drafter and verified against its distribution:
+    ``drafter`` and the hybrid's drafter part), ``"greedy"`` (argmax drafts verified as point masses:
+    ``drafter_argmax``), or None where the setting makes no difference (temperature 0, where every
+    verification is greedy, and the model-free ``ngram`` / ``suffix``)."""
+    if temperature == 0.0 or method not in ENGINE_SETTINGS:
+        return None
+    return "greedy" if method == "drafter_argmax" else "probabilistic"
 
 
 def bootstrap_tau_ci(emitted: list[int], steps: list[int], resamples: int = 1000, seed: int = 0,
@@ -295,7 +317,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampling=None, ngram_max: int = 3,
              seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
-             methods=METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
+             methods=DEFAULT_METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
              hybrid_drafter_k: int | None = None,
              confidence_threshold: float | None = None, verify_cost: list[float] | None = None) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
@@ -303,7 +325,10 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
     :func:`speculators.generate.speculative_generate`), plain decoding runs ONCE (the baseline at that
     batch size), then every method of ``methods`` runs for every K of ``k``: ``drafter`` (the neural
-    drafter), ``ngram`` (:class:`speculators.generate.NGramProposer`, prompt lookup), ``suffix``
+    drafter), ``drafter_argmax`` (the same drafter under vLLM's default ``draft_sample_method: greedy``:
+    argmax drafts verified as point masses, :class:`speculators.proposers.ArgmaxDrafts`; added
+    automatically beside ``drafter`` at temperature > 0, where ``drafter``'s rows are vLLM's
+    ``draft_sample_method: probabilistic``), ``ngram`` (:class:`speculators.generate.NGramProposer`, prompt lookup), ``suffix``
     (:class:`speculators.proposers.SuffixProposer`, suffix decoding) and ``hybrid``
     (:class:`speculators.proposers.HybridProposer`: the suffix draft where its match has at least
     ``hybrid_min_match`` tokens, the drafter elsewhere). Every decode of a prompt stops on the same stop
@@ -321,7 +346,10 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     drafting 0). Prompts may carry a ``"source"`` name (``speculators eval --prompts A --prompts B``,
     or the recipe's sources for the held-out split): ``by_source`` breaks the headline rows down by it.
     At temperature 0 every output is compared with plain greedy decoding at batch 1 (plain at
-    ``batch_size`` included): ``greedy_mismatches`` lists each difference.
+    ``batch_size`` included): ``greedy_mismatches`` lists each difference. Every row names the vLLM
+    ``draft_sample_method`` it holds under (``draft_sample_method``: None where it makes no difference);
+    at temperature > 0 ``serving_conventions`` (:func:`serving_conventions`) puts the drafter's two
+    conventions side by side.
 
     Args:
         target: :class:`speculators.target.Target`. drafter: a batched proposer (a drafter family);
@@ -363,7 +391,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     """
     from .generate import NGramProposer, resolve_stop_ids
     from .losses import sampling_values
-    from .proposers import HybridProposer, SuffixProposer
+    from .proposers import ArgmaxDrafts, HybridProposer, SuffixProposer
 
     temperature, top_k, top_p = sampling_values(sampling)
     ks = _as_k_list(k)
@@ -373,8 +401,10 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise SpeculatorsError(f"methods: {bad or 'none given'}; allowed: {list(METHODS)}")
+    if temperature > 0.0 and "drafter" in methods:  # both vLLM draft_sample_method conventions
+        methods = (*methods, "drafter_argmax")
     methods = tuple(m for m in METHODS if m in methods)
-    if drafter is None and ({"drafter", "hybrid"} & set(methods)):
+    if drafter is None and ({"drafter", "drafter_argmax", "hybrid"} & set(methods)):
         raise SpeculatorsError("run_eval: the drafter and hybrid rows need a drafter")
     if not prompts:
         raise SpeculatorsError("run_eval: no prompts to decode")
@@ -410,6 +440,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     def make(method):
         if method == "drafter":
             return drafter
+        if method == "drafter_argmax":
+            return ArgmaxDrafts(drafter)
         if method == "ngram":
             return NGramProposer(max_n=ngram_max)
         if method == "suffix":
@@ -451,7 +483,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
                 for r in res:
                     st.add(r)
                 st.seconds = secs
-                row = {"method": method, "k": kk, "batch_size": b, **st.as_dict()}
+                row = {"method": method, "k": kk, "batch_size": b,
+                       "draft_sample_method": draft_sample_method(method, temperature), **st.as_dict()}
                 row["tau_ci"] = list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
                                                       bootstrap_resamples, seed))
                 row["speedup"] = st.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
@@ -524,6 +557,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         if not report["gating"]["confidences"]:
             log("eval: the drafter's proposals carry no confidence logits (or every draft was confident): "
                 "gating left every proposal as it was")
+    if not greedy and {"drafter", "drafter_argmax"} <= set(methods):
+        report["serving_conventions"] = serving_conventions(report)
     # tau per prompt source (the headline batch size and K), e.g. one entry per --prompts source
     report["by_source"] = {}
     for method in methods:
@@ -531,6 +566,50 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         for name, block in blocks.items():
             report["by_source"].setdefault(name, {})[method] = {"k": head_k, "batch_size": head_b, **block}
     return report
+
+
+def serving_conventions(report: dict) -> dict:
+    """The drafter under vLLM's two ``draft_sample_method`` settings at the report's temperature (> 0),
+    at the headline batch size and K: ``{"temperature", "batch_size", "k", "rows": [{"method",
+    "draft_sample_method", "engine_setting", "tau", "tau_ci", "acceptance_rate", "per_position",
+    "tokens_per_s", "speedup"}]}``, vLLM's default (argmax drafts) first.
+
+    Users read tau as what they will get when they serve the drafter; which of the two it is depends
+    on this engine setting (:data:`ENGINE_SETTINGS`, :class:`speculators.proposers.ArgmaxDrafts`).
+
+    Raises:
+        SpeculatorsError: the report has no ``drafter`` and ``drafter_argmax`` rows at its headline.
+    """
+    head = report["headline"]
+    rows = []
+    for method in ("drafter_argmax", "drafter"):
+        r = next((r for r in report["rows"] if r["method"] == method and r["batch_size"] == head["batch_size"]
+                  and r["k"] == head["k"]), None)
+        if r is None:
+            raise SpeculatorsError(f"serving_conventions: the report has no {method} row at batch size "
+                                   f"{head['batch_size']}, K={head['k']}")
+        rows.append({"method": method, "draft_sample_method": draft_sample_method(method, report["temperature"]),
+                     "engine_setting": ENGINE_SETTINGS[method],
+                     **{f: r[f] for f in ("tau", "tau_ci", "acceptance_rate", "per_position", "tokens_per_s",
+                                          "speedup")}})
+    return {"temperature": report["temperature"], "batch_size": head["batch_size"], "k": head["k"], "rows": rows}
+
+
+def _serving_markdown(report: dict) -> list[str]:
+    sc = report.get("serving_conventions")
+    if not sc:
+        return []
+    lines = ["", f"## Serving conventions (temperature {sc['temperature']}, batch size {sc['batch_size']}, "
+                 f"K={sc['k']})", "",
+             "At temperature > 0 the tau a user gets from vLLM depends on its `draft_sample_method`: by default "
+             "vLLM drafts by argmax and verifies each draft as a point mass; with `probabilistic` it samples the "
+             "drafts and verifies them against the drafter's distribution. Both are lossless.", "",
+             "| vLLM --speculative-config | tau [95% CI] | acceptance rate | tokens/s | speedup |",
+             "|---|---|---|---|---|"]
+    for r in sc["rows"]:
+        lines.append(f"| `{r['engine_setting']}` | {_fmt_tau(r)} | {r['acceptance_rate']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+    return lines
 
 
 PLOT_FILES = {"per_position": "per_position_acceptance.png", "tau_vs_k": "tau_vs_k.png"}
@@ -656,6 +735,7 @@ def report_markdown(report: dict, title: str = "speculators eval", plots: dict[s
                       f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter"
                       + (f" (at most {report['hybrid_drafter_k']} drafts per step)." if report.get("hybrid_drafter_k")
                          else ".")]
+    lines += _serving_markdown(report)
     lines += _by_source_markdown(report)
     lines += _gating_markdown(report)
     kmax, b1 = max(ks), report["batch_sizes"][0]
@@ -753,8 +833,11 @@ def write_report(report: dict, output: str | Path, title: str = "speculators eva
     return Path(output)
 
 
+_DRAFTER_METHODS = ("drafter", "drafter_argmax", "hybrid")  # the rows that depend on the checkpoint
+
+
 def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
-    """One row per checkpoint, batch size and K of the drafter (and hybrid) rows of several reports on the
+    """One row per checkpoint, batch size and K of the drafter (drafter_argmax, hybrid) rows of several reports on the
     same prompts, then the model-free baselines of the first report: ``{"checkpoint", "method", "batch_size",
     "k", "tau", "tau_ci", "acceptance_rate", "per_position", "tokens_per_s", "speedup", "best_k",
     "draft_ms_per_step", "verify_ms_per_step"}`` (the last two None in reports written before they existed).
@@ -775,8 +858,8 @@ def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
               "speedup", "best_k")
     for i, (label, rep) in enumerate(reports):
         for r in rep["rows"]:
-            if r["method"] in ("drafter", "hybrid") or i == 0:
-                out.append({"checkpoint": label if r["method"] in ("drafter", "hybrid") else "-",
+            if r["method"] in _DRAFTER_METHODS or i == 0:
+                out.append({"checkpoint": label if r["method"] in _DRAFTER_METHODS else "-",
                             **{f: r[f] for f in fields},
                             **{f: r.get(f) for f in ("draft_ms_per_step", "verify_ms_per_step")}})
     return out

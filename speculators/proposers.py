@@ -19,6 +19,8 @@ lossless like any proposer (the rejection sampler decides what is emitted).
 * :class:`HybridProposer`: per request and per step, the suffix draft where the longest matching suffix
   has at least ``min_match`` tokens, the neural drafter's draft elsewhere. The neural drafter is
   advanced with every verified token whichever proposer drafted, so it can take over at any step.
+* :class:`ArgmaxDrafts`: a drafter served the way vLLM serves it by default at temperature > 0
+  (``draft_sample_method: greedy``): argmax drafts, verified as point masses.
 """
 
 from __future__ import annotations
@@ -270,3 +272,56 @@ class HybridProposer:
         """Advance both parts of every request with its verified tokens and their target features."""
         self.drafter.advance([s.neural for s in states], new_ids, features)
         self.lookup.advance([s.lookup for s in states], new_ids, features)
+
+
+class ArgmaxDrafts:
+    """A proposer whose drafts are its argmax tokens, verified as point masses: vLLM's default serving
+    convention at temperature > 0.
+
+    vLLM's ``--speculative-config`` field ``draft_sample_method`` (vLLM ``config/speculative.py``;
+    ``v1/sample/rejection_sampler.py``) is ``"greedy"`` by default: the drafter's tokens are the argmax of
+    its logits whatever the request's temperature, no draft probabilities are kept, and the rejection
+    sampler treats each draft as a one-hot ``q`` (accept ``d_i`` with probability ``p_i(d_i)``; on
+    rejection recover from ``p_i`` with ``d_i`` removed). ``draft_sample_method: "probabilistic"`` samples
+    the drafts from the drafter's distribution and verifies them against it (``min(1, p/q)``): that is
+    what the wrapped proposer does by itself. Both are lossless; their acceptance differs, so an eval at
+    temperature > 0 reports the drafter under both (:func:`speculators.evaluate.run_eval`).
+
+    Wraps any batched proposer (:class:`speculators.generate.Proposer`): ``propose`` asks it for greedy
+    drafts (``sampling=None``, no generators: nothing is drawn from the request's random stream) and
+    drops their distributions (``probs=None``); confidence logits are kept. ``start`` / ``advance`` and
+    the K cap are the wrapped proposer's. At temperature 0 the wrapper changes nothing.
+    """
+
+    def __init__(self, proposer):
+        """``proposer``: a batched proposer, e.g. a drafter family."""
+        self.inner = proposer
+
+    @property
+    def max_speculative_tokens(self) -> int | None:
+        """The wrapped proposer's K bound (None: unbounded)."""
+        cap = getattr(self.inner, "max_speculative_tokens", None)
+        return None if cap is None else int(cap)
+
+    def start(self, input_ids: torch.Tensor, features: Any) -> Any:
+        """The wrapped proposer's state for ``input_ids [n+1]`` and the prompt's target ``features``."""
+        return self.inner.start(input_ids, features)
+
+    def propose(self, states: list, ks: list[int], sampling=None, generators: list | None = None) -> list[Proposal]:
+        """One :class:`Proposal` per request: the wrapped proposer's greedy drafts ``[k_i]`` (target ids)
+        with ``probs=None``. ``sampling`` and ``generators`` are not used (argmax drafts draw nothing).
+
+        Raises:
+            SpeculatorsError: ``ks`` not one non-negative integer per state; the wrapped proposer returned
+                another number of proposals than requests.
+        """
+        ks = _check_batch("ArgmaxDrafts", states, ks)
+        props = self.inner.propose(states, ks, None, None)
+        if len(props) != len(states):
+            raise SpeculatorsError(f"ArgmaxDrafts: the wrapped proposer returned {len(props)} proposals for "
+                                   f"{len(states)} requests")
+        return [Proposal(p.token_ids, None, p.confidence_logits) for p in props]
+
+    def advance(self, states: list, new_ids: list[torch.Tensor], features: list) -> None:
+        """The wrapped proposer's ``advance``."""
+        self.inner.advance(states, new_ids, features)

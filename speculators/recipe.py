@@ -204,9 +204,11 @@ class EvalSpec(Strict):
                                   "that drafts instead of the neural drafter")
     hybrid_drafter_k: int | None = Field(default=None, gt=0, le=64, description="hybrid proposer: most drafts the "
                                          "neural drafter proposes per step (None = K; the suffix draft keeps K)")
-    methods: list[Literal["drafter", "ngram", "suffix", "hybrid"]] = Field(
+    methods: list[Literal["drafter", "drafter_argmax", "ngram", "suffix", "hybrid"]] = Field(
         default_factory=lambda: ["drafter", "ngram", "suffix", "hybrid"], min_length=1,
-        description="proposers measured beside plain decoding (drafter, ngram, suffix, hybrid)")
+        description="proposers measured beside plain decoding (drafter, ngram, suffix, hybrid; drafter_argmax = "
+                    "the drafter under vLLM's default draft_sample_method greedy, added beside drafter at "
+                    "temperature > 0)")
     confidence_threshold: float | None = Field(
         default=None, gt=0.0, lt=1.0, description="confidence-gated verification: verify only the drafts before the "
         "first whose survival prod c_i falls below this value in (0, 1); the drafter is measured with and without "

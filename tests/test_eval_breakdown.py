@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from speculators.drafters.base import Proposal
-from speculators.evaluate import METHOD_LABELS, METHODS, report_markdown, run_eval
+from speculators.evaluate import DEFAULT_METHODS as METHODS, METHOD_LABELS, report_markdown, run_eval  # the default set
 from speculators.generate import speculative_generate
 from speculators.target import build_tiny_target
 
