@@ -1,0 +1,234 @@
+"""Static check: every tensor of an exported checkpoint against what vLLM's weight loader places.
+
+Written from vLLM's source at commit ``00bd1493b3e8`` (the v0.33.0 line; :data:`VLLM_VERSION`):
+``model_executor/models/llama_eagle3.py`` (EAGLE-3 and P-EAGLE: names get ``model.`` except ``lm_head``,
+``d2t`` becomes ``draft_id_to_target_id``, ``t2d`` is dropped, ``mask_hidden`` is a ``[1, 3H]`` buffer
+required with parallel drafting, everything else must reach a parameter through ``AutoWeightsLoader``,
+which raises "There is no module or parameter named ..."), ``llama_eagle.py`` (EAGLE-1), ``medusa.py``,
+``deepseek_mtp.py`` (the module layout our MTP export follows), the DFlash / DSpark drafter models and
+``transformers_utils/configs/speculators/*`` (which config keys they read). vLLM fuses
+``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` itself: the file keeps
+the unfused Hugging Face names.
+
+:func:`check_layout` reads a checkpoint directory and returns a list of problems (empty: vLLM places
+every tensor, at the right shape, and finds every tensor it requires). It reads names and shapes only
+(safetensors header), so it runs on any checkpoint, ours or trained elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from ..errors import SpeculatorsError
+
+#: The vLLM release whose loaders these rules follow.
+VLLM_VERSION = "0.33.0"
+#: vLLM's EAGLE-3 ``fc`` for a speculators-format config is sized for exactly this many taps.
+EAGLE3_TAPS = 3
+
+
+def _dims(config: dict[str, Any], layer: dict[str, Any]) -> dict[str, int]:
+    H = int(layer["hidden_size"])
+    nh = int(layer["num_attention_heads"])
+    nkv = int(layer.get("num_key_value_heads") or nh)
+    hd = int(layer.get("head_dim") or H // nh)
+    return {"H": H, "nh": nh, "nkv": nkv, "hd": hd, "I": int(layer.get("intermediate_size") or 4 * H),
+            "V": int(layer.get("vocab_size") or config.get("vocab_size") or 0),
+            "L": int(layer.get("num_hidden_layers") or 1)}
+
+
+def _decoder_layer(prefix: str, d: dict[str, int], attn_in: int, qk_norm: bool, input_norm: bool = True
+                   ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Names -> shapes of one Llama/Qwen3 decoder layer under ``prefix``; all required."""
+    H, I, nh, nkv, hd = d["H"], d["I"], d["nh"], d["nkv"], d["hd"]
+    shapes = {f"{prefix}self_attn.q_proj.weight": (nh * hd, attn_in),
+              f"{prefix}self_attn.k_proj.weight": (nkv * hd, attn_in),
+              f"{prefix}self_attn.v_proj.weight": (nkv * hd, attn_in),
+              f"{prefix}self_attn.o_proj.weight": (H, nh * hd),
+              f"{prefix}post_attention_layernorm.weight": (H,),
+              f"{prefix}mlp.gate_proj.weight": (I, H), f"{prefix}mlp.up_proj.weight": (I, H),
+              f"{prefix}mlp.down_proj.weight": (H, I)}
+    if input_norm:
+        shapes[f"{prefix}input_layernorm.weight"] = (H,)
+    if qk_norm:
+        shapes[f"{prefix}self_attn.q_norm.weight"] = (hd,)
+        shapes[f"{prefix}self_attn.k_norm.weight"] = (hd,)
+    return shapes, set(shapes)
+
+
+def _aux_ids(config: dict[str, Any], key: str, problems: list[str], exact: int | None = None) -> list[int]:
+    ids = config.get(key)
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        problems.append(f"config `{key}`: {ids!r} is not a non-empty list of layer ids")
+        return []
+    if len(set(ids)) != len(ids) or ids != sorted(ids):
+        problems.append(f"config `{key}` {ids}: vLLM collects each tapped layer once, in layer order; the ids "
+                        "must be distinct and ascending")
+    if exact is not None and len(ids) != exact:
+        problems.append(f"config `{key}` {ids}: vLLM {VLLM_VERSION} sizes fc for exactly {exact} taps")
+    return ids
+
+
+def expected_layout(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | None], set[str], list[str]]:
+    """What vLLM's loader for this ``config.json`` places.
+
+    Returns:
+        ``(shapes, required, problems)``: ``shapes`` maps every placeable name to its shape (None: any
+        shape); ``required`` the names the loader cannot do without; ``problems`` config-level findings
+        (aux-id rules).
+    Raises:
+        SpeculatorsError: a family this check does not know, or a config without the sizes it needs.
+    """
+    problems: list[str] = []
+    family = config.get("speculators_model_type") or config.get("model_type")
+    try:
+        if family == "medusa" and "speculators_model_type" not in config:
+            return _medusa_vllm(config) + (problems,)
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise SpeculatorsError("config.json has no `transformer_layer_config` dict")
+        d = _dims(config, layer)
+        H, V = d["H"], d["V"]
+        N = int(config.get("draft_vocab_size") or V)
+        shapes: dict[str, tuple[int, ...] | None] = {}
+        required: set[str] = set()
+        qk = layer.get("model_type") == "qwen3"
+        if family in ("eagle3", "peagle"):
+            ids = _aux_ids(config, "eagle_aux_hidden_state_layer_ids", problems, exact=EAGLE3_TAPS)
+            n = max(len(ids), 1)
+            shapes.update({"fc.weight": (H, n * H), "norm.weight": (H,), "lm_head.weight": (N, H),
+                           "embed_tokens.weight": (V, H), "d2t": (N,), "t2d": (V,),
+                           "layers.0.hidden_norm.weight": (H,)})
+            required |= {"fc.weight", "norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"}
+            if config.get("norm_before_fc"):
+                shapes["input_norm.weight"] = (n * H,)
+                required.add("input_norm.weight")
+            if config.get("fc_norm"):
+                for i in range(n):
+                    shapes[f"fc_norm.{i}.weight"] = (H,)
+                    required.add(f"fc_norm.{i}.weight")
+            for i in range(d["L"]):
+                s, r = _decoder_layer(f"layers.{i}.", d, 2 * H if i == 0 else H, qk)
+                shapes.update(s)
+                required |= r
+            if family == "peagle":
+                shapes["mask_hidden"] = (1, 1, n * H)
+                required.add("mask_hidden")
+        elif family in ("dflash", "dspark"):
+            ids = _aux_ids(config, "aux_hidden_state_layer_ids", problems)
+            n = max(len(ids), 1)
+            shapes.update({"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+                           "lm_head.weight": (N, H), "embed_tokens.weight": (V, H), "d2t": (N,), "t2d": (V,)})
+            required |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
+            for i in range(d["L"]):
+                s, r = _decoder_layer(f"layers.{i}.", d, H, qk)
+                shapes.update(s)
+                required |= r
+            if family == "dspark":
+                r_ = int(config.get("markov_rank") or 0)
+                if r_ > 0:
+                    shapes["markov_head.markov_w1.weight"] = (V, r_)
+                    shapes["markov_head.markov_w2.weight"] = (N, r_)
+                    required |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+                if config.get("enable_confidence_head"):
+                    width = H + (r_ if config.get("confidence_head_with_markov") else 0)
+                    shapes["confidence_head.proj.weight"] = (1, width)
+                    shapes["confidence_head.proj.bias"] = (1,)
+                    required |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+        elif family == "eagle":
+            bias = bool(config.get("fusion_bias"))
+            shapes.update({"fc.weight": (H, 2 * H), "embed_tokens.weight": (V, H)})
+            required.add("fc.weight")
+            if bias:
+                shapes["fc.bias"] = (H,)
+                required.add("fc.bias")
+            for i in range(d["L"]):
+                s, r = _decoder_layer(f"layers.{i}.", d, H, qk, input_norm=i > 0)
+                shapes.update(s)
+                required |= r
+        elif family == "mtp":
+            D = int(config.get("num_nextn_predict_layers") or 1)
+            shapes["embed_tokens.weight"] = (V, H)  # optional: DeepSeek-V3's MTP shares the target's
+            for i in range(D):
+                p = f"layers.{i}."
+                shapes.update({p + "enorm.weight": (H,), p + "hnorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H),
+                               p + "shared_head.norm.weight": (H,), p + "shared_head.head.weight": (V, H)})
+                required |= {p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight"}
+                s, r = _decoder_layer(p, d, H, qk)
+                shapes.update(s)
+                required |= r
+        elif family == "medusa":
+            K, nl = int(config.get("num_heads") or 0), int(config.get("num_hidden_layers") or 1)
+            for k in range(K):
+                for j in range(nl):
+                    shapes[f"blocks.{k}.layers.{j}.weight"] = (H, H)
+                    shapes[f"blocks.{k}.layers.{j}.bias"] = (H,)
+                shapes[f"lm_heads.{k}.weight"] = (N, H)
+                required.add(f"lm_heads.{k}.weight")
+            shapes.update({"d2t": (N,), "t2d": (V,), "token_map": (N,)})
+        else:
+            raise SpeculatorsError(f"vLLM layout check: unknown family {family!r} (config "
+                                   "`speculators_model_type` / `model_type`)")
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpeculatorsError(f"vLLM layout check: config.json lacks a size it needs ({e})") from None
+    return shapes, required, problems
+
+
+def _medusa_vllm(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
+    """vLLM's native Medusa (``medusa.py``): ``blocks.{k}.layers.{j}`` ResidualBlocks (bias with
+    ``medusa_fc_bias``), ``lm_heads.{k}.weight [V, H]``, ``token_map`` with a truncated vocabulary."""
+    H, V = int(config["hidden_size"]), int(config["vocab_size"])
+    K, nl = int(config["num_heads"]), int(config.get("num_hidden_layers") or 1)
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    required = set()
+    for k in range(K):
+        for j in range(nl):
+            shapes[f"blocks.{k}.layers.{j}.weight"] = (H, H)
+            required.add(f"blocks.{k}.layers.{j}.weight")
+            if config.get("medusa_fc_bias"):
+                shapes[f"blocks.{k}.layers.{j}.bias"] = (H,)
+                required.add(f"blocks.{k}.layers.{j}.bias")
+        shapes[f"lm_heads.{k}.weight"] = (V, H)
+        required.add(f"lm_heads.{k}.weight")
+    if config.get("truncated_vocab_size"):
+        shapes["token_map"] = (int(config["truncated_vocab_size"]),)
+        required.add("token_map")
+    return shapes, required
+
+
+def check_layout(path: str | Path) -> list[str]:
+    """Problems vLLM's loader would have with the checkpoint directory ``path`` (module docstring).
+
+    Each problem names the tensor or config key: a name vLLM places nowhere ("There is no module or
+    parameter named ..."), a shape other than the one vLLM allocates, a tensor vLLM requires that the
+    file lacks, an aux-id rule broken.
+
+    Raises:
+        SpeculatorsError: ``path`` lacks ``config.json`` / ``model.safetensors``, or the family is unknown.
+    """
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise SpeculatorsError(f"vLLM layout check: {f} does not exist")
+    config = json.loads(cfg_file.read_text())
+    shapes, required, problems = expected_layout(config)
+    with safe_open(str(weights), "pt") as f:
+        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    for name, shape in sorted(found.items()):
+        if name not in shapes:
+            problems.append(f"tensor `{name}`: vLLM {VLLM_VERSION} has no module or parameter for it (its loader "
+                            "raises \"There is no module or parameter named ...\")")
+        elif shapes[name] is not None and tuple(shapes[name]) != shape:
+            problems.append(f"tensor `{name}`: shape {list(shape)}, vLLM allocates {list(shapes[name])}")
+    for name in sorted(required - set(found)):
+        problems.append(f"tensor `{name}` is missing: vLLM {VLLM_VERSION} requires it")
+    return problems
+
+
+
+__all__ = ["EAGLE3_TAPS", "VLLM_VERSION", "check_layout", "expected_layout"]
