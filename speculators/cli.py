@@ -336,6 +336,41 @@ def _print_report(report: dict) -> None:
                       "(every K and batch size)")
 
 
+@app.command()
+@_user_errors
+def check(
+    checkpoint: Path = typer.Argument(..., help="checkpoint directory (config.json + model.safetensors), or a run "
+                                      "directory (uses final/)"),
+    num_sequences: int = typer.Option(3, "--num-sequences", "-n", help="sequences compared with the reference"),
+    target_model: Optional[str] = typer.Option(None, "--target", help="target model whose hidden states feed both "
+                                               "sides (default: the one the checkpoint records)"),
+    reference_python: Optional[Path] = typer.Option(
+        None, "--reference-python", help="python of a venv with vllm-project/speculators 0.9.0 (default: "
+        "$SPECULATORS_REFERENCE_PYTHON, ./.venv-reference, else one is built in the cache)"),
+    no_parity: bool = typer.Option(False, "--no-parity", help="only the static vLLM layout check"),
+):
+    """Check an exported checkpoint: every tensor's name and shape against vLLM 0.33.0's loader, then load it
+    with the reference implementation (vllm-project/speculators 0.9.0) and compare the first drafting step with
+    ours (pass: max |delta logit| <= 1e-4 in float32 and equal argmax). Exit status 1 on a failure, 0 when
+    everything checked passed (a parity check that could not run is reported, not failed)."""
+    from .export.gate import check_checkpoint
+
+    if (checkpoint / "final" / "config.json").is_file():
+        checkpoint = checkpoint / "final"
+    target = None
+    if target_model is not None and not no_parity:
+        from .drafters.checkpoint import read_checkpoint_config, read_target_meta
+        from .target import Target
+
+        meta = read_target_meta(read_checkpoint_config(checkpoint), checkpoint / "config.json")
+        target = Target.load(target_model, aux_layer_ids=list(meta.aux_layer_ids), log=log)
+    res = check_checkpoint(checkpoint, target=target, num_sequences=num_sequences,
+                           reference_python=reference_python, parity=not no_parity, log=log)
+    console.print(res.to_markdown(), markup=False)
+    if res.passed is False:
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -1,0 +1,65 @@
+"""The export gate: the static vLLM layout check plus the parity check, on one checkpoint directory.
+
+Used by ``speculators check DIR`` and at the end of ``speculators train`` (``export.parity_check``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .parity import ParityResult, check_parity
+from .vllm_layout import VLLM_VERSION, check_layout
+
+
+@dataclass
+class GateResult:
+    """``layout_problems`` (:func:`.vllm_layout.check_layout`) and ``parity`` (:func:`.parity.check_parity`).
+    ``passed``: no layout problem and parity passed; None when parity could not run (layout clean)."""
+
+    checkpoint: str
+    layout_problems: list[str] = field(default_factory=list)
+    parity: ParityResult | None = None
+
+    @property
+    def passed(self) -> bool | None:
+        if self.layout_problems:
+            return False
+        return None if self.parity is None or self.parity.passed is None else self.parity.passed
+
+    def to_markdown(self) -> str:
+        """Markdown for the run card, the model card and ``speculators check``."""
+        lines = [f"## vLLM {VLLM_VERSION} weight layout", ""]
+        if self.layout_problems:
+            lines += [f"- {p}" for p in self.layout_problems]
+        else:
+            lines.append(f"Every tensor in model.safetensors is one vLLM {VLLM_VERSION}'s loader places, at its shape.")
+        lines.append("")
+        if self.parity is not None:
+            lines.append(self.parity.to_markdown())
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "vllm_version": VLLM_VERSION, "layout_problems": self.layout_problems,
+                "parity": None if self.parity is None else self.parity.to_json(), "passed": self.passed}
+
+
+def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_sequences: int = 3,
+                     reference_python=None, build: bool = True, parity: bool = True, log=print,
+                     inputs_label: str | None = None) -> GateResult:
+    """Run the static layout check and (``parity``) the parity gate on ``checkpoint``; arguments as
+    :func:`.parity.check_parity`.
+
+    Raises:
+        SpeculatorsError: the directory is not a readable checkpoint, or the target cannot be loaded.
+    """
+    res = GateResult(str(checkpoint), check_layout(checkpoint))
+    if parity:
+        res.parity = check_parity(checkpoint, target=target, sequences=sequences, num_sequences=num_sequences,
+                                  reference_python=reference_python, build=build, log=log,
+                                  inputs_label=inputs_label)
+    return res
+
+
+__all__ = ["GateResult", "check_checkpoint"]
