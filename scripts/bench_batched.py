@@ -1,4 +1,4 @@
-"""Batched decoding throughput: the same prompts decoded at several batch sizes (issue 11).
+"""Batched decoding throughput: the same prompts decoded at several batch sizes.
 
 Runs :func:`speculators.generate.speculative_generate` (continuous batching) over ``--prompts`` prompts
 at each ``--batch`` size, plain decoding (``--proposer none``) and/or prompt-lookup speculative decoding

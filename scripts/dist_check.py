@@ -1,4 +1,4 @@
-"""Distributed-training check for a lent GPU machine (issue 14), run by ``scripts/gpu_check.sh``.
+"""Distributed-training check for a CUDA machine, run by ``scripts/gpu_check.sh``.
 
 For each accelerate config named (``recipes/accelerate/<name>.yaml``: ddp, fsdp, deepspeed_zero2,
 deepspeed_zero3), train a tiny EAGLE-3 drafter through ``accelerate launch`` with a global batch of 2
@@ -120,7 +120,7 @@ def main() -> int:
     work = Path(a.work).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    for name in a.configs:  # every config loads with this accelerate (and names what the README says)
+    for name in a.configs:  # every config loads with this accelerate (and names what docs/DISTRIBUTED.md says)
         cfg = load_config_from_file(str(ROOT / "recipes" / "accelerate" / f"{name}.yaml"))
         print(f"config {name}: distributed_type {cfg.distributed_type}, num_processes {cfg.num_processes}")
     target, data = build_inputs(work)

@@ -1,4 +1,4 @@
-"""Load a target with accelerate's big-model placement and run one feature extraction (issue 14).
+"""Load a target with accelerate's big-model placement and run one feature extraction.
 
 ``Target.load(ref, dtype, device_map=...)`` (the recipe's ``target.device_map``) against a plain load of the
 same weights on one device: the placement, the load time, one ``features(ids, with_logits=True)`` forward
