@@ -2,8 +2,8 @@
 
 A drafter with a confidence head (DSpark, ALGORITHMS.md) reports per draft a raw confidence logit
 ``z_k`` (``Proposal.confidence_logits``); its calibrated conditional confidence is
-``c_k = sigmoid(z_k / T_k + b_k)`` with the drafter's ``confidence_temperature`` buffer ``T [B]`` (ones
-until calibrated) and ``confidence_bias`` buffer ``b [B]`` (zeros until calibrated), the probability
+``c_k = sigmoid(z_k / T_k + b_k)`` with the drafter's declared calibration ``confidence_calibration() =
+(T [B], b [B])`` (temperatures, ones until calibrated, and shifts, zeros until calibrated), the probability
 that draft k is accepted given drafts 1..k-1 were. Their running product ``S_k = prod_{i<=k} c_i``
 (:func:`speculators.generate.survival_probabilities`) is the probability that drafts 1..k are ALL
 accepted: the quantity confidence-gated verification thresholds (:class:`speculators.generate.ConfidenceGate`).
@@ -41,9 +41,10 @@ The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows
    probability do not make noisy bins; Nixon et al. 2019, "Measuring calibration in deep learning").
    With enough prompts the fit and the ECE use disjoint halves of the prompts (``fit_fraction``), so the
    "after" ECE is measured on data the calibration was not fitted on.
-4. :func:`store_temperatures`: the fitted ``T`` and ``b`` replace the ``confidence_temperature`` /
-   ``confidence_bias`` tensors in the checkpoint's ``model.safetensors`` (every other tensor
-   byte-identical; written to a temporary file and renamed, so a failure leaves the old file), and
+4. :func:`store_temperatures`: the fitted ``T`` and ``b`` become the drafter's calibration
+   (``Drafter.set_confidence_calibration``), stored in the checkpoint's ``config.json`` as
+   ``speculators_training.confidence_calibration`` (never in ``model.safetensors``, which holds only
+   what vLLM places; written to a temporary file and renamed, so a failure leaves the old file), and
    :func:`write_calibration_report` writes ``calibration.json``, ``calibration.md``, the reliability
    diagram ``reliability.png`` and the raw outcomes ``outcomes.safetensors``.
 """
@@ -62,7 +63,7 @@ from typing import Callable
 import torch
 
 from .errors import SpeculatorsError
-from .generate import speculative_generate, survival_probabilities
+from .generate import confidence_bias_of, confidence_temperature_of, speculative_generate, survival_probabilities
 from .utils import atomic_dir
 
 TEMPERATURE_BUFFER = "confidence_temperature"
@@ -657,71 +658,68 @@ def choose_threshold(rows: list[dict], min_tau_ratio: float = 0.97) -> dict | No
 # ----------------------------------------------------------------------------- checkpoint
 def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
                        bias: torch.Tensor | None = None) -> Path:
-    """Replace the ``confidence_temperature`` tensor of ``checkpoint_dir/model.safetensors`` with
-    ``temperature`` and its ``confidence_bias`` tensor with ``bias`` (added next to the temperatures in a
-    checkpoint written before shifts existed; None: zeros where the checkpoint holds shifts, i.e. a
-    temperature-only calibration); float32, every other tensor, its dtype and
-    the file metadata unchanged.
+    """Store a fitted calibration in checkpoint ``checkpoint_dir``: ``temperature`` and ``bias`` (None:
+    zeros, a temperature-only calibration) become the drafter's ``confidence_calibration()``, written to
+    ``config.json`` as ``speculators_training.confidence_calibration`` (the drafter's
+    ``training_state()``; engines ignore it), never to ``model.safetensors`` (vLLM's loader cannot place
+    it). A checkpoint of an earlier version that holds the calibration tensors in its weights file gets
+    that file rewritten without them (every other tensor, its dtype and the metadata unchanged).
 
-    The new weights are checked first (the checkpoint's drafter must load them and hold exactly
-    ``temperature`` / ``bias`` afterwards), then written to a temporary file in the same directory and
-    renamed over the old one (``os.replace``): a failure at any point leaves the old file as it was.
+    The new calibration is checked first (the checkpoint's drafter must take it and give it back exactly),
+    then each file is written to a temporary file in the same directory and renamed over the old one
+    (``os.replace``; the config first, so that a failure in between leaves a checkpoint that loads with
+    the new calibration): a failure at any point leaves each file whole.
 
     Returns:
-        the weights file.
+        the checkpoint's ``config.json``.
     Raises:
-        SpeculatorsError: not a checkpoint, a checkpoint without a ``confidence_temperature`` tensor (no
-            confidence head), a temperature or shift vector of another length, non-positive / non-finite
-            temperatures or non-finite shifts.
+        SpeculatorsError: not a checkpoint, a drafter without a confidence head (no calibration), a
+            temperature or shift vector of another length, non-positive / non-finite temperatures or
+            non-finite shifts (naming ``confidence_temperature`` / ``confidence_bias``).
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from .drafters import Drafter
-    from .drafters.checkpoint import WEIGHTS_NAME, complete_frozen_copies, load_weights
+    from .drafters.checkpoint import CONFIG_NAME, TRAINING_KEY, WEIGHTS_NAME, load_weights, read_checkpoint_config
+    from .utils import atomic_write_text
 
     path = Path(checkpoint_dir)
-    file = path / WEIGHTS_NAME
     drafter = Drafter.from_pretrained(path)  # refuses a broken checkpoint before anything is written
-    weights = load_weights(file)
-    keys = [k for k in weights if k == TEMPERATURE_BUFFER or k.endswith("." + TEMPERATURE_BUFFER)]
-    if len(keys) != 1:
-        raise SpeculatorsError(f"{path}: the checkpoint holds no {TEMPERATURE_BUFFER} tensor (a drafter without a "
-                               "confidence head has nothing to calibrate)")
+    if drafter.confidence_calibration() is None:
+        raise SpeculatorsError(f"{path}: the {drafter.algorithm} drafter has no confidence head (no "
+                               f"{TEMPERATURE_BUFFER}): nothing to calibrate")
     t = temperature.detach().float().cpu().reshape(-1)
-    old = weights[keys[0]]
-    if t.shape != old.shape or not bool(torch.isfinite(t).all() and (t > 0).all()):
-        raise SpeculatorsError(f"{path}: {TEMPERATURE_BUFFER} must be {tuple(old.shape)} positive finite values, "
-                               f"got {t.tolist()}")
-    new = {keys[0]: t}  # float32 whatever the other weights' dtype (a bf16 T would keep 3 significant digits)
-    bias_key = keys[0][: -len(TEMPERATURE_BUFFER)] + BIAS_BUFFER
-    if bias is None and bias_key in weights:
-        bias = torch.zeros_like(t)  # a temperature-only calibration: no stale shift beside the new T
-    if bias is not None:
-        b = bias.detach().float().cpu().reshape(-1)
-        if b.shape != old.shape or not bool(torch.isfinite(b).all()):
-            raise SpeculatorsError(f"{path}: {BIAS_BUFFER} must be {tuple(old.shape)} finite values, got {b.tolist()}")
-        new[bias_key] = b
-    weights.update(new)
-    drafter.load_export_state_dict(complete_frozen_copies(drafter, weights))  # final/ omits frozen target copies
-    for key, value in new.items():
-        name = key.rsplit(".", 1)[-1]
-        held = getattr(drafter, name, None)
-        if not isinstance(held, torch.Tensor) or not torch.equal(held.detach().float().cpu(), value):
-            raise SpeculatorsError(f"{path}: the drafter does not read {key} back as its {name}")
-    with safe_open(str(file), framework="pt") as f:
-        metadata = f.metadata() or {"format": "pt"}
-    mode = os.stat(file).st_mode & 0o777
-    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_NAME}.", dir=path)
-    os.close(fd)
+    b = torch.zeros_like(t) if bias is None else bias.detach().float().cpu().reshape(-1)
     try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, mode)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return file
+        drafter.set_confidence_calibration(t, b)
+    except SpeculatorsError as e:
+        raise SpeculatorsError(f"{path}: {e}") from None
+    got_t, got_b = drafter.confidence_calibration()
+    if not (torch.equal(got_t, t) and torch.equal(got_b, b)):
+        raise SpeculatorsError(f"{path}: the drafter does not give the calibration back as it was set")
+    raw = read_checkpoint_config(path)
+    raw[TRAINING_KEY].update(drafter.training_state())
+    atomic_write_text(path / CONFIG_NAME, json.dumps(raw, indent=2, default=str))
+    file = path / WEIGHTS_NAME
+    declared = set(drafter.training_state_tensors)
+    weights = load_weights(file)
+    if any(k in declared or k.rsplit(".", 1)[-1] in declared for k in weights):  # an earlier version's file
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata() or {"format": "pt"}
+        kept = {k: v.contiguous() for k, v in weights.items()
+                if k not in declared and k.rsplit(".", 1)[-1] not in declared}
+        mode = os.stat(file).st_mode & 0o777
+        fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_NAME}.", dir=path)
+        os.close(fd)
+        try:
+            save_file(kept, tmp, metadata=metadata)
+            os.chmod(tmp, mode)
+            os.replace(tmp, file)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return path / CONFIG_NAME
 
 
 # ----------------------------------------------------------------------------- the whole calibration
@@ -782,7 +780,7 @@ def calibrate_drafter(target, drafter, prompts: list[list[int]], k: int, max_new
     fit_idx = set(interleaved_split(n, n_fit))
     fit_p = [p for i, p in enumerate(prompts) if i in fit_idx]
     eval_p = [p for i, p in enumerate(prompts) if i not in fit_idx] if n_fit < n else prompts
-    current, current_b = getattr(drafter, TEMPERATURE_BUFFER, None), getattr(drafter, BIAS_BUFFER, None)
+    current, current_b = confidence_temperature_of(drafter), confidence_bias_of(drafter)
     before_t = current.detach().float().cpu().clone() if isinstance(current, torch.Tensor) else None
     before_b = current_b.detach().float().cpu().clone() if isinstance(current_b, torch.Tensor) else None
     collect = dict(k=k, max_new_tokens=max_new_tokens, sampling=sampling, batch_size=batch_size, eos_ids=eos_ids)

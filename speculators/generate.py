@@ -376,26 +376,30 @@ def check_confidence_threshold(value, name: str = "confidence_threshold") -> flo
     return v
 
 
-def _calibration_buffer(proposer, name: str) -> torch.Tensor | None:
-    """The tensor attribute ``name`` of ``proposer``, else of the drafter it wraps (``proposer.drafter``)."""
+def _confidence_calibration(proposer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``confidence_calibration()`` (:meth:`speculators.drafters.base.Drafter.confidence_calibration`) of
+    ``proposer``, else of the drafter it wraps (``proposer.drafter``), else None."""
     for obj in (proposer, getattr(proposer, "drafter", None)):
-        t = getattr(obj, name, None) if obj is not None else None
-        if isinstance(t, torch.Tensor):
-            return t
+        get = getattr(obj, "confidence_calibration", None) if obj is not None else None
+        cal = get() if callable(get) else None
+        if cal is not None:
+            return cal
     return None
 
 
 def confidence_temperature_of(proposer) -> torch.Tensor | None:
-    """The per-position calibration temperatures ``[B]`` float32 of a proposer with a confidence head: its
-    ``confidence_temperature`` buffer, else that of the drafter it wraps (``proposer.drafter``), else None
-    (then the raw confidences are used, i.e. every T_k = 1)."""
-    return _calibration_buffer(proposer, "confidence_temperature")
+    """The per-position calibration temperatures ``[B]`` float32 of a proposer with a confidence head: the
+    first half of its declared ``confidence_calibration()``, else that of the drafter it wraps
+    (``proposer.drafter``), else None (then the raw confidences are used, i.e. every T_k = 1)."""
+    cal = _confidence_calibration(proposer)
+    return None if cal is None else cal[0]
 
 
 def confidence_bias_of(proposer) -> torch.Tensor | None:
-    """The per-position calibration shifts ``[B]`` float32 (``confidence_bias``, found as
-    :func:`confidence_temperature_of` finds the temperatures), or None (every b_k = 0)."""
-    return _calibration_buffer(proposer, "confidence_bias")
+    """The per-position calibration shifts ``[B]`` float32 (the second half of ``confidence_calibration()``,
+    found as :func:`confidence_temperature_of` finds the temperatures), or None (every b_k = 0)."""
+    cal = _confidence_calibration(proposer)
+    return None if cal is None else cal[1]
 
 
 def survival_probabilities(confidence_logits: torch.Tensor, temperature: torch.Tensor | None = None,

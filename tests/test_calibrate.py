@@ -3,8 +3,7 @@
 Known answers: a head whose raw logits are ``a_k`` times the true acceptance logits must get ``T_k ~ a_k``
 and a lower ECE, both from synthetic records and through the real decoding loop (an oracle proposer on a
 tiny target whose drafts are right with a known probability). The checkpoint round trip uses a tiny
-EAGLE-3 drafter given a ``confidence_temperature`` buffer (the interface DSpark implements), registered in
-place of EAGLE-3 for the test only.
+DSpark drafter (the calibration in ``config.json``, never in ``model.safetensors``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from speculators.calibrate import (
     write_calibration_report,
 )
 from speculators.drafters import DraftVocab, registry
-from speculators.drafters import base as drafters_base
 from speculators.drafters.base import Proposal
 from speculators.drafters.checkpoint import WEIGHTS_NAME
 from speculators.errors import SpeculatorsError
@@ -285,8 +283,12 @@ class OracleWithKnownConfidence:
 
     def __init__(self, target, scale: float, K: int = 4):
         self.target, self.scale = target, scale
-        self.confidence_temperature = torch.ones(K)
+        self.confidence_temperature, self.confidence_bias = torch.ones(K), torch.zeros(K)
         self.cache: dict[tuple, int] = {}
+
+    def confidence_calibration(self):
+        """The declared drafter interface: ``(temperatures [K], shifts [K])``."""
+        return self.confidence_temperature, self.confidence_bias
 
     def argmax(self, ctx):
         key = tuple(ctx)
@@ -466,46 +468,40 @@ def test_calibrate_report_recommends_a_threshold_that_cuts_verified_drafts():
 
 # ----------------------------------------------------------------------------- the checkpoint
 @pytest.fixture()
-def confident_checkpoint(tmp_path, monkeypatch):
-    """A tiny EAGLE-3 checkpoint whose drafter has a ``confidence_temperature [4]`` buffer (saved with its
-    weights); the registry builds this class for ``eagle3`` during the test."""
-    base_cls = registry.get("eagle3")
-
-    class Confident(base_cls):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.register_buffer("confidence_temperature", torch.ones(4))
-
-    monkeypatch.setitem(drafters_base._REGISTRY, "eagle3", Confident)
+def confident_checkpoint(tmp_path):
+    """A tiny DSpark checkpoint (block 4: a calibration of 4 positions, ones / zeros until calibrated)."""
     target = untied_target()
     torch.manual_seed(0)
-    d = Confident.from_target(base_cls.config_class(algorithm="eagle3"), target, DraftVocab.full(target.vocab_size))
-    path = d.save_pretrained(tmp_path / "ckpt")
-    return path, base_cls
+    fam = registry.get("dspark")
+    cfg = fam.config_class(block_size=4, num_layers=1, markov_rank=4)
+    d = fam.from_target(cfg, target, DraftVocab.full(target.vocab_size))
+    return d.save_pretrained(tmp_path / "ckpt"), fam
+
+
+def _calibration_entry(path):
+    return json.loads((path / "config.json").read_text())["speculators_training"]["confidence_calibration"]
 
 
 def test_temperatures_round_trip_through_the_checkpoint(confident_checkpoint):
-    from safetensors.torch import load_file
-
+    """The calibration goes to config.json (speculators_training.confidence_calibration); the weights file,
+    which holds only what vLLM places, is not touched."""
     from speculators.drafters import Drafter
 
     path, _ = confident_checkpoint
-    before = load_file(str(path / WEIGHTS_NAME))
+    before = (path / WEIGHTS_NAME).read_bytes()
     T = torch.tensor([2.5, 1.75, 0.5, 3.0])
     store_temperatures(path, T)
     loaded = Drafter.from_pretrained(path)
-    assert torch.equal(loaded.confidence_temperature, T)
-    after = load_file(str(path / WEIGHTS_NAME))
-    assert set(after) == set(before)
-    for k in before:  # every other tensor is untouched
-        if k != "confidence_temperature":
-            assert torch.equal(after[k], before[k]) and after[k].dtype == before[k].dtype, k
+    assert torch.equal(loaded.confidence_calibration()[0], T) and torch.equal(loaded.confidence_calibration()[1],
+                                                                              torch.zeros(4))
+    assert _calibration_entry(path) == {"temperature": T.tolist(), "bias": [0.0] * 4}
+    assert (path / WEIGHTS_NAME).read_bytes() == before
     assert not [p.name for p in path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
-def test_temperatures_stored_in_a_published_bf16_checkpoint_stay_float32(confident_checkpoint, tmp_path):
-    """``final/`` (train.save_dtype bfloat16, frozen target copies left out) is what calibrate rewrites: the
-    drafter must load without the omitted embedding, and T must not be rounded to bf16."""
+def test_temperatures_stored_in_a_published_bf16_checkpoint_stay_exact(confident_checkpoint, tmp_path):
+    """``final/`` (train.save_dtype bfloat16) is what calibrate rewrites: T is kept exactly (float32 values
+    in config.json), never in the bf16 weights file."""
     from safetensors.torch import load_file
 
     from speculators.drafters import Drafter
@@ -513,21 +509,20 @@ def test_temperatures_stored_in_a_published_bf16_checkpoint_stay_float32(confide
 
     path, _ = confident_checkpoint
     final = save_pretrained(Drafter.from_pretrained(path), tmp_path / "final", dtype="bfloat16", frozen_copies=False)
-    assert "embed_tokens.weight" not in load_file(str(final / WEIGHTS_NAME))
     T = torch.tensor([1.2345, 0.7031, 2.9999, 1.0001])
     store_temperatures(final, T)
     after = load_file(str(final / WEIGHTS_NAME))
-    assert after["confidence_temperature"].dtype == torch.float32 and torch.equal(after["confidence_temperature"], T)
-    assert after["fc.weight"].dtype == torch.bfloat16
+    assert "confidence_temperature" not in after and after["fc.weight"].dtype == torch.bfloat16
+    assert torch.equal(Drafter.from_pretrained(final).confidence_calibration()[0], T)
 
 
 def test_a_bad_temperature_leaves_the_checkpoint_as_it_was(confident_checkpoint):
     path, _ = confident_checkpoint
-    raw = (path / WEIGHTS_NAME).read_bytes()
+    raw, cfg = (path / WEIGHTS_NAME).read_bytes(), (path / "config.json").read_bytes()
     for bad in (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, float("nan"), 1, 1])):
         with pytest.raises(SpeculatorsError, match="confidence_temperature must be"):
             store_temperatures(path, bad)
-        assert (path / WEIGHTS_NAME).read_bytes() == raw
+        assert (path / WEIGHTS_NAME).read_bytes() == raw and (path / "config.json").read_bytes() == cfg
 
 
 def test_a_checkpoint_without_a_confidence_head_is_refused(tmp_path):
@@ -536,7 +531,7 @@ def test_a_checkpoint_without_a_confidence_head_is_refused(tmp_path):
     d = cls.from_target(cls.config_class(algorithm="eagle3"), target, DraftVocab.full(target.vocab_size))
     path = d.save_pretrained(tmp_path / "plain")
     raw = (path / WEIGHTS_NAME).read_bytes()
-    with pytest.raises(SpeculatorsError, match="no confidence_temperature tensor"):
+    with pytest.raises(SpeculatorsError, match="no confidence head"):
         store_temperatures(path, torch.ones(4))
     assert (path / WEIGHTS_NAME).read_bytes() == raw
 
@@ -639,6 +634,10 @@ def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path)
         assert len(records["fit"]) == report["steps_fit"]
         assert len(records.get("eval", records["fit"])) == report["steps_eval"]
         weights = load_file(str(out / "final" / WEIGHTS_NAME))
+        assert not any(k.startswith("confidence_temperature") or k.startswith("confidence_bias") for k in weights)
+        stored = _calibration_entry(out / "final")  # config.json, where vLLM does not look
+        weights = {"confidence_temperature": torch.tensor(stored["temperature"]),
+                   "confidence_bias": torch.tensor(stored["bias"])}
         if method == METHOD_PLATT:  # what was fitted is what the checkpoint now holds
             assert report["stored"] is True and set(records) == {"fit"}
             assert weights["confidence_bias"].tolist() == pytest.approx(report["biases_after"])

@@ -5,6 +5,7 @@ the config errors."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -361,15 +362,23 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     N = vocab or V
     shapes = {"markov_head.markov_w1.weight": (V, RANK), "markov_head.markov_w2.weight": (N, RANK),
               "confidence_head.proj.weight": (1, HIDDEN + (RANK if with_markov else 0)),
-              "confidence_head.proj.bias": (1,), "confidence_temperature": (8,), "confidence_bias": (8,),
+              "confidence_head.proj.bias": (1,),
               "fc.weight": (HIDDEN, len(target.aux_layer_ids) * HIDDEN), "hidden_norm.weight": (HIDDEN,),
               "norm.weight": (HIDDEN,)}
     for name, shape in shapes.items():
         assert tuple(sd[name].shape) == shape, name
     assert ("lm_head.weight" in sd) == bool(vocab) and not any("mask_hidden" in n or "embed_tokens" in n for n in sd)
+    assert not any(n.startswith("confidence_temperature") or n.startswith("confidence_bias") for n in sd)
     path = d.save_pretrained(tmp_path / "ckpt")
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(path / "model.safetensors"))) == set(sd)  # only what vLLM's DSpark loader places
+    block = json.loads((path / "config.json").read_text())["speculators_training"]
+    assert block["confidence_calibration"] == {"temperature": torch.linspace(0.5, 2.0, 8).tolist(),
+                                               "bias": torch.linspace(-1.0, 0.4, 8).tolist()}
     loaded = Drafter.from_pretrained(path)
     assert isinstance(loaded, DSparkDrafter) and loaded.cfg == d.cfg
+    assert all(torch.equal(a, b) for a, b in zip(loaded.confidence_calibration(), d.confidence_calibration()))
     for k, v in d.drafter_state_dict().items():
         assert torch.equal(v, loaded.drafter_state_dict()[k]), k
     loaded.attach_target(target)
@@ -380,56 +389,92 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     torch.testing.assert_close(loaded.confidences(pb), d.confidences(pa))
 
 
-def test_a_checkpoint_from_before_the_shift_loads_with_zero_shifts(tmp_path):
-    """Checkpoints written by temperature-only calibration have no ``confidence_bias``: they load with every
-    shift 0 (what they computed); any other missing weight is still refused."""
+def _old_layout(path, temperature, bias=None):
+    """Rewrite checkpoint ``path`` as an earlier version wrote it: the calibration tensors in
+    ``model.safetensors`` (``bias`` None: a checkpoint from before the shifts) and none in ``config.json``."""
     from safetensors.torch import load_file, save_file
 
-    _, d = make()
-    with torch.no_grad():
-        d.confidence_temperature.copy_(torch.tensor([0.7, 1.2, 1.9, 3.1]))
-    path = d.save_pretrained(tmp_path / "old")
     sd = load_file(str(path / "model.safetensors"))
-    del sd["confidence_bias"]
+    sd["confidence_temperature"] = temperature
+    if bias is not None:
+        sd["confidence_bias"] = bias
     save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = Drafter.from_pretrained(path)
-    assert torch.equal(loaded.confidence_bias, torch.zeros(4))
-    assert torch.equal(loaded.confidence_temperature, d.confidence_temperature)
-    # calibrating it writes the shifts next to the temperatures (every other tensor as it was)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["speculators_training"]["confidence_calibration"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    return sd
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_an_old_checkpoint_with_the_calibration_in_its_weights_loads_and_calibrate_moves_it(with_bias, tmp_path):
+    """Earlier versions wrote ``confidence_temperature`` (and later ``confidence_bias``) into
+    ``model.safetensors``: such a checkpoint loads with its calibration (no shifts: every shift 0), and
+    ``store_temperatures`` writes the new calibration to ``config.json`` and the weights file without them."""
+    from safetensors.torch import load_file
+
     from speculators.calibrate import store_temperatures
 
+    _, d = make()
+    path = d.save_pretrained(tmp_path / "old")
+    T0, b0 = torch.tensor([0.7, 1.2, 1.9, 3.1]), torch.tensor([0.25, -0.5, 0.0, 1.0])
+    sd = _old_layout(path, T0, b0 if with_bias else None)
+    loaded = Drafter.from_pretrained(path)
+    assert torch.equal(loaded.confidence_temperature, T0)
+    assert torch.equal(loaded.confidence_bias, b0 if with_bias else torch.zeros(4))
     T, b = torch.tensor([1.5, 1.0, 2.0, 0.5]), torch.tensor([-0.25, 0.5, 0.0, 1.0])
     store_temperatures(path, T, b)
     stored = load_file(str(path / "model.safetensors"))
-    assert set(stored) == set(sd) | {"confidence_bias"}
-    assert all(torch.equal(stored[k], v) for k, v in sd.items() if k != "confidence_temperature")
+    assert set(stored) == set(sd) - {"confidence_temperature", "confidence_bias"}
+    assert all(torch.equal(stored[k], sd[k]) for k in stored)  # every other tensor as it was
+    block = json.loads((path / "config.json").read_text())["speculators_training"]
+    assert block["confidence_calibration"] == {"temperature": T.tolist(), "bias": b.tolist()}
     recal = Drafter.from_pretrained(path)
     assert torch.equal(recal.confidence_temperature, T) and torch.equal(recal.confidence_bias, b)
+    store_temperatures(path, T)  # temperature-only: the shifts become 0
+    assert torch.equal(Drafter.from_pretrained(path).confidence_bias, torch.zeros(4))
     with pytest.raises(SpeculatorsError, match="confidence_bias must be"):
         store_temperatures(path, T, torch.tensor([0.0, float("inf"), 0.0, 0.0]))
-    del sd["confidence_temperature"]
-    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(SpeculatorsError, match="confidence_temperature"):
+    with pytest.raises(SpeculatorsError, match="confidence_temperature must be"):
+        store_temperatures(path, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    with pytest.raises(SpeculatorsError, match="confidence_temperature must be"):
+        store_temperatures(path, torch.ones(3))
+    assert torch.equal(Drafter.from_pretrained(path).confidence_temperature, T)  # refused: nothing written
+
+
+def test_the_writer_refuses_calibration_tensors_in_the_weights_file(tmp_path):
+    """A family declares its training-side state; the checkpoint writer refuses to put it in
+    ``model.safetensors`` (vLLM's loader would refuse the file)."""
+    _, d = make()
+    sd = d.export_state_dict()
+    d.export_state_dict = lambda: {**sd, "confidence_temperature": torch.ones(BS)}
+    with pytest.raises(SpeculatorsError, match=r"confidence_temperature.*training-side state.*may not be written"):
+        d.save_pretrained(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_bad_calibration_entry_is_one_clear_error(tmp_path):
+    _, d = make()
+    path = d.save_pretrained(tmp_path / "ck")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["speculators_training"]["confidence_calibration"] = {"temperature": [1.0, -1.0, 1.0, 1.0], "bias": [0.0] * 4}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpeculatorsError, match=r"config.json.*confidence_calibration.*confidence_temperature must be"):
         Drafter.from_pretrained(path)
 
 
-def test_bf16_checkpoint_keeps_the_calibration_temperatures_in_float32(tmp_path):
-    """A published (train.save_dtype: bfloat16) checkpoint casts the weights but not confidence_temperature:
-    bf16 would round a fitted T such as 1.2345 to 1.234375."""
+def test_bf16_checkpoint_keeps_the_calibration_exact(tmp_path):
+    """A published (train.save_dtype: bfloat16) checkpoint casts the weights; the calibration lives in
+    config.json as float32 values (bf16 would round a fitted T such as 1.2345 to 1.234375)."""
     from safetensors.torch import load_file
 
     from speculators.drafters.checkpoint import save_pretrained
 
     _, d = make()
     temp, shift = torch.tensor([0.7031, 1.2345, 1.9999, 3.1416]), torch.tensor([-0.1234, 0.5678, 1.0001, -2.3456])
-    with torch.no_grad():
-        d.confidence_temperature.copy_(temp)
-        d.confidence_bias.copy_(shift)
+    d.set_confidence_calibration(temp, shift)
     path = save_pretrained(d, tmp_path / "final", dtype="bfloat16", frozen_copies=False)
     sd = load_file(str(path / "model.safetensors"))
-    assert sd["fc.weight"].dtype == torch.bfloat16
-    assert sd["confidence_temperature"].dtype == torch.float32 and torch.equal(sd["confidence_temperature"], temp)
-    assert sd["confidence_bias"].dtype == torch.float32 and torch.equal(sd["confidence_bias"], shift)
+    assert sd["fc.weight"].dtype == torch.bfloat16 and "confidence_temperature" not in sd
     reloaded = Drafter.from_pretrained(path)
     assert torch.equal(reloaded.confidence_temperature, temp) and torch.equal(reloaded.confidence_bias, shift)
 

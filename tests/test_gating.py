@@ -17,7 +17,8 @@ import torch
 
 from speculators.drafters.base import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import AcceptanceStats, report_markdown, run_eval
+from speculators.eval_report import render_markdown as report_markdown
+from speculators.evaluate import AcceptanceStats, run_eval
 from speculators.generate import (
     ConfidenceGate,
     NGramProposer,
@@ -50,9 +51,12 @@ class SharpTargetProposer:
         self.target, self.sharpen = target, sharpen
         self.cache: dict[tuple, torch.Tensor] = {}
         self.last_states, self.last_generators, self.last_props = [], [], []
-        self.confidence_temperature = torch.ones(8)
         self.advanced: list[tuple[list[int], list[int]]] = []  # (drafts proposed, new ids) per advance
         self.steps = 0
+
+    def confidence_calibration(self):
+        """The declared drafter interface: (temperatures, shifts), the raw confidences here."""
+        return torch.ones(8), torch.zeros(8)
 
     def q(self, ctx: list[int]) -> torch.Tensor:
         key = tuple(ctx)
@@ -140,8 +144,11 @@ def test_threshold_keeps_the_drafts_before_the_first_survival_below_it():
     assert gate.keep_length(torch.tensor([0.99, 0.98])) == 2
     # the gate reads the proposer's temperatures: raw survival [0.731, 0.534, 0.144] keeps 1 draft at 0.6;
     # with T = 0.25 (logit 1 -> sigmoid(4) = 0.982) it is [0.982, 0.964, 0.017]: 2 drafts
-    class P:
-        confidence_temperature = torch.tensor([0.25, 0.25, 0.25])
+    class P:  # the declared interface (Drafter.confidence_calibration), not buffer names
+        confidence_bias = torch.zeros(3)
+
+        def confidence_calibration(self):
+            return torch.tensor([0.25, 0.25, 0.25]), self.confidence_bias
     prop = Proposal(torch.tensor([5, 6, 7]), None, torch.tensor([1.0, 1.0, -1.0]))
     gate = ConfidenceGate(0.6)
     assert gate.keep(P(), [prop, None, Proposal(torch.tensor([1]))]) == [2, None, None]

@@ -78,7 +78,7 @@ class Proposal:
             or None for drafters that only give ids (the verifier then treats q as a point mass).
         confidence_logits: ``[k]`` float32 raw (pre-sigmoid, uncalibrated) confidence logits of the drafts
             (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k + b_k)`` with the
-            drafter's ``confidence_temperature`` / ``confidence_bias`` buffers (:mod:`speculators.calibrate`).
+            drafter's :meth:`Drafter.confidence_calibration` (:mod:`speculators.calibrate`).
             Contract (what keeps confidence-gated verification lossless): logit k may read the drafter's
             state and drafts ``< k``, never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k``
             and ``x_{k-1}``).
@@ -597,6 +597,10 @@ class Drafter(nn.Module):
     #: format does not need (the engine shares the target's), left out of published checkpoints and restored
     #: from the target by :meth:`attach_target` (:func:`.checkpoint.fill_frozen_copies`).
     frozen_target_weights: ClassVar[dict[str, str]] = {}
+    #: True when published checkpoints keep :attr:`frozen_target_weights` all the same (EAGLE-3: the reference
+    #: library, vllm-project/speculators, does not take the embedding from the target); the table then only
+    #: lets checkpoints of earlier versions that omitted them load (:func:`.checkpoint.omittable_target_weights`).
+    publish_frozen_copies: ClassVar[bool] = False
     #: export weight names that a published checkpoint keeps in their trained dtype whatever
     #: ``train.save_dtype`` says (:func:`.checkpoint.cast_weights`; DSpark's ``confidence_temperature``).
     full_precision_weights: ClassVar[tuple[str, ...]] = ()
@@ -625,12 +629,40 @@ class Drafter(nn.Module):
         """Weights under the names vLLM expects (default: the module's own state dict)."""
         return self.drafter_state_dict()
 
+    #: ``{name an earlier version exported: today's name}``, renamed when weights are read
+    #: (:meth:`load_export_state_dict`); e.g. EAGLE-3's ``fc_norm.weight``, today ``input_norm.weight``.
+    legacy_weight_names: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def upgrade_legacy_weights(cls, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``sd`` with every name of :attr:`legacy_weight_names` renamed to today's (a copy; ``sd`` as it is
+        when it holds none). A checkpoint holding both names keeps today's tensor.
+
+        Args:
+            sd: ``{export name: tensor}`` as read from a checkpoint.
+        """
+        old = [n for n in cls.legacy_weight_names if n in sd]
+        if not old:
+            return sd
+        out = dict(sd)
+        for name in old:
+            t = out.pop(name)
+            out.setdefault(cls.legacy_weight_names[name], t)
+        return out
+
     def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load weights written by :meth:`export_state_dict`.
+        """Load weights written by :meth:`export_state_dict` (or by an earlier version: names in
+        :attr:`legacy_weight_names` are renamed first). Tensors the family declares as training-side
+        state (:attr:`training_state_tensors`) are not expected here: they live in ``config.json``
+        (:meth:`load_training_state`).
 
         Raises:
             SpeculatorsError: missing/unexpected names or shapes that do not match this config.
         """
+        sd = self.upgrade_legacy_weights(sd)
+        legacy = {n: sd[n] for n in self.training_state_tensors if n in sd}  # earlier versions wrote them here
+        if legacy:
+            sd = {n: t for n, t in sd.items() if n not in legacy}
         try:
             missing, unexpected = self.load_state_dict(sd, strict=False)
         except RuntimeError as e:
@@ -639,6 +671,50 @@ class Drafter(nn.Module):
         if missing or unexpected:
             raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if legacy:
+            self.load_training_state({}, legacy)
+
+    # ---------------------------------------------------------------- training-side state
+    #: names of the drafter's training-side tensors (non-persistent buffers, e.g. DSpark's confidence
+    #: calibration): never written to ``model.safetensors``, which holds only what a serving engine places
+    #: (vLLM refuses a name it cannot place); they go to ``config.json`` (:meth:`training_state`) and the
+    #: checkpoint writer refuses them in the weights (:func:`.checkpoint.check_serving_weights`). Found in
+    #: the weights of an earlier version's checkpoint, they are read and moved (:meth:`load_export_state_dict`).
+    training_state_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def training_state(self) -> dict[str, Any]:
+        """JSON entries of the drafter's training-side state for ``config.json``'s ``speculators_training``
+        block (engines ignore it); default none. DSpark: ``{"confidence_calibration": {"temperature": [B],
+        "bias": [B]}}``."""
+        return {}
+
+    def load_training_state(self, entries: Mapping[str, Any], legacy: Mapping[str, torch.Tensor] | None = None,
+                            where: str = "config.json") -> None:
+        """Read back :meth:`training_state`: ``entries`` is the checkpoint's ``speculators_training`` block,
+        ``legacy`` the training-side tensors an earlier version wrote to ``model.safetensors`` (used when
+        ``entries`` has no entry of its own). Default: nothing to read.
+
+        Raises:
+            SpeculatorsError: an entry of the wrong shape or value, naming ``where`` and the entry.
+        """
+
+    def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The per-position calibration of the confidence head (:class:`Proposal` ``.confidence_logits``):
+        ``(temperature [B] float32 > 0, bias [B] float32)`` (copies, CPU), with the calibrated confidence
+        ``sigmoid(z_k / T_k + b_k)`` (:mod:`speculators.calibrate`); None for a drafter without a
+        confidence head (the default)."""
+        return None
+
+    def set_confidence_calibration(self, temperature: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Set the calibration :meth:`confidence_calibration` returns.
+
+        Args:
+            temperature: ``[B]`` positive finite temperatures. bias: ``[B]`` finite shifts (None: zeros).
+        Raises:
+            SpeculatorsError: the drafter has no confidence head (the default), or values of another
+                length, a temperature <= 0 or a value that is not finite.
+        """
+        raise SpeculatorsError(f"the {self.algorithm} drafter has no confidence head: nothing to calibrate")
 
     def save_pretrained(self, path: str | Path, recipe_yaml: str | None = None,
                         extra_files: dict[str, str] | None = None, overwrite: bool = True,

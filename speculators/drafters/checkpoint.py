@@ -6,16 +6,22 @@ A checkpoint is a Hugging Face-style directory (FORMATS.md) that vLLM loads as w
   :mod:`speculators.export`), plus ``speculators_version`` and our own block ``speculators_training``
   (vLLM ignores it): ``{"drafter": <the family's config>, "target": <TargetMeta>, "target_adapter":
   <dir, joint runs only>}``;
-* ``model.safetensors``: ``Drafter.export_state_dict`` (the serving engine's weight names), in full
+* ``model.safetensors``: ``Drafter.export_state_dict`` (the serving engine's weight names, and nothing
+  else: a family's training-side state, ``Drafter.training_state_tensors`` such as DSpark's confidence
+  calibration, is refused there (:func:`check_serving_weights`) and written to ``speculators_training``
+  instead (``Drafter.training_state``; read back by ``Drafter.load_training_state``, which also moves
+  it out of the weights of an earlier version's checkpoint)), in full
   precision or, for a published checkpoint (``train.save_dtype``, the trainer's ``final/``), with every
   floating-point weight cast to bfloat16 / float16 (:data:`SAVE_DTYPES`; integer and bool buffers such
   as ``d2t``/``t2d`` keep their dtype) and ``torch_dtype`` in ``config.json`` saying so. Loading casts
   the weights back into the drafter's float32 parameters (:func:`from_pretrained`), so a bf16
   checkpoint evaluates like any other (at bf16's rounding of the weights);
-* frozen, unchanged copies of target tensors (``embed_tokens.weight`` of EAGLE-3, EAGLE-1, MTP:
+* frozen, unchanged copies of target tensors (``embed_tokens.weight`` of EAGLE-1, MTP:
   ``Drafter.frozen_target_weights``) are written in training checkpoints but left out of published ones
   (``final/``): vLLM shares the target's embedding when a draft checkpoint has none, and
-  ``attach_target`` restores them from the target (:func:`fill_frozen_copies`);
+  ``attach_target`` restores them from the target (:func:`fill_frozen_copies`). EAGLE-3 publishes its
+  copy (``Drafter.publish_frozen_copies``: vllm-project/speculators' ``from_pretrained`` would keep zeros
+  without it); its ``final/`` directories written by earlier versions without it still load;
 * optionally ``recipe.yaml`` (how it was trained), a run card, a joint run's ``target_adapter/``
   (peft LoRA), and a trainer's extra files (optimizer state).
 
@@ -315,6 +321,13 @@ def frozen_target_weights(drafter: "Drafter") -> dict[str, str]:
     return dict(getattr(type(drafter), "frozen_target_weights", None) or {})
 
 
+def omittable_target_weights(drafter: "Drafter") -> dict[str, str]:
+    """The frozen target copies a published checkpoint of ``drafter`` leaves out: :func:`frozen_target_weights`,
+    or none when the family publishes them all the same (``Drafter.publish_frozen_copies``, EAGLE-3: what
+    vllm-project/speculators' ``from_pretrained`` needs to reproduce the drafts)."""
+    return {} if getattr(type(drafter), "publish_frozen_copies", False) else frozen_target_weights(drafter)
+
+
 def complete_frozen_copies(drafter: "Drafter", weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` plus the drafter's CURRENT value of every frozen target copy they omit
     (:func:`frozen_target_weights`): for a drafter built from its target (resume, ``train.init_from``) that
@@ -347,6 +360,26 @@ def fill_frozen_copies(drafter: "Drafter", target) -> None:
     drafter.__dict__["_frozen_from_target"] = set()
 
 
+def check_serving_weights(drafter: "Drafter", weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Refuse to write training-side state to ``model.safetensors``: every tensor of the weights file must
+    be one a serving engine places (vLLM's loader raises "There is no module or parameter named ..." for
+    any other name). A family declares its training-side tensors (``Drafter.training_state_tensors``, e.g.
+    DSpark's ``confidence_temperature`` / ``confidence_bias``); they belong in ``config.json``
+    (``Drafter.training_state``).
+
+    Args:
+        weights: ``{export name: tensor}`` about to be written. path: the checkpoint (named in the error).
+    Raises:
+        SpeculatorsError: a training-side tensor among ``weights``, naming it and where it belongs.
+    """
+    declared = tuple(getattr(type(drafter), "training_state_tensors", None) or ())
+    bad = sorted(n for n in weights if n in declared or n.rsplit(".", 1)[-1] in declared)
+    if bad:
+        raise SpeculatorsError(f"{path}: {bad} is training-side state of the {drafter.algorithm} drafter and may "
+                               f"not be written to {WEIGHTS_NAME} (it holds only tensors a serving engine places; "
+                               f"vLLM refuses any other name); it belongs in {CONFIG_NAME} ({TRAINING_KEY})")
+
+
 def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``drafter``: its ``export_config()``, ``speculators_version`` and the
     ``speculators_training`` block (family config, :class:`TargetMeta`, and, when the drafter was trained
@@ -356,7 +389,8 @@ def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> d
     if dtype is not None and "torch_dtype" in cfg:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg["speculators_version"] = __version__
-    cfg[TRAINING_KEY] = {"drafter": drafter.cfg.model_dump(), "target": drafter.meta.to_json()}
+    cfg[TRAINING_KEY] = {"drafter": drafter.cfg.model_dump(), "target": drafter.meta.to_json(),
+                         **drafter.training_state()}
     if drafter.trains_target:
         cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
         with_lora_verifier(cfg, ADAPTER_DIR)  # the verifier is the base model with this adapter merged
@@ -393,7 +427,8 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
     dt = save_dtype(dtype)
     weights = cast_weights(drafter.export_state_dict(), dt,
                            tuple(getattr(type(drafter), "full_precision_weights", None) or ()))
-    omitted = [] if frozen_copies else sorted(n for n in frozen_target_weights(drafter) if n in weights)
+    check_serving_weights(drafter, weights, path)
+    omitted = [] if frozen_copies else sorted(n for n in omittable_target_weights(drafter) if n in weights)
     for name in omitted:
         del weights[name]
 
@@ -461,6 +496,7 @@ def from_pretrained(path: str | Path) -> "Drafter":
                 (drafter.get_parameter(name) if name in dict(drafter.named_parameters())
                  else drafter.get_buffer(name)).fill_(float("nan"))
         drafter.__dict__["_frozen_from_target"] = set(omitted)
+    drafter.load_training_state(block, None, f"{cfg_file}: {TRAINING_KEY}")  # e.g. DSpark's calibration
     adapter = block.get("target_adapter")
     if adapter is None and drafter.trains_target:
         raise SpeculatorsError(f"{cfg_file}: a joint checkpoint (drafter.joint: true) without its target adapter "
@@ -503,6 +539,6 @@ def read_init_weights(path: str | Path, algorithm: str, fingerprint: str | None)
 
 
 __all__ = ["ADAPTER_DIR", "CONFIG_NAME", "RECIPE_NAME", "SAVE_DTYPES", "TRAINING_KEY", "WEIGHTS_NAME", "TargetMeta",
-           "adapter_weights_file", "cast_weights", "check_finite_weights", "complete_frozen_copies", "fill_frozen_copies",
-           "frozen_target_weights", "check_weights", "checkpoint_config", "from_pretrained",
+           "adapter_weights_file", "cast_weights", "check_finite_weights", "check_serving_weights", "complete_frozen_copies", "fill_frozen_copies",
+           "frozen_target_weights", "omittable_target_weights", "check_weights", "checkpoint_config", "from_pretrained",
            "load_weights", "read_checkpoint_config", "read_init_weights", "read_target_meta", "save_dtype", "save_pretrained"]

@@ -18,11 +18,16 @@ DFlash's, unchanged; see that module's docstring). What DSpark changes (ALGORITH
   (``confidence_head_with_markov: true``, ``proj: Linear(H + r -> 1)``) or ``sigmoid(proj(h_k))``
   (``Linear(H -> 1)``): the conditional probability that draft k is accepted given that drafts
   ``0..k-1`` were. It reads only ``h_k`` and the previous token, never ``x_k``, so a proposer may stop
-  drafting on it without changing the output distribution. The buffers ``confidence_temperature``
-  ``[B]`` (ones until calibrated) and ``confidence_bias`` ``[B]`` (zeros until calibrated), float32,
-  saved and exported, give the calibrated confidence ``sigmoid(logit_k / T_k + b_k)``
-  (:func:`calibrated_confidences`, :meth:`DSparkDrafter.confidences`, :mod:`speculators.calibrate`).
-  A checkpoint written before ``confidence_bias`` existed loads with zeros.
+  drafting on it without changing the output distribution. The calibration
+  (:meth:`DSparkDrafter.confidence_calibration`: ``confidence_temperature`` ``[B]``, ones until
+  calibrated, and ``confidence_bias`` ``[B]``, zeros until calibrated, float32) gives the calibrated
+  confidence ``sigmoid(logit_k / T_k + b_k)`` (:func:`calibrated_confidences`,
+  :meth:`DSparkDrafter.confidences`, :mod:`speculators.calibrate`). It is training-side state
+  (non-persistent buffers, ``training_state_tensors``): written to ``config.json`` as
+  ``speculators_training.confidence_calibration = {"temperature": [B], "bias": [B]}``, never to
+  ``model.safetensors`` (vLLM's DSpark loader cannot place it and applies no calibration). A checkpoint
+  of an earlier version that holds the tensors in its weights file loads them (moved into the drafter; a
+  missing ``confidence_bias`` reads as zeros).
 
 Training (:meth:`DSparkDrafter.loss`): DFlash's anchors and one forward; the Markov input of slot k is
 teacher-forced with the DATA token ``x_{a+k}`` (``x_a`` for slot 0): the prefix the target's
@@ -68,7 +73,8 @@ Export (``speculators_model_type: dspark``, FORMATS.md): DFlash's keys with ``sa
 and ``speculative_tokens = block_size``, plus ``markov_rank``, ``markov_head_type``,
 ``enable_confidence_head``, ``confidence_head_with_markov``; weights add ``markov_head.markov_w1.weight
 [V, r]``, ``markov_head.markov_w2.weight [N, r]``, ``confidence_head.proj.{weight,bias} [1, H+r]``
-(``[1, H]`` without the Markov input), ``confidence_temperature [B]`` and ``confidence_bias [B]``.
+(``[1, H]`` without the Markov input); the calibration goes to ``speculators_training`` (above).
+vLLM serves it as ``method: dspark``.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ from .checkpoint import TargetMeta
 from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashState
 
 MARKOV_HEAD_TYPES = ("vanilla",)  # implemented; the paper's "gated" and "rnn" variants are not
+CALIBRATION_KEY = "confidence_calibration"  # speculators_training entry of the confidence calibration
 
 
 def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
@@ -230,8 +237,9 @@ class DSparkDrafter(DFlashDrafter):
     vllm_method = "dspark"  # vLLM's DSparkProposer (vllm/v1/spec_decode/dspark.py) and its DSpark model loader
     sample_from_anchor: ClassVar[bool] = True
     max_speculative_tokens_source = "drafter.block_size"
-    # float32 even in bf16 saves
-    full_precision_weights: ClassVar[tuple[str, ...]] = ("confidence_temperature", "confidence_bias")
+    # the confidence calibration is training-side state: config.json's speculators_training.confidence_calibration,
+    # never model.safetensors (vLLM's DSpark loader cannot place it)
+    training_state_tensors: ClassVar[tuple[str, ...]] = ("confidence_temperature", "confidence_bias")
 
     def __init__(self, cfg: DSparkConfig, meta: TargetMeta | dict, draft_vocab_size: int | None = None):
         """Raises:
@@ -244,15 +252,78 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = MarkovHead(V, N, r)
         if cfg.enable_confidence_head:
             self.confidence_head = ConfidenceHead(H + r if cfg.confidence_head_with_markov else H)
-            self.register_buffer("confidence_temperature", torch.ones(cfg.block_size, dtype=torch.float32))
-            self.register_buffer("confidence_bias", torch.zeros(cfg.block_size, dtype=torch.float32))
+            # non-persistent: not in state_dict, hence never in model.safetensors (training_state_tensors)
+            self.register_buffer("confidence_temperature", torch.ones(cfg.block_size, dtype=torch.float32),
+                                 persistent=False)
+            self.register_buffer("confidence_bias", torch.zeros(cfg.block_size, dtype=torch.float32),
+                                 persistent=False)
 
-    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """:meth:`Drafter.load_export_state_dict`; a checkpoint written before ``confidence_bias`` existed
-        (temperature-only calibration) loads with every shift 0, which is what it computed."""
-        if self.cfg.enable_confidence_head and "confidence_bias" not in sd and "confidence_temperature" in sd:
-            sd = {**sd, "confidence_bias": torch.zeros_like(self.confidence_bias)}
-        super().load_export_state_dict(sd)
+    # ------------------------------------------------------------------ calibration (training-side state)
+    def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(confidence_temperature [Bs], confidence_bias [Bs])`` float32 CPU copies (ones / zeros until
+        calibrated), or None without a confidence head (:meth:`Drafter.confidence_calibration`)."""
+        if not self.cfg.enable_confidence_head:
+            return None
+        return (self.confidence_temperature.detach().float().cpu().clone(),
+                self.confidence_bias.detach().float().cpu().clone())
+
+    def set_confidence_calibration(self, temperature: torch.Tensor, bias: torch.Tensor | None = None,
+                                   where: str = "") -> None:
+        """Set the per-slot calibration (:meth:`Drafter.set_confidence_calibration`); ``where`` prefixes the
+        errors (the file an entry came from).
+
+        Raises:
+            SpeculatorsError: no confidence head; not ``[block_size]`` values, a temperature <= 0 or a value
+                that is not finite (naming ``confidence_temperature`` / ``confidence_bias``).
+        """
+        if not self.cfg.enable_confidence_head:
+            super().set_confidence_calibration(temperature, bias)
+        Bs = self.cfg.block_size
+        t = torch.as_tensor(temperature).detach().float().cpu().reshape(-1)
+        b = torch.zeros(Bs) if bias is None else torch.as_tensor(bias).detach().float().cpu().reshape(-1)
+        if t.shape != (Bs,) or not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise SpeculatorsError(f"{where}confidence_temperature must be ({Bs},) positive finite values (one per "
+                                   f"block slot), got {t.tolist()}")
+        if b.shape != (Bs,) or not bool(torch.isfinite(b).all()):
+            raise SpeculatorsError(f"{where}confidence_bias must be ({Bs},) finite values (one per block slot), "
+                                   f"got {b.tolist()}")
+        with torch.no_grad():
+            self.confidence_temperature.copy_(t)
+            self.confidence_bias.copy_(b)
+
+    def training_state(self) -> dict[str, Any]:
+        """``{"confidence_calibration": {"temperature": [Bs], "bias": [Bs]}}`` (float32 values as JSON
+        numbers, exact) for ``config.json``'s ``speculators_training``; nothing without a confidence head."""
+        cal = self.confidence_calibration()
+        if cal is None:
+            return {}
+        return {CALIBRATION_KEY: {"temperature": cal[0].tolist(), "bias": cal[1].tolist()}}
+
+    def load_training_state(self, entries, legacy=None, where: str = "config.json") -> None:
+        """Read the calibration back (:meth:`Drafter.load_training_state`): the ``confidence_calibration``
+        entry, else the ``confidence_temperature`` / ``confidence_bias`` tensors an earlier version wrote to
+        ``model.safetensors`` (a checkpoint written before shifts existed: every shift 0), else unchanged.
+
+        Raises:
+            SpeculatorsError: an entry that is not ``{"temperature": [Bs], "bias": [Bs]}`` valid values.
+        """
+        if not self.cfg.enable_confidence_head:
+            return
+        entry = (entries or {}).get(CALIBRATION_KEY)
+        if entry is not None:
+            if not isinstance(entry, dict) or "temperature" not in entry:
+                raise SpeculatorsError(f"{where}.{CALIBRATION_KEY}: expected {{'temperature': [...], 'bias': [...]}}, "
+                                       f"got {entry!r}")
+            try:
+                t = torch.tensor(entry["temperature"], dtype=torch.float32)
+                b = None if entry.get("bias") is None else torch.tensor(entry["bias"], dtype=torch.float32)
+            except (TypeError, ValueError):
+                raise SpeculatorsError(f"{where}.{CALIBRATION_KEY}: temperature and bias must be lists of numbers, "
+                                       f"got {entry!r}") from None
+            self.set_confidence_calibration(t, b, where=f"{where}.{CALIBRATION_KEY}: ")
+        elif legacy and "confidence_temperature" in legacy:
+            self.set_confidence_calibration(legacy["confidence_temperature"], legacy.get("confidence_bias"),
+                                            where=f"{where} (model.safetensors of an earlier version): ")
 
     @property
     def max_speculative_tokens(self) -> int:

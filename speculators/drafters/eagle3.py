@@ -121,8 +121,12 @@ class Eagle3Drafter(Drafter):
     algorithm = "eagle3"
     config_class = Eagle3Config
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
-    # frozen copy: vLLM shares the target's embedding when the checkpoint has none (not in final/)
+    legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
+    # embed_tokens is the target's (frozen): restored from the target when a checkpoint written by an earlier
+    # version omitted it, but written in every checkpoint, final/ included: vLLM's EAGLE-3 loader places it
+    # (``model.embed_tokens``) and vllm-project/speculators' from_pretrained would leave it at zeros
     frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
+    publish_frozen_copies = True
 
     def __init__(self, cfg: Eagle3Config, meta: TargetMeta, draft_vocab_size: int):
         super().__init__(cfg, meta)
@@ -131,7 +135,9 @@ class Eagle3Drafter(Drafter):
         H, V, n_aux = self.layer_cfg.hidden_size, self.meta.vocab_size, len(self.meta.aux_layer_ids)
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        # norm_before_fc: RMSNorm over the concatenated aux states, exported as ``input_norm.weight`` (vLLM's and
+        # vllm-project/speculators' name; vLLM's ``fc_norm`` is another module, one norm per tap)
+        self.input_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(n_aux * H, H, bias=False)
         self.layers = nn.ModuleList([FusedInputLayer(self.layer_cfg)] +
                                     [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
@@ -165,8 +171,8 @@ class Eagle3Drafter(Drafter):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``[..., n_aux*H]`` aux hidden states -> ``[..., H]`` fused features g."""
-        if self.fc_norm is not None:
-            aux = self.fc_norm(aux)
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
         return self.fc(aux)
 
     def _head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,6 +146,7 @@ class PEagleDrafter(Drafter):
     algorithm = "peagle"
     config_class = PEagleConfig
     vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
+    legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
 
     def __init__(self, cfg: PEagleConfig, meta: TargetMeta, draft_vocab_size: int):
         """Raises:
@@ -162,7 +163,9 @@ class PEagleDrafter(Drafter):
         self.embed_tokens.weight.requires_grad_(False)
         self.mask_embedding = nn.Parameter(torch.zeros(H))  # exported as embed_tokens.weight[mask_token_id]
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, n_aux * H))
-        self.fc_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        # norm_before_fc: RMSNorm over the concatenated aux states, exported as ``input_norm.weight`` (vLLM's and
+        # vllm-project/speculators' name; vLLM's ``fc_norm`` is another module, one norm per tap)
+        self.input_norm = RMSNorm(n_aux * H, eps=self.layer_cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(n_aux * H, H, bias=False)
         self.layers = nn.ModuleList([FusedInputLayer(self.layer_cfg)] +
                                     [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
@@ -237,8 +240,8 @@ class PEagleDrafter(Drafter):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``[..., n_aux*H]`` aux hidden states -> ``[..., H]`` fused features g (optional norm, ``fc``)."""
-        if self.fc_norm is not None:
-            aux = self.fc_norm(aux)
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
         return self.fc(aux)
 
     def _mask_inputs(self, rows: int, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
