@@ -216,7 +216,7 @@ def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], toleran
         agree = None
         if name.endswith("logits") and not name.endswith("confidence_logits") and a.dim() >= 1:
             agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
-        out.append(OutputDelta(name, d, agree, int(a.numel() // (a.shape[-1] if a.dim() else 1))))
+        out.append(OutputDelta(name, d, agree, int(a.numel() // a.shape[-1]) if a.dim() >= 2 else int(a.numel())))
     return out
 
 

@@ -74,3 +74,62 @@ def eagle3_step(drafter, config, ids, feats_ours, feats_ref) -> Step:
 
 #: ``speculators_model_type`` -> step function.
 FAMILIES = {"eagle3": eagle3_step}
+
+
+def _block_inputs(drafter, ids, feats_ref, block_tokens: list[int]) -> dict[str, torch.Tensor]:
+    """Reference inputs for one anchored block at ``a = len(ids) - 1``: context features ``aux[:a]`` (positions
+    ``a..a+B-1`` zero: the block must not read them), ``input_ids = ids + block_tokens`` (``B - 1`` tokens
+    after the anchor)."""
+    a, B = len(ids) - 1, drafter.block_size
+    T = a + B
+    aux = torch.zeros(1, T, feats_ref.aux.shape[-1])
+    aux[:, :a] = feats_ref.aux[:, :a]
+    full = list(ids) + list(block_tokens)
+    return {"hidden_states": aux, "input_ids": torch.tensor([full], dtype=torch.long),
+            "loss_mask": torch.ones(1, T, dtype=torch.long), "document_ids": torch.zeros(1, T, dtype=torch.long),
+            "verifier_last_hidden_states": torch.zeros(1, T, feats_ref.top.shape[-1])}
+
+
+def dflash_step(drafter, config, ids, feats_ours, feats_ref) -> Step:
+    """DFlash: every slot of one block anchored at the last token ``x_a`` (``a = T - 1``), context the
+    features of positions ``0..a-1``. Ours: ``start`` then ``head(block_hidden(state))`` (the trained
+    block, ``[B, N]``, slot 0 included); reference: one anchor pinned at ``a``."""
+    t = torch.tensor(ids, dtype=torch.long)
+    a = len(ids) - 1
+    st = drafter.start(t, _slice(feats_ours, a))
+    logits = drafter.head(drafter.block_hidden(st)).float()
+    pad = [int(config.get("mask_token_id") or 0)] * (drafter.block_size - 1)
+    return Step(_block_inputs(drafter, ids, feats_ref, pad), {"max_anchors": 1}, {"anchor_positions": [a]},
+                {"logits": logits})
+
+
+def dspark_step(drafter, config, ids, feats_ours, feats_ref) -> Step:
+    """DSpark: one block anchored at ``x_a``; the Markov-corrected logits of every slot along OUR greedy chain
+    (slot j conditions on the anchor, then on draft j-1: vLLM's ``sample_from_anchor`` chain) and the raw
+    confidence logits. The reference reads the chain from ``input_ids`` after the anchor."""
+    t = torch.tensor(ids, dtype=torch.long)
+    a, B = len(ids) - 1, drafter.block_size
+    st = drafter.start(t, _slice(feats_ours, a))
+    h = drafter.block_hidden(st)
+    base = drafter.head(h).float()
+    prev = torch.tensor([st.last_id], dtype=torch.long)
+    rows, confs, chain = [], [], []
+    for j in range(B):
+        corr, e = drafter.markov_head(prev)
+        c = drafter._confidence(h[j:j + 1], e)
+        if c is not None:
+            confs.append(c.reshape(1).float())
+        row = (base[j:j + 1] + corr.float())[0]
+        rows.append(row)
+        tok = int(row.argmax())
+        tok = tok + int(drafter.d2t[tok]) if drafter.reduced_vocab else tok
+        chain.append(tok)
+        prev = torch.tensor([tok], dtype=torch.long)
+    out = {"logits": torch.stack(rows)}
+    if confs:
+        out["confidence_logits"] = torch.cat(confs)
+    return Step(_block_inputs(drafter, ids, feats_ref, chain[:B - 1]), {"max_anchors": 1},
+                {"anchor_positions": [a]}, out)
+
+
+FAMILIES.update({"dflash": dflash_step, "dspark": dspark_step})
