@@ -133,3 +133,28 @@ def dspark_step(drafter, config, ids, feats_ours, feats_ref) -> Step:
 
 
 FAMILIES.update({"dflash": dflash_step, "dspark": dspark_step})
+
+
+def peagle_step(drafter, config, ids, feats_ours, feats_ref) -> Step:
+    """P-EAGLE: every depth of one parallel step after the prefix ``ids`` (``n = T - 1`` real inputs).
+    Ours: ``start`` (whose forward drafts all depths, :meth:`PEagleDrafter._advance_one`), ``[D, N]``.
+    Reference: every real input at depth 0 plus depths ``1..D-1`` at the last one, as vLLM's parallel
+    drafting runs them; its logits rows ``n-1 .. n+D-2`` are compared."""
+    t = torch.tensor(ids, dtype=torch.long)
+    n = len(ids) - 1
+    st = drafter.start(t, _slice(feats_ours, n))
+    logits = st.draft_logits.float()
+    D = logits.shape[0]
+    T = n + D - 1
+    aux = torch.zeros(1, T, feats_ref.aux.shape[-1])
+    aux[:, :n] = feats_ref.aux[:, :n]
+    inp = torch.zeros(1, T, dtype=torch.long)
+    inp[0, :n] = t[1:]
+    ref = {"hidden_states": aux, "input_ids": inp, "document_ids": torch.zeros(1, T, dtype=torch.long),
+           "loss_mask": torch.ones(1, T), "verifier_last_hidden_states": torch.zeros(1, T, feats_ref.top.shape[-1])}
+    pin = {"anchor_pos": list(range(n)) + [n - 1] * (D - 1), "depth": [0] * n + list(range(1, D)),
+           "logits_rows": [n - 1, n - 1 + D]}
+    return Step(ref, {"num_depths": D}, pin, {"logits": logits})
+
+
+FAMILIES["peagle"] = peagle_step

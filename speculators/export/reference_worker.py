@@ -160,8 +160,9 @@ def main(request_file):
         order.clear()
         with torch.no_grad():
             model(**kw)
+        rows = pin.get("logits_rows")
         for k, v in captured.items():
-            outputs[f"{s}.{k}"] = v.contiguous()
+            outputs[f"{s}.{k}"] = (v[rows[0]:rows[1]] if rows and k == "logits" else v).contiguous()
         for k, v in hooks.items():
             outputs[f"{s}.hook.{k}"] = v.contiguous()
         orders[s] = list(order)
