@@ -47,7 +47,7 @@ class GateResult:
 
 def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_sequences: int = 3,
                      reference_python=None, build: bool = True, parity: bool = True, log=print,
-                     inputs_label: str | None = None) -> GateResult:
+                     inputs_label: str | None = None, drafter=None) -> GateResult:
     """Run the static layout check and (``parity``) the parity gate on ``checkpoint``; arguments as
     :func:`.parity.check_parity`.
 
@@ -58,7 +58,7 @@ def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_se
     if parity:
         res.parity = check_parity(checkpoint, target=target, sequences=sequences, num_sequences=num_sequences,
                                   reference_python=reference_python, build=build, log=log,
-                                  inputs_label=inputs_label)
+                                  inputs_label=inputs_label, drafter=drafter)
     return res
 
 

@@ -24,6 +24,7 @@ result.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import tempfile
@@ -242,7 +243,7 @@ def first_hook_divergence(ours: dict[str, torch.Tensor], ref: dict[str, torch.Te
 
 def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]] | None = None,
                  num_sequences: int = 3, reference_python: str | Path | None = None, build: bool = True,
-                 log=print, inputs_label: str | None = None) -> ParityResult:
+                 log=print, inputs_label: str | None = None, drafter=None) -> ParityResult:
     """Run the parity gate on ``checkpoint`` (module docstring).
 
     Args:
@@ -257,6 +258,9 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         build: build the cached reference venv when none is found.
         log: progress lines.
         inputs_label: how the inputs are described in the result (default: from where they came).
+        drafter: the in-memory drafter the checkpoint was exported from (end of training): its exported
+            weights are compared with the file by name first, and it drafts our side; None loads ours
+            from ``checkpoint`` with our own loader.
     Returns:
         A :class:`ParityResult`; ``passed`` None (with ``skipped``) when the reference is unavailable
         or does not implement the family.
@@ -280,21 +284,28 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         result.skipped = str(e)
         return result
 
-    drafter = Drafter.from_pretrained(checkpoint).float()
+    problems = []
+    if drafter is not None:
+        problems += _file_vs_drafter(checkpoint, drafter)
+    try:  # our side drafts with the weights as published (e.g. bfloat16), read by our own loader
+        drafter = Drafter.from_pretrained(checkpoint).float()
+    except SpeculatorsError as e:
+        if drafter is None:
+            raise
+        problems.append(f"our own loader refuses the checkpoint: {e}")
+        drafter = copy.deepcopy(drafter).float()
     if target is None:
         from ..target import Target
 
         name = drafter.meta.name_or_path
         target = Target.load(name, aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
-    if getattr(drafter, "_frozen_from_target", None) or True:
-        drafter.attach_target(target)
+    drafter.attach_target(target)  # frozen copies a published checkpoint leaves out come from the target
     drafter.eval()
     seqs, label = _sequences(target, sequences, num_sequences)
     result.inputs = inputs_label or label
 
     fam = parity_families.FAMILIES[family]
     cfg_ids = parity_families.config_aux_ids(cfg, family)
-    problems = []
     ours_ids = list(drafter.meta.aux_layer_ids)
     if cfg_ids != [i + 1 for i in ours_ids]:
         problems.append(f"config.json aux layer ids {cfg_ids} (vLLM convention) tap layers "
@@ -359,6 +370,23 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         result.first_divergence = (first_hook_divergence(ours_hooks, hooked, rep["hook_order"].get("seq0", []),
                                                          names) or f"output `{bad_out[0].name}`")
     return result
+
+
+def _file_vs_drafter(checkpoint: Path, drafter) -> list[str]:
+    """Tensors of ``model.safetensors`` that differ from what ``drafter`` exports (by name, cast to the file's
+    dtype; the frozen target copies a published checkpoint leaves out are skipped)."""
+    file = load_file(str(checkpoint / "model.safetensors"))
+    out = []
+    for name, t in drafter.export_state_dict().items():
+        if name not in file:
+            continue
+        f = file[name]
+        mine = t.detach().cpu().to(f.dtype)
+        if f.shape != mine.shape or not torch.equal(f, mine):
+            d = float((f.float() - mine.float()).abs().max()) if f.shape == mine.shape else None
+            out.append(f"weight `{name}` in model.safetensors differs from the trained drafter's "
+                       f"(max |delta| {d})")
+    return out
 
 
 def _features(target, ids: list[int], layer_ids: list[int] | None):

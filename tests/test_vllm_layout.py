@@ -1,0 +1,98 @@
+"""The static vLLM layout check (speculators/export/vllm_layout.py) on every family's real export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculators.drafters import DraftVocab, registry
+from speculators.drafters.checkpoint import save_pretrained
+from speculators.errors import SpeculatorsError
+from speculators.export.vllm_layout import check_layout
+from speculators.target import build_tiny_target
+
+V = 96
+FAMILIES = {  # family -> drafter config overrides (the variants whose names differ)
+    "medusa": {}, "medusa-vllm": {"export": "vllm-medusa", "draft_vocab_size": 64}, "eagle": {},
+    "eagle3": {"draft_vocab_size": 64}, "eagle3-nbf": {"norm_before_fc": True}, "peagle": {},
+    "dflash": {"draft_vocab_size": 64}, "dspark": {"enable_confidence_head": True}, "mtp": {},
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    t.aux_layer_ids = [0, 1, 2]
+    return t
+
+
+def export(target, name, path, **over):
+    family = name.split("-")[0]
+    cls = registry.get(family)
+    kw = {**FAMILIES[name], **over}
+    cfg = cls.config_class(algorithm=family, **kw)
+    torch.manual_seed(0)
+    d = cls.from_target(cfg, target, DraftVocab.from_counts(torch.arange(V, 0, -1), kw.get("draft_vocab_size")))
+    return save_pretrained(d, path, frozen_copies=False, dtype="bfloat16")  # as final/ is written
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_export_is_placed_by_vllm(target, tmp_path, name):
+    assert check_layout(export(target, name, tmp_path / name)) == []
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark", "mtp", "medusa-vllm"])
+def test_extra_and_misshapen_tensors_are_named(target, tmp_path, name):
+    path = export(target, name, tmp_path / name)
+    w = load_file(path / "model.safetensors")
+    first = sorted(k for k in w if w[k].dim() == 2)[0]
+    w[first] = torch.zeros(w[first].shape[0] + 1, w[first].shape[1], dtype=w[first].dtype)
+    w["confidence_temperature"] = torch.ones(4)
+    save_file(w, path / "model.safetensors")
+    problems = check_layout(path)
+    assert any("`confidence_temperature`" in p and "no module or parameter" in p for p in problems), problems
+    assert any(f"`{first}`" in p and "shape" in p for p in problems), problems
+    assert len(problems) == 2, problems
+
+
+def test_missing_required_tensor_and_fc_norm_name(target, tmp_path):
+    path = export(target, "eagle3-nbf", tmp_path / "e3")
+    w = load_file(path / "model.safetensors")
+    w["fc_norm.weight"] = w.pop("input_norm.weight")  # the name vLLM keeps for its per-tap norms
+    save_file(w, path / "model.safetensors")
+    problems = check_layout(path)
+    assert any("`fc_norm.weight`" in p for p in problems) and any("`input_norm.weight` is missing" in p
+                                                                   for p in problems), problems
+
+
+@pytest.mark.parametrize("ids,why", [([3, 1, 2], "ascending"), ([1, 1, 2], "distinct"), ([1, 2], "exactly 3"),
+                                     ([1, 2, 3, 4], "exactly 3")])
+def test_eagle3_aux_id_rules(target, tmp_path, ids, why):
+    path = export(target, "eagle3", tmp_path / "e3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = ids
+    (path / "config.json").write_text(json.dumps(cfg))
+    problems = check_layout(path)
+    assert any(why in p and "eagle_aux_hidden_state_layer_ids" in p for p in problems), problems
+
+
+def test_dflash_unsorted_aux_ids(target, tmp_path):
+    path = export(target, "dflash", tmp_path / "df")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["aux_hidden_state_layer_ids"] = [2, 1]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert any("ascending" in p for p in check_layout(path))
+
+
+def test_unknown_family_and_missing_files_are_errors(target, tmp_path):
+    with pytest.raises(SpeculatorsError, match="config.json does not exist"):
+        check_layout(tmp_path)
+    path = export(target, "eagle3", tmp_path / "e3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["speculators_model_type"] = "nope"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpeculatorsError, match="unknown family 'nope'"):
+        check_layout(path)
