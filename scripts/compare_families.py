@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from speculators.eval_report import fmt
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -108,10 +110,10 @@ def main() -> int:
     for name, rep, secs in rows:
         d = rep["drafter"]
         ms = f"{d['draft_ms_per_step']:.2f}" if "draft_ms_per_step" in d else "-"  # defensive: older report format
-        lines.append(f"| {name} | {d['tau']:.3f} | {d['acceptance_rate']:.3f} | " +
-                     " | ".join(f"{x:.3f}" for x in d["per_position"]) +
-                     f" | {ms} | {d['tokens_per_s']:.1f} | {rep['speedup']:.2f}x | {rep['ngram']['tau']:.3f} | "
-                     f"{rep['ngram']['tokens_per_s']:.1f} | "
+        lines.append(f"| {name} | {d['tau']:.3f} | {fmt(d['acceptance_rate'], '.3f')} | " +
+                     " | ".join(fmt(x, ".3f") for x in d["per_position"]) +
+                     f" | {ms} | {fmt(d['tokens_per_s'], '.1f')} | {fmt(rep['speedup'], '.2f', 'x')} | "
+                     f"{rep['ngram']['tau']:.3f} | {fmt(rep['ngram']['tokens_per_s'], '.1f')} | "
                      f"{'-' if secs is None else f'{secs / 60:.1f} min'} | {target_ppl(ROOT / 'outputs' / name)} |")
     table = "\n".join(lines) + "\n"
     print(table)

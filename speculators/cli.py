@@ -17,7 +17,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .errors import SpeculatorsError
 
@@ -188,7 +187,9 @@ def eval_cmd(
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
                            progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or (),
                            dtype=dtype)
-    _print_report(report)
+    from .eval_report import render_terminal
+
+    render_terminal(report, console)
     log(f"report written to {out}/report.json, report.md and the plots")
     mm = report.get("greedy_mismatches")
     if mm:
@@ -262,78 +263,6 @@ def push(
 
     push_checkpoint(_resolve_checkpoint(checkpoint, allow_hub=False), repo_id, private=private, token=token,
                     revision=revision, commit_message=message, dry_run=dry_run, log=log)
-
-
-def _print_report(report: dict) -> None:
-    """Print the eval report: one table per batch size (a row per method and K, ★ on each method's best
-    K), per-position acceptance at batch 1 and the largest K, the compare table, the losslessness line."""
-    from .evaluate import METHOD_LABELS
-
-    def tau(r):
-        lo, hi = r["tau_ci"]
-        return f"{r['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
-
-    for b in report["batch_sizes"]:
-        plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
-        t = Table(title=f"batch size {b} (temperature {report['temperature']}, {report['num_prompts']} prompts; "
-                        f"speedup vs plain at batch {b})")
-        for col in ("method", "K", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
-            t.add_column(col)
-        for m in report["methods"]:
-            for r in sorted((r for r in report["rows"] if r["method"] == m and r["batch_size"] == b),
-                            key=lambda r: r["k"]):
-                t.add_row(METHOD_LABELS[m], f"{r['k']}{' ★' if r['best_k'] else ''}", tau(r),
-                          f"{r['acceptance_rate']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
-        t.add_row("plain", "-", "1.000", "-", f"{plain['tokens_per_s']:.1f}", "1.00x")
-        console.print(t)
-    kmax, b1 = max(report["ks"]), report["batch_sizes"][0]
-    p = Table(title=f"per-position acceptance (batch {b1}, K={kmax})")
-    p.add_column("")
-    for i in range(kmax):
-        p.add_column(str(i + 1))
-    for m in report["methods"]:
-        r = next(r for r in report["rows"] if r["method"] == m and r["batch_size"] == b1 and r["k"] == kmax)
-        p.add_row(f"{m} acc_k", *[f"{x:.3f}" for x in r["per_position"]])
-        p.add_row(f"{m} cond acc_k", *[f"{x:.3f}" for x in r["conditional"]])
-    console.print(p)
-    if report.get("compare"):
-        c = Table(title="compare (same prompts and settings)")
-        for col in ("checkpoint", "method", "batch", "K", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
-            c.add_column(col)
-        for r in report["compare"]["rows"]:
-            c.add_row(r["checkpoint"], METHOD_LABELS[r["method"]], str(r["batch_size"]),
-                      f"{r['k']}{' ★' if r['best_k'] else ''}", tau(r), f"{r['acceptance_rate']:.3f}",
-                      f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
-        console.print(c)
-    sc = report.get("serving_conventions")
-    if sc:
-        t = Table(title=f"tau under vLLM's draft_sample_method (temperature {sc['temperature']}, batch "
-                        f"{sc['batch_size']}, K={sc['k']}; both lossless)")
-        for col in ("vLLM --speculative-config", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
-            t.add_column(col)
-        for r in sc["rows"]:
-            t.add_row(r["engine_setting"], tau(r), f"{r['acceptance_rate']:.3f}", f"{r['tokens_per_s']:.1f}",
-                      f"{r['speedup']:.2f}x")
-        console.print(t)
-    g = report.get("gating")
-    if g:
-        t = Table(title=f"confidence-gated verification (threshold {g['threshold']}"
-                        f"{', cost-aware' if g['cost_aware'] else ''}; drafts per step proposed / verified)")
-        for col in ("drafter", "batch", "K", "tau [95% CI]", "drafted/step", "verified/step", "acc. rate",
-                    "tokens/s", "speedup"):
-            t.add_column(col)
-        gated = {(r["batch_size"], r["k"]): r for r in report.get("gated_rows", [])}
-        for r in sorted((r for r in report["rows"] if r["method"] == "drafter"), key=lambda r: (r["batch_size"], r["k"])):
-            for label, row in (("ungated", r), ("gated", gated.get((r["batch_size"], r["k"])))):
-                if row is not None:
-                    t.add_row(label, str(r["batch_size"]), str(r["k"]), tau(row), f"{row['drafted_per_step']:.2f}",
-                              f"{row['verified_per_step']:.2f}", f"{row['acceptance_rate']:.3f}",
-                              f"{row['tokens_per_s']:.1f}", f"{row['speedup']:.2f}x")
-        console.print(t)
-    mm = report.get("greedy_mismatches")
-    if mm is not None and not mm:
-        console.print("greedy losslessness: every proposer's output == plain greedy output on every prompt "
-                      "(every K and batch size)")
 
 
 @app.command()

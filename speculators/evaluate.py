@@ -12,6 +12,8 @@ prompts, drafting and verifying time per decoding step (ms), tau per prompt sour
 with a confidence threshold the drafter's confidence-gated rows beside its ungated ones (drafted and
 verified drafts per step), and at temperature 0 every prompt whose output differs from plain greedy
 decoding (must be none: lossless). :func:`write_report` writes ``report.json``, ``report.md`` and two PNG plots.
+The report's typed shape (:class:`speculators.eval_report.EvalReport`) and every rendering of it (terminal,
+Markdown, JSON, plots) live in :mod:`speculators.eval_report`.
 
 Every decode stops at the first stop token (the target's stop ids: tokenizer EOS, ``generation_config``
 EOS ids, chat-template end-of-turn) and at ``max_new_tokens``; tau, tokens and tokens/s count only the
@@ -21,11 +23,11 @@ for every definition).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SpeculatorsError
+from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown, write_plots
 from .utils import atomic_dir
 
 
@@ -143,24 +145,26 @@ class AcceptanceStats:
         return self.emitted / self.steps if self.steps else 1.0
 
     @property
-    def acceptance_rate(self) -> float:
-        """``accepted / drafted`` (the verifier's view; 0.0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float | None:
+        """``accepted / drafted`` (the verifier's view; None (n/a) when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
-    def per_position(self) -> list[float]:
-        """``acc_k``: fraction of steps that drafted >= k tokens in which the verifier accepted draft k."""
-        return [a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
+    def per_position(self) -> list[float | None]:
+        """``acc_k``: fraction of steps that drafted >= k tokens in which the verifier accepted draft k
+        (None where no step drafted k tokens)."""
+        return [a / d if d else None for a, d in zip(self.pos_accepted, self.pos_drafted)]
 
     @property
-    def conditional(self) -> list[float]:
-        """P(draft k accepted | draft k proposed and drafts 1..k-1 accepted), the verifier's view."""
-        return [a / r if r else 0.0 for a, r in zip(self.pos_accepted, self.pos_reached)]
+    def conditional(self) -> list[float | None]:
+        """P(draft k accepted | draft k proposed and drafts 1..k-1 accepted), the verifier's view (None
+        where no step reached draft k)."""
+        return [a / r if r else None for a, r in zip(self.pos_accepted, self.pos_reached)]
 
     @property
-    def tokens_per_s(self) -> float:
-        """Generated (emitted) tokens per second of wall time, prefill included (0.0 without time)."""
-        return self.tokens / self.seconds if self.seconds else 0.0
+    def tokens_per_s(self) -> float | None:
+        """Generated (emitted) tokens per second of wall time, prefill included (None without time)."""
+        return self.tokens / self.seconds if self.seconds else None
 
     def as_dict(self) -> dict:
         """The report block of this proposer (JSON-serialisable).
@@ -178,25 +182,14 @@ class AcceptanceStats:
                 "conditional": self.conditional, "steps": self.steps, "emitted": self.emitted,
                 "drafted": self.drafted, "accepted": self.accepted, "accepted_emitted": self.accepted_emitted,
                 "tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
-                "proposed": self.proposed, "drafted_per_step": self.proposed / self.steps if self.steps else 0.0,
-                "verified_per_step": self.drafted / self.steps if self.steps else 0.0}
+                "proposed": self.proposed, "drafted_per_step": self.proposed / self.steps if self.steps else None,
+                "verified_per_step": self.drafted / self.steps if self.steps else None}
 
 
 # the proposers a report can compare (report keys and table labels, in report order), and the default set
 # (drafter_argmax joins drafter by itself at temperature > 0: run_eval)
 METHODS = ("drafter", "drafter_argmax", "ngram", "suffix", "hybrid")
 DEFAULT_METHODS = ("drafter", "ngram", "suffix", "hybrid")
-METHOD_LABELS = {"drafter": "drafter", "drafter_argmax": "drafter, argmax drafts",
-                 "ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding",
-                 "hybrid": "hybrid (suffix, else drafter)", "plain": "plain target"}
-
-#: The vLLM ``--speculative-config`` setting under which each method's row holds at temperature > 0
-#: (``draft_sample_method``: vLLM's default ``greedy`` drafts by argmax and verifies each draft as a
-#: point mass; ``probabilistic`` samples drafts from the drafter and verifies them with its
-#: probabilities). Model-free proposers draft ids only (point masses) under either setting.
-ENGINE_SETTINGS = {"drafter": 'draft_sample_method: "probabilistic"',
-                   "drafter_argmax": 'draft_sample_method: "greedy" (vLLM\'s default)',
-                   "hybrid": 'draft_sample_method: "probabilistic" (drafter part)'}
 
 
 def draft_sample_method(method: str, temperature: float) -> str | None:
@@ -389,12 +382,58 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     headline batch size and K. Gated outputs join the greedy losslessness check (``proposer:
     "drafter (gated)"``). Without them both keys are absent.
     """
-    from .generate import NGramProposer, resolve_stop_ids
     from .losses import sampling_values
-    from .proposers import ArgmaxDrafts, HybridProposer, SuffixProposer
 
     temperature, top_k, top_p = sampling_values(sampling)
     ks = _as_k_list(k)
+    methods = _check_methods(methods, temperature, drafter, batch_size, prompts)
+    gate = _make_gate(confidence_threshold, verify_cost, methods)
+    ev = _EvalPasses(target, prompts, max_new_tokens, (temperature, top_k, top_p), eos_ids, seed, bootstrap_resamples,
+                     progress, total_passes=len({1, batch_size}) * (1 + len(ks) * (len(methods) + (gate is not None))))
+    proposers = _proposer_factory(drafter, ngram_max, hybrid_min_match, hybrid_drafter_k)
+    ev.warm_up([proposers(m) for m in methods], max(ks))
+    batch_sizes = sorted({1, batch_size})
+    rows, plain_rows = [], []
+    for b in batch_sizes:
+        plain = ev.plain_row(b)
+        plain_rows.append(plain)
+        log(f"eval: batch {b}, plain decoding: {_num(plain['tokens_per_s'], '.1f')} tokens/s")
+        for method in methods:
+            for kk in ks:
+                row = ev.method_row(method, proposers(method), kk, b, plain["tokens_per_s"])
+                rows.append(row)
+                log(f"eval: batch {b}, {method} K={kk}: tau {row['tau']:.3f}, {_num(row['tokens_per_s'], '.1f')} "
+                    f"tokens/s ({_num(row['speedup'], '.2f')}x), drafting {row['draft_ms_per_step']:.2f} ms/step")
+    best_k = _mark_best_k(rows, batch_sizes, methods)
+    head = {"batch_size": batch_sizes[-1], "k": best_k[str(batch_sizes[-1])][methods[0]]}
+    report: EvalReport = {
+        "num_prompts": len(prompts), "k": head["k"], "ks": ks, "batch_size": batch_size, "batch_sizes": batch_sizes,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "seed": seed, "stop_token_ids": sorted(ev.stop), "methods": list(methods), "hybrid_min_match": hybrid_min_match,
+        "hybrid_drafter_k": hybrid_drafter_k,
+        "bootstrap": {"resamples": bootstrap_resamples, "level": 0.95, "seed": seed, "over": "prompts"},
+        "rows": rows, "plain_rows": plain_rows, "best_k": best_k, "headline": head,
+        "plain": next(p for p in plain_rows if p["batch_size"] == head["batch_size"]),
+    }
+    for method in methods:
+        report[method] = row = _rows_of(rows, method, head["batch_size"], head["k"])[0]
+        report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
+    if gate is not None:
+        _add_gating(report, ev, drafter, gate, log)
+    report["greedy_mismatches"] = ev.mismatches if temperature == 0.0 else None
+    if temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(methods):
+        report["serving_conventions"] = serving_conventions(report)
+    report["by_source"] = ev.by_source(methods, head)
+    return report
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else f"{x:{spec}}"
+
+
+def _check_methods(methods, temperature: float, drafter, batch_size, prompts) -> tuple[str, ...]:
+    """The methods of a run in report order (``drafter_argmax`` added beside ``drafter`` at temperature
+    > 0), after checking them, the batch size and the prompts (see :func:`run_eval`'s Raises)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise SpeculatorsError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     methods = tuple(methods)
@@ -408,36 +447,29 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         raise SpeculatorsError("run_eval: the drafter and hybrid rows need a drafter")
     if not prompts:
         raise SpeculatorsError("run_eval: no prompts to decode")
-    stop = resolve_stop_ids(target, eos_ids)
-    ids = [list(p["input_ids"]) for p in prompts]
-    n = len(ids)
-    greedy = temperature == 0.0
-    batch_sizes = sorted({1, batch_size})
-    gate = None
+    return methods
+
+
+def _make_gate(confidence_threshold, verify_cost, methods):
+    """The :class:`speculators.generate.ConfidenceGate` of a run with a drafter row and a threshold or a
+    cost model, else None (a bad threshold is refused either way)."""
     if (confidence_threshold is not None or verify_cost is not None) and "drafter" in methods:
         from .generate import ConfidenceGate
 
-        gate = ConfidenceGate(confidence_threshold, verify_cost)
-    elif confidence_threshold is not None:  # still refuse a bad value without a drafter row
+        return ConfidenceGate(confidence_threshold, verify_cost)
+    if confidence_threshold is not None:
         from .generate import check_confidence_threshold
 
         check_confidence_threshold(confidence_threshold)
-    total = n * len(batch_sizes) * (1 + len(ks) * (len(methods) + (gate is not None)))
-    done = [0]
+    return None
 
-    def pass_progress():
-        base = done[0]
-        return (lambda d, t: progress(base + d, total)) if progress else None
 
-    def run(proposer, kk, b, gate=None):
-        out = _generate(target, proposer, ids, kk, max_new_tokens, temperature, top_k, top_p, b, stop, seed,
-                        progress=pass_progress(), gate=gate)
-        done[0] += n
-        if progress:
-            progress(done[0], total)
-        return out
+def _proposer_factory(drafter, ngram_max: int, hybrid_min_match: int, hybrid_drafter_k: int | None):
+    """``make(method)``: a fresh proposer of ``method`` for one pass (the drafter itself for ``drafter``)."""
+    from .generate import NGramProposer
+    from .proposers import ArgmaxDrafts, HybridProposer, SuffixProposer
 
-    def make(method):
+    def make(method: str):
         if method == "drafter":
             return drafter
         if method == "drafter_argmax":
@@ -448,124 +480,142 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
             return SuffixProposer()
         return HybridProposer(drafter, SuffixProposer(), min_match=hybrid_min_match, drafter_k=hybrid_drafter_k)
 
-    # warm-up (discarded): the first decode of each kind pays one-off costs (allocator, kernel
-    # compilation: the Triton sampling and verifier kernels at temperature > 0 on CUDA, the drafter's
-    # first forward) that would otherwise be charged to the first measured pass (batch 1's plain
-    # baseline, which every speedup divides by) or to a method's first row. Same sampling settings
-    # as the measured passes, a few tokens of one prompt, plain and every method.
-    for method in (None, *methods):
-        _generate(target, None if method is None else make(method), ids[:1], 0 if method is None else max(ks),
-                  min(4, max_new_tokens), temperature, top_k, top_p, 1, stop, seed)
-    rows, plain_rows, mismatches, reference = [], [], [], None
-    results_of: dict[tuple, list] = {}  # (method, K, batch) -> the pass's results (for the per-source table)
-    for b in batch_sizes:
-        out = run(None, 0, b)
-        res, secs = out.results, out.seconds
-        plain = AcceptanceStats(1)
-        for r in res:
-            plain.add(r)
-        plain.seconds = secs
-        plain_rows.append({"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
-                           "seconds": secs, "tokens_per_s": plain.tokens_per_s, **_step_times(out)})
-        if reference is None:
-            reference = [r.tokens for r in res]  # plain greedy at batch 1: what every output must equal
-        elif greedy:
-            mismatches += [{"prompt": p["id"], "proposer": "plain", "k": 0, "batch_size": b,
-                            "first_diff": _first_diff(r.tokens, ref)}
-                           for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
-        log(f"eval: batch {b}, plain decoding: {plain.tokens_per_s:.1f} tokens/s")
-        for method in methods:
-            for kk in ks:
-                proposer = make(method)
-                out = run(proposer, kk, b)
-                res, secs = out.results, out.seconds
-                st = AcceptanceStats(kk)
-                for r in res:
-                    st.add(r)
-                st.seconds = secs
-                row = {"method": method, "k": kk, "batch_size": b,
-                       "draft_sample_method": draft_sample_method(method, temperature), **st.as_dict()}
-                row["tau_ci"] = list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
-                                                      bootstrap_resamples, seed))
-                row["speedup"] = st.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
-                row["best_k"] = False
-                row.update(_step_times(out))
-                results_of[(method, kk, b)] = res
-                if method == "hybrid":
-                    row["proposals"] = dict(proposer.counts)  # how many steps each part drafted
-                rows.append(row)
-                if greedy:
-                    mismatches += [{"prompt": p["id"], "proposer": method, "k": kk, "batch_size": b,
-                                    "first_diff": _first_diff(r.tokens, ref)}
-                                   for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
-                log(f"eval: batch {b}, {method} K={kk}: tau {st.tau:.3f}, {st.tokens_per_s:.1f} tokens/s "
-                    f"({row['speedup']:.2f}x), drafting {row['draft_ms_per_step']:.2f} ms/step")
+    return make
+
+
+def _rows_of(rows: list, method: str, batch: int, k: int | None = None) -> list:
+    return [r for r in rows if r["method"] == method and r["batch_size"] == batch and (k is None or r["k"] == k)]
+
+
+def _mark_best_k(rows: list, batch_sizes: list[int], methods) -> dict[str, dict[str, int]]:
+    """Set ``best_k`` on each method's row with the best speedup per batch size (ties and n/a speedups:
+    the smaller K); ``{batch: {method: K}}`` with string keys."""
     best_k: dict[str, dict[str, int]] = {}
     for b in batch_sizes:
         for method in methods:
-            cand = [r for r in rows if r["batch_size"] == b and r["method"] == method]
-            best = max(cand, key=lambda r: (r["speedup"], -r["k"]))
+            best = max(_rows_of(rows, method, b),
+                       key=lambda r: (r["speedup"] if r["speedup"] is not None else float("-inf"), -r["k"]))
             best["best_k"] = True
             best_k.setdefault(str(b), {})[method] = best["k"]
-    head_b = batch_sizes[-1]
-    head_k = best_k[str(head_b)][methods[0]]
-    gated_rows, any_confidence = [], False
-    for b in (batch_sizes if gate is not None else []):  # the drafter again, confidence-gated
-        plain_tps = next(p for p in plain_rows if p["batch_size"] == b)["tokens_per_s"]
-        for kk in ks:
-            out = run(drafter, kk, b, gate)
-            res = out.results
-            st = AcceptanceStats(kk)
-            for r in res:
-                st.add(r)
-            st.seconds = out.seconds
-            any_confidence = any_confidence or st.proposed != st.drafted
-            row = {"method": "drafter", "gated": True, "k": kk, "batch_size": b, **st.as_dict(),
-                   "tau_ci": list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
-                                                   bootstrap_resamples, seed)),
-                   "speedup": st.tokens_per_s / plain_tps if plain_tps else 0.0, **_step_times(out)}
+    return best_k
+
+
+def _add_gating(report: dict, ev: "_EvalPasses", drafter, gate, log) -> None:
+    """Decode with the drafter again under ``gate`` for every K and batch size: ``report["gated_rows"]``
+    and ``report["gating"]`` (see :func:`run_eval`)."""
+    gated_rows = []
+    for b in report["batch_sizes"]:
+        plain_tps = next(p for p in report["plain_rows"] if p["batch_size"] == b)["tokens_per_s"]
+        for kk in report["ks"]:
+            row = ev.method_row("drafter", drafter, kk, b, plain_tps, gate=gate)
             gated_rows.append(row)
-            if greedy:
-                mismatches += [{"prompt": p["id"], "proposer": "drafter (gated)", "k": kk, "batch_size": b,
-                                "first_diff": _first_diff(r.tokens, ref)}
-                               for p, r, ref in zip(prompts, res, reference) if r.tokens != ref]
-            log(f"eval: batch {b}, drafter K={kk} gated: tau {st.tau:.3f}, verified {row['verified_per_step']:.2f} "
-                f"of {row['drafted_per_step']:.2f} drafts/step, {st.tokens_per_s:.1f} tokens/s ({row['speedup']:.2f}x)")
-    report = {
-        "num_prompts": n, "k": head_k, "ks": ks, "batch_size": batch_size, "batch_sizes": batch_sizes,
-        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "seed": seed, "stop_token_ids": sorted(stop), "methods": list(methods), "hybrid_min_match": hybrid_min_match,
-        "hybrid_drafter_k": hybrid_drafter_k,
-        "bootstrap": {"resamples": bootstrap_resamples, "level": 0.95, "seed": seed, "over": "prompts"},
-        "rows": rows, "plain_rows": plain_rows, "best_k": best_k,
-        "headline": {"batch_size": head_b, "k": head_k},
-        "plain": next(p for p in plain_rows if p["batch_size"] == head_b),
-        "greedy_mismatches": mismatches if greedy else None,
-    }
-    for method in methods:
-        row = next(r for r in rows if r["batch_size"] == head_b and r["k"] == head_k and r["method"] == method)
-        report[method] = row
-        report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
-    if gate is not None:
-        report["gated_rows"] = gated_rows
-        report["gating"] = {
-            "threshold": gate.threshold, "cost_aware": gate.verify_cost is not None, "verify_cost": gate.verify_cost,
-            "confidences": any_confidence,
-            "headline": {"ungated": next(r for r in rows if r["method"] == "drafter" and r["batch_size"] == head_b
-                                         and r["k"] == head_k),
-                         "gated": next(r for r in gated_rows if r["batch_size"] == head_b and r["k"] == head_k)}}
-        if not report["gating"]["confidences"]:
-            log("eval: the drafter's proposals carry no confidence logits (or every draft was confident): "
-                "gating left every proposal as it was")
-    if not greedy and {"drafter", "drafter_argmax"} <= set(methods):
-        report["serving_conventions"] = serving_conventions(report)
-    # tau per prompt source (the headline batch size and K), e.g. one entry per --prompts source
-    report["by_source"] = {}
-    for method in methods:
-        blocks = _source_blocks(prompts, results_of[(method, head_k, head_b)], head_k, bootstrap_resamples, seed)
-        for name, block in blocks.items():
-            report["by_source"].setdefault(name, {})[method] = {"k": head_k, "batch_size": head_b, **block}
-    return report
+            log(f"eval: batch {b}, drafter K={kk} gated: tau {row['tau']:.3f}, verified "
+                f"{_num(row['verified_per_step'], '.2f')} of {_num(row['drafted_per_step'], '.2f')} drafts/step, "
+                f"{_num(row['tokens_per_s'], '.1f')} tokens/s ({_num(row['speedup'], '.2f')}x)")
+    head = report["headline"]
+    confidences = any(r["proposed"] != r["drafted"] for r in gated_rows)
+    report["gated_rows"] = gated_rows
+    report["gating"] = {
+        "threshold": gate.threshold, "cost_aware": gate.verify_cost is not None, "verify_cost": gate.verify_cost,
+        "confidences": confidences,
+        "headline": {"ungated": _rows_of(report["rows"], "drafter", head["batch_size"], head["k"])[0],
+                     "gated": _rows_of(gated_rows, "drafter", head["batch_size"], head["k"])[0]}}
+    if not confidences:
+        log("eval: the drafter's proposals carry no confidence logits (or every draft was confident): "
+            "gating left every proposal as it was")
+
+
+class _EvalPasses:
+    """The decode passes of one :func:`run_eval`: every pass decodes all prompts under the same sampling
+    settings and stop ids; the first plain pass (batch 1) is the greedy reference every later output is
+    compared with at temperature 0 (``mismatches``); the passes' results are kept per (method, K,
+    batch size) for the per-source table; ``progress(done, total)`` counts prompts over all passes."""
+
+    def __init__(self, target, prompts: list[dict], max_new_tokens: int, sampling: tuple, eos_ids, seed: int,
+                 resamples: int, progress, total_passes: int):
+        from .generate import resolve_stop_ids
+
+        self.target, self.prompts, self.max_new_tokens = target, prompts, max_new_tokens
+        self.temperature, self.top_k, self.top_p = sampling
+        self.stop = resolve_stop_ids(target, eos_ids)
+        self.ids = [list(p["input_ids"]) for p in prompts]
+        self.seed, self.resamples, self.progress = seed, resamples, progress
+        self.total, self.done = len(self.ids) * total_passes, 0
+        self.reference: list | None = None
+        self.mismatches: list[dict] = []
+        self.results_of: dict[tuple, list] = {}
+
+    def decode(self, proposer, k: int, b: int, gate=None):
+        """One pass of every prompt (:func:`_generate`), counted in ``progress``."""
+        base = self.done
+        prog = (lambda d, t: self.progress(base + d, self.total)) if self.progress else None
+        out = _generate(self.target, proposer, self.ids, k, self.max_new_tokens, self.temperature, self.top_k,
+                        self.top_p, b, self.stop, self.seed, progress=prog, gate=gate)
+        self.done += len(self.ids)
+        if self.progress:
+            self.progress(self.done, self.total)
+        return out
+
+    def warm_up(self, proposers: list, k: int) -> None:
+        """Discarded decodes: the first decode of each kind pays one-off costs (allocator, kernel
+        compilation: the Triton sampling and verifier kernels at temperature > 0 on CUDA, the drafter's
+        first forward) that would otherwise be charged to the first measured pass (batch 1's plain
+        baseline, which every speedup divides by) or to a method's first row. Same sampling settings as
+        the measured passes, a few tokens of one prompt, plain and every method."""
+        for proposer in (None, *proposers):
+            _generate(self.target, proposer, self.ids[:1], 0 if proposer is None else k,
+                      min(4, self.max_new_tokens), self.temperature, self.top_k, self.top_p, 1, self.stop, self.seed)
+
+    def _check(self, label: str, k: int, b: int, results: list) -> None:
+        if self.reference is None:
+            self.reference = [r.tokens for r in results]  # plain greedy at batch 1: what every output must equal
+        elif self.temperature == 0.0:
+            self.mismatches += [{"prompt": p["id"], "proposer": label, "k": k, "batch_size": b,
+                                 "first_diff": _first_diff(r.tokens, ref)}
+                                for p, r, ref in zip(self.prompts, results, self.reference) if r.tokens != ref]
+
+    def plain_row(self, b: int) -> dict:
+        """Plain decoding at batch size ``b`` (the baseline of that batch size's speedups)."""
+        out = self.decode(None, 0, b)
+        plain = AcceptanceStats(1)
+        for r in out.results:
+            plain.add(r)
+        plain.seconds = out.seconds
+        self._check("plain", 0, b, out.results)
+        return {"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
+                "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **_step_times(out)}
+
+    def method_row(self, method: str, proposer, k: int, b: int, plain_tps: float | None, gate=None) -> dict:
+        """One pass of ``method`` at K ``k`` and batch size ``b``: its report row (speedup over
+        ``plain_tps``; ``gated: True`` under a gate)."""
+        out = self.decode(proposer, k, b, gate)
+        res = out.results
+        st = AcceptanceStats(k)
+        for r in res:
+            st.add(r)
+        st.seconds = out.seconds
+        row = {"method": method, "k": k, "batch_size": b, **({"gated": True} if gate is not None else {}),
+               "draft_sample_method": draft_sample_method(method, self.temperature), **st.as_dict(),
+               "tau_ci": list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
+                                               self.resamples, self.seed)),
+               "speedup": st.tokens_per_s / plain_tps if plain_tps and st.tokens_per_s is not None else None,
+               "best_k": False, **_step_times(out)}
+        if hasattr(proposer, "counts"):
+            row["proposals"] = dict(proposer.counts)  # hybrid: how many steps each part drafted
+        if gate is None:
+            self.results_of[(method, k, b)] = res
+        self._check(f"{method} (gated)" if gate is not None else method, k, b, res)
+        return row
+
+    def by_source(self, methods, head: dict) -> dict:
+        """tau per prompt source at the headline batch size and K (one entry per ``--prompts`` source)."""
+        out: dict[str, dict] = {}
+        for method in methods:
+            blocks = _source_blocks(self.prompts, self.results_of[(method, head["k"], head["batch_size"])],
+                                    head["k"], self.resamples, self.seed)
+            for name, block in blocks.items():
+                out.setdefault(name, {})[method] = {"k": head["k"], "batch_size": head["batch_size"], **block}
+        return out
 
 
 def serving_conventions(report: dict) -> dict:
@@ -595,232 +645,6 @@ def serving_conventions(report: dict) -> dict:
     return {"temperature": report["temperature"], "batch_size": head["batch_size"], "k": head["k"], "rows": rows}
 
 
-def _serving_markdown(report: dict) -> list[str]:
-    sc = report.get("serving_conventions")
-    if not sc:
-        return []
-    lines = ["", f"## Serving conventions (temperature {sc['temperature']}, batch size {sc['batch_size']}, "
-                 f"K={sc['k']})", "",
-             "At temperature > 0 the tau a user gets from vLLM depends on its `draft_sample_method`: by default "
-             "vLLM drafts by argmax and verifies each draft as a point mass; with `probabilistic` it samples the "
-             "drafts and verifies them against the drafter's distribution. Both are lossless.", "",
-             "| vLLM --speculative-config | tau [95% CI] | acceptance rate | tokens/s | speedup |",
-             "|---|---|---|---|---|"]
-    for r in sc["rows"]:
-        lines.append(f"| `{r['engine_setting']}` | {_fmt_tau(r)} | {r['acceptance_rate']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
-    return lines
-
-
-PLOT_FILES = {"per_position": "per_position_acceptance.png", "tau_vs_k": "tau_vs_k.png"}
-
-
-def _rows(report: dict, method: str | None = None, batch: int | None = None, k: int | None = None) -> list[dict]:
-    return [r for r in report["rows"] if (method is None or r["method"] == method)
-            and (batch is None or r["batch_size"] == batch) and (k is None or r["k"] == k)]
-
-
-def _fmt_tau(r: dict) -> str:
-    lo, hi = r.get("tau_ci") or (r["tau"], r["tau"])
-    return f"{r['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
-
-
-def _fmt_ms(r: dict, what: str) -> str:
-    v = r.get(f"{what}_ms_per_step")
-    return "-" if v is None else f"{v:.2f}"
-
-
-def _by_source_markdown(report: dict) -> list[str]:
-    """The ``by_source`` table (a row per source and method), or nothing for fewer than two sources."""
-    by = report.get("by_source") or {}
-    if len(by) < 2:
-        return []
-    head = report["headline"]
-    lines = ["", f"## By prompt source (batch size {head['batch_size']}, K={head['k']})", "",
-             "| source | prompts | method | tau [95% CI] | acceptance rate | steps | tokens |",
-             "|---|---|---|---|---|---|---|"]
-    for name, per in by.items():
-        for m in report["methods"]:
-            r = per.get(m)
-            if r is not None:
-                lines.append(f"| {name} | {r['num_prompts']} | {METHOD_LABELS[m]} | {_fmt_tau(r)} | "
-                             f"{r['acceptance_rate']:.3f} | {r['steps']} | {r['tokens']} |")
-    return lines
-
-
-def _gating_markdown(report: dict) -> list[str]:
-    """The confidence-gating section (``report["gating"]``): ungated and gated drafter rows side by side
-    (tau, drafted and verified drafts per step, acceptance rate, tokens/s, speedup), then per-position
-    acceptance of both at the headline; nothing without gating."""
-    g = report.get("gating")
-    if not g:
-        return []
-    how = (f"survival threshold {g['threshold']}" if g["threshold"] is not None else "") + \
-        (" + " if g["threshold"] is not None and g["cost_aware"] else "") + \
-        ("cost-aware prefix (measured verify cost)" if g["cost_aware"] else "")
-    lines = ["", f"## Confidence-gated verification ({how})", "",
-             "The drafts after the first whose survival prod_{i<=k} c_i (calibrated confidences) falls below the "
-             "threshold are not verified; the rule reads only the drafter's outputs, so the output distribution "
-             "is unchanged. drafted/step = drafts proposed per step, verified/step = drafts the target verified.",
-             "", "| drafter | batch | K | tau [95% CI] | drafted/step | verified/step | acceptance rate | tokens/s | "
-             "speedup |", "|---|---|---|---|---|---|---|---|---|"]
-    gated = {(r["batch_size"], r["k"]): r for r in report.get("gated_rows", [])}
-    for b in report["batch_sizes"]:
-        for r in sorted(_rows(report, "drafter", b), key=lambda r: r["k"]):
-            for label, row in (("ungated", r), ("gated", gated.get((b, r["k"])))):
-                if row is None:
-                    continue
-                lines.append(f"| {label} | {b} | {r['k']} | {_fmt_tau(row)} | {row.get('drafted_per_step', 0.0):.2f} | "
-                             f"{row.get('verified_per_step', 0.0):.2f} | {row['acceptance_rate']:.3f} | "
-                             f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
-    if not g.get("confidences"):
-        lines += ["", "The drafter reported no confidence logits (or every draft cleared the gate): nothing was cut."]
-    h = g["headline"]
-    k = len(h["ungated"]["per_position"])
-    lines += ["", f"acc_k at batch size {h['gated']['batch_size']}, K={h['gated']['k']} (P(draft k accepted | "
-              "draft k verified)):", "", "| | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---|" + "---|" * k]
-    for label in ("ungated", "gated"):
-        lines.append(f"| {label} | " + " | ".join(f"{x:.3f}" for x in h[label]["per_position"]) + " |")
-    return lines
-
-
-def report_markdown(report: dict, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
-    """The report of :func:`run_eval` as Markdown.
-
-    Sections: one table per batch size (a row per method and K: tau with its 95% bootstrap CI,
-    acceptance rate, tokens/s, speedup over plain decoding at that batch size, drafting and verifying
-    ms per step; ★ marks each method's best K), the counts table of the headline rows (steps, drafted,
-    accepted, accepted & emitted, emitted), the by-source table (``report["by_source"]``, when the
-    prompts come from two sources or more), the confidence-gating section (``report["gating"]``: ungated
-    and gated drafter rows, drafted / verified drafts per step, acc_k of both), per-position and conditional acceptance at batch 1 and the largest K, the plots
-    (``plots``, default ``report["plots"]``: ``{"per_position" | "tau_vs_k": relative PNG path}``,
-    embedded as images), the compare table (``report["compare"]``) and the greedy losslessness line.
-    """
-    plots = plots if plots is not None else report.get("plots")
-    methods = report["methods"]
-    ks = report["ks"]
-    head = report["headline"]
-    lines = [f"# {title}", "",
-             f"{report['num_prompts']} prompts" + (f" ({report['prompts']})" if report.get("prompts") else "")
-             + f", temperature {report['temperature']}, top_p {report['top_p']}, top_k {report['top_k']}, "
-             f"max_new_tokens {report['max_new_tokens']}; K in {ks}; batch sizes {report['batch_sizes']}.", "",
-             "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
-             f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
-             "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
-             "★ = the K with the best speedup of that method and batch size; draft / verify ms/step = wall time "
-             "of the proposer (propose + advance) / of the target forward and rejection sampling per batched "
-             "decoding step.", ""]
-    for b in report["batch_sizes"]:
-        plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
-        lines += [f"## Batch size {b}", "", "| method | K | tau [95% CI] | acceptance rate | tokens/s | speedup | "
-                  "draft ms/step | verify ms/step |", "|---|---|---|---|---|---|---|---|"]
-        for m in methods:
-            for r in sorted(_rows(report, m, b), key=lambda r: r["k"]):
-                lines.append(f"| {METHOD_LABELS[m]} | {r['k']}{' ★' if r.get('best_k') else ''} | {_fmt_tau(r)} | "
-                             f"{r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                             f"{_fmt_ms(r, 'draft')} | {_fmt_ms(r, 'verify')} |")
-        lines += [f"| plain target | - | {plain.get('tau', 1.0):.3f} | - | {plain['tokens_per_s']:.1f} | 1.00x | "
-                  f"- | {_fmt_ms(plain, 'verify')} |", ""]
-    lines += [f"## Counts (batch size {head['batch_size']}, K={head['k']})", "",
-              "accepted & emitted <= accepted (accepted drafts after a stop token or max_new_tokens are not emitted).",
-              "", "| method | steps | drafted | accepted | accepted & emitted | emitted |", "|---|---|---|---|---|---|"]
-    for m in methods:
-        s = report[m]
-        lines.append(f"| {m} | {s.get('steps', '-')} | {s.get('drafted', '-')} | {s.get('accepted', '-')} | "
-                     f"{s.get('accepted_emitted', '-')} | {s.get('emitted', '-')} |")
-    hy = report.get("hybrid")
-    if hy is not None and hy.get("proposals"):
-        c = hy["proposals"]
-        lines += ["", f"hybrid: {c.get('suffix', 0)} drafts from the suffix tree (match >= "
-                      f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter"
-                      + (f" (at most {report['hybrid_drafter_k']} drafts per step)." if report.get("hybrid_drafter_k")
-                         else ".")]
-    lines += _serving_markdown(report)
-    lines += _by_source_markdown(report)
-    lines += _gating_markdown(report)
-    kmax, b1 = max(ks), report["batch_sizes"][0]
-    lines += ["", f"## Per-position acceptance (batch size {b1}, K={kmax})", "",
-              "acc_k = P(draft k accepted | draft k proposed); cond acc_k = P(draft k accepted | drafts 1..k-1 "
-              "accepted).", "", "| position | " + " | ".join(str(i + 1) for i in range(kmax)) + " |",
-              "|---|" + "---|" * kmax]
-    for m in methods:
-        r = _rows(report, m, b1, kmax)[0]
-        lines.append(f"| {m} acc_k | " + " | ".join(f"{x:.3f}" for x in r["per_position"]) + " |")
-        lines.append(f"| {m} cond acc_k | " + " | ".join(f"{x:.3f}" for x in r["conditional"]) + " |")
-    lines.append("")
-    for key, alt in (("per_position", "per-position acceptance"), ("tau_vs_k", "tau and speedup vs K")):
-        if plots and plots.get(key):
-            lines += [f"![{alt}]({plots[key]})", ""]
-    if report.get("compare"):
-        lines += ["## Compare (same prompts and settings)", "", compare_markdown(report["compare"]["rows"])]
-    mm = report.get("greedy_mismatches")
-    if mm is not None:
-        lines.append("Greedy losslessness: " + (
-            "every proposer's output == plain greedy output on every prompt, at every K and batch size."
-            if not mm else f"ERROR: {len(mm)} mismatches: {mm}"))
-    return "\n".join(lines) + "\n"
-
-
-def write_plots(report: dict, directory: str | Path) -> dict[str, str]:
-    """Draw the report's plots as PNGs into ``directory`` (matplotlib's Agg canvas; pyplot's global
-    state is not touched).
-
-    * ``per_position_acceptance.png``: acc_k per position, one bar group per position and one bar per
-      method (batch size 1, the largest K);
-    * ``tau_vs_k.png``: tau (with its 95% CI as error bars, batch size 1) and speedup (every batch size)
-      against K, one line per method.
-
-    Returns:
-        ``{"per_position": file name, "tau_vs_k": file name}`` relative to ``directory``.
-    """
-    from matplotlib.figure import Figure
-
-    directory = Path(directory)
-    methods, ks = report["methods"], report["ks"]
-    kmax, b1 = max(ks), report["batch_sizes"][0]
-    fig = Figure(figsize=(max(5.0, 1.1 * kmax + 2), 3.6), dpi=110)
-    ax = fig.add_subplot()
-    width = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        r = _rows(report, m, b1, kmax)[0]
-        ax.bar([i + 1 + (j - (len(methods) - 1) / 2) * width for i in range(kmax)], r["per_position"], width,
-               label=METHOD_LABELS[m])
-    ax.set_xticks(range(1, kmax + 1))
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("acc_k = P(draft k accepted)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title(f"per-position acceptance (K={kmax}, batch {b1}, T={report['temperature']:g})")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(directory / PLOT_FILES["per_position"])
-
-    fig = Figure(figsize=(9.0, 3.6), dpi=110)
-    ax_tau, ax_sp = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    styles = ["-", "--", ":", "-."]
-    for j, m in enumerate(methods):
-        rows = sorted(_rows(report, m, b1), key=lambda r: r["k"])
-        taus = [r["tau"] for r in rows]
-        err = [[r["tau"] - r["tau_ci"][0] for r in rows], [r["tau_ci"][1] - r["tau"] for r in rows]]
-        ax_tau.errorbar([r["k"] for r in rows], taus, yerr=err, marker="o", capsize=3, label=METHOD_LABELS[m])
-        for bi, b in enumerate(report["batch_sizes"]):
-            rb = sorted(_rows(report, m, b), key=lambda r: r["k"])
-            ax_sp.plot([r["k"] for r in rb], [r["speedup"] for r in rb], marker="o", color=f"C{j}",
-                       linestyle=styles[bi % len(styles)], label=f"{m}, batch {b}")
-    ax_tau.set_xlabel("K (drafts per step)")
-    ax_tau.set_ylabel("tau (tokens per step, 95% CI)")
-    ax_tau.set_title(f"tau vs K (batch {b1})")
-    ax_tau.legend(fontsize="small")
-    ax_sp.axhline(1.0, color="grey", linewidth=0.8)
-    ax_sp.set_xlabel("K (drafts per step)")
-    ax_sp.set_ylabel("speedup vs plain (same batch)")
-    ax_sp.set_title("speedup vs K")
-    ax_sp.legend(fontsize="x-small")
-    for a in (ax_tau, ax_sp):
-        a.set_xticks(ks)
-    fig.tight_layout()
-    fig.savefig(directory / PLOT_FILES["tau_vs_k"])
-    return dict(PLOT_FILES)
-
 
 def write_report(report: dict, output: str | Path, title: str = "speculators eval") -> Path:
     """Write ``report.json``, the two PNG plots (:func:`write_plots`) and ``report.md`` (embedding them
@@ -828,8 +652,8 @@ def write_report(report: dict, output: str | Path, title: str = "speculators eva
     with atomic_dir(output, overwrite=True) as tmp:
         if report.get("rows"):  # a report of run_eval (anything else has nothing to plot)
             report["plots"] = write_plots(report, tmp)
-        (tmp / "report.json").write_text(json.dumps(report, indent=2))
-        (tmp / "report.md").write_text(report_markdown(report, title))
+        (tmp / "report.json").write_text(render_json(report))
+        (tmp / "report.md").write_text(render_markdown(report, title))
     return Path(output)
 
 
@@ -865,16 +689,3 @@ def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
     return out
 
 
-def compare_markdown(rows: list[dict]) -> str:
-    """The rows of :func:`compare_rows` as one Markdown table."""
-    def ms(v) -> str:
-        return "-" if v is None else f"{v:.2f}"
-
-    lines = ["| checkpoint | method | batch | K | tau [95% CI] | acceptance rate | tokens/s | speedup | draft ms/step "
-             "| verify ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['checkpoint']} | {METHOD_LABELS[r['method']]} | {r['batch_size']} | "
-                     f"{r['k']}{' ★' if r['best_k'] else ''} | {_fmt_tau(r)} | {r['acceptance_rate']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {ms(r.get('draft_ms_per_step'))} | "
-                     f"{ms(r.get('verify_ms_per_step'))} |")
-    return "\n".join(lines) + "\n"

@@ -355,7 +355,8 @@ def test_eval_sampled(trained, tmp_path):
     assert rep["greedy_mismatches"] is None
     d = rep["drafter"]
     assert len(d["per_position"]) == 2 and len(d["conditional"]) == 2
-    assert all(0.0 <= x <= 1.0 for x in d["per_position"] + d["conditional"])
+    assert all(x is None or 0.0 <= x <= 1.0 for x in d["per_position"] + d["conditional"])  # None: n/a
+    assert d["per_position"][0] is not None  # every step drafted a first token
     assert 1.0 <= d["tau"] <= 3.0
     assert rep["ngram"]["steps"] > 0 and rep["plain"]["tokens"] > 0
 

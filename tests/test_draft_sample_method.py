@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from speculators.drafters.base import Proposal
-from speculators.evaluate import ENGINE_SETTINGS, report_markdown, run_eval
+from speculators.eval_report import ENGINE_SETTINGS, render_markdown as report_markdown
+from speculators.evaluate import run_eval
 from speculators.generate import speculative_generate
 from speculators.proposers import ArgmaxDrafts
 from speculators.verify import SamplingParams

@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from speculators.drafters.base import Proposal
-from speculators.evaluate import DEFAULT_METHODS as METHODS, METHOD_LABELS, report_markdown, run_eval  # the default set
+from speculators.eval_report import METHOD_LABELS, render_markdown as report_markdown
+from speculators.evaluate import DEFAULT_METHODS as METHODS, run_eval  # the default set
 from speculators.generate import speculative_generate
 from speculators.target import build_tiny_target
 

@@ -10,7 +10,8 @@ import torch
 
 from speculators.drafters.base import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import AcceptanceStats, report_markdown, run_eval
+from speculators.eval_report import render_markdown as report_markdown
+from speculators.evaluate import AcceptanceStats, run_eval
 from speculators.generate import GenerationResult, plain_decode
 from speculators.proposers import SuffixProposer
 from speculators.target import build_tiny_target
@@ -89,9 +90,30 @@ def test_plain_and_empty_results():
     s = AcceptanceStats(2)
     s.add(result([(0, 0, 1)] * 3, 0.25))  # plain decoding: 4 tokens, 3 steps
     s.add(result([], 0.25))  # the prefill token was the stop token
-    assert s.steps == 3 and s.tokens == 5 and s.tau == 1.0 and s.acceptance_rate == 0.0
-    assert s.per_position == [0.0, 0.0] and s.conditional == [0.0, 0.0] and s.tokens_per_s == 10.0
-    assert AcceptanceStats(2).tau == 1.0 and AcceptanceStats(2).tokens_per_s == 0.0
+    # ratios whose denominator is zero are n/a (None), never 0
+    assert s.steps == 3 and s.tokens == 5 and s.tau == 1.0 and s.acceptance_rate is None
+    assert s.per_position == [None, None] and s.conditional == [None, None] and s.tokens_per_s == 10.0
+    assert AcceptanceStats(2).tau == 1.0 and AcceptanceStats(2).tokens_per_s is None
+    d = AcceptanceStats(2).as_dict()
+    assert d["drafted_per_step"] is None and d["verified_per_step"] is None
+
+
+def test_zero_denominators_render_as_na():
+    """A plain-like row (nothing drafted) and a pass without time render as n/a in every format."""
+    from speculators.eval_report import fmt, render_markdown
+
+    assert fmt(None, ".3f") == "n/a" and fmt(0.5, ".2f", "x") == "0.50x"
+    s = AcceptanceStats(1)
+    s.add(result([(0, 0, 1)] * 2, 0.0))
+    row = {"method": "ngram", "k": 1, "batch_size": 1, "best_k": True, "tau_ci": [1.0, 1.0], "speedup": None,
+           **s.as_dict()}
+    rep = {"num_prompts": 1, "k": 1, "ks": [1], "batch_size": 1, "batch_sizes": [1], "temperature": 0.0,
+           "top_p": 1.0, "top_k": 0, "max_new_tokens": 4, "methods": ["ngram"], "rows": [row],
+           "plain_rows": [{"batch_size": 1, "tau": 1.0, "tokens_per_s": None}], "ngram": row,
+           "headline": {"batch_size": 1, "k": 1}, "bootstrap": {"resamples": 10}, "greedy_mismatches": []}
+    md = render_markdown(rep)
+    assert "| n-gram (prompt lookup) | 1 ★ | 1.000 [1.000, 1.000] | n/a | n/a | n/a |" in md
+    assert "| ngram acc_k | n/a |" in md
 
 
 def test_as_dict_and_markdown(stats):
@@ -326,7 +348,8 @@ def test_run_eval_bad_arguments(tiny, kw, match):
 
 
 def test_write_report_embeds_the_plots(tiny, tmp_path):
-    from speculators.evaluate import PLOT_FILES, write_report
+    from speculators.eval_report import PLOT_FILES
+    from speculators.evaluate import write_report
 
     target, prompts = tiny
     rep = run_eval(target, RandomDrafter(64), prompts[:2], [1, 3], 6, eos_ids=set(), batch_size=2)
@@ -341,7 +364,8 @@ def test_write_report_embeds_the_plots(tiny, tmp_path):
 
 
 def test_compare_rows(tiny):
-    from speculators.evaluate import compare_markdown, compare_rows
+    from speculators.eval_report import compare_markdown
+    from speculators.evaluate import compare_rows
 
     target, prompts = tiny
     a = run_eval(target, RandomDrafter(64), prompts[:2], 1, 5, eos_ids=set())

@@ -97,7 +97,7 @@ def test_checkpoint_and_report_are_readable_by_others(umask, tmp_path, monkeypat
     from speculators.drafters import DraftVocab, registry
     from speculators.target import build_tiny_target
 
-    monkeypatch.setattr(evaluate, "report_markdown", lambda report, title: "# report\n")
+    monkeypatch.setattr(evaluate, "render_markdown", lambda report, title: "# report\n")
 
     dir_mode, file_mode = plain_modes(tmp_path)
     target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=0)

@@ -1,0 +1,511 @@
+"""The eval report: its typed shape and its renderers, in one place.
+
+:func:`speculators.evaluate.run_eval` returns an :class:`EvalReport`: a JSON-native ``TypedDict`` (so
+``report.json`` is the report itself, and readers of older reports keep working) whose every key is
+declared here with its meaning. Three renderers read it, and nothing else formats a report:
+
+* :func:`render_markdown`: ``report.md`` (tables per batch size, counts, serving conventions, prompt
+  sources, confidence gating, per-position acceptance, plots, compare table, losslessness line);
+* :func:`render_terminal`: the same tables on a ``rich`` console (``speculators eval``);
+* :func:`render_json`: ``report.json``;
+* :func:`write_plots`: the two PNG plots (matplotlib's Agg canvas).
+
+A ratio whose denominator is zero (an acceptance rate with nothing drafted, tokens/s without time, a
+speedup over a baseline that took no time) is ``None`` in the report and ``n/a`` in every rendering.
+
+This module imports nothing from the rest of the package: the report is data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, TypedDict
+
+
+class MethodRow(TypedDict, total=False):
+    """One method at one K and batch size (``EvalReport.rows``; the counts of
+    :meth:`speculators.evaluate.AcceptanceStats.as_dict`).
+
+    ``tau`` = emitted / steps (bonus included); ``tau_ci`` its 95% bootstrap interval over prompts;
+    ``acceptance_rate`` = accepted / drafted (None when nothing was drafted); ``per_position[k-1]`` =
+    P(draft k accepted | proposed), ``conditional[k-1]`` = P(draft k accepted | drafts 1..k-1 accepted)
+    (None where no step reached k); ``steps``, ``emitted``, ``drafted``, ``accepted``,
+    ``accepted_emitted``, ``proposed``, ``tokens`` counts; ``seconds`` the pass's wall time (s),
+    ``tokens_per_s``, ``speedup`` (over plain decoding at the SAME batch size; None without a baseline
+    time), ``best_k`` (the K with the best speedup of this method and batch size),
+    ``drafted_per_step`` / ``verified_per_step``, ``draft_seconds`` / ``verify_seconds`` /
+    ``batched_steps`` / ``draft_ms_per_step`` / ``verify_ms_per_step`` (the pass's time split),
+    ``draft_sample_method`` (vLLM's setting the row holds under; None where it makes no difference),
+    ``proposals`` (hybrid: drafts per part), ``gated`` (a confidence-gated row).
+    """
+
+    method: str
+    k: int
+    batch_size: int
+    draft_sample_method: Optional[str]
+    tau: float
+    tau_ci: list[float]
+    acceptance_rate: Optional[float]
+    per_position: list[Optional[float]]
+    conditional: list[Optional[float]]
+    steps: int
+    emitted: int
+    drafted: int
+    accepted: int
+    accepted_emitted: int
+    proposed: int
+    tokens: int
+    seconds: float
+    tokens_per_s: Optional[float]
+    speedup: Optional[float]
+    best_k: bool
+    drafted_per_step: Optional[float]
+    verified_per_step: Optional[float]
+    draft_seconds: float
+    verify_seconds: float
+    batched_steps: int
+    draft_ms_per_step: float
+    verify_ms_per_step: float
+    proposals: dict[str, int]
+    gated: bool
+
+
+class PlainRow(TypedDict):
+    """Plain decoding at one batch size (``EvalReport.plain_rows``): the baseline every speedup divides by."""
+
+    batch_size: int
+    tau: float
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: Optional[float]
+    draft_seconds: float
+    verify_seconds: float
+    batched_steps: int
+    draft_ms_per_step: float
+    verify_ms_per_step: float
+
+
+class ServingConventions(TypedDict):
+    """The drafter under vLLM's two ``draft_sample_method`` settings at temperature > 0
+    (:func:`speculators.evaluate.serving_conventions`): ``rows`` = vLLM's default (argmax drafts) first,
+    each a :class:`MethodRow` subset with ``engine_setting`` (the ``--speculative-config`` text)."""
+
+    temperature: float
+    batch_size: int
+    k: int
+    rows: list[dict[str, Any]]
+
+
+class Gating(TypedDict):
+    """Confidence-gated verification (DSpark): the threshold and/or cost model, whether the drafter
+    reported confidences, and the ungated / gated drafter rows at the headline."""
+
+    threshold: Optional[float]
+    cost_aware: bool
+    verify_cost: Optional[list[float]]
+    confidences: bool
+    headline: dict[str, MethodRow]
+
+
+class EvalReport(TypedDict, total=False):
+    """What :func:`speculators.evaluate.run_eval` returns and ``report.json`` holds.
+
+    Settings: ``num_prompts``, ``ks`` (the K sweep), ``batch_size`` / ``batch_sizes`` (the loaded one and
+    ``[1, batch_size]``), ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+    ``stop_token_ids``, ``methods`` (in report order), ``hybrid_min_match``, ``hybrid_drafter_k``,
+    ``bootstrap`` (``{resamples, level, seed, over}``).
+    Results: ``rows`` (:class:`MethodRow` per method, K and batch size), ``plain_rows``, ``best_k``
+    (``{batch: {method: K}}``, string keys), ``headline`` (``{batch_size, k}``: the largest batch size and
+    the first method's best K there), ``plain`` (the headline's plain row), one :class:`MethodRow` per
+    method at the headline under the method's name (``report["drafter"]``...), ``speedup`` (the
+    drafter's) and ``<method>_speedup``, ``greedy_mismatches`` (temperature 0: every output that differs
+    from plain greedy decoding; None when sampling), ``by_source`` (``{source: {method: block}}`` at the
+    headline), ``serving_conventions`` (temperature > 0), ``gated_rows`` / ``gating`` (with a confidence
+    gate). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target``, ``prompts``,
+    ``device``, ``compare``; by :func:`speculators.evaluate.write_report`: ``plots``.
+    """
+
+    num_prompts: int
+    k: int
+    ks: list[int]
+    batch_size: int
+    batch_sizes: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: list[int]
+    methods: list[str]
+    hybrid_min_match: int
+    hybrid_drafter_k: Optional[int]
+    bootstrap: dict[str, Any]
+    rows: list[MethodRow]
+    plain_rows: list[PlainRow]
+    best_k: dict[str, dict[str, int]]
+    headline: dict[str, int]
+    plain: PlainRow
+    greedy_mismatches: Optional[list[dict[str, Any]]]
+    by_source: dict[str, dict[str, dict[str, Any]]]
+    serving_conventions: ServingConventions
+    gated_rows: list[MethodRow]
+    gating: Gating
+    checkpoint: str
+    target: dict[str, Any]
+    prompts: Optional[str]
+    device: str
+    compare: dict[str, Any]
+    plots: dict[str, str]
+    # the headline row of each method under its name, and its speedup (``speedup`` is the drafter's)
+    drafter: MethodRow
+    drafter_argmax: MethodRow
+    ngram: MethodRow
+    suffix: MethodRow
+    hybrid: MethodRow
+    speedup: Optional[float]
+    drafter_argmax_speedup: Optional[float]
+    ngram_speedup: Optional[float]
+    suffix_speedup: Optional[float]
+    hybrid_speedup: Optional[float]
+
+
+# table labels of the methods (report keys), and the vLLM --speculative-config setting under which each
+# drafter method's row holds at temperature > 0
+METHOD_LABELS = {"drafter": "drafter", "drafter_argmax": "drafter, argmax drafts",
+                 "ngram": "n-gram (prompt lookup)", "suffix": "suffix decoding",
+                 "hybrid": "hybrid (suffix, else drafter)", "plain": "plain target"}
+
+#: The vLLM ``--speculative-config`` setting under which each method's row holds at temperature > 0
+#: (``draft_sample_method``: vLLM's default ``greedy`` drafts by argmax and verifies each draft as a
+#: point mass; ``probabilistic`` samples drafts from the drafter and verifies them with its
+#: probabilities). Model-free proposers draft ids only (point masses) under either setting.
+ENGINE_SETTINGS = {"drafter": 'draft_sample_method: "probabilistic"',
+                   "drafter_argmax": 'draft_sample_method: "greedy" (vLLM\'s default)',
+                   "hybrid": 'draft_sample_method: "probabilistic" (drafter part)'}
+
+
+def fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    """``x`` formatted with ``spec`` (and ``suffix``), or ``n/a`` for a ratio whose denominator was zero."""
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+def _serving_markdown(report: dict) -> list[str]:
+    sc = report.get("serving_conventions")
+    if not sc:
+        return []
+    lines = ["", f"## Serving conventions (temperature {sc['temperature']}, batch size {sc['batch_size']}, "
+                 f"K={sc['k']})", "",
+             "At temperature > 0 the tau a user gets from vLLM depends on its `draft_sample_method`: by default "
+             "vLLM drafts by argmax and verifies each draft as a point mass; with `probabilistic` it samples the "
+             "drafts and verifies them against the drafter's distribution. Both are lossless.", "",
+             "| vLLM --speculative-config | tau [95% CI] | acceptance rate | tokens/s | speedup |",
+             "|---|---|---|---|---|"]
+    for r in sc["rows"]:
+        lines.append(f"| `{r['engine_setting']}` | {_fmt_tau(r)} | {fmt(r['acceptance_rate'], '.3f')} | "
+                     f"{fmt(r['tokens_per_s'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} |")
+    return lines
+
+
+PLOT_FILES = {"per_position": "per_position_acceptance.png", "tau_vs_k": "tau_vs_k.png"}
+
+
+def _rows(report: dict, method: str | None = None, batch: int | None = None, k: int | None = None) -> list[dict]:
+    return [r for r in report["rows"] if (method is None or r["method"] == method)
+            and (batch is None or r["batch_size"] == batch) and (k is None or r["k"] == k)]
+
+
+def _fmt_tau(r: dict) -> str:
+    lo, hi = r.get("tau_ci") or (r["tau"], r["tau"])
+    return f"{r['tau']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def _fmt_ms(r: dict, what: str) -> str:
+    v = r.get(f"{what}_ms_per_step")
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _by_source_markdown(report: dict) -> list[str]:
+    """The ``by_source`` table (a row per source and method), or nothing for fewer than two sources."""
+    by = report.get("by_source") or {}
+    if len(by) < 2:
+        return []
+    head = report["headline"]
+    lines = ["", f"## By prompt source (batch size {head['batch_size']}, K={head['k']})", "",
+             "| source | prompts | method | tau [95% CI] | acceptance rate | steps | tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for name, per in by.items():
+        for m in report["methods"]:
+            r = per.get(m)
+            if r is not None:
+                lines.append(f"| {name} | {r['num_prompts']} | {METHOD_LABELS[m]} | {_fmt_tau(r)} | "
+                             f"{fmt(r['acceptance_rate'], '.3f')} | {r['steps']} | {r['tokens']} |")
+    return lines
+
+
+def _gating_markdown(report: dict) -> list[str]:
+    """The confidence-gating section (``report["gating"]``): ungated and gated drafter rows side by side
+    (tau, drafted and verified drafts per step, acceptance rate, tokens/s, speedup), then per-position
+    acceptance of both at the headline; nothing without gating."""
+    g = report.get("gating")
+    if not g:
+        return []
+    how = (f"survival threshold {g['threshold']}" if g["threshold"] is not None else "") + \
+        (" + " if g["threshold"] is not None and g["cost_aware"] else "") + \
+        ("cost-aware prefix (measured verify cost)" if g["cost_aware"] else "")
+    lines = ["", f"## Confidence-gated verification ({how})", "",
+             "The drafts after the first whose survival prod_{i<=k} c_i (calibrated confidences) falls below the "
+             "threshold are not verified; the rule reads only the drafter's outputs, so the output distribution "
+             "is unchanged. drafted/step = drafts proposed per step, verified/step = drafts the target verified.",
+             "", "| drafter | batch | K | tau [95% CI] | drafted/step | verified/step | acceptance rate | tokens/s | "
+             "speedup |", "|---|---|---|---|---|---|---|---|---|"]
+    gated = {(r["batch_size"], r["k"]): r for r in report.get("gated_rows", [])}
+    for b in report["batch_sizes"]:
+        for r in sorted(_rows(report, "drafter", b), key=lambda r: r["k"]):
+            for label, row in (("ungated", r), ("gated", gated.get((b, r["k"])))):
+                if row is None:
+                    continue
+                lines.append(f"| {label} | {b} | {r['k']} | {_fmt_tau(row)} | {fmt(row.get('drafted_per_step'), '.2f')} | "
+                             f"{fmt(row.get('verified_per_step'), '.2f')} | {fmt(row['acceptance_rate'], '.3f')} | "
+                             f"{fmt(row['tokens_per_s'], '.1f')} | {fmt(row['speedup'], '.2f', 'x')} |")
+    if not g.get("confidences"):
+        lines += ["", "The drafter reported no confidence logits (or every draft cleared the gate): nothing was cut."]
+    h = g["headline"]
+    k = len(h["ungated"]["per_position"])
+    lines += ["", f"acc_k at batch size {h['gated']['batch_size']}, K={h['gated']['k']} (P(draft k accepted | "
+              "draft k verified)):", "", "| | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---|" + "---|" * k]
+    for label in ("ungated", "gated"):
+        lines.append(f"| {label} | " + " | ".join(fmt(x, '.3f') for x in h[label]["per_position"]) + " |")
+    return lines
+
+
+def render_markdown(report: EvalReport, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
+    """The report of :func:`speculators.evaluate.run_eval` as Markdown (``report.md``).
+
+    Sections: one table per batch size (a row per method and K: tau with its 95% bootstrap CI,
+    acceptance rate, tokens/s, speedup over plain decoding at that batch size, drafting and verifying
+    ms per step; ★ marks each method's best K), the counts table of the headline rows (steps, drafted,
+    accepted, accepted & emitted, emitted), the by-source table (``report["by_source"]``, when the
+    prompts come from two sources or more), the confidence-gating section (``report["gating"]``: ungated
+    and gated drafter rows, drafted / verified drafts per step, acc_k of both), per-position and conditional acceptance at batch 1 and the largest K, the plots
+    (``plots``, default ``report["plots"]``: ``{"per_position" | "tau_vs_k": relative PNG path}``,
+    embedded as images), the compare table (``report["compare"]``) and the greedy losslessness line.
+    """
+    plots = plots if plots is not None else report.get("plots")
+    methods = report["methods"]
+    ks = report["ks"]
+    head = report["headline"]
+    lines = [f"# {title}", "",
+             f"{report['num_prompts']} prompts" + (f" ({report['prompts']})" if report.get("prompts") else "")
+             + f", temperature {report['temperature']}, top_p {report['top_p']}, top_k {report['top_k']}, "
+             f"max_new_tokens {report['max_new_tokens']}; K in {ks}; batch sizes {report['batch_sizes']}.", "",
+             "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
+             f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
+             "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
+             "★ = the K with the best speedup of that method and batch size; draft / verify ms/step = wall time "
+             "of the proposer (propose + advance) / of the target forward and rejection sampling per batched "
+             "decoding step.", ""]
+    for b in report["batch_sizes"]:
+        plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
+        lines += [f"## Batch size {b}", "", "| method | K | tau [95% CI] | acceptance rate | tokens/s | speedup | "
+                  "draft ms/step | verify ms/step |", "|---|---|---|---|---|---|---|---|"]
+        for m in methods:
+            for r in sorted(_rows(report, m, b), key=lambda r: r["k"]):
+                lines.append(f"| {METHOD_LABELS[m]} | {r['k']}{' ★' if r.get('best_k') else ''} | {_fmt_tau(r)} | "
+                             f"{fmt(r['acceptance_rate'], '.3f')} | {fmt(r['tokens_per_s'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} | "
+                             f"{_fmt_ms(r, 'draft')} | {_fmt_ms(r, 'verify')} |")
+        lines += [f"| plain target | - | {plain.get('tau', 1.0):.3f} | - | {fmt(plain['tokens_per_s'], '.1f')} | 1.00x | "
+                  f"- | {_fmt_ms(plain, 'verify')} |", ""]
+    lines += [f"## Counts (batch size {head['batch_size']}, K={head['k']})", "",
+              "accepted & emitted <= accepted (accepted drafts after a stop token or max_new_tokens are not emitted).",
+              "", "| method | steps | drafted | accepted | accepted & emitted | emitted |", "|---|---|---|---|---|---|"]
+    for m in methods:
+        s = report[m]
+        lines.append(f"| {m} | {s.get('steps', '-')} | {s.get('drafted', '-')} | {s.get('accepted', '-')} | "
+                     f"{s.get('accepted_emitted', '-')} | {s.get('emitted', '-')} |")
+    hy = report.get("hybrid")
+    if hy is not None and hy.get("proposals"):
+        c = hy["proposals"]
+        lines += ["", f"hybrid: {c.get('suffix', 0)} drafts from the suffix tree (match >= "
+                      f"{report.get('hybrid_min_match')} tokens), {c.get('drafter', 0)} from the drafter"
+                      + (f" (at most {report['hybrid_drafter_k']} drafts per step)." if report.get("hybrid_drafter_k")
+                         else ".")]
+    lines += _serving_markdown(report)
+    lines += _by_source_markdown(report)
+    lines += _gating_markdown(report)
+    kmax, b1 = max(ks), report["batch_sizes"][0]
+    lines += ["", f"## Per-position acceptance (batch size {b1}, K={kmax})", "",
+              "acc_k = P(draft k accepted | draft k proposed); cond acc_k = P(draft k accepted | drafts 1..k-1 "
+              "accepted).", "", "| position | " + " | ".join(str(i + 1) for i in range(kmax)) + " |",
+              "|---|" + "---|" * kmax]
+    for m in methods:
+        r = _rows(report, m, b1, kmax)[0]
+        lines.append(f"| {m} acc_k | " + " | ".join(fmt(x, '.3f') for x in r["per_position"]) + " |")
+        lines.append(f"| {m} cond acc_k | " + " | ".join(fmt(x, '.3f') for x in r["conditional"]) + " |")
+    lines.append("")
+    for key, alt in (("per_position", "per-position acceptance"), ("tau_vs_k", "tau and speedup vs K")):
+        if plots and plots.get(key):
+            lines += [f"![{alt}]({plots[key]})", ""]
+    if report.get("compare"):
+        lines += ["## Compare (same prompts and settings)", "", compare_markdown(report["compare"]["rows"])]
+    mm = report.get("greedy_mismatches")
+    if mm is not None:
+        lines.append("Greedy losslessness: " + (
+            "every proposer's output == plain greedy output on every prompt, at every K and batch size."
+            if not mm else f"ERROR: {len(mm)} mismatches: {mm}"))
+    return "\n".join(lines) + "\n"
+
+
+def _nan(xs: list) -> list[float]:
+    """Plotted values: ``n/a`` (None) as NaN, which matplotlib leaves out."""
+    return [float("nan") if x is None else x for x in xs]
+
+
+def write_plots(report: EvalReport, directory: str | Path) -> dict[str, str]:
+    """Draw the report's plots as PNGs into ``directory`` (matplotlib's Agg canvas; pyplot's global
+    state is not touched).
+
+    * ``per_position_acceptance.png``: acc_k per position, one bar group per position and one bar per
+      method (batch size 1, the largest K);
+    * ``tau_vs_k.png``: tau (with its 95% CI as error bars, batch size 1) and speedup (every batch size)
+      against K, one line per method.
+
+    Returns:
+        ``{"per_position": file name, "tau_vs_k": file name}`` relative to ``directory``.
+    """
+    from matplotlib.figure import Figure
+
+    directory = Path(directory)
+    methods, ks = report["methods"], report["ks"]
+    kmax, b1 = max(ks), report["batch_sizes"][0]
+    fig = Figure(figsize=(max(5.0, 1.1 * kmax + 2), 3.6), dpi=110)
+    ax = fig.add_subplot()
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        r = _rows(report, m, b1, kmax)[0]
+        ax.bar([i + 1 + (j - (len(methods) - 1) / 2) * width for i in range(kmax)], _nan(r["per_position"]), width,
+               label=METHOD_LABELS[m])
+    ax.set_xticks(range(1, kmax + 1))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acc_k = P(draft k accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"per-position acceptance (K={kmax}, batch {b1}, T={report['temperature']:g})")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(directory / PLOT_FILES["per_position"])
+
+    fig = Figure(figsize=(9.0, 3.6), dpi=110)
+    ax_tau, ax_sp = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    styles = ["-", "--", ":", "-."]
+    for j, m in enumerate(methods):
+        rows = sorted(_rows(report, m, b1), key=lambda r: r["k"])
+        taus = [r["tau"] for r in rows]
+        err = [[r["tau"] - r["tau_ci"][0] for r in rows], [r["tau_ci"][1] - r["tau"] for r in rows]]
+        ax_tau.errorbar([r["k"] for r in rows], taus, yerr=err, marker="o", capsize=3, label=METHOD_LABELS[m])
+        for bi, b in enumerate(report["batch_sizes"]):
+            rb = sorted(_rows(report, m, b), key=lambda r: r["k"])
+            ax_sp.plot([r["k"] for r in rb], _nan([r["speedup"] for r in rb]), marker="o", color=f"C{j}",
+                       linestyle=styles[bi % len(styles)], label=f"{m}, batch {b}")
+    ax_tau.set_xlabel("K (drafts per step)")
+    ax_tau.set_ylabel("tau (tokens per step, 95% CI)")
+    ax_tau.set_title(f"tau vs K (batch {b1})")
+    ax_tau.legend(fontsize="small")
+    ax_sp.axhline(1.0, color="grey", linewidth=0.8)
+    ax_sp.set_xlabel("K (drafts per step)")
+    ax_sp.set_ylabel("speedup vs plain (same batch)")
+    ax_sp.set_title("speedup vs K")
+    ax_sp.legend(fontsize="x-small")
+    for a in (ax_tau, ax_sp):
+        a.set_xticks(ks)
+    fig.tight_layout()
+    fig.savefig(directory / PLOT_FILES["tau_vs_k"])
+    return dict(PLOT_FILES)
+
+
+def compare_markdown(rows: list[dict]) -> str:
+    """The rows of :func:`compare_rows` as one Markdown table."""
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = ["| checkpoint | method | batch | K | tau [95% CI] | acceptance rate | tokens/s | speedup | draft ms/step "
+             "| verify ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['checkpoint']} | {METHOD_LABELS[r['method']]} | {r['batch_size']} | "
+                     f"{r['k']}{' ★' if r['best_k'] else ''} | {_fmt_tau(r)} | {fmt(r['acceptance_rate'], '.3f')} | "
+                     f"{fmt(r['tokens_per_s'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} | {ms(r.get('draft_ms_per_step'))} | "
+                     f"{ms(r.get('verify_ms_per_step'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_terminal(report: EvalReport, console) -> None:
+    """Print the report on a ``rich`` console: one table per batch size (a row per method and K, ★ on
+    each method's best K), per-position acceptance at batch 1 and the largest K, the serving-conventions
+    table (temperature > 0), the compare table, the confidence-gating table and the losslessness line."""
+    from rich.table import Table
+
+    for b in report["batch_sizes"]:
+        plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
+        t = Table(title=f"batch size {b} (temperature {report['temperature']}, {report['num_prompts']} prompts; "
+                        f"speedup vs plain at batch {b})")
+        for col in ("method", "K", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
+            t.add_column(col)
+        for m in report["methods"]:
+            for r in sorted(_rows(report, m, b), key=lambda r: r["k"]):
+                t.add_row(METHOD_LABELS[m], f"{r['k']}{' ★' if r['best_k'] else ''}", _fmt_tau(r),
+                          fmt(r["acceptance_rate"], ".3f"), fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f", "x"))
+        t.add_row("plain", "-", "1.000", "-", fmt(plain["tokens_per_s"], ".1f"), "1.00x")
+        console.print(t)
+    kmax, b1 = max(report["ks"]), report["batch_sizes"][0]
+    p = Table(title=f"per-position acceptance (batch {b1}, K={kmax})")
+    p.add_column("")
+    for i in range(kmax):
+        p.add_column(str(i + 1))
+    for m in report["methods"]:
+        r = _rows(report, m, b1, kmax)[0]
+        p.add_row(f"{m} acc_k", *[fmt(x, ".3f") for x in r["per_position"]])
+        p.add_row(f"{m} cond acc_k", *[fmt(x, ".3f") for x in r["conditional"]])
+    console.print(p)
+    sc = report.get("serving_conventions")
+    if sc:
+        t = Table(title=f"tau under vLLM's draft_sample_method (temperature {sc['temperature']}, batch "
+                        f"{sc['batch_size']}, K={sc['k']}; both lossless)")
+        for col in ("vLLM --speculative-config", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
+            t.add_column(col)
+        for r in sc["rows"]:
+            t.add_row(r["engine_setting"], _fmt_tau(r), fmt(r["acceptance_rate"], ".3f"), fmt(r["tokens_per_s"], ".1f"),
+                      fmt(r["speedup"], ".2f", "x"))
+        console.print(t)
+    if report.get("compare"):
+        c = Table(title="compare (same prompts and settings)")
+        for col in ("checkpoint", "method", "batch", "K", "tau [95% CI]", "acc. rate", "tokens/s", "speedup"):
+            c.add_column(col)
+        for r in report["compare"]["rows"]:
+            c.add_row(r["checkpoint"], METHOD_LABELS[r["method"]], str(r["batch_size"]),
+                      f"{r['k']}{' ★' if r['best_k'] else ''}", _fmt_tau(r), fmt(r["acceptance_rate"], ".3f"),
+                      fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f", "x"))
+        console.print(c)
+    g = report.get("gating")
+    if g:
+        t = Table(title=f"confidence-gated verification (threshold {g['threshold']}"
+                        f"{', cost-aware' if g['cost_aware'] else ''}; drafts per step proposed / verified)")
+        for col in ("drafter", "batch", "K", "tau [95% CI]", "drafted/step", "verified/step", "acc. rate",
+                    "tokens/s", "speedup"):
+            t.add_column(col)
+        gated = {(r["batch_size"], r["k"]): r for r in report.get("gated_rows", [])}
+        for r in sorted(_rows(report, "drafter"), key=lambda r: (r["batch_size"], r["k"])):
+            for label, row in (("ungated", r), ("gated", gated.get((r["batch_size"], r["k"])))):
+                if row is not None:
+                    t.add_row(label, str(r["batch_size"]), str(r["k"]), _fmt_tau(row),
+                              fmt(row["drafted_per_step"], ".2f"), fmt(row["verified_per_step"], ".2f"),
+                              fmt(row["acceptance_rate"], ".3f"), fmt(row["tokens_per_s"], ".1f"),
+                              fmt(row["speedup"], ".2f", "x"))
+        console.print(t)
+    mm = report.get("greedy_mismatches")
+    if mm is not None:
+        console.print("greedy losslessness: every proposer's output == plain greedy output on every prompt "
+                      "(every K and batch size)" if not mm else f"greedy losslessness: ERROR, {len(mm)} mismatches")
+
+
+def render_json(report: EvalReport) -> str:
+    """``report.json``: the report as indented JSON (``None`` as ``null``)."""
+    return json.dumps(report, indent=2)
