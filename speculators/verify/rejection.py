@@ -127,6 +127,42 @@ def _prepare(
     sampling: SamplingParams,
     validate: bool,
 ) -> _Layout:
+    """Check the inputs of :func:`rejection_sample` (shapes, dtypes and devices always; values when
+    ``validate``) and lay the batch out (:class:`_Layout`). Raises :class:`VerifyInputError`."""
+    nums = _check_structure(draft_token_ids, num_draft_tokens, draft_probs, target_logits, sampling)
+    batch, total, device = len(nums), sum(nums), target_logits.device
+    sampling.validate(batch, values=validate)
+    if validate:
+        _check_values(draft_token_ids, draft_probs, target_logits, total)
+    n = torch.tensor(nums, dtype=torch.int64, device=device)
+    draft_start = torch.cumsum(n, 0) - n
+    row_start = draft_start + torch.arange(batch, device=device)
+    is_greedy = sampling.temperature == 0
+    n_greedy = int(is_greedy.sum()) if batch else 0
+    return _Layout(
+        batch=batch,
+        vocab=int(target_logits.shape[1]),
+        num_drafts=nums,
+        max_drafts=max(nums, default=0),
+        total_drafts=total,
+        n=n,
+        draft_start=draft_start,
+        row_start=row_start,
+        is_greedy=is_greedy,
+        all_greedy=n_greedy == batch,
+        any_greedy=n_greedy > 0,
+    )
+
+
+def _check_structure(
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor | Sequence[int],
+    draft_probs: Tensor | None,
+    target_logits: Tensor,
+    sampling: SamplingParams,
+) -> list[int]:
+    """The shape, dtype and device checks of :func:`_prepare` (no host sync); returns the per-request
+    draft counts as ints."""
     if not isinstance(sampling, SamplingParams):
         raise VerifyInputError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
     if not isinstance(target_logits, Tensor) or target_logits.dim() != 2 or not target_logits.is_floating_point():
@@ -173,59 +209,43 @@ def _prepare(
         t = getattr(sampling, name)
         if isinstance(t, Tensor) and t.device != device:
             raise VerifyInputError(f"sampling.{name}: on {t.device}, expected target_logits' device {device}")
-    sampling.validate(batch, values=validate)
+    return nums
 
-    if validate:
-        # Cheap vectorised checks, one host sync: per-row max catches NaN (propagates), +inf and
-        # all -inf rows; -inf entries (masked tokens) are allowed.
-        row_max = target_logits.amax(dim=-1) if target_logits.shape[0] else target_logits.new_zeros(1)
-        flags = [~torch.isfinite(row_max).all()]
-        if total:
-            flags += [(draft_token_ids < 0).any() | (draft_token_ids >= vocab).any()]
-        if draft_probs is not None and total:
-            sums = draft_probs.sum(dim=-1, dtype=torch.float32)
-            flags += [((sums - 1).abs() > 1e-3).any() | ~torch.isfinite(sums).all(), (draft_probs.amin() < 0)]
-        bad = torch.stack(flags).tolist()
-        if bad[0]:
-            r = int((~torch.isfinite(row_max)).nonzero()[0, 0])
-            raise VerifyInputError(
-                f"target_logits: row {r} contains NaN or +inf (or is entirely -inf); logits must be finite "
-                f"in float32, the verifier's compute dtype (|x| < 3.4e38; -inf entries are allowed for masked "
-                f"tokens)"
-            )
-        if total and bad[1]:
-            raise VerifyInputError(
-                f"draft_token_ids: ids must lie in [0, {vocab}), got min {int(draft_token_ids.min())} "
-                f"max {int(draft_token_ids.max())}"
-            )
-        if draft_probs is not None and total:
-            if bad[2]:
-                r = int(((sums - 1).abs() > 1e-3).logical_or(~torch.isfinite(sums)).nonzero()[0, 0])
-                raise VerifyInputError(
-                    f"draft_probs: every row must sum to 1 within 1e-3 (the distribution the draft was sampled "
-                    f"from, after apply_sampling); row {r} sums to {float(sums[r])}"
-                )
-            if bad[3]:
-                raise VerifyInputError("draft_probs: entries must be >= 0")
 
-    n = torch.tensor(nums, dtype=torch.int64, device=device)
-    draft_start = torch.cumsum(n, 0) - n
-    row_start = draft_start + torch.arange(batch, device=device)
-    is_greedy = sampling.temperature == 0
-    n_greedy = int(is_greedy.sum()) if batch else 0
-    return _Layout(
-        batch=batch,
-        vocab=vocab,
-        num_drafts=nums,
-        max_drafts=max(nums, default=0),
-        total_drafts=total,
-        n=n,
-        draft_start=draft_start,
-        row_start=row_start,
-        is_greedy=is_greedy,
-        all_greedy=n_greedy == batch,
-        any_greedy=n_greedy > 0,
-    )
+def _check_values(draft_token_ids: Tensor, draft_probs: Tensor | None, target_logits: Tensor, total: int) -> None:
+    """The value checks of :func:`_prepare` (``validate=True``): cheap vectorised checks, one host sync.
+    The per-row max catches NaN (it propagates), +inf and all -inf rows; -inf entries (masked tokens)
+    are allowed."""
+    vocab = int(target_logits.shape[1])
+    row_max = target_logits.amax(dim=-1) if target_logits.shape[0] else target_logits.new_zeros(1)
+    flags = [~torch.isfinite(row_max).all()]
+    if total:
+        flags += [(draft_token_ids < 0).any() | (draft_token_ids >= vocab).any()]
+    if draft_probs is not None and total:
+        sums = draft_probs.sum(dim=-1, dtype=torch.float32)
+        flags += [((sums - 1).abs() > 1e-3).any() | ~torch.isfinite(sums).all(), (draft_probs.amin() < 0)]
+    bad = torch.stack(flags).tolist()
+    if bad[0]:
+        r = int((~torch.isfinite(row_max)).nonzero()[0, 0])
+        raise VerifyInputError(
+            f"target_logits: row {r} contains NaN or +inf (or is entirely -inf); logits must be finite "
+            f"in float32, the verifier's compute dtype (|x| < 3.4e38; -inf entries are allowed for masked "
+            f"tokens)"
+        )
+    if total and bad[1]:
+        raise VerifyInputError(
+            f"draft_token_ids: ids must lie in [0, {vocab}), got min {int(draft_token_ids.min())} "
+            f"max {int(draft_token_ids.max())}"
+        )
+    if draft_probs is not None and total:
+        if bad[2]:
+            r = int(((sums - 1).abs() > 1e-3).logical_or(~torch.isfinite(sums)).nonzero()[0, 0])
+            raise VerifyInputError(
+                f"draft_probs: every row must sum to 1 within 1e-3 (the distribution the draft was sampled "
+                f"from, after apply_sampling); row {r} sums to {float(sums[r])}"
+            )
+        if bad[3]:
+            raise VerifyInputError("draft_probs: entries must be >= 0")
 
 
 # --------------------------------------------------------------------------------------------------
