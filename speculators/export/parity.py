@@ -76,6 +76,7 @@ class ParityResult:
     outputs: list[OutputDelta] = field(default_factory=list)
     load_problems: list[str] = field(default_factory=list)
     first_divergence: str | None = None
+    notes: list[str] = field(default_factory=list)
     passed: bool | None = None
     skipped: str | None = None
 
@@ -116,6 +117,8 @@ class ParityResult:
             lines.append("")
         if self.load_problems:
             lines += ["Load problems:", ""] + [f"- {p}" for p in self.load_problems] + [""]
+        if self.notes:
+            lines += ["Notes:", ""] + [f"- {p}" for p in self.notes] + [""]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -167,6 +170,8 @@ def _run_worker(python: Path, request: dict[str, Any], workdir: Path, timeout: i
     req_file.write_text(json.dumps(request))
     r = subprocess.run([str(python), str(WORKER), str(req_file)], capture_output=True, text=True,
                        cwd=str(workdir), env=reference_env._clean_env(), timeout=timeout)
+    if r.returncode == 3:  # reference_worker.UNAVAILABLE
+        raise ReferenceUnavailable(f"{python}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     if r.returncode != 0:
         tail = "\n".join(r.stderr.strip().splitlines()[-6:])
         raise _WorkerFailed(tail or f"exit status {r.returncode}")
@@ -279,7 +284,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         result.skipped = f"vllm-project/speculators {REFERENCE_VERSION} has no `{family}` model in this layout"
         return result
     try:
-        python = reference_env.ensure_reference_python(reference_python, build=build, log=log)
+        python = reference_env.ensure_reference_python(reference_python, build=build, log=log, check=False)
     except ReferenceUnavailable as e:
         result.skipped = str(e)
         return result
@@ -334,16 +339,20 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
                 ref_inputs[f"{s}.{k}"] = v.contiguous()
             requests.append({"name": s, "kwargs": step.ref_kwargs, "pin": step.pin})
             for k, v in step.outputs.items():
-                ours_out[f"{s}.{k}"] = v.float()
+                ours_out[f"{s}.{k}"] = v.detach().float()
             if i == 0:
                 ours_hooks = store
         save_file(ref_inputs, str(tmp / "inputs.safetensors"))
         request = {"checkpoint": str(checkpoint.resolve()), "family": family, "verifier": str(verifier),
                    "inputs": str(tmp / "inputs.safetensors"), "output": str(tmp / "out.safetensors"),
-                   "report": str(tmp / "report.json"), "attn_implementation": "eager", "sequences": requests}
+                   "report": str(tmp / "report.json"), "attn_implementation": "eager", "sequences": requests,
+                   "expect_version": REFERENCE_VERSION}
         log(f"parity: running the reference ({python})")
         try:
             rep = _run_worker(python, request, tmp)
+        except ReferenceUnavailable as e:
+            result.skipped = str(e)
+            return result
         except _WorkerFailed as e:
             result.load_problems = problems + [f"the reference failed to load or run the checkpoint: {e}"]
             result.first_divergence = result.load_problems[0]
@@ -353,7 +362,12 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
     result.reference_version = rep.get("version", REFERENCE_VERSION)
     for k in rep["missing_keys"]:
         problems.append(f"weight `{k}` missing from model.safetensors (the reference keeps its init)")
+    notes = []
     for k in rep["unexpected_keys"]:
+        if k in ("d2t", "t2d") and not rep.get("use_draft_vocab", True) and _identity_map(checkpoint, k):
+            notes.append(f"`{k}` is the identity map of a full vocabulary: the reference has no such buffer "
+                         "then and ignores it (vLLM loads d2t, skips t2d)")
+            continue
         problems.append(f"weight `{k}` in model.safetensors reaches no reference parameter (vLLM refuses it)")
     for u in rep["unequal_weights"]:
         problems.append(f"weight `{u['name']}` loaded unequal to the file (max |delta| {u['max_abs_diff']})")
@@ -362,6 +376,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
     bad_out = [o for o in result.outputs if o.max_abs_delta > TOLERANCE
                or (o.argmax_agreement is not None and o.argmax_agreement < 1.0)]
     result.load_problems = problems
+    result.notes = notes
     result.passed = not problems and not bad_out
     if problems:
         result.first_divergence = problems[0]
@@ -370,6 +385,12 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         result.first_divergence = (first_hook_divergence(ours_hooks, hooked, rep["hook_order"].get("seq0", []),
                                                          names) or f"output `{bad_out[0].name}`")
     return result
+
+
+def _identity_map(checkpoint: Path, name: str) -> bool:
+    """``d2t`` all zeros (draft id i is target id i) or ``t2d`` all true: a full vocabulary's identity map."""
+    t = load_file(str(checkpoint / "model.safetensors"))[name]
+    return bool((t == 0).all()) if name == "d2t" else bool(t.bool().all())
 
 
 def _file_vs_drafter(checkpoint: Path, drafter) -> list[str]:

@@ -68,8 +68,12 @@ def _python_in(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+_PROBED: dict[str, str] = {}
+
+
 def probe(python: str | Path) -> str:
-    """The reference version importable by ``python`` (runs it once, ~2 s).
+    """The reference version importable by ``python`` (runs it once per process and interpreter: the
+    imports take seconds).
 
     Raises:
         ReferenceUnavailable: the interpreter is missing, or cannot import the reference at
@@ -78,6 +82,8 @@ def probe(python: str | Path) -> str:
     python = Path(python)
     if not python.exists():
         raise ReferenceUnavailable(f"{python} does not exist")
+    if str(python) in _PROBED:
+        return _PROBED[str(python)]
     code = ("import speculators.version as v, speculators.models.eagle3, torch, transformers;"
             "print(v.version)")
     try:
@@ -91,6 +97,7 @@ def probe(python: str | Path) -> str:
     version = r.stdout.strip().splitlines()[-1]
     if version != REFERENCE_VERSION:
         raise ReferenceUnavailable(f"{python} has speculators {version}, the gate follows {REFERENCE_VERSION}")
+    _PROBED[str(python)] = version
     return version
 
 
@@ -131,7 +138,7 @@ def build_reference_venv(dest: str | Path, torch_spec: str | None = None, log=pr
     Raises:
         ReferenceUnavailable: any step fails (no network, no wheel); its message has pip's last line.
     """
-    dest = Path(dest)
+    dest = Path(dest).resolve()
     if _python_in(dest).exists() and (dest / ".complete").exists():
         return _python_in(dest)
     if torch_spec is None:
@@ -166,9 +173,11 @@ def build_reference_venv(dest: str | Path, torch_spec: str | None = None, log=pr
     return _python_in(dest)
 
 
-def ensure_reference_python(explicit: str | Path | None = None, build: bool = True, log=print) -> Path:
+def ensure_reference_python(explicit: str | Path | None = None, build: bool = True, log=print,
+                            check: bool = True) -> Path:
     """A working reference interpreter: found (:func:`find_reference_python`) or, with ``build``, built
-    into :func:`cached_venv_dir`; checked with :func:`probe`.
+    into :func:`cached_venv_dir`; with ``check``, checked with :func:`probe` (else only that it exists:
+    the worker reports its version itself).
 
     Raises:
         ReferenceUnavailable: none found and ``build`` is False, the build failed (offline machine), or
@@ -180,7 +189,10 @@ def ensure_reference_python(explicit: str | Path | None = None, build: bool = Tr
             raise ReferenceUnavailable(f"no reference venv (set ${ENV_VAR}, run `make reference`, or let the "
                                        f"gate build {cached_venv_dir()})")
         python = build_reference_venv(cached_venv_dir(), log=log)
-    probe(python)
+    if check:
+        probe(python)
+    elif not Path(python).exists():
+        raise ReferenceUnavailable(f"{python} does not exist")
     return python
 
 

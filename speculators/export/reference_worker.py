@@ -35,6 +35,7 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+UNAVAILABLE = 3  # exit status: the reference cannot be imported here (the caller reports it, not a failure)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
 
 
@@ -55,14 +56,21 @@ def main(request_file):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    import speculators
-    import speculators.models.utils as ref_utils
-    from speculators.model import SpeculatorModel
-    from speculators.version import version
-
+    try:
+        import speculators
+        import speculators.models.utils as ref_utils
+        from speculators.model import SpeculatorModel
+        from speculators.version import version
+    except ImportError as e:
+        print(f"cannot import vllm-project/speculators: {e}", file=sys.stderr)
+        sys.exit(UNAVAILABLE)
     root = os.path.dirname(os.path.abspath(speculators.__file__))
     if os.path.exists(os.path.join(root, "drafters")):  # our package has drafters/, the reference does not
-        raise SystemExit(f"the package imported as speculators ({root}) is not the reference implementation")
+        print(f"the package imported as speculators ({root}) is not the reference implementation", file=sys.stderr)
+        sys.exit(UNAVAILABLE)
+    if req.get("expect_version") and version != req["expect_version"]:
+        print(f"speculators {version} is installed, the gate follows {req['expect_version']}", file=sys.stderr)
+        sys.exit(UNAVAILABLE)
     torch.manual_seed(0)
     ckpt, family = req["checkpoint"], req["family"]
 
@@ -91,7 +99,8 @@ def main(request_file):
     if req.get("verifier"):
         cfg.speculators_config.verifier.name_or_path = req["verifier"]
     cfg.transformer_layer_config._attn_implementation = req.get("attn_implementation", "eager")
-    model = SpeculatorModel.from_pretrained(ckpt, config=cfg).float().eval()
+    # float32 throughout: weights the checkpoint lacks (taken from the verifier) must not pass through its dtype
+    model = SpeculatorModel.from_pretrained(ckpt, config=cfg, dtype=torch.float32).float().eval()
 
     # keys and weights against the file, as exported
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
@@ -168,7 +177,8 @@ def main(request_file):
         orders[s] = list(order)
     save_file(outputs, req["output"])
     report = {"version": version, "model_class": type(model).__name__, "missing_keys": missing,
-              "unexpected_keys": unexpected, "unequal_weights": unequal, "config": cfg.to_dict(),
+              "unexpected_keys": unexpected, "unequal_weights": unequal,
+              "use_draft_vocab": bool(getattr(model, "use_draft_vocab", True)), "config": cfg.to_dict(),
               "hook_order": orders}
     with open(req["report"], "w") as f:
         json.dump(report, f, default=str)
