@@ -50,10 +50,44 @@ def checkpoint_files(ckpt: str | Path) -> list[str]:
     files = [CONFIG_NAME, WEIGHTS_NAME]
     if (ckpt / RECIPE_NAME).is_file():
         files.append(RECIPE_NAME)
+    if (ckpt / PARITY_NAME).is_file():
+        files.append(PARITY_NAME)
     adapter = ckpt / ADAPTER_DIR
     if adapter.is_dir():
         files += [p.relative_to(ckpt).as_posix() for p in sorted(adapter.rglob("*")) if p.is_file()]
     return sorted(files)
+
+
+#: The export gate's result beside a checkpoint (``speculators train``'s end step, :mod:`speculators.export.gate`).
+PARITY_NAME = "parity.json"
+
+
+def checked_lines(ckpt: str | Path) -> list[str]:
+    """Model-card lines saying what the export gate checked on ``ckpt`` (its ``parity.json``): the vLLM
+    version of the layout check and its verdict, the reference implementation and version, the max
+    |delta logit| and argmax agreement; or that nothing was checked (and how to check)."""
+    f = Path(ckpt) / PARITY_NAME
+    if not f.is_file():
+        return ["Not checked against vLLM's loader or the reference implementation: run `speculators check DIR`."]
+    try:
+        g = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return [f"`{PARITY_NAME}` is unreadable: run `speculators check DIR`."]
+    bad = g.get("layout_problems") or []
+    out = [f"- vLLM {g.get('vllm_version', '?')} weight layout: "
+           + ("every tensor is one its loader places, at its shape." if not bad else f"{len(bad)} problem(s): {bad[0]}")]
+    p = g.get("parity") or {}
+    ref = f"vllm-project/speculators {p.get('reference_version', '?')}"
+    if p.get("passed") is None:
+        out.append(f"- parity with {ref}: not checked ({p.get('skipped') or 'no result'}).")
+    else:
+        d, a = p.get("max_abs_delta"), p.get("argmax_agreement")
+        out.append(f"- parity with {ref} (first drafting step, float32, {p.get('inputs', '')}): "
+                   f"{'PASS' if p['passed'] else 'FAIL'}, max |delta logit| {d if d is None else f'{d:.2e}'} "
+                   f"(tolerance {p.get('tolerance', 1e-4):.0e}), argmax agreement "
+                   f"{'n/a' if a is None else f'{100 * a:.1f}%'}"
+                   + (f"; first divergence: {p['first_divergence']}" if p.get("first_divergence") else "") + ".")
+    return out
 
 
 def _facts(cfg: dict) -> dict:
@@ -117,6 +151,7 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
         lines += ["With vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```", ""]
     else:
         lines += [f"Not loadable by vLLM as written: {why_not}.", ""]
+    lines += ["## Checked", ""] + checked_lines(ckpt) + [""]
     if facts["adapter"]:
         lines += [(f"Trained jointly with a LoRA adapter on the verifier (`{facts['adapter']}/`): merge it into "
                    "the base model and serve the merged model as the verifier."), ""]
