@@ -485,3 +485,58 @@ def test_eval_methods_option_measures_only_the_named_proposers(trained, tmp_path
     rep = json.loads((out / "report.json").read_text())
     assert {r_["method"] for r_ in rep["rows"]} == {"drafter"} and len(rep["plain_rows"]) == 2
     assert rep["greedy_mismatches"] == []
+
+
+# ----------------------------------------------------------------------------- speculators check
+def _reference_or_skip():
+    """The reference venv's python, else skip saying why (an error under CI=true: the gate must run there)."""
+    import os
+
+    from speculators.export import reference_env
+
+    python = reference_env.find_reference_python()
+    why = "no reference venv (run `make reference`)" if python is None else None
+    if python is not None:
+        try:
+            reference_env.probe(python)
+        except reference_env.ReferenceUnavailable as e:
+            why = str(e)
+    if why:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: the parity gate must run: {why}")
+        pytest.skip(why)
+    return python
+
+
+def test_check_static_layout_exit_codes(trained, tmp_path):
+    good = tmp_path / "good"
+    shutil.copytree(trained.dir / "final", good)
+    r = CliRunner().invoke(app, ["check", str(good), "--no-parity"])
+    assert r.exit_code == 0, r.output
+    assert "vLLM 0.33.0 weight layout" in r.output and "Every tensor" in r.output
+    bad = tmp_path / "bad"
+    shutil.copytree(trained.dir / "final", bad)
+    from safetensors.torch import save_file
+
+    w = load_file(bad / "model.safetensors")
+    w["confidence_bias"] = torch.zeros(3)
+    save_file(w, bad / "model.safetensors")
+    r = CliRunner().invoke(app, ["check", str(bad), "--no-parity"])
+    assert r.exit_code == 1, r.output
+    assert "`confidence_bias`" in r.output and "no module or parameter" in r.output
+
+
+@pytest.mark.slow
+def test_train_end_gate_and_check_command(trained, tmp_path):
+    """`speculators train` ran the gate on final/ (parity.json, run card); `speculators check RUN_DIR` reruns it."""
+    python = _reference_or_skip()
+    g = json.loads((trained.dir / "final" / "parity.json").read_text())
+    assert g["passed"] is True and g["parity"]["passed"] is True, g
+    assert g["parity"]["max_abs_delta"] <= 1e-4 and g["parity"]["argmax_agreement"] == 1.0
+    assert "held-out sequences of the run" in g["parity"]["inputs"]
+    card = (trained.dir / "final" / "README.md").read_text()
+    assert "## Parity with the reference implementation" in card and "PASS" in card
+    r = CliRunner().invoke(app, ["check", str(trained.dir), "-n", "2", "--reference-python", str(python)])
+    assert r.exit_code == 0, r.output
+    assert "parity vs vllm-project/speculators 0.9.0: PASS (eagle3" in r.output
+    assert "built-in texts" in r.output
