@@ -192,3 +192,28 @@ def test_unavailable_reference_is_reported(tmp_path, monkeypatch, target):
     r = check_parity(tmp_path / "df", target=target, reference_python=tmp_path / "missing" / "python")
     assert r.passed is None
     assert r.skipped.startswith("reference implementation unavailable:") and "does not exist" in r.skipped
+
+
+def test_config_fields_the_reference_parsed_differently_are_named():
+    from speculators.export.parity import _config_problems
+
+    file = {"block_size": 8, "mask_token_id": 5, "speculators_training": {"a": 1},
+            "transformer_layer_config": {"rope_theta": 10000.0, "hidden_size": 64}}
+    ref = {"block_size": 8, "mask_token_id": 7, "speculators_training": {"b": 2},
+           "transformer_layer_config": {"rope_theta": 500000.0, "hidden_size": 64}}
+    problems = _config_problems(file, ref)
+    assert problems == ["config mask_token_id: file 5, reference parsed 7",
+                        "config transformer_layer_config.rope_theta: file 10000.0, reference 500000.0"]
+    assert _config_problems(file, file) == []
+
+
+def test_synthetic_target_follows_the_recorded_config(target, tmp_path):
+    from speculators.drafters import Drafter
+    from speculators.export.parity import synthetic_target
+
+    make(target, "dflash", tmp_path / "df")
+    meta = Drafter.from_pretrained(tmp_path / "df").meta
+    t = synthetic_target(meta)
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (4, 64, V)
+    assert t.aux_layer_ids == list(meta.aux_layer_ids)
+    assert not torch.equal(t.embed_tokens.weight, target.embed_tokens.weight)  # random, not the real target

@@ -299,15 +299,22 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
             raise
         problems.append(f"our own loader refuses the checkpoint: {e}")
         drafter = copy.deepcopy(drafter).float()
+    synthetic = None
     if target is None:
         from ..target import Target
 
         name = drafter.meta.name_or_path
-        target = Target.load(name, aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
+        try:
+            target = Target.load(name, aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
+        except SpeculatorsError as e:
+            log(f"parity: the target {name!r} cannot be loaded ({e}); using SYNTHETIC inputs")
+            target = synthetic_target(drafter.meta)
+            synthetic = (f"SYNTHETIC: a random target of the recorded config (the real target {name!r} could not "
+                         "be loaded)")
     drafter.attach_target(target)  # frozen copies a published checkpoint leaves out come from the target
     drafter.eval()
     seqs, label = _sequences(target, sequences, num_sequences)
-    result.inputs = inputs_label or label
+    result.inputs = inputs_label or (f"{synthetic}; {label}" if synthetic else label)
 
     fam = parity_families.FAMILIES[family]
     cfg_ids = parity_families.config_aux_ids(cfg, family)
@@ -410,6 +417,31 @@ def _file_vs_drafter(checkpoint: Path, drafter) -> list[str]:
     return out
 
 
+def synthetic_target(meta, seed: int = 0):
+    """A random target of the architecture a checkpoint records (``speculators_training.target.target_config``),
+    for parity inputs when the real target cannot be loaded: both sides see the same (meaningless) hidden
+    states, so the check still compares the two implementations, not the drafter's quality.
+
+    Raises:
+        SpeculatorsError: the recorded config cannot build a transformers model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..target import Target
+
+    cfg = dict(meta.target_config)
+    model_type = cfg.pop("model_type", "llama")
+    for k in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+        cfg.pop(k, None)
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).float()
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpeculatorsError(f"parity: the recorded target config cannot build a model ({e})") from None
+    return Target(model, None, name_or_path=meta.name_or_path, aux_layer_ids=list(meta.aux_layer_ids))
+
+
 def _features(target, ids: list[int], layer_ids: list[int] | None):
     """Target features of ``ids`` (one row) tapped at ``layer_ids`` (our convention), float32 on the CPU;
     None when an id is out of range."""
@@ -453,4 +485,4 @@ def _verifier_dir(target, path: Path) -> Path:
 
 
 __all__ = ["OutputDelta", "ParityResult", "REFERENCE_FAMILIES", "TOLERANCE", "check_parity", "compare",
-           "export_module_names", "first_hook_divergence"]
+           "export_module_names", "first_hook_divergence", "synthetic_target"]
