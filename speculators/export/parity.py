@@ -311,7 +311,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
             target = synthetic_target(drafter.meta)
             synthetic = (f"SYNTHETIC: a random target of the recorded config (the real target {name!r} could not "
                          "be loaded)")
-    drafter.attach_target(target)  # frozen copies a published checkpoint leaves out come from the target
+    drafter.attach_target(_TargetPieces(target))  # frozen copies a published checkpoint left out, head, norm
     drafter.eval()
     seqs, label = _sequences(target, sequences, num_sequences)
     result.inputs = inputs_label or (f"{synthetic}; {label}" if synthetic else label)
@@ -417,6 +417,17 @@ def _file_vs_drafter(checkpoint: Path, drafter) -> list[str]:
     return out
 
 
+class _TargetPieces:
+    """The target pieces a drafter takes at ``attach_target`` (embedding, output head, final norm) as float32
+    CPU copies, so that our side computes in float32 on the CPU like the reference, whatever the target's
+    dtype and device (the hidden states come from the target itself, :func:`_features`)."""
+
+    def __init__(self, target):
+        self.embed_tokens = copy.deepcopy(target.embed_tokens).float().cpu()
+        self.lm_head_weight = target.lm_head_weight.detach().float().cpu().clone()
+        self.final_norm = copy.deepcopy(target.final_norm).float().cpu()
+
+
 def synthetic_target(meta, seed: int = 0):
     """A random target of the architecture a checkpoint records (``speculators_training.target.target_config``),
     for parity inputs when the real target cannot be loaded: both sides see the same (meaningless) hidden
@@ -477,7 +488,7 @@ def _verifier_dir(target, path: Path) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     target.model.config.to_json_file(str(path / "config.json"))
-    sd = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu().clone(),
+    sd = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu().clone(),  # untied
           "lm_head.weight": target.lm_head_weight.detach().float().cpu().clone(),
           "model.norm.weight": target.final_norm.weight.detach().float().cpu().clone()}
     save(sd, str(path / "model.safetensors"))
