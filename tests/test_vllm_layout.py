@@ -96,3 +96,17 @@ def test_unknown_family_and_missing_files_are_errors(target, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpeculatorsError, match="unknown family 'nope'"):
         check_layout(path)
+
+
+def test_calibrated_dspark_keeps_the_calibration_out_of_the_weights(target, tmp_path):
+    cls = registry.get("dspark")
+    torch.manual_seed(0)
+    d = cls.from_target(cls.config_class(algorithm="dspark", enable_confidence_head=True), target,
+                        DraftVocab.from_counts(torch.arange(V, 0, -1), None))
+    with torch.no_grad():  # a calibrated head (what `speculators calibrate` writes back)
+        d.confidence_temperature.fill_(1.7)
+        d.confidence_bias.fill_(-0.3)
+    path = save_pretrained(d, tmp_path / "ds", frozen_copies=False, dtype="bfloat16")
+    assert check_layout(path) == []
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["speculators_training"]["confidence_calibration"]["temperature"][0] == pytest.approx(1.7)
