@@ -242,14 +242,42 @@ def _placement(model, device_map) -> dict[str, str]:
     return {k: device_of(k) for k in device_map}
 
 
+def distinct_layer_ids(preferred: list[int], num_layers: int) -> list[int]:
+    """``preferred`` taps made distinct and strictly ascending inside ``[0, L - 1]``, each moved as little
+    as needed: sorted and clamped, then pushed up past its predecessor and down below its successor (ids
+    that already are distinct, ascending and in range come back unchanged).
+
+    Args:
+        preferred: n layer ids (any order, may repeat or lie outside the range).
+        num_layers: L, the target's decoder layers.
+    Returns:
+        n distinct ascending ids in ``[0, L - 1]``.
+    Raises:
+        SpeculatorsError: ``L < n`` (too shallow for n distinct taps), naming both.
+    """
+    n = len(preferred)
+    if num_layers < n:
+        raise SpeculatorsError(f"target.aux_layer_ids: a target with {num_layers} decoder layer(s) cannot give {n} "
+                               f"distinct aux layers (one tap per layer); use a deeper target")
+    ids = sorted(min(max(int(i), 0), num_layers - 1) for i in preferred)
+    for j in range(1, n):
+        ids[j] = max(ids[j], ids[j - 1] + 1)
+    for j in reversed(range(n)):
+        ids[j] = min(ids[j], num_layers - 1 if j == n - 1 else ids[j + 1] - 1)
+    return ids
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3 default taps as outputs of layers ``[1, L//2 - 1, L - 4]`` (0-based).
 
     Equivalent to vLLM's ``eagle_aux_hidden_state_layer_ids = [2, L//2, L - 3]`` (inputs of layers).
-    For tiny targets (L < 5) the ids are clamped into ``[0, L - 1]`` (always three taps, so the
-    fusion input is 3H for every target).
+    On shallow targets (L < 8) where those repeat a layer or leave the range, the nearest distinct
+    ascending ids (:func:`distinct_layer_ids`: ``[0, 1, 2]`` for L = 4); a target of fewer than 3 layers
+    taps every layer (``list(range(L))``: too shallow for EAGLE-3's three, which its drafter refuses).
     """
-    return [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+    if num_layers < 3:
+        return list(range(num_layers))
+    return distinct_layer_ids([1, num_layers // 2 - 1, num_layers - 4], num_layers)
 
 
 def resolve_model_ref(ref: str) -> tuple[str, str | None]:

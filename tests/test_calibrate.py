@@ -526,7 +526,7 @@ def test_a_bad_temperature_leaves_the_checkpoint_as_it_was(confident_checkpoint)
 
 
 def test_a_checkpoint_without_a_confidence_head_is_refused(tmp_path):
-    target = untied_target()
+    target = untied_target(layers=3)  # EAGLE-3 takes three distinct taps
     cls = registry.get("eagle3")
     d = cls.from_target(cls.config_class(algorithm="eagle3"), target, DraftVocab.full(target.vocab_size))
     path = d.save_pretrained(tmp_path / "plain")

@@ -42,7 +42,7 @@ from speculators.training_unit import TrainingUnit
 from conftest import batch_for, cli_train_then_eval
 
 V = 128            # tiny target: vocab 128, hidden 32, 2 layers (seconds for everything below)
-HIDDEN, LAYERS = 32, 2
+HIDDEN, LAYERS = 32, 3  # 3 layers: EAGLE-3 / P-EAGLE need three distinct taps
 REDUCED = 64       # draft vocabulary for families that support one
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 GEN = 20           # new tokens per decoded request

@@ -322,7 +322,14 @@ def test_default_aux_layer_ids():
     assert dflash_aux_layer_ids(30, 1) == [15]
     assert dflash_aux_layer_ids(30, 3) == [1, 14, 27]
     assert dflash_aux_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # the reference's spacing for Qwen3-8B
-    assert dflash_aux_layer_ids(4, 2) == [1, 1] and dflash_aux_layer_ids(2, 3) == [1, 0, 0]
+    # shallow targets: distinct and ascending (the rounded spacing would give [1, 1] and [1, 0, 0])
+    assert dflash_aux_layer_ids(4, 2) == [1, 2] and dflash_aux_layer_ids(3, 3) == [0, 1, 2]
+    for L in range(1, 12):
+        for n in range(1, L + 1):
+            ids = DFlashDrafter.default_aux_layer_ids(L, DFlashConfig(num_layers=n))
+            assert len(ids) == n and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L, (L, n, ids)
+    with pytest.raises(SpeculatorsError, match=r"target.aux_layer_ids.*2 decoder layer\(s\) cannot give 3 distinct"):
+        dflash_aux_layer_ids(2, 3)
     assert DFlashDrafter.default_aux_layer_ids(30, DFlashConfig(num_layers=3)) == [1, 14, 27]
     assert registry.get("eagle3").default_aux_layer_ids(30, None) == [1, 14, 26]  # the base default
 

@@ -91,7 +91,7 @@ def test_overrides_dotted_paths_yaml_typed():
         "data.regenerate=false",
         "data.held_out.fraction=0.5",
         "drafter.ttt_steps=5",
-        "target.aux_layer_ids=[0, 2]",
+        "target.aux_layer_ids=[0, 2, 3]",
         "data.chat_template=a=b",        # only the first '=' separates key and value
         "output_dir=null",
         "train.schedule=linear",
@@ -103,7 +103,7 @@ def test_overrides_dotted_paths_yaml_typed():
     assert rec.data.held_out.fraction == 0.5
     assert rec.data.held_out.seed == 0  # untouched sibling of an overridden key
     assert rec.drafter.ttt_steps == 5
-    assert rec.target.aux_layer_ids == [0, 2]
+    assert rec.target.aux_layer_ids == [0, 2, 3]
     assert rec.data.chat_template == "a=b"
     assert rec.output_dir is None
     assert rec.train.schedule == "linear"

@@ -18,7 +18,7 @@ def target():
 def test_default_aux_layers_follow_the_eagle3_convention():
     assert default_aux_layer_ids(30) == [1, 14, 26]
     assert default_aux_layer_ids(32) == [1, 15, 28]  # vLLM / EAGLE: inputs of layers [2, 16, 29]
-    assert default_aux_layer_ids(4) == [1, 1, 0]
+    assert default_aux_layer_ids(4) == [0, 1, 2]  # shallow targets: distinct and ascending, never [1, 1, 0]
 
 
 def _hooked_layer_outputs(model, ids):

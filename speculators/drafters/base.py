@@ -32,9 +32,7 @@ tokens ``x_{n+1}..x_{n+m}`` together with the target features of positions ``n..
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -47,6 +45,17 @@ from ..data.vocab import DraftVocab  # noqa: F401  (moved to the data layer; re-
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
 from . import checkpoint
+from .protocol import (  # noqa: F401  (the protocol pieces; their import paths from base keep working)
+    Proposal,
+    _check_batch,
+    _empty_proposal,
+    advance_each,
+    calibrated_confidence_logits,
+    check_speculative_tokens,
+    max_speculative_tokens_of,
+    propose_each,
+    request_sampling,
+)
 from .checkpoint import (  # noqa: F401  (old import paths of the checkpoint names keep working)
     CONFIG_NAME,
     RECIPE_NAME,
@@ -66,187 +75,6 @@ class DrafterConfig(BaseModel):
     algorithm: str
     draft_vocab_size: int | None = Field(
         default=None, gt=0, description="size of the draft vocabulary (d2t/t2d); None = full target vocab")
-
-
-@dataclass
-class Proposal:
-    """Draft tokens for one request.
-
-    Attributes:
-        token_ids: ``[k]`` int64 draft tokens in target-vocabulary ids.
-        probs: ``[k, V]`` float32 draft distributions q the tokens were sampled from (target vocab),
-            or None for drafters that only give ids (the verifier then treats q as a point mass).
-        confidence_logits: ``[k]`` float32 raw (pre-sigmoid, uncalibrated) confidence logits of the drafts
-            (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k + b_k)`` with the
-            drafter's :meth:`Drafter.confidence_calibration` (:mod:`speculators.calibrate`).
-            Contract (what keeps confidence-gated verification lossless): logit k may read the drafter's
-            state and drafts ``< k``, never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k``
-            and ``x_{k-1}``).
-    """
-
-    token_ids: torch.Tensor
-    probs: torch.Tensor | None = None
-    confidence_logits: torch.Tensor | None = None
-
-
-def calibrated_confidence_logits(z: torch.Tensor, temperature: torch.Tensor | None = None,
-                                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``z / T + b`` per draft: the calibrated confidence logits of ``Proposal.confidence_logits``
-    (:mod:`speculators.calibrate`; the one place that applies and checks a calibration).
-
-    Args:
-        z: ``[n]`` raw confidence logits. temperature: ``[>= n]`` temperatures (> 0), None = all 1.
-        bias: ``[>= n]`` shifts (finite), None = all 0. Only the first n entries are read.
-    Returns:
-        ``[n]`` float32 on ``z``'s device.
-    Raises:
-        SpeculatorsError: fewer temperatures or shifts than drafts, a temperature <= 0 or a shift that
-            is not finite.
-    """
-    z = z.float()
-    n = z.numel()
-    if temperature is not None:
-        t = temperature.detach().reshape(-1)[:n].to(device=z.device, dtype=torch.float32)
-        if t.numel() < n or not bool((t > 0).all()):
-            raise SpeculatorsError(f"confidence_temperature: expected {n} or more positive temperatures (> 0, one "
-                                   f"per draft position), got {temperature.reshape(-1).tolist()}")
-        z = z / t
-    if bias is not None:
-        b = bias.detach().reshape(-1)[:n].to(device=z.device, dtype=torch.float32)
-        if b.numel() < n or not bool(torch.isfinite(b).all()):
-            raise SpeculatorsError(f"confidence_bias: expected {n} or more finite shifts (one per draft "
-                                   f"position), got {bias.reshape(-1).tolist()}")
-        z = z + b
-    return z
-
-
-def _empty_proposal() -> Proposal:
-    return Proposal(torch.empty(0, dtype=torch.int64))
-
-
-def request_sampling(sampling: SamplingParams | None, i: int,
-                     generator: torch.Generator | None = None) -> SamplingParams | None:
-    """Request ``i``'s :class:`speculators.verify.SamplingParams` (a batch of one, views of the batch's
-    tensors) with ``generator`` as its generator (``None``: its own ``sampling.generators[i]``, if any).
-    ``sampling=None`` (all greedy) gives ``None``."""
-    if sampling is None:
-        return None
-    if generator is None and sampling.generators is not None:
-        generator = sampling.generators[i]
-
-    def row(x):
-        return None if x is None else x[i:i + 1]
-
-    return SamplingParams(temperature=sampling.temperature[i:i + 1], top_k=row(sampling.top_k),
-                          top_p=row(sampling.top_p), generators=None if generator is None else [generator])
-
-
-def _check_batch(states, ks, sampling, generators) -> int:
-    """Shapes of a batched ``propose`` call; returns ``B``."""
-    if not isinstance(states, (list, tuple)):
-        raise SpeculatorsError(f"propose: states must be a list of per-request states (batched protocol), got "
-                               f"{type(states).__name__}; for one request call propose([state], [k], ...)")
-    B = len(states)
-    if not isinstance(ks, (list, tuple)) or len(ks) != B:
-        raise SpeculatorsError(f"propose: ks must be a list of {B} draft counts (one per state), got {ks!r}")
-    for i, k in enumerate(ks):
-        try:
-            ok = not isinstance(k, bool) and operator.index(k) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise SpeculatorsError(f"propose: ks[{i}] must be an integer >= 0, got {k!r}")
-    if sampling is not None:
-        if not isinstance(sampling, SamplingParams):
-            raise SpeculatorsError(f"propose: sampling must be speculators.verify.SamplingParams for the {B} "
-                                   f"requests or None, got {type(sampling).__name__}")
-        sampling.validate(B, values=False)  # VerifyInputError (a SpeculatorsError) naming the field
-    if generators is not None and len(generators) != B:
-        raise SpeculatorsError(f"propose: generators must have one entry (Generator or None) per request ({B}), "
-                               f"got {len(generators)}")
-    return B
-
-
-def propose_each(one, states: list, ks: list[int], sampling: SamplingParams | None = None,
-                 generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
-    """The default batched ``propose``: ``one(state_i, k_i, sampling_i, generator_i)`` per request.
-
-    ``sampling_i`` is :func:`request_sampling` (batch of one) and ``generator_i`` is ``generators[i]``
-    when ``generators`` is given, else ``sampling.generators[i]`` (else None: torch's global RNG), so a
-    request draws only from its own generator. A request with ``k_i == 0`` gets an empty
-    :class:`Proposal` without a call.
-
-    Raises:
-        SpeculatorsError: see :meth:`Drafter.propose`.
-    """
-    _check_batch(states, ks, sampling, generators)
-    out = []
-    for i, (state, k) in enumerate(zip(states, ks)):
-        k = int(k)
-        if k == 0:
-            out.append(_empty_proposal())
-            continue
-        g = generators[i] if generators is not None else None
-        if g is None and sampling is not None and sampling.generators is not None:
-            g = sampling.generators[i]
-        out.append(one(state, k, request_sampling(sampling, i, g), g))
-    return out
-
-
-def advance_each(one, states: list, new_ids: list, features: list | None) -> None:
-    """The default batched ``advance``: ``one(state_i, new_ids_i, features_i)`` per request
-    (``features=None``: None for every request, for model-free proposers).
-
-    Raises:
-        SpeculatorsError: the lists differ in length, or ``states`` is not a list.
-    """
-    if not isinstance(states, (list, tuple)):
-        raise SpeculatorsError(f"advance: states must be a list of per-request states (batched protocol), got "
-                               f"{type(states).__name__}; for one request call advance([state], [ids], [features])")
-    if features is None:
-        features = [None] * len(states)
-    if not (len(states) == len(new_ids) == len(features)):
-        raise SpeculatorsError(f"advance: states, new_ids and features must have one entry per request, got "
-                               f"{len(states)}, {len(new_ids)} and {len(features)}")
-    for state, ids, f in zip(states, new_ids, features):
-        one(state, ids, f)
-
-
-def max_speculative_tokens_of(proposer) -> int | None:
-    """The K bound of any proposer: its ``max_speculative_tokens`` where it has one (a :class:`Drafter`'s
-    property; :class:`speculators.proposers.HybridProposer`'s, None when ``drafter_k`` keeps its drafter
-    under the bound), else that of the drafter it wraps (``proposer.drafter``), else None (unbounded:
-    n-gram, suffix, plain)."""
-    if hasattr(proposer, "max_speculative_tokens"):
-        cap = proposer.max_speculative_tokens
-    else:
-        cap = getattr(getattr(proposer, "drafter", None), "max_speculative_tokens", None)
-    return None if cap is None else int(cap)
-
-
-def check_speculative_tokens(proposer, ks, name: str = "k") -> None:
-    """Refuse a K (one int or several, e.g. an eval's K sweep) larger than ``proposer`` can draft in one
-    step (:func:`max_speculative_tokens_of`): the ONE error a user sees, before any decoding.
-
-    Args:
-        proposer: a drafter, a proposer wrapping one, any other proposer (never refused) or None.
-        ks: an int or an iterable of ints.
-        name: how the error names the setting (``"k"``, ``"-k"``, ``"eval.k"``, ``"eval.k_sweep"``).
-    Raises:
-        SpeculatorsError: naming ``name``, the offending value, the allowed maximum and what sets it.
-    """
-    cap = max_speculative_tokens_of(proposer)
-    if cap is None or proposer is None:
-        return
-    values = [ks] if isinstance(ks, int) else list(ks)
-    bad = [k for k in values if isinstance(k, int) and k > cap]
-    if bad:
-        d = getattr(proposer, "drafter", None) or proposer  # a wrapper (the hybrid) names its drafter
-        src = getattr(d, "max_speculative_tokens_source", "") or "its training"
-        given = f"{name}{' ' if name.startswith('-') else '='}{','.join(map(str, bad))}"
-        raise SpeculatorsError(f"{given}: this {getattr(d, 'algorithm', '') or type(d).__name__} "
-                               f"drafter drafts at most {cap} tokens per step ({src} = {cap}, what it was trained "
-                               f"for); use {name} <= {cap}, or train a drafter for more")
 
 
 _REGISTRY: dict[str, type["Drafter"]] = {}
@@ -283,11 +111,13 @@ class Drafter(nn.Module):
         mapping of its JSON keys is validated into one).
 
         Raises:
-            SpeculatorsError: ``meta`` is a mapping with missing or invalid target facts.
+            SpeculatorsError: ``meta`` is a mapping with missing or invalid target facts, or taps aux layers
+                this family refuses (:meth:`check_aux_layer_ids`).
         """
         super().__init__()
         self.cfg = cfg
         self.meta: TargetMeta = meta if isinstance(meta, TargetMeta) else TargetMeta.from_json(dict(meta), "meta")
+        type(self).check_aux_layer_ids(self.meta.aux_layer_ids, self.meta.target_num_layers)
         self._teacher_head: torch.Tensor | None = None
         # joint runs: directory of the target's LoRA adapter that came with a loaded checkpoint
         self.target_adapter_dir: Path | None = None
@@ -307,10 +137,61 @@ class Drafter(nn.Module):
     def default_aux_layer_ids(cls, num_layers: int, cfg: DrafterConfig) -> list[int]:
         """The target taps (0-based OUTPUT-of-layer ids) this family trains on when the recipe leaves
         ``target.aux_layer_ids`` unset; ``num_layers`` is the target's decoder-layer count. Default:
-        EAGLE-3's three (:func:`speculators.target.default_aux_layer_ids`); families override it."""
+        EAGLE-3's three (:func:`speculators.target.default_aux_layer_ids`, distinct and ascending on every
+        target of >= 3 layers); families override it. Always distinct, ascending, in range and of a count
+        :meth:`check_aux_layer_ids` accepts.
+
+        Raises:
+            SpeculatorsError: a target too shallow for the family's taps (naming ``target.aux_layer_ids``).
+        """
         from ..target import default_aux_layer_ids
 
-        return default_aux_layer_ids(num_layers)
+        return cls.check_aux_layer_ids(default_aux_layer_ids(num_layers), num_layers)
+
+    #: ``(min, max)`` number of aux layers the family's serving format allows (max None: any). Default: any
+    #: (families that read no aux hidden state: EAGLE-1, Medusa, MTP); EAGLE-3 / P-EAGLE: exactly 3 (vLLM
+    #: sizes the speculators format's ``fc`` as 3 x hidden); DFlash / DSpark: >= 1 (``fc`` is n x hidden).
+    aux_layer_count: ClassVar[tuple[int, int | None]] = (0, None)
+    aux_layer_count_reason: ClassVar[str] = ""  # why, in the error of check_aux_layer_ids
+
+    @classmethod
+    def check_aux_layer_ids(cls, ids, num_layers: int | None = None, where: str = "target.aux_layer_ids") -> list[int]:
+        """Validate the target taps of this family (the one check of the recipe, the defaults, a new
+        drafter and a loaded checkpoint): distinct 0-based layer ids in strictly ascending order (vLLM
+        collects the tapped states once per layer, in layer order), each in ``[0, L - 1]`` when L
+        (``num_layers``) is known, and as many as :attr:`aux_layer_count` allows.
+
+        Returns:
+            ``ids`` as a list of ints.
+        Raises:
+            SpeculatorsError: ONE error naming ``where``, what is wrong (repeated, unsorted, out of range,
+                too many/few, a target too shallow) and what is allowed.
+        """
+        ids = list(ids)
+        lo, hi = cls.aux_layer_count
+        problems = []
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            problems.append("not all integers")
+        else:
+            if len(set(ids)) != len(ids):
+                problems.append(f"layer(s) {sorted({i for i in ids if ids.count(i) > 1})} repeated")
+            elif ids != sorted(ids):
+                problems.append("not in ascending order")
+            bad = [i for i in ids if i < 0 or (num_layers is not None and i >= num_layers)]
+            if bad:
+                problems.append(f"layer(s) {bad} outside [0, {'L - 1' if num_layers is None else num_layers - 1}]")
+        if len(ids) < lo or (hi is not None and len(ids) > hi):
+            want = f"exactly {lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo} to {hi}"
+            why = f" ({cls.aux_layer_count_reason})" if cls.aux_layer_count_reason else ""
+            problems.append(f"{len(ids)} layer(s) where the {cls.algorithm} format takes {want}{why}")
+            if num_layers is not None and num_layers < lo:
+                problems.append(f"a target of {num_layers} decoder layer(s) is too shallow for {lo} distinct taps")
+        if problems:
+            rng = "[0, L - 1]" if num_layers is None else f"[0, {num_layers - 1}]"
+            count = (f"exactly {lo}" if lo == hi else f"{lo} or more" if hi is None else f"{lo} to {hi}")
+            raise SpeculatorsError(f"{where}: {ids}: {'; '.join(problems)}. Allowed: {count} distinct 0-based "
+                                   f"decoder-layer ids (outputs tapped) in strictly ascending order, each in {rng}")
+        return ids
 
     @classmethod
     def _from_target_full_vocab(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
@@ -602,7 +483,7 @@ class Drafter(nn.Module):
     #: lets checkpoints of earlier versions that omitted them load (:func:`.checkpoint.omittable_target_weights`).
     publish_frozen_copies: ClassVar[bool] = False
     #: export weight names that a published checkpoint keeps in their trained dtype whatever
-    #: ``train.save_dtype`` says (:func:`.checkpoint.cast_weights`; DSpark's ``confidence_temperature``).
+    #: ``train.save_dtype`` says (:func:`.checkpoint.cast_weights`; none today: calibration constants are config keys).
     full_precision_weights: ClassVar[tuple[str, ...]] = ()
     vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
     vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)

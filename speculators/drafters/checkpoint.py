@@ -77,8 +77,8 @@ def cast_weights(weights: dict[str, torch.Tensor], dtype: torch.dtype | None,
                  keep: tuple[str, ...] | frozenset[str] = ()) -> dict[str, torch.Tensor]:
     """``weights`` with every floating-point tensor cast to ``dtype`` (``None``: unchanged); integer and
     bool tensors (``d2t``, ``t2d``, ``token_map``) and the names in ``keep`` (a family's
-    ``Drafter.full_precision_weights``, e.g. DSpark's ``confidence_temperature``: calibration constants
-    that bf16 would round to 3 significant digits) keep their dtype.
+    ``Drafter.full_precision_weights``: constants that bf16 would round to 3 significant digits) keep
+    their dtype.
 
     Raises:
         SpeculatorsError: a finite float32 weight that ``dtype`` cannot hold (float16 beyond +-65504 would
@@ -486,6 +486,7 @@ def from_pretrained(path: str | Path) -> "Drafter":
     except ValueError as e:  # pydantic ValidationError
         raise SpeculatorsError(f"{cfg_file}: invalid drafter config: {e}".splitlines()[0]) from None
     meta = read_target_meta(raw, cfg_file)
+    cls.check_aux_layer_ids(meta.aux_layer_ids, meta.target_num_layers, f"{cfg_file}: {TRAINING_KEY}.target.aux_layer_ids")
     weights = load_weights(path / WEIGHTS_NAME)
     drafter = cls._build(cfg, meta, weights)
     omitted = [n for n in block.get(OMITTED_KEY) or [] if n in frozen_target_weights(drafter) and n not in weights]

@@ -88,18 +88,23 @@ def dflash_aux_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash's default target taps (0-based OUTPUT-of-layer ids, ours = DFlash's convention).
 
     One draft layer: ``[L // 2]``; otherwise ``num_draft_layers`` ids spaced evenly (rounded) from 1 to
-    ``L - 3``. Ids are clamped into ``[0, L - 1]`` for tiny targets.
+    ``L - 3``. On shallow targets where those repeat a layer or leave ``[0, L - 1]``, the nearest distinct
+    ascending ids (:func:`speculators.target.distinct_layer_ids`: ``[1, 2]`` for L = 4 and 2 draft layers).
 
     Args:
         num_layers: L, the target's decoder layers (>= 1).
         num_draft_layers: the drafter's layers (>= 1): one tap per draft layer.
+    Raises:
+        SpeculatorsError: ``L < num_draft_layers`` (too shallow for one distinct tap per draft layer).
     """
+    from ..target import distinct_layer_ids
+
     if num_draft_layers == 1:
         ids = [num_layers // 2]
     else:
         start, end = 1, num_layers - 3
         ids = [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-    return [min(max(i, 0), num_layers - 1) for i in ids]
+    return distinct_layer_ids(ids, num_layers)
 
 
 class DFlashBlockConfig(DrafterConfig):
@@ -200,6 +205,8 @@ class DFlashDrafter(Drafter):
 
     algorithm = "dflash"
     config_class = DFlashConfig
+    aux_layer_count = (1, None)  # vLLM's DFlash/DSpark fc takes len(aux layers) x hidden
+    aux_layer_count_reason = "vLLM's fc takes one hidden state per tap"
     vllm_method = "dflash"  # vLLM's speculators loader maps `dflash` to DFlashQwen3ForCausalLM
 
     def __init__(self, cfg: DFlashConfig, meta: TargetMeta | dict, draft_vocab_size: int | None = None):
@@ -237,8 +244,12 @@ class DFlashDrafter(Drafter):
     # ------------------------------------------------------------------ construction
     @classmethod
     def default_aux_layer_ids(cls, num_layers: int, cfg: DFlashConfig) -> list[int]:
-        """DFlash's default taps (:func:`dflash_aux_layer_ids` with one tap per draft layer)."""
-        return dflash_aux_layer_ids(num_layers, cfg.num_layers)
+        """DFlash's default taps (:func:`dflash_aux_layer_ids` with one tap per draft layer).
+
+        Raises:
+            SpeculatorsError: a target too shallow for one distinct tap per draft layer.
+        """
+        return cls.check_aux_layer_ids(dflash_aux_layer_ids(num_layers, cfg.num_layers), num_layers)
 
     @classmethod
     def from_target(cls, cfg: DFlashConfig, target, vocab: DraftVocab) -> "DFlashDrafter":

@@ -122,6 +122,8 @@ class Eagle3Drafter(Drafter):
     config_class = Eagle3Config
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
+    aux_layer_count = (3, 3)
+    aux_layer_count_reason = "vLLM sizes fc as 3 x hidden for a speculators-format eagle3 config"
     # embed_tokens is the target's (frozen): restored from the target when a checkpoint written by an earlier
     # version omitted it, but written in every checkpoint, final/ included: vLLM's EAGLE-3 loader places it
     # (``model.embed_tokens``) and vllm-project/speculators' from_pretrained would leave it at zeros

@@ -147,6 +147,8 @@ class PEagleDrafter(Drafter):
     config_class = PEagleConfig
     vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
+    aux_layer_count = (3, 3)
+    aux_layer_count_reason = "vLLM serves it as eagle3 and sizes fc as 3 x hidden"
 
     def __init__(self, cfg: PEagleConfig, meta: TargetMeta, draft_vocab_size: int):
         """Raises:

@@ -1,0 +1,196 @@
+"""The per-request protocol pieces shared by every drafter and proposer: the :class:`Proposal` a
+drafter returns, the calibrated confidence of its drafts, and the default batched ``propose`` /
+``advance`` loops over one request at a time with their argument checks and the K bound
+(:func:`check_speculative_tokens`). Re-exported by :mod:`speculators.drafters.base` (the Drafter
+interface, docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculatorsError
+from ..verify import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one request.
+
+    Attributes:
+        token_ids: ``[k]`` int64 draft tokens in target-vocabulary ids.
+        probs: ``[k, V]`` float32 draft distributions q the tokens were sampled from (target vocab),
+            or None for drafters that only give ids (the verifier then treats q as a point mass).
+        confidence_logits: ``[k]`` float32 raw (pre-sigmoid, uncalibrated) confidence logits of the drafts
+            (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k + b_k)`` with the
+            drafter's :meth:`Drafter.confidence_calibration` (:mod:`speculators.calibrate`).
+            Contract (what keeps confidence-gated verification lossless): logit k may read the drafter's
+            state and drafts ``< k``, never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k``
+            and ``x_{k-1}``).
+    """
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
+
+
+def calibrated_confidence_logits(z: torch.Tensor, temperature: torch.Tensor | None = None,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``z / T + b`` per draft: the calibrated confidence logits of ``Proposal.confidence_logits``
+    (:mod:`speculators.calibrate`; the one place that applies and checks a calibration).
+
+    Args:
+        z: ``[n]`` raw confidence logits. temperature: ``[>= n]`` temperatures (> 0), None = all 1.
+        bias: ``[>= n]`` shifts (finite), None = all 0. Only the first n entries are read.
+    Returns:
+        ``[n]`` float32 on ``z``'s device.
+    Raises:
+        SpeculatorsError: fewer temperatures or shifts than drafts, a temperature <= 0 or a shift that
+            is not finite.
+    """
+    z = z.float()
+    n = z.numel()
+    if temperature is not None:
+        t = temperature.detach().reshape(-1)[:n].to(device=z.device, dtype=torch.float32)
+        if t.numel() < n or not bool((t > 0).all()):
+            raise SpeculatorsError(f"confidence_temperature: expected {n} or more positive temperatures (> 0, one "
+                                   f"per draft position), got {temperature.reshape(-1).tolist()}")
+        z = z / t
+    if bias is not None:
+        b = bias.detach().reshape(-1)[:n].to(device=z.device, dtype=torch.float32)
+        if b.numel() < n or not bool(torch.isfinite(b).all()):
+            raise SpeculatorsError(f"confidence_bias: expected {n} or more finite shifts (one per draft "
+                                   f"position), got {bias.reshape(-1).tolist()}")
+        z = z + b
+    return z
+
+
+def _empty_proposal() -> Proposal:
+    return Proposal(torch.empty(0, dtype=torch.int64))
+
+
+def request_sampling(sampling: SamplingParams | None, i: int,
+                     generator: torch.Generator | None = None) -> SamplingParams | None:
+    """Request ``i``'s :class:`speculators.verify.SamplingParams` (a batch of one, views of the batch's
+    tensors) with ``generator`` as its generator (``None``: its own ``sampling.generators[i]``, if any).
+    ``sampling=None`` (all greedy) gives ``None``."""
+    if sampling is None:
+        return None
+    if generator is None and sampling.generators is not None:
+        generator = sampling.generators[i]
+
+    def row(x):
+        return None if x is None else x[i:i + 1]
+
+    return SamplingParams(temperature=sampling.temperature[i:i + 1], top_k=row(sampling.top_k),
+                          top_p=row(sampling.top_p), generators=None if generator is None else [generator])
+
+
+def _check_batch(states, ks, sampling, generators) -> int:
+    """Shapes of a batched ``propose`` call; returns ``B``."""
+    if not isinstance(states, (list, tuple)):
+        raise SpeculatorsError(f"propose: states must be a list of per-request states (batched protocol), got "
+                               f"{type(states).__name__}; for one request call propose([state], [k], ...)")
+    B = len(states)
+    if not isinstance(ks, (list, tuple)) or len(ks) != B:
+        raise SpeculatorsError(f"propose: ks must be a list of {B} draft counts (one per state), got {ks!r}")
+    for i, k in enumerate(ks):
+        try:
+            ok = not isinstance(k, bool) and operator.index(k) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise SpeculatorsError(f"propose: ks[{i}] must be an integer >= 0, got {k!r}")
+    if sampling is not None:
+        if not isinstance(sampling, SamplingParams):
+            raise SpeculatorsError(f"propose: sampling must be speculators.verify.SamplingParams for the {B} "
+                                   f"requests or None, got {type(sampling).__name__}")
+        sampling.validate(B, values=False)  # VerifyInputError (a SpeculatorsError) naming the field
+    if generators is not None and len(generators) != B:
+        raise SpeculatorsError(f"propose: generators must have one entry (Generator or None) per request ({B}), "
+                               f"got {len(generators)}")
+    return B
+
+
+def propose_each(one, states: list, ks: list[int], sampling: SamplingParams | None = None,
+                 generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+    """The default batched ``propose``: ``one(state_i, k_i, sampling_i, generator_i)`` per request.
+
+    ``sampling_i`` is :func:`request_sampling` (batch of one) and ``generator_i`` is ``generators[i]``
+    when ``generators`` is given, else ``sampling.generators[i]`` (else None: torch's global RNG), so a
+    request draws only from its own generator. A request with ``k_i == 0`` gets an empty
+    :class:`Proposal` without a call.
+
+    Raises:
+        SpeculatorsError: see :meth:`Drafter.propose`.
+    """
+    _check_batch(states, ks, sampling, generators)
+    out = []
+    for i, (state, k) in enumerate(zip(states, ks)):
+        k = int(k)
+        if k == 0:
+            out.append(_empty_proposal())
+            continue
+        g = generators[i] if generators is not None else None
+        if g is None and sampling is not None and sampling.generators is not None:
+            g = sampling.generators[i]
+        out.append(one(state, k, request_sampling(sampling, i, g), g))
+    return out
+
+
+def advance_each(one, states: list, new_ids: list, features: list | None) -> None:
+    """The default batched ``advance``: ``one(state_i, new_ids_i, features_i)`` per request
+    (``features=None``: None for every request, for model-free proposers).
+
+    Raises:
+        SpeculatorsError: the lists differ in length, or ``states`` is not a list.
+    """
+    if not isinstance(states, (list, tuple)):
+        raise SpeculatorsError(f"advance: states must be a list of per-request states (batched protocol), got "
+                               f"{type(states).__name__}; for one request call advance([state], [ids], [features])")
+    if features is None:
+        features = [None] * len(states)
+    if not (len(states) == len(new_ids) == len(features)):
+        raise SpeculatorsError(f"advance: states, new_ids and features must have one entry per request, got "
+                               f"{len(states)}, {len(new_ids)} and {len(features)}")
+    for state, ids, f in zip(states, new_ids, features):
+        one(state, ids, f)
+
+
+def max_speculative_tokens_of(proposer) -> int | None:
+    """The K bound of any proposer: its ``max_speculative_tokens`` where it has one (a :class:`Drafter`'s
+    property; :class:`speculators.proposers.HybridProposer`'s, None when ``drafter_k`` keeps its drafter
+    under the bound), else that of the drafter it wraps (``proposer.drafter``), else None (unbounded:
+    n-gram, suffix, plain)."""
+    if hasattr(proposer, "max_speculative_tokens"):
+        cap = proposer.max_speculative_tokens
+    else:
+        cap = getattr(getattr(proposer, "drafter", None), "max_speculative_tokens", None)
+    return None if cap is None else int(cap)
+
+
+def check_speculative_tokens(proposer, ks, name: str = "k") -> None:
+    """Refuse a K (one int or several, e.g. an eval's K sweep) larger than ``proposer`` can draft in one
+    step (:func:`max_speculative_tokens_of`): the ONE error a user sees, before any decoding.
+
+    Args:
+        proposer: a drafter, a proposer wrapping one, any other proposer (never refused) or None.
+        ks: an int or an iterable of ints.
+        name: how the error names the setting (``"k"``, ``"-k"``, ``"eval.k"``, ``"eval.k_sweep"``).
+    Raises:
+        SpeculatorsError: naming ``name``, the offending value, the allowed maximum and what sets it.
+    """
+    cap = max_speculative_tokens_of(proposer)
+    if cap is None or proposer is None:
+        return
+    values = [ks] if isinstance(ks, int) else list(ks)
+    bad = [k for k in values if isinstance(k, int) and k > cap]
+    if bad:
+        d = getattr(proposer, "drafter", None) or proposer  # a wrapper (the hybrid) names its drafter
+        src = getattr(d, "max_speculative_tokens_source", "") or "its training"
+        given = f"{name}{' ' if name.startswith('-') else '='}{','.join(map(str, bad))}"
+        raise SpeculatorsError(f"{given}: this {getattr(d, 'algorithm', '') or type(d).__name__} "
+                               f"drafter drafts at most {cap} tokens per step ({src} = {cap}, what it was trained "
+                               f"for); use {name} <= {cap}, or train a drafter for more")
