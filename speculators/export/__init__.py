@@ -14,7 +14,11 @@ common blocks, the layer-id offset and the serving facts are defined in one plac
   ``--speculative-config`` ``method``, or why it cannot) and the K it declares;
 * :func:`with_lora_verifier`: a joint run's config, whose verifier is the base model plus a LoRA adapter.
 
-This module is a leaf: it imports nothing from speculators but the error type.
+This module is a leaf: it imports nothing from speculators but the error type. The package's other
+modules check exported directories (imported by name, never from here): ``vllm_layout`` (every tensor's
+name and shape against vLLM's loaders), ``parity`` / ``parity_families`` (the first drafting step against
+the reference implementation), ``reference_env`` and ``reference_worker`` (its own venv and the script run
+there), ``gate`` (both, for ``speculators check`` and the end of ``speculators train``).
 """
 
 from __future__ import annotations
