@@ -29,7 +29,7 @@ SOURCE = {"peagle": "drafter.num_depths", "dflash": "drafter.block_size - 1"}
 
 @pytest.fixture(scope="module")
 def target():
-    return build_tiny_target(vocab_size=V, hidden_size=32, num_layers=2, seed=1)
+    return build_tiny_target(vocab_size=V, hidden_size=32, num_layers=3, seed=1)
 
 
 def make(target, name: str, **kw) -> Drafter:

@@ -249,7 +249,7 @@ def test_joint_held_out_perplexity_log_line_and_card_come_from_the_unit(tmp_path
 
 
 def _nan_checkpoint(tmp_path: Path) -> tuple[Path, str]:
-    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=2, seed=1)
+    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=3, seed=1)  # EAGLE-3: three distinct taps
     d = make_drafter(target, "eagle3", {}, False, torch.ones(V, dtype=torch.int64))
     path = d.save(tmp_path / "ck")
     w = load_file(str(path / "model.safetensors"))
@@ -264,7 +264,7 @@ def test_from_pretrained_and_init_from_refuse_non_finite_weights(tmp_path):
     with pytest.raises(SpeculatorsError) as e:
         Drafter.from_pretrained(path)
     assert "model.safetensors" in str(e.value) and name in str(e.value) and "NaN" in str(e.value)
-    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=2, seed=1)
+    target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=3, seed=1)
     d = make_drafter(target, "eagle3", {}, False, torch.ones(V, dtype=torch.int64))
     with pytest.raises(SpeculatorsError, match=name):
         d.drafter.init_from_checkpoint(path)

@@ -100,7 +100,7 @@ def test_checkpoint_and_report_are_readable_by_others(umask, tmp_path, monkeypat
     monkeypatch.setattr(evaluate, "render_markdown", lambda report, title: "# report\n")
 
     dir_mode, file_mode = plain_modes(tmp_path)
-    target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=0)
+    target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=3, seed=0)  # EAGLE-3: three distinct taps
     fam = registry.get("eagle3")
     d = fam.from_target(fam.config_class(algorithm="eagle3"), target, DraftVocab.full(64))
     ckpt = d.save_pretrained(tmp_path / "final", recipe_yaml="x: 1\n")
