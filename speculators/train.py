@@ -13,8 +13,10 @@ so that DDP's gradient all-reduce (FSDP's / DeepSpeed's gathering) hooks fire.
 
 Distributed (``accelerate launch --num_processes P ... speculators train RECIPE``; DDP on GPUs or, with
 ``--cpu``, gloo on CPU; FSDP and DeepSpeed ZeRO through the launcher's config file, see
-``recipes/accelerate/``): every rank computes the SAME global batch plan (:func:`plan_batches`, a pure
-function of the data, ``train.seed`` and the epoch); one optimizer step consumes the next
+``recipes/accelerate/`` and ``docs/DISTRIBUTED.md``; FSDP on CPU processes, which accelerate does not
+shard, through torch's FSDP2 in :mod:`speculators.fsdp` behind the same config; DeepSpeed on CPU
+processes on its CPU accelerator): every rank computes the SAME global batch plan (:func:`plan_batches`,
+a pure function of the data, ``train.seed`` and the epoch); one optimizer step consumes the next
 ``grad_accum * P`` micro-batches of it (the global batch) and rank ``r`` takes micro-batches
 ``r, r + P, r + 2P, ...`` of them. The data position a checkpoint records (epoch, index into the global
 plan) and the step are global, so ``--resume`` works with any number of processes; a 1-process run is
@@ -25,11 +27,12 @@ over the whole accumulation window (all micro-batches, all processes), so the ac
 equals the gradient of the window as one batch. ``train/loss`` is the window's loss; the family's other
 logged metrics are the window's last micro-batch's.
 
-Tracking (``train.report_to``, rank 0): accelerate's trackers, TensorBoard in ``tensorboard/`` and
-Weights & Biases (optional, ``pip install 'speculators[wandb]'``; its files in ``wandb/``, the run id in
-``tracking.json`` so that ``--resume`` and ``speculators eval`` continue the same run). Logged: the
-resolved recipe and the run's identity (target fingerprint, data hashes) once, the training and held-out
-scalars every ``log_every`` / ``eval_every`` steps, and an eval report as a table (:func:`log_eval_report`).
+Tracking (``train.report_to``, rank 0; helpers in :mod:`speculators.tracking`): accelerate's trackers,
+TensorBoard in ``tensorboard/`` and Weights & Biases (optional, ``pip install 'speculators[wandb]'``;
+its files in ``wandb/``, the run id in ``tracking.json`` so that ``--resume`` and ``speculators eval``
+continue the same run). Logged: the resolved recipe and the run's identity (target fingerprint, data
+hashes) once, the training and held-out scalars every ``log_every`` / ``eval_every`` steps, and an eval
+report as a table (:func:`log_eval_report`).
 
 Divergence: a NaN/inf loss (training or held-out) or gradient norm stops the run; a checkpoint is
 "good" only if its weights are finite and gave a finite loss (``step-s`` holds the weights first used by
@@ -63,13 +66,17 @@ import torch
 from .data.dataset import make_batch, plan_batches
 from .drafters.checkpoint import RECIPE_NAME, check_weights
 from .errors import SpeculatorsError
+from .fsdp import (full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state, is_sharded,
+                   keep_full_parameters, load_engine_state, local_part, reshard, save_engine_state,
+                   set_gradient_sync, shard_unit)
 from .recipe import dump_recipe
+from .tracking import (TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to,  # noqa: F401
+                       log_eval_report, report_table)
 from .training_unit import TrainingUnit
 from .utils import atomic_write_text
 
 STATE_NAME = "trainer_state.pt"
 ENGINE_STATE_DIR = "engine_state"  # FSDP / DeepSpeed: accelerate's save_state (sharded optimizer, weights)
-TRACKING_NAME = "tracking.json"  # the run's tracker ids (wandb run id, project): resumed by --resume and eval
 CKPT_RE = re.compile(r"^step-(\d+)$")
 DIVERGED_PREFIX = "diverged-"  # a checkpoint found not good after a divergence: step-N -> diverged-step-N
 
@@ -114,6 +121,27 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+def deepspeed_on_cpu_requested() -> bool:
+    """True when ``accelerate launch`` started this process for DeepSpeed (``ACCELERATE_USE_DEEPSPEED=true``,
+    ``LOCAL_RANK`` set: a config with ``distributed_type: DEEPSPEED``) on a machine without CUDA: the
+    trainer then runs DeepSpeed on its CPU accelerator (``DS_ACCELERATOR=cpu``) over gloo.
+
+    Raises:
+        SpeculatorsError: DeepSpeed is asked for and the ``deepspeed`` package cannot be imported (how to
+            install it, and the configs that run without it).
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("true", "1") or \
+            int(os.environ.get("LOCAL_RANK", -1)) == -1:
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SpeculatorsError("the launcher config asks for DeepSpeed (distributed_type: DEEPSPEED) but the deepspeed "
+                               "package is not installed: pip install 'speculators[deepspeed]' (on a CPU machine: "
+                               "see docs/DISTRIBUTED.md), or launch with recipes/accelerate/fsdp.yaml or cpu.yaml")
+    return True
+
+
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     """Check the ``--resume`` / ``--overwrite`` rules before any work starts (nothing is written).
 
@@ -137,99 +165,6 @@ def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     if overwrite and output_dir.exists():
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-
-
-def check_report_to(report_to: list[str]) -> None:
-    """Check that every tracker of ``train.report_to`` can be used, before anything runs.
-
-    Raises:
-        SpeculatorsError: ``wandb`` is listed and the ``wandb`` package cannot be imported (one line naming
-            ``train.report_to``, how to install it and what is allowed).
-    """
-    if "wandb" in report_to:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise SpeculatorsError("train.report_to lists wandb, but the wandb package is not installed: "
-                                   "pip install 'speculators[wandb]' (or wandb), or remove wandb from "
-                                   "train.report_to (allowed: tensorboard, wandb; [] = train_log.jsonl only)") from None
-
-
-def _wandb_project() -> str:
-    """The W&B project: ``$WANDB_PROJECT``, else ``speculators``."""
-    return os.environ.get("WANDB_PROJECT") or "speculators"
-
-
-def _tracking_ids(run_dir: Path) -> dict:
-    """The run's tracker ids (``tracking.json``; ``{}`` when absent or unreadable)."""
-    try:
-        return json.loads((Path(run_dir) / TRACKING_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _markdown_table(columns: list[str], rows: list[list]) -> str:
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows])
-
-
-def report_table(report: dict) -> tuple[list[str], list[list]]:
-    """The rows of an eval report (:func:`speculators.evaluate.run_eval`: ``report["rows"]``, one per
-    method, K and batch size) as ``(columns, data)``: every scalar field (numbers, strings, booleans,
-    None) of the rows, in first-seen order; nested values (lists, dicts) are left out."""
-    rows = report.get("rows") or []
-    scalar = (int, float, str, bool, type(None))
-    columns: list[str] = []
-    for r in rows:
-        columns += [k for k, v in r.items() if isinstance(v, scalar) and k not in columns]
-    return columns, [[r.get(c) for c in columns] for r in rows]
-
-
-def log_eval_report(checkpoint: str | Path, recipe, report: dict, log=print) -> list[str]:
-    """Log an eval report to the trackers of the training run that wrote ``checkpoint`` (rank-free: called
-    by ``speculators eval``): for ``wandb`` in ``train.report_to``, the report rows as a ``wandb.Table``
-    (``eval/report``) and the headline numbers (``eval/<method>_tau``, ``eval/<method>_speedup``) in the
-    SAME W&B run (its id from the run's ``tracking.json``); for ``tensorboard``, the table as Markdown text
-    (``eval/report``) at the run's last step.
-
-    Args:
-        checkpoint: the evaluated checkpoint (``RUN/final`` or ``RUN/checkpoints/step-N``).
-        recipe: its :class:`~speculators.recipe.Recipe` (None: nothing is logged).
-        report: the report dict of :func:`speculators.evaluate.run_eval`.
-    Returns:
-        The trackers logged to (``[]`` when the checkpoint is not inside a run directory that tracked,
-        e.g. a Hub download, or wandb is not installed: a log line says so).
-    """
-    checkpoint = Path(checkpoint)
-    run_dir = next((d for d in (checkpoint.parent, checkpoint.parent.parent) if (d / TRACKING_NAME).is_file()), None)
-    if recipe is None or run_dir is None or not report.get("rows"):
-        return []
-    ids, done = _tracking_ids(run_dir), []
-    columns, data = report_table(report)
-    step = int(ids.get("step", 0))
-    if "wandb" in recipe.train.report_to and "wandb" in ids:
-        try:
-            import wandb
-        except ImportError:
-            log("eval: wandb is not installed: the report is not logged to the run's W&B run")
-        else:
-            w = ids["wandb"]
-            run = wandb.init(project=w.get("project", _wandb_project()), id=w["id"], resume="allow",
-                             dir=str(run_dir), name=run_dir.name)
-            headline = {f"eval/{m}_{k}": report[m][k] for m in report.get("methods", [])
-                        if isinstance(report.get(m), dict) for k in ("tau", "speedup")
-                        if isinstance(report[m].get(k), (int, float))}
-            run.log({"eval/report": wandb.Table(columns=columns, data=data), **headline})
-            run.finish()
-            done.append("wandb")
-    if "tensorboard" in recipe.train.report_to:
-        from torch.utils.tensorboard import SummaryWriter
-
-        with contextlib.closing(SummaryWriter(str(run_dir / "tensorboard"))) as tb:
-            tb.add_text("eval/report", _markdown_table(columns, data), step)
-        done.append("tensorboard")
-    return done
 
 
 class Trainer:
@@ -264,13 +199,21 @@ class Trainer:
         self.run_info = dict(run_info or {})
         self._wandb_ids: dict | None = None  # set by _trackers() when wandb is on
         self.precision = resolve_precision(self.spec.precision)
+        cpu, handlers = not torch.cuda.is_available(), []
+        if cpu and deepspeed_on_cpu_requested():  # accelerate starts DeepSpeed only when not forced to the CPU
+            from accelerate.utils import InitProcessGroupKwargs
+
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator (gloo)
+            cpu, handlers = False, [InitProcessGroupKwargs(backend="gloo")]  # else accelerate counts 1 process
         self.accelerator = Accelerator(mixed_precision="bf16" if self.precision == "bf16" else "no",
-                                       cpu=not torch.cuda.is_available(),
+                                       cpu=cpu, kwargs_handlers=handlers,
                                        gradient_accumulation_steps=self.spec.grad_accum,
                                        log_with=self._trackers() or None)
         self.is_main = self.accelerator.is_main_process
         self.log = log if self.is_main else (lambda *_: None)
         self.device = self.accelerator.device
+        # FSDP asked for on CPU processes (accelerate would run DDP there): torch's fully_shard, speculators.fsdp
+        self.fsdp_cpu = self.accelerator.num_processes > 1 and fsdp_on_cpu_requested(self.accelerator.distributed_type)
         self.batches_per_epoch = len(plan_batches(data.train, self.spec.batch_tokens, self.spec.seed, 0))
         if self.spec.steps is not None:
             self.total_steps = self.spec.steps
@@ -278,12 +221,21 @@ class Trainer:
             per_step = self.spec.grad_accum * self.accelerator.num_processes
             self.total_steps = max(1, math.ceil(self.spec.epochs * self.batches_per_epoch / per_step))
         torch.manual_seed(self.spec.seed)
+        if self.fsdp_cpu:  # before the optimizer: it must hold the sharded parameters
+            unit = shard_unit(unit.to(self.device))
         groups = unit.param_groups(self.spec.lr)
         self.group_names = [g.get("name", f"group{i}") for i, g in enumerate(groups)]  # train/lr_<name>
         self.optimizer = torch.optim.AdamW(groups, lr=self.spec.lr, weight_decay=self.spec.weight_decay,
                                            betas=(0.9, 0.95))
         self.scheduler = self._scheduler()
-        self.prepared, self.optimizer = self.accelerator.prepare(unit, self.optimizer)
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None:  # one micro-batch per backward (ours hold train.batch_tokens tokens); the recipe clips
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+            plugin.deepspeed_config["gradient_clipping"] = self.spec.grad_clip
+        if self.fsdp_cpu:  # the sharded unit is its own wrapper (no DDP around it)
+            self.prepared, self.optimizer = unit, self.accelerator.prepare(self.optimizer)
+        else:
+            self.prepared, self.optimizer = self.accelerator.prepare(unit, self.optimizer)
         self.step, self.epoch, self.batch_idx = 0, 0, 0
         self._tracking = False  # trackers started (lazily, rank 0, at the first logged scalars)
         self.held_out_before: dict[str, float] = {}
@@ -339,20 +291,35 @@ class Trainer:
     @property
     def _sharded(self) -> bool:
         """True under FSDP or DeepSpeed: parameters and/or optimizer states are split over the ranks
-        (a checkpoint then carries accelerate's ``save_state`` in ``engine_state/``)."""
+        (a checkpoint then carries ``engine_state/``: accelerate's ``save_state``, or for FSDP on CPU
+        processes :func:`speculators.fsdp.save_engine_state`)."""
         from accelerate.utils import DistributedType
 
-        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        return self.fsdp_cpu or self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+    @property
+    def _gathers(self) -> bool:
+        """True when the wrapped unit's forward gathers sharded weights (FSDP, DeepSpeed ZeRO-3): the unit's
+        own methods then cannot run outside it."""
+        from accelerate.utils import DistributedType
+
+        dt = self.accelerator.distributed_type
+        return self.fsdp_cpu or dt == DistributedType.FSDP or (
+            dt == DistributedType.DEEPSPEED and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
 
     @contextlib.contextmanager
     def _full_weights(self):
         """A context in which ``self.unit``'s parameters hold the full (unsharded) weights on every rank:
-        FSDP (``summon_full_params``) and DeepSpeed ZeRO-3 (``GatheredParameters``) gather them; DDP, ZeRO-1/2
-        and a single process already hold them. Collective: every rank enters it."""
+        FSDP2 (:func:`speculators.fsdp.full_parameters`, read-only), FSDP1 (``summon_full_params``) and
+        DeepSpeed ZeRO-3 (``GatheredParameters``) gather them; DDP, ZeRO-1/2 and a single process already
+        hold them. Collective: every rank enters it."""
         from accelerate.utils import DistributedType
 
         dt = self.accelerator.distributed_type
-        if dt == DistributedType.FSDP:
+        if self.fsdp_cpu or is_sharded(self.unit):  # FSDP2: ours on CPU, accelerate's (fsdp_version: 2)
+            with full_parameters(self.unit):
+                yield
+        elif dt == DistributedType.FSDP:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             with FSDP.summon_full_params(self.prepared, writeback=False, offload_to_cpu=True):
@@ -393,8 +360,8 @@ class Trainer:
             SpeculatorsError: a trainable weight is NaN/inf after update ``step`` (nothing is written;
                 the message names the last good checkpoint, see :meth:`_diverged`).
         """
-        bad = next((n for n, p in self.unit.named_parameters() if p.requires_grad and not torch.isfinite(p).all()),
-                   None)
+        bad = next((n for n, p in self.unit.named_parameters()
+                    if p.requires_grad and not torch.isfinite(local_part(p)).all()), None)
         if not self._all(bad is None):  # (sharded engines: each rank checks its shard)
             raise self._diverged(f"weight {bad or '(on another rank)'!r} became NaN/inf after the update of step "
                                  f"{self.step}", at_step=self.step, condemn_from=None)
@@ -406,9 +373,16 @@ class Trainer:
 
             rng = gather_object(rng)
         engine_tmp = None
-        if self._sharded:  # FSDP / DeepSpeed: the sharded optimizer (and weights) through accelerate, all ranks
+        if self._sharded:  # FSDP / DeepSpeed: the sharded optimizer (and weights), all ranks
             engine_tmp = self.output_dir / "checkpoints" / f".{ENGINE_STATE_DIR}-{self.step:06d}.tmp"
-            self.accelerator.save_state(str(engine_tmp))
+            if self.fsdp_cpu:  # torch.distributed.checkpoint: every rank writes its shards into one directory
+                if self.is_main:
+                    shutil.rmtree(engine_tmp, ignore_errors=True)  # a killed run's leftover
+                    engine_tmp.mkdir(parents=True)
+                self.accelerator.wait_for_everyone()
+                save_engine_state(self.unit, self.optimizer, engine_tmp)
+            else:
+                self.accelerator.save_state(str(engine_tmp))
             self.accelerator.wait_for_everyone()
         state = {"step": self.step, "epoch": self.epoch, "batch_idx": self.batch_idx,
                  "optimizer": None if self._sharded else self.optimizer.state_dict(),
@@ -439,7 +413,8 @@ class Trainer:
         same on every rank) is rank 0's; each rank restores its own torch generator when the checkpoint
         was written by as many processes (else rank 0's). Under FSDP / DeepSpeed the weights and the
         sharded optimizer come from ``engine_state/`` (accelerate's ``load_state``; DeepSpeed needs the
-        same number of processes).
+        same number of processes); FSDP on CPU processes reads its ``torch.distributed.checkpoint`` there
+        with any number of processes (one included: the unsharded run loads the optimizer state from it).
 
         Raises:
             SpeculatorsError: a weight file of ``path`` is unreadable, holds a NaN/inf, or does not fit;
@@ -460,7 +435,16 @@ class Trainer:
             if not (path / ENGINE_STATE_DIR).is_dir():
                 raise SpeculatorsError(f"--resume: {path} has no {ENGINE_STATE_DIR}/ (written without FSDP/DeepSpeed): "
                                        "resume it with the launcher config it was trained with")
-            self.accelerator.load_state(str(path / ENGINE_STATE_DIR))
+            if self.fsdp_cpu != is_engine_state(path / ENGINE_STATE_DIR):
+                writer = "accelerate (FSDP/DeepSpeed on GPUs)" if self.fsdp_cpu else "FSDP on CPU processes"
+                raise SpeculatorsError(f"--resume: {path}/{ENGINE_STATE_DIR} was written by {writer}: resume it "
+                                       "with the launcher config and devices it was trained with")
+            if self.fsdp_cpu:
+                load_engine_state(self.unit, self.optimizer, path / ENGINE_STATE_DIR)
+            else:
+                self.accelerator.load_state(str(path / ENGINE_STATE_DIR))
+        elif state.get("optimizer") is None and is_engine_state(path / ENGINE_STATE_DIR):
+            load_engine_state(self.unit, self.optimizer, path / ENGINE_STATE_DIR)  # FSDP on CPU, resumed unsharded
         elif state.get("optimizer") is None:
             raise SpeculatorsError(f"--resume: {path} holds a sharded optimizer ({ENGINE_STATE_DIR}/, FSDP/DeepSpeed): "
                                    "resume it with the launcher config it was trained with")
@@ -499,16 +483,13 @@ class Trainer:
         counts = [self._counts(b) for b in batches]
         norm = torch.stack(counts).sum(0)  # every process evaluates the same batches: no reduction
         loss_sum, parts = 0.0, []
-        from accelerate.utils import DistributedType
-
-        gathered = self.accelerator.distributed_type == DistributedType.FSDP or (
-            self.accelerator.distributed_type == DistributedType.DEEPSPEED
-            and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
-        loss_fn = self.prepared if gathered else self.unit.loss  # the unit itself: fp32, no autocast wrapper
+        loss_fn = self.prepared if self._gathers else self.unit.loss  # the unit itself: fp32, no autocast wrapper
         for b, c in zip(batches, counts):
             loss, metrics = loss_fn(b.to(self.device), norm)
             loss_sum += float(loss)
             parts.append((c, metrics))
+        if self.fsdp_cpu:
+            reshard(self.prepared)  # no backward follows: free the gathered weights now
         self.prepared.train()
         out = {"held_out/loss": loss_sum}
         out.update({f"held_out/{k}": v for k, v in self.unit.metrics_summary(parts).items()})
@@ -563,6 +544,8 @@ class Trainer:
         device; only the masks travel (the cached features are not needed: a unit that needs the live
         target's reruns it itself)."""
         light = dataclasses.replace(batch, aux=batch.aux[..., :0], top=batch.top[..., :0])
+        if self.fsdp_cpu and self.unit.trains_target:  # the live target runs outside the unit's forward:
+            self.prepared.unshard()  # gather its weights (kept for the forward that follows)
         return self.unit.loss_counts(light.to(self.device)).to(device=self.device, dtype=torch.int64)
 
     def _reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -593,6 +576,8 @@ class Trainer:
         total, metrics = 0.0, {}
         for i, cpu_batch in enumerate(window):
             batch = cpu_batch.to(self.device)
+            if self.fsdp_cpu:  # reduce-scatter once, after the window's last micro-batch
+                set_gradient_sync(self.prepared, i == len(window) - 1)
             with self.accelerator.accumulate(self.prepared):
                 if self.accelerator.sync_gradients != (i == len(window) - 1):
                     raise RuntimeError(f"gradient accumulation out of step: micro-batch {i + 1}/{len(window)} "
@@ -626,9 +611,12 @@ class Trainer:
         Raises:
             SpeculatorsError: the gradient norm is NaN/inf (nothing is updated).
         """
+        if self.fsdp_cpu:
+            reshard(self.prepared)  # the update applies to the shards (a no-op after the backward)
         gnorm = self.accelerator.clip_grad_norm_(self.prepared.parameters(), self.spec.grad_clip)
         if gnorm is None:  # DeepSpeed clips (and steps) inside backward; its norm may be unavailable
             gnorm = 0.0
+        gnorm = full_value(gnorm)  # FSDP2: a replicated DTensor
         if not torch.isfinite(torch.as_tensor(gnorm)):
             raise self._diverged(f"gradient norm became {float(gnorm)} (before the update)",
                                  at_step=self.step + 1, condemn_from=None)
@@ -679,7 +667,8 @@ class Trainer:
 
     def train(self, resume: bool = False) -> Path:
         """Run the training loop; returns the final checkpoint directory (``OUTPUT_DIR/final``); the
-        trackers are closed however it ends.
+        trackers are closed however it ends. Under FSDP on CPU processes the unit then holds the full
+        trained weights on every rank (:func:`speculators.fsdp.keep_full_parameters`).
 
         Raises:
             SpeculatorsError: the loss, the held-out loss, the gradient norm or a weight became NaN/inf;
@@ -714,7 +703,8 @@ class Trainer:
         # a rich bar on a terminal, periodic plain lines in a log file/pipe, off with SPECULATORS_NO_PROGRESS=1
         progress = ProgressReporter(console=self.console, log=self.log) if self.is_main else _NoProgress()
         n_proc = self.accelerator.num_processes
-        procs = f" x {n_proc} processes ({self.accelerator.distributed_type.value})" if n_proc > 1 else ""
+        engine = "FSDP2 on CPU, gloo" if self.fsdp_cpu else self.accelerator.distributed_type.value
+        procs = f" x {n_proc} processes ({engine})" if n_proc > 1 else ""
         self.log(f"train: {self.total_steps} steps, {self.batches_per_epoch} batches/epoch of <= "
                  f"{spec.batch_tokens} tokens, grad_accum {spec.grad_accum}{procs}, lr {spec.lr}, {self.precision}, "
                  f"{self.device}")
@@ -769,6 +759,8 @@ class Trainer:
             if self.is_main:
                 self.unit.save(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card},
                                dtype=self.spec.save_dtype, frozen_copies=False)  # published; step-N stay exact
+        if self.fsdp_cpu:  # the unit in memory is the trained model on every rank, as after one process
+            keep_full_parameters(self.unit)
         self.accelerator.wait_for_everyone()
         self.log(f"train: final drafter written to {final}")
         return final
