@@ -217,3 +217,16 @@ def test_synthetic_target_follows_the_recorded_config(target, tmp_path):
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (4, 64, V)
     assert t.aux_layer_ids == list(meta.aux_layer_ids)
     assert not torch.equal(t.embed_tokens.weight, target.embed_tokens.weight)  # random, not the real target
+
+
+def test_config_key_that_disagrees_with_the_training_block_is_named(target, tmp_path):
+    from speculators.drafters import Drafter
+    from speculators.export.parity import export_config_problems
+
+    make(target, "eagle3", tmp_path / "e3")
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    d = Drafter.from_pretrained(tmp_path / "e3")
+    assert export_config_problems(cfg, d) == []
+    cfg["norm_before_residual"] = not cfg["norm_before_residual"]
+    [p] = export_config_problems(cfg, d)
+    assert "`norm_before_residual`" in p and "speculators_training" in p

@@ -323,6 +323,8 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         problems.append(f"config.json aux layer ids {cfg_ids} (vLLM convention) tap layers "
                         f"{[i - 1 for i in cfg_ids]}, the drafter was trained on {ours_ids}")
 
+    problems += export_config_problems(cfg, drafter)
+
     with tempfile.TemporaryDirectory(prefix="speculators-parity-") as tmp:
         tmp = Path(tmp)
         verifier = _verifier_dir(target, tmp / "verifier")
@@ -392,6 +394,28 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         result.first_divergence = (first_hook_divergence(ours_hooks, hooked, rep["hook_order"].get("seq0", []),
                                                          names) or f"output `{bad_out[0].name}`")
     return result
+
+
+_OWN_KEYS = ("speculators_training", "speculators_version", "torch_dtype", "dtype", "transformers_version")
+
+
+def export_config_problems(config: dict[str, Any], drafter) -> list[str]:
+    """Keys of ``config.json`` that differ from what ``drafter`` (read from the same directory's
+    ``speculators_training`` block) exports (:meth:`Drafter.export_config`): the serving engines read the
+    former, our drafter was built from the latter, so a difference serves another model. Our own
+    bookkeeping keys and ``speculators_config.verifier`` (a name) are not compared."""
+    mine = json.loads(json.dumps(drafter.export_config(), default=str))
+    out = []
+    for k in sorted(set(config) | set(mine)):
+        if k in _OWN_KEYS:
+            continue
+        a, b = config.get(k, "<absent>"), mine.get(k, "<absent>")
+        if k == "speculators_config" and isinstance(a, dict) and isinstance(b, dict):
+            a = {kk: vv for kk, vv in a.items() if kk != "verifier"}
+            b = {kk: vv for kk, vv in b.items() if kk != "verifier"}
+        if a != b:
+            out.append(f"config.json `{k}` is {a!r}; the drafter (speculators_training) exports {b!r}")
+    return out
 
 
 def _identity_map(checkpoint: Path, name: str) -> bool:
@@ -496,4 +520,4 @@ def _verifier_dir(target, path: Path) -> Path:
 
 
 __all__ = ["OutputDelta", "ParityResult", "REFERENCE_FAMILIES", "TOLERANCE", "check_parity", "compare",
-           "export_module_names", "first_hook_divergence", "synthetic_target"]
+           "export_config_problems", "export_module_names", "first_hook_divergence", "synthetic_target"]

@@ -79,7 +79,7 @@ def probe(python: str | Path) -> str:
         ReferenceUnavailable: the interpreter is missing, or cannot import the reference at
             :data:`REFERENCE_VERSION`.
     """
-    python = Path(python)
+    python = Path(os.path.abspath(python))
     if not python.exists():
         raise ReferenceUnavailable(f"{python} does not exist")
     if str(python) in _PROBED:
@@ -114,10 +114,11 @@ def find_reference_python(explicit: str | Path | None = None) -> Path | None:
     An explicit path or ``$SPECULATORS_REFERENCE_PYTHON`` is returned as given (checked later by
     :func:`probe`); the local and cached venvs count only when their interpreter exists.
     """
+    # absolute, not resolved: a venv's python is a symlink whose target would lose the venv
     if explicit:
-        return Path(explicit)
+        return Path(os.path.abspath(explicit))
     if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR])
+        return Path(os.path.abspath(os.environ[ENV_VAR]))
     for venv in (Path.cwd() / LOCAL_VENV, cached_venv_dir()):
         if _python_in(venv).exists() and (venv / ".complete").exists():
             return _python_in(venv)
