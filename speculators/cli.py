@@ -1,5 +1,5 @@
 """Command line: ``speculators train RECIPE.yaml``, ``speculators eval CHECKPOINT``, ``speculators calibrate
-RUN_DIR``, ``speculators push``.
+RUN_DIR``, ``speculators push``, ``speculators check DIR``.
 
 Thin: parses arguments, calls one workflow of :mod:`speculators.workflows` (or ``hub.push_checkpoint``)
 and prints (log lines, progress, the eval report's tables, the final messages). A

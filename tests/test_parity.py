@@ -230,3 +230,12 @@ def test_config_key_that_disagrees_with_the_training_block_is_named(target, tmp_
     cfg["norm_before_residual"] = not cfg["norm_before_residual"]
     [p] = export_config_problems(cfg, d)
     assert "`norm_before_residual`" in p and "speculators_training" in p
+
+
+def test_short_held_out_rows_are_passed_over(target):
+    from speculators.export.parity import MIN_TOKENS, _sequences
+
+    seqs, label = _sequences(target, [[1, 2], list(range(10)), [3] * MIN_TOKENS], 3)
+    assert seqs == [list(range(10)), [3] * MIN_TOKENS] and label.startswith("2 held-out sequences")
+    seqs, label = _sequences(target, [[1]], 2)  # none usable: built-in inputs, labelled as such
+    assert all(len(s) >= MIN_TOKENS for s in seqs) and "SYNTHETIC" in label

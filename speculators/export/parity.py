@@ -50,6 +50,8 @@ DEFAULT_TEXTS = (
     "Speculative decoding drafts several tokens cheaply and lets the target verify them in one pass.",
 )
 WORKER = Path(__file__).with_name("reference_worker.py")
+#: Shortest sequence compared (context before the first drafting step); shorter held-out rows are passed over.
+MIN_TOKENS = 4
 
 
 @dataclass
@@ -256,8 +258,9 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
             with our ``speculators_training`` block.
         target: a :class:`speculators.target.Target` (its hidden states feed both sides); None loads the
             checkpoint's recorded target (``speculators_training.target.name_or_path``).
-        sequences: token id lists (held-out sequences of the run); None: :data:`DEFAULT_TEXTS` tokenised
-            by the target's tokenizer (seeded random ids, labelled synthetic, when it has none).
+        sequences: token id lists (held-out sequences of the run; those shorter than :data:`MIN_TOKENS` are
+            passed over); None or none usable: :data:`DEFAULT_TEXTS` tokenised by the target's tokenizer
+            (seeded random ids, labelled synthetic, when it has none).
         num_sequences: how many sequences to compare at most.
         reference_python: the reference venv's interpreter (:func:`.reference_env.ensure_reference_python`).
         build: build the cached reference venv when none is found.
@@ -493,12 +496,14 @@ def _features(target, ids: list[int], layer_ids: list[int] | None):
 
 
 def _sequences(target, sequences, n: int) -> tuple[list[list[int]], str]:
-    if sequences:
-        seqs = [list(map(int, s)) for s in sequences[:n]]
+    usable = [list(map(int, s)) for s in (sequences or []) if len(s) >= MIN_TOKENS]
+    if usable:
+        seqs = usable[:n]
         return seqs, f"{len(seqs)} held-out sequences of the run, target features"
     tok = getattr(target, "tokenizer", None)
     if tok is not None:
         seqs = [tok(t, add_special_tokens=False)["input_ids"][:48] for t in DEFAULT_TEXTS[:n]]
+        seqs = [s for s in seqs if len(s) >= MIN_TOKENS] or [list(range(MIN_TOKENS * 4))]
         return seqs, f"{len(seqs)} built-in texts, target features"
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, target.vocab_size, (32,), generator=g).tolist() for _ in range(n)]
