@@ -536,6 +536,11 @@ def test_train_end_gate_and_check_command(trained, tmp_path):
     assert "held-out sequences of the run" in g["parity"]["inputs"]
     card = (trained.dir / "final" / "README.md").read_text()
     assert "## Parity with the reference implementation" in card and "PASS" in card
+    from speculators.hub import checkpoint_files, hub_card
+
+    hub = hub_card(trained.dir / "final", "me/drafter")
+    assert "parity with vllm-project/speculators 0.9.0" in hub and ": PASS, max |delta logit|" in hub
+    assert "parity.json" in checkpoint_files(trained.dir / "final")
     r = CliRunner().invoke(app, ["check", str(trained.dir), "-n", "2", "--reference-python", str(python)])
     assert r.exit_code == 0, r.output
     assert "parity vs vllm-project/speculators 0.9.0: PASS (eagle3" in r.output
