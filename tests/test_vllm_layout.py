@@ -110,3 +110,13 @@ def test_calibrated_dspark_keeps_the_calibration_out_of_the_weights(target, tmp_
     assert check_layout(path) == []
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["speculators_training"]["confidence_calibration"]["temperature"][0] == pytest.approx(1.7)
+
+
+def test_reduced_vocab_dspark_needs_its_head_and_d2t(target, tmp_path):
+    path = export(target, "dspark", tmp_path / "ds", draft_vocab_size=64)
+    assert check_layout(path) == []
+    w = load_file(path / "model.safetensors")
+    del w["d2t"]
+    w["mask_embedding"] = torch.zeros(1, 64)  # vLLM's DSpark loader drops it
+    save_file(w, path / "model.safetensors")
+    assert check_layout(path) == ["tensor `d2t` is missing: vLLM 0.33.0 requires it"]
