@@ -239,3 +239,15 @@ def test_short_held_out_rows_are_passed_over(target):
     assert seqs == [list(range(10)), [3] * MIN_TOKENS] and label.startswith("2 held-out sequences")
     seqs, label = _sequences(target, [[1]], 2)  # none usable: built-in inputs, labelled as such
     assert all(len(s) >= MIN_TOKENS for s in seqs) and "SYNTHETIC" in label
+
+
+def test_worker_refuses_our_own_package_as_the_reference(target, sequences, tmp_path):
+    """Run with OUR venv's python, the worker finds our package under the name `speculators`: it must say the
+    reference is unavailable, not compare against ourselves."""
+    import sys
+
+    make(target, "dflash", tmp_path / "df")
+    r = check_parity(tmp_path / "df", target=target, sequences=sequences, reference_python=sys.executable)
+    assert r.passed is None and r.outputs == []
+    assert r.skipped.startswith("reference implementation unavailable:")
+    assert "not the reference implementation" in r.skipped or "cannot import" in r.skipped
