@@ -179,6 +179,11 @@ class TrainSpec(Strict):
     save_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="dtype of the final drafter weights (final/, what is published); the "
                                         "resumable checkpoints/step-N stay float32")
+    parity_check: bool = Field(
+        default=True, description="after training, check final/: every tensor against vLLM's loader and the first "
+                                  "drafting step against the reference implementation (vllm-project/speculators, "
+                                  "in its own cached venv) on a few held-out sequences; a failure fails the run, an "
+                                  "unavailable reference is reported and the run succeeds (docs/FORMATS.md)")
 
     @model_validator(mode="after")
     def _length(self) -> "TrainSpec":

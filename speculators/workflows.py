@@ -181,7 +181,46 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     if joint:
         log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
             f"parameters at lr {groups[1]['lr']}")
-    return Trainer(recipe, unit, data, out, log=log, console=console, run_info=identity).train(resume=resume)
+    final = Trainer(recipe, unit, data, out, log=log, console=console, run_info=identity).train(resume=resume)
+    if recipe.train.parity_check and state.is_main_process and not joint:
+        export_gate(final, target, drafter, data.held_out, log=log)
+    return final
+
+
+def export_gate(final: Path, target, drafter, held_out, log: Callable[[str], None] = print,
+                num_sequences: int = 3, max_tokens: int = 64):
+    """The end step of ``speculators train`` (``train.parity_check``): :func:`speculators.export.gate.check_checkpoint`
+    on ``final`` with the run's target and trained drafter on its first held-out sequences (at most
+    ``max_tokens`` tokens each; built-in texts when the run has none). Writes ``final/parity.json`` and
+    appends the result to ``final/README.md`` (the run card, which ``speculators push`` publishes).
+
+    Returns:
+        The :class:`speculators.export.gate.GateResult`.
+    Raises:
+        SpeculatorsError: a tensor vLLM's loader cannot place, or a parity failure (naming the first
+            divergence): the run fails loudly, ``final/`` stays with the failure written in its card. An
+            unavailable reference implementation (offline) is logged and does not fail the run.
+    """
+    import json
+
+    from .export.gate import check_checkpoint
+    from .utils import atomic_write_text
+
+    seqs = None
+    if held_out is not None and len(held_out):
+        seqs = [held_out.example(i)["input_ids"][:max_tokens].tolist() for i in range(min(num_sequences, len(held_out)))]
+    res = check_checkpoint(final, target=target, sequences=seqs, num_sequences=num_sequences, drafter=drafter,
+                           log=log)
+    atomic_write_text(final / "parity.json", json.dumps(res.to_json(), indent=2) + "\n")
+    card = final / "README.md"
+    if card.is_file():
+        atomic_write_text(card, card.read_text().rstrip("\n") + "\n\n" + res.to_markdown() + "\n")
+    if res.parity is not None:
+        log(res.parity.summary())
+    if res.passed is False:
+        raise SpeculatorsError(f"export gate failed on {final}: "
+                               + "; ".join(res.layout_problems[:3] or [res.parity.first_divergence or "parity"]))
+    return res
 
 
 def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=None):
@@ -317,7 +356,8 @@ def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: 
 def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Mapping[str, str], what: str) -> None:
     """Refuse every K of the eval (``ev.ks``: the sweep or ``[k]``) above what ``drafter`` can draft per
     step (:func:`speculators.drafters.base.check_speculative_tokens`), for the methods that ask the
-    drafter for K drafts: ``drafter`` (gated or not) and ``hybrid`` without ``hybrid_drafter_k``. A
+    drafter for K drafts: ``drafter`` (gated or not), ``drafter_argmax`` and ``hybrid`` without
+    ``hybrid_drafter_k``. A
     hybrid with ``hybrid_drafter_k`` asks the drafter for at most that many (its lookup drafts the whole
     K), so that value is checked instead. The error names the setting the value came from: the
     command-line option (``names``, e.g. ``-k``, ``--hybrid-drafter-k``) when overridden, else
@@ -334,7 +374,7 @@ def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Ma
     methods = set(ev.methods)
     capped_hybrid = "hybrid" in methods and ev.hybrid_drafter_k is not None
     try:
-        if "drafter" in methods or ("hybrid" in methods and not capped_hybrid):
+        if {"drafter", "drafter_argmax"} & methods or ("hybrid" in methods and not capped_hybrid):
             check_speculative_tokens(drafter, ev.ks, setting("k_sweep" if ev.k_sweep else "k"))
         if capped_hybrid:
             check_speculative_tokens(drafter, [ev.hybrid_drafter_k], setting("hybrid_drafter_k"))
@@ -454,8 +494,10 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         rep["device"] = str(t.device)
         return rep
 
-    order = ("drafter", "ngram", "suffix", "hybrid")
-    report = describe(measure(target, drafter, tuple(m for m in order if m in ev.methods), ""), ckpt, drafter, target)
+    from .evaluate import METHODS
+
+    report = describe(measure(target, drafter, tuple(m for m in METHODS if m in ev.methods), ""), ckpt, drafter,
+                      target)
     if others:
         reports = [(str(checkpoint), report)]
         del drafter, target
@@ -465,7 +507,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             if ofp != fingerprint:
                 raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
                                        "compare checkpoints of the same target (or pass --target)")
-            orep = describe(measure(ot, od, tuple(m for m in ("drafter", "hybrid") if m in ev.methods) or ("drafter",),
+            orep = describe(measure(ot, od, tuple(m for m in ("drafter", "drafter_argmax", "hybrid") if m in ev.methods) or ("drafter",),
                                     f" ({given})", gated=False), other, od, ot)
             reports.append((str(given), orep))
             if report["greedy_mismatches"] is not None:  # every checkpoint's outputs must equal plain greedy
@@ -498,7 +540,8 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     (:func:`speculators.data.pipeline.held_out_prompts`, or the ``prompts`` sources; at most
     ``eval.num_prompts``) with the eval's sampling settings and ``max_new_tokens``, fits the per-position
     temperatures and shifts and measures the survival ECE before and after
-    (:func:`speculators.calibrate.calibrate_drafter`), stores them in the checkpoint's weights (``store``;
+    (:func:`speculators.calibrate.calibrate_drafter`), stores them in the checkpoint's ``config.json``
+    (``store``; ``speculators_training.confidence_calibration``, never ``model.safetensors``:
     :func:`speculators.calibrate.store_temperatures`, an atomic rewrite) and writes the report
     (``calibration.json``, ``calibration.md``, ``reliability.png``, the raw outcomes ``outcomes.safetensors``).
 
@@ -507,7 +550,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
             rewritten in place).
         eval_overrides: ``{EvalSpec field: value}`` (``temperature``, ``num_prompts``, ``max_new_tokens``, ...).
         k: drafts per step whose calibration is fitted (default: every position of the drafter's
-            ``confidence_temperature``, capped by what one step can draft).
+            ``confidence_calibration()``, capped by what one step can draft).
         prompts, target_model, device, dtype, log, override_names: as :func:`eval_run`.
         output: report directory (default ``<run dir>/calibration``).
         store: write the calibration into the checkpoint (False: report only). It is not written when
@@ -530,7 +573,6 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
             the errors of :func:`eval_run`'s loading.
     """
     from .calibrate import calibrate_drafter, store_temperatures, use_sweep, write_calibration_report
-    from .generate import confidence_temperature_of
     from .verify import SamplingParams
 
     if isinstance(prompts, (str, Path)):
@@ -543,10 +585,11 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     if rec is None and (target_model is None or prompts is None):
         raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target and --prompts")
     drafter, target, _ = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
-    temps = confidence_temperature_of(drafter)
-    if temps is None:
+    calibration = drafter.confidence_calibration()  # (temperature [B], bias [B]) or None
+    if calibration is None:
         raise SpeculatorsError(f"{ckpt}: the {drafter.algorithm} drafter has no confidence head "
-                               "(no confidence_temperature): nothing to calibrate")
+                               "(no confidence_calibration): nothing to calibrate")
+    temps = calibration[0]
     cap = getattr(drafter, "max_speculative_tokens", None)
     default_k = min(int(temps.numel()), int(cap) if cap else int(temps.numel()))
     if k is None:
