@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,8 @@ def test_recipe_switch_defaults_on_and_is_documented():
 
 def test_train_with_the_switch_off_writes_no_gate(tiny_target_dir, tmp_path, isolated_cache):
     out = tmp_path / "run"
-    r = CliRunner().invoke(app, ["train", "recipes/tiny-dflash.yaml", f"target.model={tiny_target_dir}",
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-dflash.yaml"
+    r = CliRunner().invoke(app, ["train", str(recipe), f"target.model={tiny_target_dir}",
                                  "train.parity_check=false", "train.steps=2", "-o", str(out)])
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     assert not (out / "final" / "parity.json").exists()
