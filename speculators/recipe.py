@@ -40,7 +40,8 @@ class TargetSpec(Strict):
     model: str = Field(description="hub id, local dir, .gguf file, or the alias smollm2-135m-instruct")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     aux_layer_ids: list[int] | None = Field(
-        default=None, description="0-based decoder layers whose OUTPUT is tapped; default [1, L//2-1, L-4]")
+        default=None, description="0-based decoder layers whose OUTPUT is tapped, distinct and ascending, as many "
+                                  "as the drafter's format takes (EAGLE-3 / P-EAGLE: 3); default: the family's")
     device_map: str | dict[str, int | str] | None = Field(
         default=None, description="None = one device; auto | balanced | balanced_low_0 | sequential | "
                                   "{module name: device} = accelerate's placement over several GPUs (one process)")
@@ -269,6 +270,23 @@ class Recipe(Strict):
         else:
             return registry.get(algo).config_class.model_validate(dict(v))  # errors nest under drafter.
         raise ValidationError.from_exception_data("drafter", [{"type": err, "loc": ("algorithm",), "input": algo}])
+
+    @model_validator(mode="after")
+    def _aux_layer_ids(self) -> "Recipe":
+        """``target.aux_layer_ids`` as the drafter's family allows them (distinct, ascending, >= 0, the
+        count of its serving format: ``Drafter.check_aux_layer_ids``), checked before any work; the upper
+        bound L - 1 is checked when the target is loaded."""
+        from .drafters import registry
+
+        ids = self.target.aux_layer_ids
+        if ids is not None and isinstance(self.drafter, DrafterConfig) and self.drafter.algorithm in registry.names():
+            try:
+                registry.get(self.drafter.algorithm).check_aux_layer_ids(ids, None, "")
+            except SpeculatorsError as e:
+                err = PydanticCustomError("aux_layer_ids", str(e).removeprefix(": ").replace("{", "(").replace("}", ")"))
+                raise ValidationError.from_exception_data(
+                    "Recipe", [{"type": err, "loc": ("target", "aux_layer_ids"), "input": ids}]) from None
+        return self
 
     @model_validator(mode="after")
     def _online_not_joint(self) -> "Recipe":
