@@ -574,7 +574,8 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
                          batch_size: int = 8, eos_ids: set[int] | None = None,
                          seeds: list[int | None] | None = None,
                          progress: Callable[[int, int], Any] | None = None,
-                         confidence_threshold: float | None = None, gate: ConfidenceGate | None = None) -> BatchResult:
+                         confidence_threshold: float | None = None, gate: ConfidenceGate | None = None,
+                         on_step: Callable[[int, Proposal, int, list[int]], Any] | None = None) -> BatchResult:
     """Batched speculative (or plain) decoding of many prompts with continuous batching.
 
     At most ``batch_size`` requests are live; a finished request leaves the batch and the next waiting
@@ -616,12 +617,20 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             gating. Lossless (the rule never sees the target).
         gate: instead of ``confidence_threshold``, a :class:`ConfidenceGate` (e.g. its cost-aware mode) or any
             object with ``keep(proposer, proposals) -> list[int | None]`` (drafts to keep per proposal).
+        on_step: the outcome hook (transformers' ``CandidateGenerator.update_candidate_strategy``), called
+            once per request per verification step, in the step's request order, as
+            ``on_step(request, proposal, num_accepted, emitted)``: ``request`` the prompt's index in
+            ``prompts``; ``proposal`` the :class:`Proposal` the target verified (after gating; an empty one
+            when nothing was drafted); ``num_accepted`` the drafts the rejection sampler accepted
+            (``GenerationResult.verifier_accepted`` of the step); ``emitted`` the token ids the step
+            appended to the request's output (a stop token or ``max_new_tokens`` may cut it). Its return
+            value is ignored. None = no hook.
     Returns:
         :class:`BatchResult` (results in prompt order, the run's wall time, batched forwards, and the
         wall time spent drafting and verifying).
     Raises:
         SpeculatorsError: bad ``prompts`` / ``k`` / ``max_new_tokens`` / ``batch_size`` / ``eos_ids`` /
-            ``seeds`` / ``sampling`` / ``confidence_threshold`` (outside (0, 1)) / ``gate`` (naming the
+            ``seeds`` / ``sampling`` / ``confidence_threshold`` (outside (0, 1)) / ``gate`` / ``on_step`` (naming the
             argument), a gate whose ``keep`` gives a count outside ``[0, drafts]``, a ``k`` above what the proposer's drafter can
             draft per step (its ``max_speculative_tokens``: P-EAGLE's ``num_depths``, DFlash's
             ``block_size - 1``; checked before decoding), or a proposer that returned more drafts than
@@ -638,6 +647,9 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
     params, gens = _batch_params(sampling, seeds, B, device)
     greedy = (params.temperature == 0).tolist()
     gate = _resolve_gate(gate, confidence_threshold)
+    if on_step is not None and not callable(on_step):
+        raise SpeculatorsError(f"on_step: expected a callable on_step(request, proposal, num_accepted, emitted) or "
+                               f"None, got {type(on_step).__name__}")
     if proposer is None:
         ks = [0] * B
     else:  # one clear error before decoding: K above what a parallel drafter was trained for
@@ -741,6 +753,8 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             done = _emit_until(r.tokens, step, max_new[i], eos)
             r.add_step(ns[j], a, len(r.tokens) - before)
             r.proposed.append(proposed[j])
+            if on_step is not None:
+                on_step(i, props[j] if props[j] is not None else Proposal(empty.clone()), a, r.tokens[before:])
             if done:
                 finish(i)
                 continue

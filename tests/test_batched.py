@@ -496,6 +496,31 @@ def test_a_per_request_proposer_of_the_old_protocol_still_works(target):
     assert [r.drafted for r in a.results] == [r.drafted for r in b.results]
 
 
+def test_on_step_reports_each_verification_step_of_each_request(target):
+    """The outcome hook is called once per request per verification step with the prompt's index, the
+    verified Proposal, the verifier's accepted count and the emitted ids: per request these retell the
+    GenerationResult (drafted, verifier_accepted, emitted, and the tokens after the prefill's first)."""
+    ps = [rand_prompt(n, 300 + n) for n in (4, 7, 3, 6, 5)]
+    plain = [plain_decode(target, p, 12, eos_ids=set()).tokens for p in ps]
+    stop = {plain[2][4]}
+    for proposer, k in ((TableProposer(), 3), (NGramProposer(), 2), (None, 0)):
+        calls = []
+        out = speculative_generate(target, proposer, ps, k, [12, 5, 12, 9, 1], None, batch_size=2,
+                                   eos_ids=stop, seeds=list(range(5)),
+                                   on_step=lambda *a: calls.append(a))
+        for i, r in enumerate(out.results):
+            mine = [c for c in calls if c[0] == i]
+            assert len(mine) == r.target_forwards
+            assert all(isinstance(c[1], Proposal) for c in mine)
+            assert [int(c[1].token_ids.numel()) for c in mine] == r.drafted
+            assert [c[2] for c in mine] == r.verifier_accepted
+            assert [len(c[3]) for c in mine] == r.emitted
+            assert [t for c in mine for t in c[3]] == r.tokens[1:]
+        assert out.results[4].target_forwards == 0  # max_new_tokens 1: the prefill's token only
+    with pytest.raises(SpeculatorsError, match="on_step"):
+        speculative_generate(target, None, ps, 0, 4, on_step=3)
+
+
 # ----------------------------------------------------------------------------- device
 def test_resolve_device():
     assert resolve_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
