@@ -120,3 +120,15 @@ def test_reduced_vocab_dspark_needs_its_head_and_d2t(target, tmp_path):
     w["mask_embedding"] = torch.zeros(1, 64)  # vLLM's DSpark loader drops it
     save_file(w, path / "model.safetensors")
     assert check_layout(path) == ["tensor `d2t` is missing: vLLM 0.33.0 requires it"]
+
+
+def test_gate_says_how_vllm_serves_the_layout(target, tmp_path):
+    from speculators.export.gate import check_checkpoint
+
+    g = check_checkpoint(export(target, "eagle3", tmp_path / "e3"), parity=False)
+    assert g.passed is None and "method `eagle3`" in g.serving and "loader places" in g.to_markdown()
+    g = check_checkpoint(export(target, "medusa", tmp_path / "m"), parity=False)
+    assert g.serving.startswith("vLLM cannot load this layout as written") and "vllm-medusa" in g.serving
+    assert "no loader for it as written" in g.to_markdown()
+    g = check_checkpoint(export(target, "medusa-vllm", tmp_path / "mv"), parity=False)
+    assert "method `medusa`" in g.serving

@@ -21,6 +21,7 @@ class GateResult:
     checkpoint: str
     layout_problems: list[str] = field(default_factory=list)
     parity: ParityResult | None = None
+    serving: str = ""
 
     @property
     def passed(self) -> bool | None:
@@ -34,7 +35,12 @@ class GateResult:
         if self.layout_problems:
             lines += [f"- {p}" for p in self.layout_problems]
         else:
-            lines.append(f"Every tensor in model.safetensors is one vLLM {VLLM_VERSION}'s loader places, at its shape.")
+            lines.append(f"Every tensor in model.safetensors is one vLLM {VLLM_VERSION}'s loader places, at its shape."
+                         if not self.serving.startswith("vLLM cannot") else
+                         "Every tensor in model.safetensors has the name and shape of the family's layout (below: "
+                         "vLLM has no loader for it as written).")
+        if self.serving:
+            lines += ["", self.serving]
         lines.append("")
         if self.parity is not None:
             lines.append(self.parity.to_markdown())
@@ -42,6 +48,7 @@ class GateResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "vllm_version": VLLM_VERSION, "layout_problems": self.layout_problems,
+                "serving": self.serving,
                 "parity": None if self.parity is None else self.parity.to_json(), "passed": self.passed}
 
 
@@ -54,12 +61,27 @@ def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_se
     Raises:
         SpeculatorsError: the directory is not a readable checkpoint, or the target cannot be loaded.
     """
-    res = GateResult(str(checkpoint), check_layout(checkpoint))
+    res = GateResult(str(checkpoint), check_layout(checkpoint), serving=_serving(checkpoint))
     if parity:
         res.parity = check_parity(checkpoint, target=target, sequences=sequences, num_sequences=num_sequences,
                                   reference_python=reference_python, build=build, log=log,
                                   inputs_label=inputs_label, drafter=drafter)
     return res
+
+
+def _serving(checkpoint) -> str:
+    """How vLLM serves the layout (``Drafter.vllm_serving``): its ``method``, or why it cannot as written."""
+    import json
+
+    from ..drafters import registry
+
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    algo = ((cfg.get("speculators_training") or {}).get("drafter") or {}).get("algorithm")
+    if algo not in registry.names():
+        return ""
+    method, note = registry.get(algo).vllm_serving(cfg)
+    return f"vLLM serves it with `--speculative-config` method `{method}`." if method else \
+        f"vLLM cannot load this layout as written: {note}."
 
 
 __all__ = ["GateResult", "check_checkpoint"]
