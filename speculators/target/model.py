@@ -44,8 +44,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from .errors import SpeculatorsError
-from .utils import atomic_dir, cache_root, stable_hash
+from ..errors import SpeculatorsError
+from ..utils import atomic_dir, cache_root, stable_hash
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -616,7 +616,7 @@ class Target:
     @property
     def vllm_aux_layer_ids(self) -> list[int]:
         """The aux taps in vLLM's convention (index of the layer whose input is tapped; ours + 1)."""
-        from .export import vllm_aux_layer_ids
+        from ..export import vllm_aux_layer_ids
 
         return vllm_aux_layer_ids(self.aux_layer_ids)
 
@@ -1007,7 +1007,7 @@ class Target:
         stopped: list[int | None] = [None] * B
         for step in range(max_new_tokens):
             if temperature > 0:
-                from .verify import apply_sampling
+                from ..verify import apply_sampling
 
                 n = logits.shape[0]
                 probs = apply_sampling(logits, torch.full((n,), temperature), None,
@@ -1567,7 +1567,7 @@ def _template_end_of_turn_id(tokenizer, chat_template: str | None) -> int | None
     """The single-token end-of-turn marker the chat template writes right after an assistant content
     (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...), or None (no template, no known marker
     after the content, or a marker that is several tokens)."""
-    from .data.chat import end_markers, render_text
+    from ..data.chat import end_markers, render_text
 
     sentinel = "\ue000speculators-stop-probe\ue001"
     text = None
