@@ -45,7 +45,7 @@ from ..data.vocab import DraftVocab  # noqa: F401  (moved to the data layer; re-
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
 from . import checkpoint
-from .protocol import (  # noqa: F401  (the protocol pieces; their import paths from base keep working)
+from ..proposal import (  # noqa: F401  (the protocol pieces, speculators/proposal.py; their import paths from base keep working)
     Proposal,
     _check_batch,
     _empty_proposal,
@@ -582,7 +582,7 @@ class Drafter(nn.Module):
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-position calibration of the confidence head (:class:`Proposal` ``.confidence_logits``):
         ``(temperature [B] float32 > 0, bias [B] float32)`` (copies, CPU), with the calibrated confidence
-        ``sigmoid(z_k / T_k + b_k)`` (:mod:`speculators.calibrate`); None for a drafter without a
+        ``sigmoid(z_k / T_k + b_k)`` (:mod:`speculators.calibration`); None for a drafter without a
         confidence head (the default)."""
         return None
 

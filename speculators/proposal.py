@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import SpeculatorsError
-from ..verify import SamplingParams
+from .errors import SpeculatorsError
+from .verify import SamplingParams
 
 
 @dataclass
