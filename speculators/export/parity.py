@@ -512,14 +512,15 @@ def _sequences(target, sequences, n: int) -> tuple[list[list[int]], str]:
 
 def _verifier_dir(target, path: Path) -> Path:
     """The target as a local HF directory for the reference (its config, embedding, head and final norm):
-    the reference reads the verifier's layer count and copies those weights when a checkpoint lacks them."""
+    the reference reads the verifier's layer count and copies those weights when a checkpoint lacks them. They
+    keep the target's dtype: the reference loads them into float32 parameters, an exact upcast."""
     from safetensors.torch import save_file as save
 
     path.mkdir(parents=True, exist_ok=True)
     target.model.config.to_json_file(str(path / "config.json"))
-    sd = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu().clone(),  # untied
-          "lm_head.weight": target.lm_head_weight.detach().float().cpu().clone(),
-          "model.norm.weight": target.final_norm.weight.detach().float().cpu().clone()}
+    sd = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().cpu().clone(),  # untied
+          "lm_head.weight": target.lm_head_weight.detach().cpu().clone(),
+          "model.norm.weight": target.final_norm.weight.detach().cpu().clone()}
     save(sd, str(path / "model.safetensors"))
     return path
 
