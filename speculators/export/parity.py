@@ -267,13 +267,15 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         log: progress lines.
         inputs_label: how the inputs are described in the result (default: from where they came).
         drafter: the in-memory drafter the checkpoint was exported from (end of training): its exported
-            weights are compared with the file by name first, and it drafts our side; None loads ours
-            from ``checkpoint`` with our own loader.
+            weights are compared with the file by name first. Our side always drafts with the file as our
+            own loader reads it (the published weights); the in-memory drafter stands in only when our
+            loader refuses the file (which is then a named problem).
     Returns:
         A :class:`ParityResult`; ``passed`` None (with ``skipped``) when the reference is unavailable
         or does not implement the family.
     Raises:
-        SpeculatorsError: the checkpoint cannot be read by our own loader, or the target cannot be loaded.
+        SpeculatorsError: the checkpoint cannot be read by our own loader (and no ``drafter`` was given),
+            or neither the recorded target nor a synthetic one of its recorded config can be built.
     """
     from ..drafters.checkpoint import read_checkpoint_config
     from ..drafters import Drafter
