@@ -49,7 +49,7 @@ class TargetSpec(Strict):
     @field_validator("device_map", mode="before")
     @classmethod
     def _placement(cls, v: Any) -> Any:
-        from .target import check_device_map
+        from .target.loading import check_device_map
 
         try:
             return check_device_map(v, where="")

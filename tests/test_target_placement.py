@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.target import (Target, _placement_device, build_tiny_target, check_device_map, gguf_cache_dir,
-                                process_device_map)
+from speculators.target import Target, build_tiny_target, check_device_map, gguf_cache_dir, process_device_map
+from speculators.target.loading import _placement_device
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPLICIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers": "cpu", "model.norm": "cpu",
@@ -141,7 +141,7 @@ def test_device_and_device_map_together_and_missing_devices(tiny_target_dir):
 
 
 def test_offloaded_weights_are_refused():
-    from speculators.target import _check_placement
+    from speculators.target.loading import _check_placement
 
     t = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2)
     _check_placement(t.model, "auto")  # resident: fine

@@ -131,7 +131,7 @@ def test_feature_shards_and_index_get_plain_modes(umask, tmp_path, monkeypatch):
 
 
 def test_converted_target_cache_layout_is_readable(umask, tmp_path):
-    """target.py caches a converted GGUF with transformers' save_pretrained inside atomic_dir."""
+    """target/loading.py caches a converted GGUF with transformers' save_pretrained inside atomic_dir."""
     from speculators.target import build_tiny_target
 
     dir_mode, file_mode = plain_modes(tmp_path)

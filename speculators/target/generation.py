@@ -1,0 +1,173 @@
+"""Batched generation from the target with batch compaction (used by regeneration and self-synthesis).
+
+Prompts are left-padded and prefilled in one forward; then each step samples (greedy or vLLM-style
+temperature / top-p through :func:`speculators.verify.apply_sampling`), records the tokens, drops the
+rows that stopped from the batch and its KV cache (``DynamicCache.batch_select_indices``), and runs one
+forward over the rows still generating: the cost follows the generated tokens, not ``batch x longest
+response``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Sequence
+
+import torch
+
+from ..errors import SpeculatorsError
+from .cache import _CACHE_KW
+
+
+class Generation(NamedTuple):
+    """One response of :meth:`Target.generate_batch`.
+
+    Attributes:
+        ids: the generated token ids, without the prompt and without the stop token.
+        stop: the stop token id that ended the response, or None when it was cut by ``max_new_tokens``.
+    """
+
+    ids: list[int]
+    stop: int | None
+
+
+@torch.no_grad()
+def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
+                   stop_token_ids: Iterable[int] | int | None = None,
+                   temperature: float = 0.0, top_p: float = 1.0,
+                   generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                   pad_token_id: int = 0) -> list[Generation]:
+    """Batched generation with batch compaction (``target.generate_batch``): finished rows leave the
+    batch (and the KV cache).
+
+    Prompts are left-padded; each step runs only the rows still generating, so the cost follows
+    the number of generated tokens rather than ``batch x longest response`` (what a static batch
+    in ``model.generate`` pays).
+
+    Args:
+        target: the :class:`speculators.target.Target` (its model, device, config and stop tokens).
+        prompts: token ids per prompt.
+        max_new_tokens: cap per response.
+        stop_token_ids: the SET of stop tokens (an int is one stop token); None = the target's
+            ``stop_token_ids``; an empty collection = never stop before ``max_new_tokens``.
+        temperature: 0 = greedy; otherwise sampling with ``top_p`` (vLLM semantics through
+            :func:`speculators.verify.apply_sampling`).
+        generator: RNG for sampling: one for the whole batch, or one per prompt (``len(prompts)`` of
+            them, on the target's device), so that a prompt's random stream does not depend on which
+            other prompts share its batch or on their order (its logits may still differ from a lone
+            forward's in the last bits, so a draw at a boundary can flip).
+        pad_token_id: id written in the left padding (masked out).
+    Returns:
+        One :class:`Generation` per prompt: ``ids`` (without the prompt and the stop token) and
+        ``stop`` (the stop id that ended it, or None when cut by ``max_new_tokens``).
+    Raises:
+        SpeculatorsError: an empty prompt, ``max_new_tokens < 1`` or a generator list whose length is
+            not ``len(prompts)``.
+    """
+    stops = _check_request(target, prompts, max_new_tokens, stop_token_ids, generator)
+    B = len(prompts)
+    per_row = generator is not None and not isinstance(generator, torch.Generator)
+    if B == 0:
+        return []
+    cache, logits, att, last_pos = _prefill(target, prompts, pad_token_id)
+    rows = torch.arange(B, device=target.device)  # original index of each active row
+    results: list[list[int]] = [[] for _ in range(B)]
+    stopped: list[int | None] = [None] * B
+    for step in range(max_new_tokens):
+        nxt = _next_tokens(logits, temperature, top_p, generator, per_row, rows)
+        done = _record(nxt, rows, stops, results, stopped)
+        if step + 1 == max_new_tokens:
+            break
+        keep = (~done).nonzero()[:, 0]
+        if keep.numel() == 0:
+            break
+        if keep.numel() < rows.numel():
+            cache.batch_select_indices(keep.cpu() if target.spread else keep)  # cpu: indexes every device
+            rows, nxt, att, last_pos = rows[keep], nxt[keep], att[keep], last_pos[keep]
+        att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+        last_pos = last_pos + 1
+        out = target.model(input_ids=nxt[:, None], attention_mask=att, position_ids=last_pos[:, None],
+                           use_cache=True, **{_CACHE_KW: cache})
+        logits = out.logits[:, -1].float()
+    return [Generation(r, s_) for r, s_ in zip(results, stopped)]
+
+
+def _check_request(target, prompts, max_new_tokens, stop_token_ids, generator) -> set[int]:
+    """The set of stop ids of a :func:`generate_batch` call, after checking its arguments.
+
+    Raises:
+        SpeculatorsError: ``max_new_tokens < 1``, an empty prompt, or a generator list whose length is not
+            ``len(prompts)``.
+    """
+    if max_new_tokens < 1:
+        raise SpeculatorsError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise SpeculatorsError("generate_batch: every prompt needs at least one token")
+    if stop_token_ids is None:
+        stops = set(target.stop_token_ids)
+    elif isinstance(stop_token_ids, int):
+        stops = {int(stop_token_ids)}
+    else:
+        stops = {int(t) for t in stop_token_ids}
+    B = len(prompts)
+    per_row = generator is not None and not isinstance(generator, torch.Generator)
+    if per_row and len(generator) != B:
+        raise SpeculatorsError(f"generate_batch: {len(generator)} generators for {B} prompts (one per prompt)")
+    return stops
+
+
+def _prefill(target, prompts: list[list[int]], pad_token_id: int):
+    """Left-pad ``prompts`` and run them through the target in one forward with a fresh ``DynamicCache``.
+
+    Returns:
+        ``(cache, logits [B, V] float32 of the last position, attention mask [B, T] int64, last position
+        id [B] int64)``, on the target's device.
+    """
+    from transformers import DynamicCache
+
+    B = len(prompts)
+    T = max(len(p) for p in prompts)
+    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    att = torch.zeros(B, T, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, T - len(p):] = torch.tensor(p)
+        att[r, T - len(p):] = 1
+    dev = target.device
+    ids, att = ids.to(dev), att.to(dev)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=target.config)
+    out = target.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True,
+                       logits_to_keep=1, **{_CACHE_KW: cache})
+    return cache, out.logits[:, -1].float(), att, pos[:, -1]
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator, per_row: bool,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """The next token of every active row: ``logits [n, V]`` float32 -> ``[n]`` int64; greedy at
+    ``temperature == 0``, else sampled (per-row generators indexed by the rows' original index)."""
+    if temperature > 0:
+        from ..verify import apply_sampling
+
+        n = logits.shape[0]
+        probs = apply_sampling(logits, torch.full((n,), temperature), None,
+                               torch.full((n,), top_p) if top_p < 1 else None)
+        if per_row:
+            return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=generator[r])[:, 0]
+                              for i, r in enumerate(rows.tolist())])
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return logits.argmax(-1)
+
+
+def _record(nxt: torch.Tensor, rows: torch.Tensor, stops: set[int], results: list[list[int]],
+            stopped: list[int | None]) -> torch.Tensor:
+    """Append each active row's token to its response, or record the stop id that ended it.
+
+    Returns:
+        ``[n]`` bool: True for the rows that stopped at this step.
+    """
+    done = torch.zeros_like(nxt, dtype=torch.bool)
+    for i, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist())):
+        if t in stops:
+            done[i] = True
+            stopped[r] = t
+        else:
+            results[r].append(t)
+    return done
