@@ -487,6 +487,22 @@ class Drafter(nn.Module):
     full_precision_weights: ClassVar[tuple[str, ...]] = ()
     vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
     vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
+    #: the ``config.json`` key of the aux layer ids in vLLM's convention (None: the format has none)
+    serving_aux_ids_key: ClassVar[str | None] = None
+
+    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
+        """This drafter's first drafting step on one sequence, and how the reference implementation
+        (vllm-project/speculators) computes the same step: a
+        :class:`speculators.drafters.parity_inputs.ParityStep`, or None when the reference has no model
+        for this family in our export layout (the default). Used by the export gate
+        (:mod:`speculators.export.parity`).
+
+        Args:
+            config: the checkpoint's ``config.json``. ids: the sequence, ``T`` token ids.
+            feats_ours / feats_ref: the target's :class:`speculators.target.TargetFeatures` of the ``T``
+                positions tapped at this drafter's layers / at the layers the config names.
+        """
+        return None
 
     @classmethod
     def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:

@@ -208,6 +208,7 @@ class DFlashDrafter(Drafter):
     aux_layer_count = (1, None)  # vLLM's DFlash/DSpark fc takes len(aux layers) x hidden
     aux_layer_count_reason = "vLLM's fc takes one hidden state per tap"
     vllm_method = "dflash"  # vLLM's speculators loader maps `dflash` to DFlashQwen3ForCausalLM
+    serving_aux_ids_key = "aux_hidden_state_layer_ids"
 
     def __init__(self, cfg: DFlashConfig, meta: TargetMeta | dict, draft_vocab_size: int | None = None):
         """Raises:
@@ -684,6 +685,29 @@ class DFlashDrafter(Drafter):
         if k is None and isinstance(config.get("block_size"), int):
             k = config["block_size"] - 1
         return k
+
+    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
+        """Every slot of one block anchored at the last token ``x_a`` (``a = T - 1``), context the features
+        of positions ``0..a-1`` (the export gate, :meth:`Drafter.reference_parity_step`). Ours: ``start``
+        then ``head(block_hidden(state))`` (the trained block, ``[B, N]``, slot 0 included); the
+        reference: one anchor pinned at ``a``, mask tokens after it."""
+        from .parity_inputs import ParityStep, block_reference_inputs
+
+        t = torch.tensor(ids, dtype=torch.long)
+        a = len(ids) - 1
+        logits = self.head(self.block_hidden(self.start(t, feats_ours.slice(0, a)))).float()
+        pad = [int(config.get("mask_token_id") or 0)] * (self.block_size - 1)
+        return ParityStep(block_reference_inputs(self.block_size, ids, feats_ref, pad), {"max_anchors": 1},
+                          self._reference_anchor_pin(a, "speculators.models.dflash.core"), {"logits": logits})
+
+    @staticmethod
+    def _reference_anchor_pin(a: int, metrics_module: str, confidence_arg: int | None = None) -> dict[str, Any]:
+        """The reference's random anchor choice (``select_anchors`` of its DFlash core, shared by DSpark)
+        pinned to the one anchor ``a``, and where its logits are captured."""
+        choice = [{"values": [a], "dtype": "int64"}, {"values": [True], "dtype": "bool"}]
+        return {"metrics_module": metrics_module, "confidence_arg": confidence_arg,
+                "patches": [{"module": "speculators.models.dflash.core", "attr": "select_anchors",
+                             "returns": choice}]}
 
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators ``dflash`` config (FORMATS.md); vLLM serves it as method ``dflash``."""

@@ -22,7 +22,7 @@ DFlash's, unchanged; see that module's docstring). What DSpark changes (ALGORITH
   (:meth:`DSparkDrafter.confidence_calibration`: ``confidence_temperature`` ``[B]``, ones until
   calibrated, and ``confidence_bias`` ``[B]``, zeros until calibrated, float32) gives the calibrated
   confidence ``sigmoid(logit_k / T_k + b_k)`` (:func:`calibrated_confidences`,
-  :meth:`DSparkDrafter.confidences`, :mod:`speculators.calibrate`). It is training-side state
+  :meth:`DSparkDrafter.confidences`, :mod:`speculators.calibration`). It is training-side state
   (non-persistent buffers, ``training_state_tensors``): written to ``config.json`` as
   ``speculators_training.confidence_calibration = {"temperature": [B], "bias": [B]}``, never to
   ``model.safetensors`` (vLLM's DSpark loader cannot place it and applies no calibration). A checkpoint
@@ -525,6 +525,37 @@ class DSparkDrafter(DFlashDrafter):
         if k is None and isinstance(config.get("block_size"), int):
             k = config["block_size"]
         return k
+
+    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
+        """One block anchored at ``x_a`` (the export gate, :meth:`Drafter.reference_parity_step`): the
+        Markov-corrected logits of every slot along OUR greedy chain (slot j conditions on the anchor,
+        then on draft j-1: vLLM's ``sample_from_anchor`` chain) and the raw confidence logits. The
+        reference reads the chain from ``input_ids`` after the anchor."""
+        from .parity_inputs import ParityStep, block_reference_inputs
+
+        t = torch.tensor(ids, dtype=torch.long)
+        a, B = len(ids) - 1, self.block_size
+        st = self.start(t, feats_ours.slice(0, a))
+        h = self.block_hidden(st)
+        base = self.head(h).float()
+        prev = torch.tensor([st.last_id], dtype=torch.long)
+        rows, confs, chain = [], [], []
+        for j in range(B):
+            corr, e = self.markov_head(prev)
+            c = self._confidence(h[j:j + 1], e)
+            if c is not None:
+                confs.append(c.reshape(1).float())
+            row = (base[j:j + 1] + corr.float())[0]
+            rows.append(row)
+            tok = int(row.argmax())
+            tok = tok + int(self.d2t[tok]) if self.reduced_vocab else tok
+            chain.append(tok)
+            prev = torch.tensor([tok], dtype=torch.long)
+        out = {"logits": torch.stack(rows)}
+        if confs:
+            out["confidence_logits"] = torch.cat(confs)
+        pin = self._reference_anchor_pin(a, "speculators.models.dspark.core", confidence_arg=2)
+        return ParityStep(block_reference_inputs(B, ids, feats_ref, chain[:B - 1]), {"max_anchors": 1}, pin, out)
 
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators-style ``dspark`` config (FORMATS.md): DFlash's keys with

@@ -121,6 +121,7 @@ class Eagle3Drafter(Drafter):
     algorithm = "eagle3"
     config_class = Eagle3Config
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
+    serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
     aux_layer_count = (3, 3)
     aux_layer_count_reason = "vLLM sizes fc as 3 x hidden for a speculators-format eagle3 config"
@@ -517,6 +518,27 @@ class Eagle3Drafter(Drafter):
                 for i in range(B)]
 
     # ------------------------------------------------------------------ formats
+    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
+        """TTT step 0 at every position (the export gate, :meth:`Drafter.reference_parity_step`): the
+        first draft's logits after each prefix. Ours: ``start(ids[:n+1], features[:n])`` for n = 1..T-1
+        (each a request whose first draft comes from ``last_logits``), rows ``[T-1, N]``. The reference:
+        one forward with ``ttt_steps=1`` over ``hidden_states = aux[:T-1]``, ``input_ids = ids[1:]`` (its
+        default position ids ``1..T-1``: index t pairs ``g[t]`` with ``x_{t+1}`` at position t + 1).
+
+        Raises:
+            SpeculatorsError: fewer than 2 tokens.
+        """
+        from .parity_inputs import ParityStep, reference_batch
+
+        T = len(ids)
+        if T < 2:
+            raise SpeculatorsError("parity: an EAGLE-3 sequence needs at least 2 tokens")
+        t = torch.tensor(ids, dtype=torch.long)
+        rows = [self.start(t[:n + 1], feats_ours.slice(0, n)).last_logits.float().reshape(-1) for n in range(1, T)]
+        ref = reference_batch(feats_ref.aux[:, :T - 1].contiguous(), t[1:], feats_ref.top.shape[-1])
+        pin = {"metrics_module": "speculators.models.eagle3.core"}
+        return ParityStep(ref, {"ttt_steps": 1}, pin, {"logits": torch.stack(rows)})
+
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
         m, cfg = self.meta, self.cfg

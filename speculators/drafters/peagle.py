@@ -146,6 +146,7 @@ class PEagleDrafter(Drafter):
     algorithm = "peagle"
     config_class = PEagleConfig
     vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
+    serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
     aux_layer_count = (3, 3)
     aux_layer_count_reason = "vLLM serves it as eagle3 and sizes fc as 3 x hidden"
@@ -580,6 +581,32 @@ class PEagleDrafter(Drafter):
     def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
         """K of a ``peagle`` config: ``speculative_tokens`` (= the number of trained depths)."""
         return export.speculative_tokens(config)
+
+    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
+        """Every depth of one parallel step after the prefix ``ids`` (``n = T - 1`` real inputs; the export
+        gate, :meth:`Drafter.reference_parity_step`). Ours: ``start`` (whose forward drafts all depths,
+        :meth:`_advance_one`), ``[D, N]``. The reference: every real input at depth 0 plus depths
+        ``1..D-1`` at the last one, as vLLM's parallel drafting runs them; its logits rows
+        ``n-1 .. n+D-2`` are compared."""
+        from .parity_inputs import ParityStep, reference_batch
+
+        t = torch.tensor(ids, dtype=torch.long)
+        n = len(ids) - 1
+        logits = self.start(t, feats_ours.slice(0, n)).draft_logits.float()
+        D = logits.shape[0]
+        T = n + D - 1
+        aux = torch.zeros(1, T, feats_ref.aux.shape[-1])
+        aux[:, :n] = feats_ref.aux[:, :n]
+        inp = torch.zeros(1, T, dtype=torch.long)
+        inp[0, :n] = t[1:]
+        ref = reference_batch(aux, inp, feats_ref.top.shape[-1], loss_mask=torch.ones(1, T))
+        # the reference's COD sampling returns (anchor positions, depths): pinned to one parallel step
+        choice = [{"values": list(range(n)) + [n - 1] * (D - 1), "dtype": "int64"},
+                  {"values": [0] * n + list(range(1, D)), "dtype": "int64"}]
+        pin = {"metrics_module": "speculators.models.peagle.core", "logits_rows": [n - 1, n - 1 + D],
+               "patches": [{"module": "speculators.models.peagle.core", "attr": "generate_cod_sample_indices",
+                            "returns": choice}]}
+        return ParityStep(ref, {"num_depths": D}, pin, {"logits": logits})
 
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators ``peagle`` config (FORMATS.md): EAGLE-3's keys plus ``mask_token_id``

@@ -16,7 +16,7 @@ common blocks, the layer-id offset and the serving facts are defined in one plac
 
 This module is a leaf: it imports nothing from speculators but the error type. The package's other
 modules check exported directories (imported by name, never from here): ``vllm_layout`` (every tensor's
-name and shape against vLLM's loaders), ``parity`` / ``parity_families`` (the first drafting step against
+name and shape against vLLM's loaders), ``parity`` (the first drafting step, each family's own ``reference_parity_step``, against
 the reference implementation), ``reference_env`` and ``reference_worker`` (its own venv and the script run
 there), ``gate`` (both, for ``speculators check`` and the end of ``speculators train``).
 """

@@ -18,7 +18,8 @@ by one is caught. On a failure the first divergence is named: a config/aux-id mi
 weight that differs, else the first hooked module (in the reference's forward order) whose output
 differs beyond the tolerance.
 
-Each family's first step lives in :mod:`.parity_families`; this module holds the driver and the typed
+Each family's first step is the family's own (:meth:`speculators.drafters.base.Drafter.reference_parity_step`,
+in ``drafters/<family>.py``); this module holds the driver and the typed
 result.
 """
 
@@ -41,8 +42,6 @@ from .reference_env import REFERENCE_VERSION, ReferenceUnavailable
 
 #: Pass threshold: max |delta| of any compared logit, float32 on both sides.
 TOLERANCE = 1e-4
-#: Families the reference implements (its ``speculators.models.<family>``) in our export layout.
-REFERENCE_FAMILIES = ("eagle3", "peagle", "dflash", "dspark")
 #: Built-in text for ``speculators check`` when no sequences are given (tokenised by the target's tokenizer).
 DEFAULT_TEXTS = (
     "The quick brown fox jumps over the lazy dog while the cat watches from the window.",
@@ -52,6 +51,29 @@ DEFAULT_TEXTS = (
 WORKER = Path(__file__).with_name("reference_worker.py")
 #: Shortest sequence compared (context before the first drafting step); shorter held-out rows are passed over.
 MIN_TOKENS = 4
+
+
+def reference_implements(family: str) -> bool:
+    """Whether the reference implementation has a model for registered family ``family`` in our export
+    layout: the family overrides :meth:`speculators.drafters.base.Drafter.reference_parity_step`
+    (unregistered names: False)."""
+    from ..drafters import Drafter, registry
+
+    if family not in registry.names():
+        return False
+    return registry.get(family).reference_parity_step is not Drafter.reference_parity_step
+
+
+def _config_aux_ids(config: dict[str, Any], key: str | None) -> list[int]:
+    """The aux layer ids (vLLM convention) a checkpoint's ``config.json`` names under the family's ``key``.
+
+    Raises:
+        SpeculatorsError: the key is missing or not a list of ints.
+    """
+    ids = config.get(key) if key else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise SpeculatorsError(f"config.json `{key}`: {ids!r} is not a list of layer ids")
+    return list(ids)
 
 
 @dataclass
@@ -277,15 +299,14 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         SpeculatorsError: the checkpoint cannot be read by our own loader (and no ``drafter`` was given),
             or neither the recorded target nor a synthetic one of its recorded config can be built.
     """
+    from ..drafters import Drafter, registry
     from ..drafters.checkpoint import read_checkpoint_config
-    from ..drafters import Drafter
-    from . import parity_families
 
     checkpoint = Path(checkpoint)
     cfg = read_checkpoint_config(checkpoint)
     family = cfg.get("speculators_model_type") or "?"
     result = ParityResult(str(checkpoint), family)
-    if family not in REFERENCE_FAMILIES:
+    if not reference_implements(family):
         result.skipped = f"vllm-project/speculators {REFERENCE_VERSION} has no `{family}` model in this layout"
         return result
     try:
@@ -321,8 +342,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
     seqs, label = _sequences(target, sequences, num_sequences)
     result.inputs = inputs_label or (f"{synthetic}; {label}" if synthetic else label)
 
-    fam = parity_families.FAMILIES[family]
-    cfg_ids = parity_families.config_aux_ids(cfg, family)
+    cfg_ids = _config_aux_ids(cfg, registry.get(family).serving_aux_ids_key)
     ours_ids = list(drafter.meta.aux_layer_ids)
     if cfg_ids != [i + 1 for i in ours_ids]:
         problems.append(f"config.json aux layer ids {cfg_ids} (vLLM convention) tap layers "
@@ -345,7 +365,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
             store, order = {}, []
             handles = _hook_modules(drafter, store, order)
             try:
-                step = fam(drafter, cfg, ids, feats_ours, feats_ref)
+                step = drafter.reference_parity_step(cfg, ids, feats_ours, feats_ref)
             finally:
                 for h in handles:
                     h.remove()
@@ -527,5 +547,5 @@ def _verifier_dir(target, path: Path) -> Path:
     return path
 
 
-__all__ = ["OutputDelta", "ParityResult", "REFERENCE_FAMILIES", "TOLERANCE", "check_parity", "compare",
+__all__ = ["OutputDelta", "ParityResult", "TOLERANCE", "reference_implements", "check_parity", "compare",
            "export_config_problems", "export_module_names", "first_hook_divergence", "synthetic_target"]

@@ -84,7 +84,7 @@ def probe(python: str | Path) -> str:
         raise ReferenceUnavailable(f"{python} does not exist")
     if str(python) in _PROBED:
         return _PROBED[str(python)]
-    code = ("import speculators.version as v, speculators.models.eagle3, torch, transformers;"
+    code = ("import speculators.version as v, speculators.models, torch, transformers;"
             "print(v.version)")
     try:
         r = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300,

@@ -15,21 +15,19 @@ imported package is checked to be the reference), runs the first drafting step o
 * ``OUTPUT.json``: reference version, missing / unexpected keys (against the file), weights that differ
   from the file, the loaded config (``to_dict``), and the order in which hooked modules ran.
 
-How each family's first step is driven (the reference's forwards are training forwards; the random
-choices are pinned so the step is the one the engine runs):
-
-* ``eagle3``: ``forward(..., ttt_steps=1)``: TTT step 0 at every position;
-* ``peagle``: ``generate_cod_sample_indices`` returns every context position at depth 0 plus depths
-  ``1..D-1`` at the last position (one parallel step);
-* ``dflash`` / ``dspark``: ``select_anchors`` returns the one anchor the request names (one block);
-  DSpark's Markov chain conditions on the block tokens of ``input_ids`` (the caller puts its greedy
-  chain there).
+How each family's first step is driven is the family's to say (our ``Drafter.reference_parity_step``,
+in the family's own file): the reference's forwards are training forwards, so each sequence's ``pin``
+names the reference module whose ``compute_metrics`` receives the logits (``metrics_module``, and
+``confidence_arg``: the positional index of confidence logits), the random choices to pin so that the
+step is the one the engine runs (``patches``: module, attribute, the tensors it returns), and the rows
+of the logits to return (``logits_rows``). This script knows no family.
 
 REQUEST.json: ``{"checkpoint": dir, "family": str, "verifier": dir|null, "inputs": file,
 "output": file, "report": file, "attn_implementation": "eager", "sequences": [{"name": str,
-"kwargs": {...}}]}``; tensors of sequence ``s`` are ``{s}.{argument}`` in ``inputs``.
+"kwargs": {...}, "pin": {...}}]}``; tensors of sequence ``s`` are ``{s}.{argument}`` in ``inputs``.
 """
 
+import importlib
 import json
 import os
 import sys
@@ -72,7 +70,7 @@ def main(request_file):
         print(f"speculators {version} is installed, the gate follows {req['expect_version']}", file=sys.stderr)
         sys.exit(UNAVAILABLE)
     torch.manual_seed(0)
-    ckpt, family = req["checkpoint"], req["family"]
+    ckpt = req["checkpoint"]
 
     # The verifier (for the reference's layer-id check and its verifier weights) is the caller's
     # local copy of the target, whatever name the checkpoint records.
@@ -117,19 +115,32 @@ def main(request_file):
             unequal.append({"name": k, "max_abs_diff": d, "shape_file": list(v.shape),
                             "shape_reference": list(state[k].shape)})
 
-    # capture the logits where each family hands them to its loss
     captured = {}
-    core = __import__(f"speculators.models.{family}.core", fromlist=["compute_metrics"])
 
-    def compute_metrics(*args, **kwargs):
-        logits = kwargs.get("logits", args[0] if args else None)
-        captured.setdefault("logits", logits.detach().float().reshape(-1, logits.shape[-1]).clone())
-        conf = kwargs.get("confidence_logits", args[2] if family == "dspark" and len(args) > 2 else None)
-        if conf is not None:
-            captured.setdefault("confidence_logits", conf.detach().float().reshape(-1).clone())
-        return torch.zeros((), requires_grad=False), {}
+    def capture_metrics(pin):
+        """Patch the module whose ``compute_metrics`` receives the family's logits (``pin["metrics_module"]``)
+        so that the step's logits (and, at positional index ``pin["confidence_arg"]``, its confidence
+        logits) are captured where the family hands them to its loss."""
+        core = importlib.import_module(pin["metrics_module"])
+        conf_arg = pin.get("confidence_arg")
 
-    core.compute_metrics = compute_metrics
+        def compute_metrics(*args, **kwargs):
+            logits = kwargs.get("logits", args[0] if args else None)
+            captured.setdefault("logits", logits.detach().float().reshape(-1, logits.shape[-1]).clone())
+            conf = kwargs.get("confidence_logits",
+                              args[conf_arg] if conf_arg is not None and len(args) > conf_arg else None)
+            if conf is not None:
+                captured.setdefault("confidence_logits", conf.detach().float().reshape(-1).clone())
+            return torch.zeros((), requires_grad=False), {}
+
+        core.compute_metrics = compute_metrics
+
+    def pin_choices(pin):
+        """Replace each random choice the family names (``pin["patches"]``: module, attribute and the
+        tensors it must return) by a function returning the caller's choice."""
+        for p in pin.get("patches", []):
+            values = tuple(torch.tensor(r["values"], dtype=getattr(torch, r["dtype"])) for r in p["returns"])
+            setattr(importlib.import_module(p["module"]), p["attr"], lambda *_a, _v=values, **_k: _v)
 
     hooks, order, handles = {}, [], []
 
@@ -154,16 +165,8 @@ def main(request_file):
         kw = {k[len(s) + 1:]: v for k, v in inputs.items() if k.startswith(s + ".")}
         kw.update(seq.get("kwargs", {}))
         pin = seq.get("pin", {})
-        if family == "peagle":
-            import speculators.models.peagle.core as pcore
-
-            a, d = torch.tensor(pin["anchor_pos"]), torch.tensor(pin["depth"])
-            pcore.generate_cod_sample_indices = lambda *_a, **_k: (a, d)
-        if family in ("dflash", "dspark"):
-            import speculators.models.dflash.core as dcore
-
-            anchors = torch.tensor(pin["anchor_positions"])
-            dcore.select_anchors = lambda *_a, **_k: (anchors, torch.ones_like(anchors, dtype=torch.bool))
+        capture_metrics(pin)
+        pin_choices(pin)
         captured.clear()
         hooks.clear()
         order.clear()
