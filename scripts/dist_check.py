@@ -39,7 +39,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def build_inputs(work: Path) -> tuple[Path, Path]:
-    """A tiny target directory (random 2-layer Llama, hidden 64, a 400-token byte-level BPE tokenizer
+    """A tiny target directory (random 4-layer Llama, hidden 64, a 400-token byte-level BPE tokenizer
     with a ChatML template) and a JSONL of 24 synthetic conversations: ``(target_dir, data_file)``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -62,7 +62,7 @@ def build_inputs(work: Path) -> tuple[Path, Path]:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<pad>")
     tok.chat_template = CHATML
     target = work / "target"
-    t = build_tiny_target(vocab_size=len(tok), hidden_size=64, num_layers=2, seed=0)
+    t = build_tiny_target(vocab_size=len(tok), hidden_size=64, num_layers=4, seed=0)  # EAGLE-3 taps 3 layers
     t.model.config.eos_token_id, t.model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     t.model.save_pretrained(target)
     tok.save_pretrained(target)
