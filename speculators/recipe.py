@@ -41,7 +41,8 @@ class TargetSpec(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     aux_layer_ids: list[int] | None = Field(
         default=None, description="0-based decoder layers whose OUTPUT is tapped, distinct and ascending, as many "
-                                  "as the drafter's format takes (EAGLE-3 / P-EAGLE: 3); default: the family's")
+                                  "as the drafter's serving format takes (the family's aux_layer_count; three for the speculators-format "
+                                  "heads vLLM sizes as 3 x hidden); default: the family's")
     device_map: str | dict[str, int | str] | None = Field(
         default=None, description="None = one device; auto | balanced | balanced_low_0 | sequential | "
                                   "{module name: device} = accelerate's placement over several GPUs (one process)")

@@ -331,8 +331,15 @@ def test_the_family_name_check_can_fail():
         assert family_name_uses(bad), bad
 
 
+#: files outside drafters/ that may name families, and why: vLLM's weight loaders as a table keyed by vLLM's
+#: own ``speculators_model_type`` names (written from vLLM's source, to check our exports independently of
+#: the families' export code; a family vLLM has no loader for simply has no row)
+FAMILY_NAME_EXEMPT = {"speculators/export/vllm_layout.py"}
+
+
 def test_no_family_name_outside_the_drafters_package():
-    files = [p for p in sources() if (PKG / "drafters") not in p.parents]
+    files = [p for p in sources() if (PKG / "drafters") not in p.parents
+             and str(p.relative_to(ROOT)) not in FAMILY_NAME_EXEMPT]
     assert len(files) > 20 and not any("drafters" in p.parts for p in files)
     bad = [f"{p.relative_to(ROOT)}:{hit}" for p in files for hit in family_name_uses(p.read_text(), str(p))]
     assert not bad, ("family names outside speculators/drafters/ (the trainer, generation, eval, CLI and data "
