@@ -1,5 +1,6 @@
 # Two commands for a newcomer on a fresh machine:
-#   make demo   install, train an EAGLE-3 drafter for SmolLM2-135M-Instruct, measure it
+#   make demo   install, train an EAGLE-3 drafter for SmolLM2-135M-Instruct, check its export against the
+#               reference implementation, measure it
 #   make test   install dev dependencies, run the whole test suite (slow real-model tests included)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -33,7 +34,7 @@ install: $(VENV)/.installed
 reference: install
 	$(BIN)/python -m speculators.export.reference_env $(REFERENCE_VENV)
 
-demo: install
+demo: install reference
 	$(BIN)/speculators train $(RECIPE) --output-dir $(RUN_DIR) --overwrite
 	$(BIN)/speculators eval $(RUN_DIR)
 
