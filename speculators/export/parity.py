@@ -539,7 +539,7 @@ def _verifier_dir(target, path: Path) -> Path:
     from safetensors.torch import save_file as save
 
     path.mkdir(parents=True, exist_ok=True)
-    target.model.config.to_json_file(str(path / "config.json"))
+    target.config.to_json_file(str(path / "config.json"))
     sd = {"model.embed_tokens.weight": target.embed_tokens.weight.detach().cpu().clone(),  # untied
           "lm_head.weight": target.lm_head_weight.detach().cpu().clone(),
           "model.norm.weight": target.final_norm.weight.detach().cpu().clone()}
