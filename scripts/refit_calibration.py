@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 
-from speculators.calibrate import (DEFAULT_BINS, ConfidenceRecord, calibration_summary, ece_prompt_bootstrap,
-                                   fit_calibration)
+from speculators.calibration import (DEFAULT_BINS, ConfidenceRecord, calibration_summary, ece_prompt_bootstrap,
+                                     fit_calibration)
 
 
 def main() -> None:

@@ -125,6 +125,18 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     permission bits, a new one gets ``0o666`` less the umask (``0o644`` at ``0o022``), not ``mkstemp``'s
     private ``0o600``. On an error the temporary file is removed and ``path`` is untouched.
     """
+    _atomic_write(path, text, "w")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write a binary file (e.g. ``safetensors.torch.save``'s bytes) as :func:`atomic_write_text` writes text:
+    through a temporary name and ``os.replace``, with the mode a plain ``open(path, "wb")`` would leave."""
+    _atomic_write(path, data, "wb")
+
+
+def _atomic_write(path: str | Path, data: str | bytes, mode_flag: str) -> None:
+    """The one crash-safe file write of :func:`atomic_write_text` / :func:`atomic_write_bytes` (``mode_flag``
+    ``"w"`` or ``"wb"``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -133,8 +145,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         mode = _plain_file_mode()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode_flag) as f:
+            f.write(data)
         os.chmod(tmp, mode)  # mkstemp creates 0o600 and the mode survives the rename
         os.replace(tmp, path)
     except BaseException:

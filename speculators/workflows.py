@@ -540,9 +540,9 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     (:func:`speculators.data.pipeline.held_out_prompts`, or the ``prompts`` sources; at most
     ``eval.num_prompts``) with the eval's sampling settings and ``max_new_tokens``, fits the per-position
     temperatures and shifts and measures the survival ECE before and after
-    (:func:`speculators.calibrate.calibrate_drafter`), stores them in the checkpoint's ``config.json``
+    (:func:`speculators.calibration.calibrate_drafter`), stores them in the checkpoint's ``config.json``
     (``store``; ``speculators_training.confidence_calibration``, never ``model.safetensors``:
-    :func:`speculators.calibrate.store_temperatures`, an atomic rewrite) and writes the report
+    :func:`speculators.calibration.store_temperatures`, an atomic rewrite) and writes the report
     (``calibration.json``, ``calibration.md``, ``reliability.png``, the raw outcomes ``outcomes.safetensors``).
 
     Args:
@@ -562,17 +562,17 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
             default, so that the calibration and the recommended gate threshold are chosen on held-out
             prompts that the eval does not score; with ``prompts`` sources, 0).
         fit_bias: fit a shift per position besides the temperature (Platt scaling; False: temperature-only
-            STS, :func:`speculators.calibrate.fit_calibration`).
+            STS, :func:`speculators.calibration.fit_calibration`).
         min_tau_ratio: the recommended gate threshold is the one that cuts the most verified drafts while
             the simulated tau stays >= this ratio of the ungated tau
-            (:func:`speculators.calibrate.choose_threshold`).
+            (:func:`speculators.calibration.choose_threshold`).
     Returns:
         ``(report, report_dir)``.
     Raises:
         SpeculatorsError: a checkpoint without a confidence head, a bad override or ``k``, no prompts, and
             the errors of :func:`eval_run`'s loading.
     """
-    from .calibrate import calibrate_drafter, store_temperatures, use_sweep, write_calibration_report
+    from .calibration import calibrate_drafter, store_temperatures, use_sweep, write_calibration_report
     from .verify import SamplingParams
 
     if isinstance(prompts, (str, Path)):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from speculators.calibrate import (
+from speculators.calibration import (
     ConfidenceRecord,
     calibrate_drafter,
     calibration_markdown,
@@ -74,7 +74,7 @@ def test_per_position_ece_isolates_the_miscalibrated_slot():
     # (over each slot's own survival pairs) picks slot 1 out, and fitting T brings it down
     rec = synthetic_record([3.0, 1.0, 1.0], seed=3)
     raw = calibration_summary(rec, None)
-    from speculators.calibrate import survival_pairs
+    from speculators.calibration import survival_pairs
     s, y, pos = survival_pairs(rec, None)
     for p in raw["per_position"]:
         m = pos == p["k"]
@@ -390,7 +390,7 @@ def test_a_recalibration_reports_the_raw_head_beside_the_stored_temperatures(tmp
 def test_the_fit_and_measure_sides_interleave_the_prompts(monkeypatch):
     """Prompts listed source by source (8 of A, then 8 of B): both sides get 4 of each, not A to fit and B
     to measure; the split is even for other fractions too."""
-    import speculators.calibrate as cal
+    import speculators.calibration.run as cal
 
     assert cal.interleaved_split(10, 5) == [1, 3, 5, 7, 9]
     assert cal.interleaved_split(4, 4) == [0, 1, 2, 3] and cal.interleaved_split(4, 0) == []
@@ -545,7 +545,7 @@ def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolat
 
     from typer.testing import CliRunner
 
-    from speculators import calibrate as cal
+    from speculators import calibration as cal
     from speculators import workflows
     from speculators.cli import app
 
@@ -611,7 +611,7 @@ def test_calibrate_command_end_to_end(tiny_target_dir, isolated_cache, tmp_path)
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from speculators.calibrate import METHOD_PLATT, METHOD_STS
+    from speculators.calibration import METHOD_PLATT, METHOD_STS
     from speculators.cli import app
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-dspark.yaml"
@@ -671,7 +671,7 @@ class PromptTagger(OracleWithKnownConfidence):
 def test_every_recorded_step_knows_its_prompt():
     """Steps carry the index of the prompt they decoded (batched, requests joining as others finish),
     identical prompts included: the tagger's logit (its prompt's length) matches the indexed prompt."""
-    from speculators.calibrate import collect_confidence_outcomes
+    from speculators.calibration import collect_confidence_outcomes
 
     target = untied_target()
     prompts = [rand_prompt(3 + i, 500 + i) for i in range(7)]

@@ -412,7 +412,7 @@ def test_an_old_checkpoint_with_the_calibration_in_its_weights_loads_and_calibra
     ``store_temperatures`` writes the new calibration to ``config.json`` and the weights file without them."""
     from safetensors.torch import load_file
 
-    from speculators.calibrate import store_temperatures
+    from speculators.calibration import store_temperatures
 
     _, d = make()
     path = d.save_pretrained(tmp_path / "old")
