@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    from speculators.generate import NGramProposer, speculative_generate
+    from speculators.generate import speculative_generate
+    from speculators.proposers import NGramProposer
     from speculators.target import resolve_device
 
     device = str(resolve_device(a.device))

@@ -263,7 +263,7 @@ def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tok
 
     Prompt ``i`` draws from its own generator seeded with ``seed + i`` (so its output does not depend
     on the batch it ran in); ``proposer=None`` is plain decoding through the same loop; ``gate``: a
-    :class:`speculators.generate.ConfidenceGate` (confidence-gated verification) or None.
+    :class:`speculators.gating.ConfidenceGate` (confidence-gated verification) or None.
     """
     from .generate import speculative_generate
     from .verify import SamplingParams
@@ -321,7 +321,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     drafter), ``drafter_argmax`` (the same drafter under vLLM's default ``draft_sample_method: greedy``:
     argmax drafts verified as point masses, :class:`speculators.proposers.ArgmaxDrafts`; added
     automatically beside ``drafter`` at temperature > 0, where ``drafter``'s rows are vLLM's
-    ``draft_sample_method: probabilistic``), ``ngram`` (:class:`speculators.generate.NGramProposer`, prompt lookup), ``suffix``
+    ``draft_sample_method: probabilistic``), ``ngram`` (:class:`speculators.proposers.NGramProposer`, prompt lookup), ``suffix``
     (:class:`speculators.proposers.SuffixProposer`, suffix decoding) and ``hybrid``
     (:class:`speculators.proposers.HybridProposer`: the suffix draft where its match has at least
     ``hybrid_min_match`` tokens, the drafter elsewhere). Every decode of a prompt stops on the same stop
@@ -375,7 +375,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
             ``confidence_threshold`` outside (0, 1) or a bad ``verify_cost``.
 
     Confidence-gated verification (DSpark; ``confidence_threshold`` and/or ``verify_cost``, see
-    :class:`speculators.generate.ConfidenceGate`): the drafter is decoded a second time for every K and
+    :class:`speculators.gating.ConfidenceGate`): the drafter is decoded a second time for every K and
     batch size with the gate; those rows (same keys as ``rows``, plus ``gated: True``) go to
     ``report["gated_rows"]`` and ``report["gating"]`` holds ``{"threshold", "cost_aware", "verify_cost",
     "confidences" (whether the drafter reported any), "headline": {"ungated": row, "gated": row}}`` at the
@@ -451,14 +451,14 @@ def _check_methods(methods, temperature: float, drafter, batch_size, prompts) ->
 
 
 def _make_gate(confidence_threshold, verify_cost, methods):
-    """The :class:`speculators.generate.ConfidenceGate` of a run with a drafter row and a threshold or a
+    """The :class:`speculators.gating.ConfidenceGate` of a run with a drafter row and a threshold or a
     cost model, else None (a bad threshold is refused either way)."""
     if (confidence_threshold is not None or verify_cost is not None) and "drafter" in methods:
-        from .generate import ConfidenceGate
+        from .gating import ConfidenceGate
 
         return ConfidenceGate(confidence_threshold, verify_cost)
     if confidence_threshold is not None:
-        from .generate import check_confidence_threshold
+        from .gating import check_confidence_threshold
 
         check_confidence_threshold(confidence_threshold)
     return None
@@ -466,8 +466,7 @@ def _make_gate(confidence_threshold, verify_cost, methods):
 
 def _proposer_factory(drafter, ngram_max: int, hybrid_min_match: int, hybrid_drafter_k: int | None):
     """``make(method)``: a fresh proposer of ``method`` for one pass (the drafter itself for ``drafter``)."""
-    from .generate import NGramProposer
-    from .proposers import ArgmaxDrafts, HybridProposer, SuffixProposer
+    from .proposers import ArgmaxDrafts, HybridProposer, NGramProposer, SuffixProposer
 
     def make(method: str):
         if method == "drafter":

@@ -1,23 +1,27 @@
-"""Generation: plain target decoding, batched speculative decoding with any proposer, the n-gram proposer.
+"""Generation: plain target decoding and batched speculative decoding with any proposer.
 
 The loop follows what a serving engine does for a batch of requests (vLLM's spec-decode step with
-continuous batching), in :func:`speculative_generate`:
+continuous batching). :func:`speculative_generate` reads as its named steps (as gpt-fast's
+``generate.py`` does):
 
-1. requests join the batch: their prompts are prefilled in their own cache (one forward for all the
-   requests joining at that step: :meth:`speculators.target.BatchDecodeSession.add_many`) and
+1. ``_join``: requests join the batch: their prompts are prefilled in their own cache (one forward for
+   all the requests joining at that step: :meth:`speculators.target.BatchDecodeSession.add_many`) and
    concatenated to the batch's; each first token is sampled from the prefill;
-2. every step, each live request's proposer state drafts up to ``k_i`` tokens (ONE batched
+2. ``_draft``: each live request's proposer state drafts up to ``k_i`` tokens (ONE batched
    ``propose`` call, ragged: ``k_i`` may differ per request and may be 0); with a confidence gate
-   (:class:`ConfidenceGate`, DSpark) a proposal that carries confidence logits is cut to its confident
-   prefix here, before the target sees it (the rule reads only the drafter's outputs: lossless);
-3. ONE target forward over every live request's ``[last token, d_1..d_{k_i}]`` (right-padded, one KV
-   cache) gives ``k_i + 1`` distributions (and target features) per request;
-4. ONE call of the ragged rejection sampler (:func:`speculators.verify.rejection_sample`) accepts a
+   (:class:`speculators.gating.ConfidenceGate`, DSpark) a proposal that carries confidence logits is
+   cut to its confident prefix here, before the target sees it (the rule reads only the drafter's
+   outputs: lossless);
+3. ``_verify``: ONE target forward over every live request's ``[last token, d_1..d_{k_i}]``
+   (right-padded, one KV cache) gives ``k_i + 1`` distributions (and target features) per request, and
+   ONE call of the ragged rejection sampler (:func:`speculators.verify.rejection_sample`) accepts a
    prefix per request and emits a recovered or bonus token;
-5. per request, the target KV cache keeps only the accepted prefix (``keep``) and the proposer is
-   advanced with the accepted tokens and their target features (ONE batched ``advance`` call);
-6. finished requests leave the batch and waiting ones join (at most ``batch_size`` live requests), so
-   a long answer never holds the others back.
+4. ``_keep``: per request, the step's tokens are emitted, the step is recorded (and told to the
+   ``on_step`` outcome hook, as transformers' ``CandidateGenerator.update_candidate_strategy``), the
+   target KV cache keeps only the accepted prefix, and the proposer is advanced with the accepted tokens
+   and their target features (ONE batched ``advance`` call);
+5. ``_retire``: finished requests leave the batch and waiting ones join at the next ``_join`` (at most
+   ``batch_size`` live requests), so a long answer never holds the others back.
 
 The step's tokens are emitted up to the first stop token (:func:`resolve_stop_ids`: the target's
 tokenizer EOS, ``generation_config`` EOS ids and chat-template end-of-turn, or explicit ``eos_ids``)
@@ -31,64 +35,39 @@ batch-1 decode draws it (first token, then per step: its drafts, its accept test
 token), so its output does not depend on the other requests in the batch. :func:`plain_decode` and
 :func:`speculative_decode` are the batch-1 wrappers.
 
-A proposer implements the batched :class:`Proposer` protocol: ``start(input_ids, features) -> state``
-(one request), ``propose(states, ks, sampling, generators=None) -> list[Proposal]`` and
-``advance(states, new_ids, features)`` (every :class:`speculators.drafters.Drafter`, and
-:class:`NGramProposer`). ``sampling`` is the verifier's own :class:`speculators.verify.SamplingParams`
-for the B requests (per-request temperature / top-k / top-p), so drafts and the verifier apply the same
-transform. A proposer whose ``propose`` / ``advance`` still take ONE request (first parameter named
-``state``: the protocol before issue 11) is called once per request by the loop.
+A proposer implements the batched :class:`speculators.proposal.Proposer` protocol:
+``start(input_ids, features) -> state`` (one request), ``propose(states, ks, sampling, generators=None)
+-> list[Proposal]`` and ``advance(states, new_ids, features)`` (every
+:class:`speculators.drafters.Drafter`, and the proposers of :mod:`speculators.proposers`). ``sampling``
+is the verifier's own :class:`speculators.verify.SamplingParams` for the B requests (per-request
+temperature / top-k / top-p), so drafts and the verifier apply the same transform.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 import torch
 
-from .drafters.base import Proposal, advance_each, calibrated_confidence_logits, check_speculative_tokens, propose_each
 from .errors import SpeculatorsError
+from .gating import (  # noqa: F401  (re-exported: their import paths from generate keep working)
+    ConfidenceGate,
+    check_confidence_threshold,
+    confidence_bias_of,
+    confidence_temperature_of,
+    resolve_gate,
+    survival_probabilities,
+    truncate_proposal,
+)
+from .proposal import Proposal, Proposer, check_int, check_speculative_tokens  # noqa: F401  (Proposer re-exported)
 from .verify import SamplingParams, rejection_sample
 
-
-@runtime_checkable
-class Proposer(Protocol):
-    """What the speculative loop needs from a proposer (a drafter family or a model-free proposer).
-
-    Batched and ragged: ``propose`` / ``advance`` take the states of ``B`` requests (``B = 1`` is just
-    a batch of one). Inference protocol (features lag tokens by one): after ``start``/``advance`` the
-    proposer has seen tokens ``x_0..x_n`` of a request and target features of positions ``0..n-1``;
-    ``x_n`` is the newest (bonus or recovered) token, not yet run through the target.
-    """
-
-    def start(self, input_ids: torch.Tensor, features: Any) -> Any:
-        """Begin ONE request: ``input_ids [n+1]`` int64 (prompt + first target token), ``features`` the
-        target's :class:`speculators.target.TargetFeatures` of positions ``0..n-1`` (batch dim 1).
-        Returns the proposer's per-request state."""
-        ...
-
-    def propose(self, states: list, ks: list[int], sampling: SamplingParams | None = None,
-                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
-        """Drafts for ``B = len(states)`` requests: request i gets a :class:`Proposal` of at most
-        ``ks[i]`` drafts (target-vocabulary ids ``[k_i']`` and the ``[k_i', V]`` float32 draft
-        distributions or None for point masses); ``ks[i] == 0`` gives an empty Proposal.
-        ``sampling``: the B requests' :class:`speculators.verify.SamplingParams` (per-request
-        temperature / top-k / top-p; ``None`` = all greedy); ``generators``: one torch generator (or
-        None) per request, winning over ``sampling.generators``; request i draws ONLY from its own
-        generator (else torch's global RNG). Must leave every state as it found it."""
-        ...
-
-    def advance(self, states: list, new_ids: list[torch.Tensor], features: list) -> None:
-        """Append to request i the ``m_i`` verified tokens ``new_ids[i] [m_i]`` (accepted drafts + the
-        recovered/bonus token) and the target features ``features[i]`` of positions
-        ``n_i..n_i+m_i-1``; updates the states in place."""
-        ...
+_NO_DRAFTS = torch.empty(0, dtype=torch.int64)
 
 
 def _request_params(sampling: SamplingParams | None, seed: int | None) -> SamplingParams:
@@ -106,7 +85,7 @@ def _request_params(sampling: SamplingParams | None, seed: int | None) -> Sampli
                                f"got {type(sampling).__name__}")
     sampling.validate(1)  # VerifyInputError (a SpeculatorsError) naming the field
     if seed is not None:
-        seed = _check_int("seed", seed, -(2 ** 63))  # any integer torch.Generator.manual_seed takes
+        seed = check_int("seed", seed, -(2 ** 63))  # any integer torch.Generator.manual_seed takes
         dev = sampling.temperature.device
         sampling = dataclasses.replace(sampling, generators=[torch.Generator(device=dev).manual_seed(seed)])
     return sampling
@@ -220,26 +199,14 @@ def _emit_until(out: list[int], new: list[int], max_new: int, eos: set[int]) -> 
     return False
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        raise SpeculatorsError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return n
-
-
 def _per_request(name: str, value, batch: int, minimum: int) -> list[int]:
     """``value`` (one int for every request, or a list of ``batch`` ints) as a list of ``batch`` ints."""
     if isinstance(value, (list, tuple)):
         if len(value) != batch:
             raise SpeculatorsError(f"{name}: expected one integer or a list of {batch} (one per prompt), "
                                    f"got a list of {len(value)}")
-        return [_check_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(value)]
-    return [_check_int(name, value, minimum)] * batch
+        return [check_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(value)]
+    return [check_int(name, value, minimum)] * batch
 
 
 def _check_prompts(prompts, vocab_size: int | None) -> list[list[int]]:
@@ -276,7 +243,7 @@ def _batch_params(sampling: SamplingParams | None, seeds, batch: int,
         if not isinstance(seeds, (list, tuple)) or len(seeds) != batch:
             raise SpeculatorsError(f"seeds: expected a list of {batch} seeds (int or None, one per prompt) or "
                                    f"None, got {seeds!r:.80}")
-        seeds = [None if s is None else _check_int(f"seeds[{i}]", s, -(2 ** 63)) for i, s in enumerate(seeds)]
+        seeds = [None if s is None else check_int(f"seeds[{i}]", s, -(2 ** 63)) for i, s in enumerate(seeds)]
     gens: list[torch.Generator | None] = []
     for i in range(batch):
         if seeds is not None and seeds[i] is not None:
@@ -304,33 +271,15 @@ def _select(params: SamplingParams, gens: list, idx: list[int]) -> SamplingParam
                           generators=g if any(x is not None for x in g) else None)
 
 
-def _takes_one_request(method) -> bool:
-    """True for a per-request ``propose(state, k, ...)`` / ``advance(state, ...)`` (first parameter named
-    ``state``): the protocol before batching, still accepted by the loop (called once per request)."""
-    try:
-        params = list(inspect.signature(method).parameters)
-    except (TypeError, ValueError):
-        return False
-    return bool(params) and params[0] == "state"
-
-
 def _propose_batch(proposer, states: list, ks: list[int], sampling: SamplingParams,
                    gens: list) -> list[Proposal]:
-    if _takes_one_request(proposer.propose):
-        return propose_each(proposer.propose, states, ks, sampling, gens)
+    """The proposer's batched ``propose``, checked to give one Proposal per request."""
     props = proposer.propose(states, ks, sampling, gens)
     if not isinstance(props, (list, tuple)) or len(props) != len(states):
         raise SpeculatorsError(f"proposer {type(proposer).__name__}: propose must return one Proposal per "
                                f"request ({len(states)}), got {type(props).__name__}"
                                + (f" of {len(props)}" if isinstance(props, (list, tuple)) else ""))
     return list(props)
-
-
-def _advance_batch(proposer, states: list, new_ids: list, features: list) -> None:
-    if _takes_one_request(proposer.advance):
-        advance_each(proposer.advance, states, new_ids, features)
-    else:
-        proposer.advance(states, new_ids, features)
 
 
 def _draft_probs(props: list, drafts: list[torch.Tensor], vocab: int, device) -> torch.Tensor | None:
@@ -353,186 +302,6 @@ def _draft_probs(props: list, drafts: list[torch.Tensor], vocab: int, device) ->
     return torch.cat(rows)
 
 
-# ----------------------------------------------------------------------------- confidence-gated verification
-def check_confidence_threshold(value, name: str = "confidence_threshold") -> float | None:
-    """``value`` as a float in the open interval (0, 1), or None (no gating).
-
-    Raises:
-        SpeculatorsError: naming ``name``: not a number, or outside (0, 1) (0 would never cut a draft
-            and 1 would cut every one: neither is a gate).
-    """
-    if value is None:
-        return None
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        v = float(value)
-    except (TypeError, ValueError):
-        raise SpeculatorsError(f"{name}: expected a number in (0, 1) (the survival probability below which drafts "
-                               f"are not verified), got {value!r}") from None
-    if not 0.0 < v < 1.0:
-        raise SpeculatorsError(f"{name}: must lie in the open interval (0, 1) (the survival probability below "
-                               f"which drafts are not verified), got {value!r}")
-    return v
-
-
-def _confidence_calibration(proposer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``confidence_calibration()`` (:meth:`speculators.drafters.base.Drafter.confidence_calibration`) of
-    ``proposer``, else of the drafter it wraps (``proposer.drafter``), else None."""
-    for obj in (proposer, getattr(proposer, "drafter", None)):
-        get = getattr(obj, "confidence_calibration", None) if obj is not None else None
-        cal = get() if callable(get) else None
-        if cal is not None:
-            return cal
-    return None
-
-
-def confidence_temperature_of(proposer) -> torch.Tensor | None:
-    """The per-position calibration temperatures ``[B]`` float32 of a proposer with a confidence head: the
-    first half of its declared ``confidence_calibration()``, else that of the drafter it wraps
-    (``proposer.drafter``), else None (then the raw confidences are used, i.e. every T_k = 1)."""
-    cal = _confidence_calibration(proposer)
-    return None if cal is None else cal[0]
-
-
-def confidence_bias_of(proposer) -> torch.Tensor | None:
-    """The per-position calibration shifts ``[B]`` float32 (the second half of ``confidence_calibration()``,
-    found as :func:`confidence_temperature_of` finds the temperatures), or None (every b_k = 0)."""
-    cal = _confidence_calibration(proposer)
-    return None if cal is None else cal[1]
-
-
-def survival_probabilities(confidence_logits: torch.Tensor, temperature: torch.Tensor | None = None,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Survival ``S_k = prod_{i<=k} sigmoid(z_i / T_i + b_i)`` of drafts 1..n (DSpark, ALGORITHMS.md: the
-    calibrated conditional confidence of slot i is ``sigmoid(z_i / T_i + b_i)``, the probability that draft
-    i is accepted given drafts 1..i-1 were; their running product is the probability that drafts 1..k all
-    are). ``T`` is the per-position temperature of STS, ``b`` the per-position shift of Platt scaling
-    (:mod:`speculators.calibrate`).
-
-    Args:
-        confidence_logits: ``[n]`` raw (pre-sigmoid) confidence logits ``z`` of a proposal's drafts.
-        temperature: ``[>= n]`` per-position temperatures ``T`` (> 0), or None (all 1).
-        bias: ``[>= n]`` per-position shifts ``b`` (finite), or None (all 0).
-    Returns:
-        ``[n]`` float32 on the CPU, non-increasing, in [0, 1].
-    Raises:
-        SpeculatorsError: ``temperature`` / ``bias`` shorter than ``n``, a temperature not positive or a
-            shift not finite.
-    """
-    z = confidence_logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-    return torch.cumprod(torch.sigmoid(calibrated_confidence_logits(z, temperature, bias)), 0)
-
-
-class ConfidenceGate:
-    """Which prefix of each proposal the target verifies (DSpark's confidence-gated verification).
-
-    The rule reads only the proposal (its drafts' confidence logits) and the proposer's calibration
-    (temperatures and shifts), never the target or the verifier's randomness, and whether draft k is kept
-    depends only on ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only
-    drafts ``< k``. Dropping draft k is then the proposer stopping before drafting it, and speculative sampling stays lossless
-    (Leviathan et al. 2023). A draft kept or dropped because of its OWN sampled value, or a rule that looks at
-    the verifier's outcome, can bias the output (tests/test_gating.py shows the latter). Proposals
-    without ``confidence_logits`` (n-gram, suffix, families without a confidence head) are untouched.
-
-    * threshold mode: keep drafts 1..m, where m is the number of leading drafts whose survival
-      ``S_k = prod_{i<=k} c_i`` (:func:`survival_probabilities`) is ``>= threshold``; the first draft
-      whose survival falls below it, and everything after it, is dropped (m may be 0);
-    * cost-aware mode (``verify_cost`` given): with ``value(m) = (1 + sum_{k<=m} S_k) / verify_cost[m]``
-      (expected emitted tokens per unit of verify cost), keep extending the prefix while it raises the
-      value: m is the first ``m <= m_thr`` with ``value(m + 1) <= value(m)`` (``m_thr`` = the threshold's
-      m, or every draft without a threshold), where ``verify_cost[m]`` is the measured time of a target
-      forward over ``m + 1`` tokens (:func:`measure_verify_cost`; the last entry is used beyond the
-      measured lengths). The rule is a stopping time: whether draft k is kept depends only on
-      ``S_1..S_k``, i.e. on drafts ``< k`` (``S_k`` reads draft k-1, never draft k). A global argmax over
-      all m would not be: keeping draft k would then depend on ``S_{k+1}``, which reads draft k itself,
-      and keeping a sampled draft because of its own value biases the output at temperature > 0
-      (tests/test_gating.py). With the usual non-increasing survival and convex costs the two agree. Drafting cost
-      is spent before the choice and does not enter it; in a batch each request chooses alone (the
-      padded forward's cost depends on the longest request, which this per-request model ignores).
-
-    Args:
-        threshold: survival threshold in (0, 1), or None (cost-aware mode only).
-        verify_cost: ``[K+1]`` positive seconds (or any unit) of target forwards over 1..K+1 tokens, or None.
-    Raises:
-        SpeculatorsError: neither given, a threshold outside (0, 1), or a non-positive / empty cost list.
-    """
-
-    def __init__(self, threshold: float | None = None, verify_cost: list[float] | None = None):
-        self.threshold = check_confidence_threshold(threshold)
-        if verify_cost is not None:
-            cost = [float(c) for c in verify_cost]
-            if not cost or not all(c > 0 and c == c and c != float("inf") for c in cost):
-                raise SpeculatorsError(f"verify_cost: expected one positive finite time per verified length "
-                                       f"(1..K+1 tokens), got {verify_cost!r}")
-            verify_cost = cost
-        if self.threshold is None and verify_cost is None:
-            raise SpeculatorsError("ConfidenceGate: give a confidence threshold, a verify_cost model, or both")
-        self.verify_cost = verify_cost
-
-    def keep_length(self, survival: torch.Tensor) -> int:
-        """How many leading drafts to verify, from their survival probabilities ``[n]`` (see the class)."""
-        s = survival.reshape(-1).tolist()
-        m = len(s)
-        if self.threshold is not None:
-            m = next((k for k, v in enumerate(s) if v < self.threshold), len(s))
-        if self.verify_cost is None:
-            return m
-        cost = self.verify_cost
-        # a stopping time (see the class): draft j is kept only if value(j) > value(j - 1), which reads
-        # S_1..S_j, i.e. drafts < j; a global argmax would let draft j's own value decide whether it is kept
-        expected = 1.0
-        value = expected / cost[0]
-        for j in range(1, m + 1):
-            expected += s[j - 1]
-            nxt = expected / cost[min(j, len(cost) - 1)]
-            if nxt <= value:
-                return j - 1
-            value = nxt
-        return m
-
-    def keep(self, proposer, proposals: list) -> list[int | None]:
-        """Per proposal, the number of leading drafts to verify, or None to leave it as it is (no
-        proposal, no drafts, or no ``confidence_logits``).
-
-        Raises:
-            SpeculatorsError: ``confidence_logits`` whose length differs from the drafts'.
-        """
-        temperature, bias = confidence_temperature_of(proposer), confidence_bias_of(proposer)
-        out: list[int | None] = []
-        for j, p in enumerate(proposals):
-            z = None if p is None else p.confidence_logits
-            n = 0 if p is None else int(p.token_ids.numel())
-            if z is None or n == 0:
-                out.append(None)
-                continue
-            if int(z.numel()) != n:
-                raise SpeculatorsError(f"proposal {j}: confidence_logits has {int(z.numel())} entries for {n} drafts "
-                                       "(one raw confidence logit per draft)")
-            out.append(self.keep_length(survival_probabilities(z, temperature, bias)))
-        return out
-
-
-def _truncate(p: Proposal, m: int) -> Proposal:
-    """The first ``m`` drafts of ``p`` (ids, probabilities and confidence logits alike)."""
-    return dataclasses.replace(p, token_ids=p.token_ids.reshape(-1)[:m],
-                               probs=None if p.probs is None else p.probs[:m],
-                               confidence_logits=None if p.confidence_logits is None else p.confidence_logits[:m])
-
-
-def _resolve_gate(gate, confidence_threshold):
-    """The run's gate: ``gate`` (any object with ``keep(proposer, proposals)``), or a threshold
-    :class:`ConfidenceGate`, or None."""
-    threshold = check_confidence_threshold(confidence_threshold)
-    if gate is not None and threshold is not None:
-        raise SpeculatorsError("confidence_threshold and gate: give one of them (a ConfidenceGate carries its "
-                               "own threshold)")
-    if gate is not None and not callable(getattr(gate, "keep", None)):
-        raise SpeculatorsError(f"gate: expected a ConfidenceGate (an object with keep(proposer, proposals)), got "
-                               f"{type(gate).__name__}")
-    return ConfidenceGate(threshold) if threshold is not None else gate
-
-
 @torch.no_grad()
 def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0) -> list[float]:
     """The cost model of :class:`ConfidenceGate`'s cost-aware mode, measured on the machine at hand:
@@ -546,9 +315,9 @@ def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, see
     """
     import statistics
 
-    k = _check_int("k", k, 0)
-    reps = _check_int("reps", reps, 1)
-    prompt_len = _check_int("prompt_len", prompt_len, 1)
+    k = check_int("k", k, 0)
+    reps = check_int("reps", reps, 1)
+    prompt_len = check_int("prompt_len", prompt_len, 1)
     device = getattr(target, "device", torch.device("cpu"))
     vocab = int(getattr(target, "vocab_size", 2))
     g = torch.Generator().manual_seed(seed)
@@ -598,7 +367,8 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
 
     Args:
         target: :class:`speculators.target.Target` (needs ``batch_session``).
-        proposer: a :class:`Proposer` (drafter, :class:`NGramProposer`, ...), or ``None`` for plain
+        proposer: a :class:`speculators.proposal.Proposer` (drafter,
+            :class:`speculators.proposers.NGramProposer`, ...), or ``None`` for plain
             decoding through the same loop (0 drafts every step: the baseline at the same batch size).
         prompts: ``B`` prompts, each a non-empty list of token ids in ``[0, V)``.
         k: max drafts per step (``num_speculative_tokens``, >= 0), one for all or one per prompt.
@@ -610,7 +380,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         seeds: per prompt, a seed for its own fresh ``torch.Generator`` (on the target's device) or
             None (then ``sampling.generators[i]``, else torch's global RNG).
         progress: called as ``progress(done, B)`` each time a request finishes.
-        confidence_threshold: confidence-gated verification (DSpark, :class:`ConfidenceGate`): after each
+        confidence_threshold: confidence-gated verification (DSpark, :class:`speculators.gating.ConfidenceGate`): after each
             ``propose``, a proposal with ``confidence_logits`` keeps only the drafts before the first one
             whose survival ``prod_{i<=k} c_i`` is below this value in (0, 1); the dropped drafts are never
             verified and the proposer is advanced only with what was accepted of the kept ones. None = no
@@ -636,17 +406,89 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             ``block_size - 1``; checked before decoding), or a proposer that returned more drafts than
             asked for, draft ids outside the vocabulary, or ``probs`` of the wrong shape.
     """
+    run = _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, eos_ids, seeds, progress,
+                 confidence_threshold, gate, on_step)
+    t0 = time.perf_counter()
+    if not run.results:
+        return BatchResult(run.results, 0.0, 0)
+    run.sess = target.batch_session(min(run.batch_size, len(run.results)))
+    while run.waiting or run.live:
+        _join(run)
+        if not run.live:
+            continue
+        step = _draft(run)
+        _verify(run, step)
+        _keep(run, step)
+    return BatchResult(run.results, time.perf_counter() - t0, run.forwards, run.draft_s, run.verify_s)
+
+
+@dataclass
+class _Run:
+    """The state of one :func:`speculative_generate` run: its checked arguments, the batch session, the
+    per-request results, proposer states and last tokens, the waiting and live requests (prompt indices)
+    and the run's counters (batched forwards, finished requests, drafting and verifying seconds)."""
+
+    target: Any
+    proposer: Any
+    prompts: list[list[int]]
+    ks: list[int]
+    max_new: list[int]
+    batch_size: int
+    eos: set[int]
+    device: Any
+    vocab: int | None
+    params: SamplingParams
+    gens: list
+    greedy: list[bool]
+    gate: Any
+    progress: Callable[[int, int], Any] | None
+    on_step: Callable[[int, Proposal, int, list[int]], Any] | None
+    results: list[GenerationResult]
+    waiting: deque
+    sess: Any = None
+    live: list[int] = field(default_factory=list)
+    states: dict[int, Any] = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)
+    joined: dict[int, float] = field(default_factory=dict)
+    forwards: int = 0
+    done_count: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass
+class _Step:
+    """One verification step over the live requests (lists in ``_Run.live`` order): the requests'
+    sampling parameters, their proposals (None: nothing drafted) and CPU int64 drafts after gating, the
+    drafts proposed before gating, the clock readings around drafting, and (after :func:`_verify`) the
+    cache lengths before the forward, the target features, the accepted counts and output ids."""
+
+    sp: SamplingParams
+    props: list
+    drafts: list[torch.Tensor]
+    proposed: list[int]
+    tp: float
+    tv: float
+    lengths: list[int] = field(default_factory=list)
+    feats: list = field(default_factory=list)
+    num_acc: list[int] = field(default_factory=list)
+    out_ids: list[list[int]] = field(default_factory=list)
+
+
+def _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, eos_ids, seeds, progress,
+           confidence_threshold, gate, on_step) -> _Run:
+    """Check :func:`speculative_generate`'s arguments (see its Raises) and build the run's state."""
     vocab = getattr(target, "vocab_size", None)
     prompts = _check_prompts(prompts, vocab)
     B = len(prompts)
     ks = _per_request("k (drafts per step)", k, B, 0)
     max_new = _per_request("max_new_tokens", max_new_tokens, B, 1)
-    batch_size = _check_int("batch_size", batch_size, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     eos = resolve_stop_ids(target, eos_ids)
     device = getattr(target, "device", torch.device("cpu"))
     params, gens = _batch_params(sampling, seeds, B, device)
     greedy = (params.temperature == 0).tolist()
-    gate = _resolve_gate(gate, confidence_threshold)
+    gate = resolve_gate(gate, confidence_threshold)
     if on_step is not None and not callable(on_step):
         raise SpeculatorsError(f"on_step: expected a callable on_step(request, proposal, num_accepted, emitted) or "
                                f"None, got {type(on_step).__name__}")
@@ -654,126 +496,142 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         ks = [0] * B
     else:  # one clear error before decoding: K above what a parallel drafter was trained for
         check_speculative_tokens(proposer, sorted(set(ks)), "k")
-    t0 = time.perf_counter()
-    draft_s = verify_s = 0.0
-    results = [GenerationResult([]) for _ in range(B)]
-    if B == 0:
-        return BatchResult(results, 0.0, 0)
-    sess = target.batch_session(min(batch_size, B))
-    empty = torch.empty(0, dtype=torch.int64)
-    waiting = deque(range(B))
-    live: list[int] = []
-    states: dict[int, Any] = {}
-    last: dict[int, int] = {}
-    joined: dict[int, float] = {}
-    forwards = done_count = 0
+    return _Run(target, proposer, prompts, ks, max_new, batch_size, eos, device, vocab, params, gens, greedy, gate,
+                progress, on_step, [GenerationResult([]) for _ in range(B)], deque(range(B)))
 
-    def finish(i: int) -> None:
-        nonlocal done_count
-        results[i].seconds = time.perf_counter() - joined[i]
-        if i in sess:
-            sess.remove(i)
-        states.pop(i, None)
-        done_count += 1
-        if progress is not None:
-            progress(done_count, B)
 
-    while waiting or live:
-        # ---- joins: ONE prefill forward for all joiners (own cache, then concatenated to the batch's),
-        # first tokens from the prefill (one sampler call for all joiners)
-        idx = []
-        while waiting and len(live) + len(idx) < batch_size:
-            idx.append(waiting.popleft())
-        if idx:
-            now = time.perf_counter()
-            joined.update({i: now for i in idx})
-            first_logits, first_feats = sess.add_many(idx, [prompts[i] for i in idx])
-            res = rejection_sample(empty.to(device), [0] * len(idx), None, torch.stack(first_logits),
-                                   _select(params, gens, idx), validate=False)
-            for i, feats_i, tok in zip(idx, first_feats, res.output_token_ids[:, 0].tolist()):
-                if _emit_until(results[i].tokens, [tok], max_new[i], eos):
-                    finish(i)
-                    continue
-                if proposer is not None:
-                    states[i] = proposer.start(torch.tensor(prompts[i] + [tok], dtype=torch.int64), feats_i)
-                last[i] = tok
-                live.append(i)
-        if not live:
+def _retire(run: _Run, i: int) -> None:
+    """Request ``i`` is finished: its wall time, its rows of the batch cache and its proposer state go."""
+    run.results[i].seconds = time.perf_counter() - run.joined[i]
+    if i in run.sess:
+        run.sess.remove(i)
+    run.states.pop(i, None)
+    run.done_count += 1
+    if run.progress is not None:
+        run.progress(run.done_count, len(run.results))
+
+
+def _join(run: _Run) -> None:
+    """Waiting requests join up to ``batch_size`` live ones: ONE prefill forward for all joiners (own
+    cache, then concatenated to the batch's), their first tokens from ONE sampler call, and the
+    proposer started on each (a request whose first token ends it retires at once)."""
+    idx = []
+    while run.waiting and len(run.live) + len(idx) < run.batch_size:
+        idx.append(run.waiting.popleft())
+    if not idx:
+        return
+    now = time.perf_counter()
+    run.joined.update({i: now for i in idx})
+    first_logits, first_feats = run.sess.add_many(idx, [run.prompts[i] for i in idx])
+    res = rejection_sample(_NO_DRAFTS.to(run.device), [0] * len(idx), None, torch.stack(first_logits),
+                           _select(run.params, run.gens, idx), validate=False)
+    for i, feats_i, tok in zip(idx, first_feats, res.output_token_ids[:, 0].tolist()):
+        if _emit_until(run.results[i].tokens, [tok], run.max_new[i], run.eos):
+            _retire(run, i)
             continue
-        # ---- one step for every live request
-        k_eff = [min(ks[i], max_new[i] - len(results[i].tokens) - 1) for i in live]
-        sp = _select(params, gens, live)
-        tp = _clock(device)
-        if proposer is not None and any(k_eff):
-            props = _propose_batch(proposer, [states[i] for i in live], k_eff, sp, [gens[i] for i in live])
-        else:
-            props = [None] * len(live)
-        drafts = []
-        for j, p in enumerate(props):
-            d = empty if p is None else p.token_ids.reshape(-1).to(device="cpu", dtype=torch.int64)
-            if d.numel() > k_eff[j]:
-                raise SpeculatorsError(f"proposer {type(proposer).__name__} returned {d.numel()} drafts when "
-                                       f"asked for at most {k_eff[j]}")
-            drafts.append(d)
-        proposed = [int(d.numel()) for d in drafts]  # before gating
-        if gate is not None and proposer is not None and any(proposed):
-            for j, m in enumerate(gate.keep(proposer, props)):
-                if m is None or m == proposed[j]:
-                    continue
-                if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= proposed[j]:
-                    raise SpeculatorsError(f"gate {type(gate).__name__}: keep() must give an integer in "
-                                           f"[0, {proposed[j]}] (or None) per proposal, got {m!r}")
-                props[j], drafts[j] = _truncate(props[j], m), drafts[j][:m]
-        tv = _clock(device) if proposer is not None else tp
-        ns = [int(d.numel()) for d in drafts]
-        all_drafts = torch.cat(drafts)
-        if all_drafts.numel() and vocab is not None and (int(all_drafts.min()) < 0 or int(all_drafts.max()) >= vocab):
-            raise SpeculatorsError(f"proposer {type(proposer).__name__} returned draft ids outside [0, {vocab})")
-        lengths = [sess.length(i) for i in live]
-        logits, feats = sess.forward(live, [torch.cat([torch.tensor([last[i]]), d]) for i, d in zip(live, drafts)])
-        forwards += 1
-        logits = torch.cat(logits)
-        # draft distributions only matter to sampled requests (greedy ones compare with the argmax)
-        sampled = not all(greedy[i] for i in live)
-        probs = _draft_probs(props, drafts, logits.shape[-1], device) if sampled else None
-        res = rejection_sample(all_drafts.to(device), ns, probs, logits, sp, validate=False)
-        num_acc = res.num_accepted.tolist()
-        out_ids = res.output_token_ids.tolist()
-        te = _clock(device)
-        draft_s, verify_s = draft_s + (tv - tp), verify_s + (te - tv)
-        for i in live:
-            results[i].draft_seconds += tv - tp
-            results[i].verify_seconds += te - tv
-        still, adv = [], ([], [], [])
-        for j, i in enumerate(live):
-            a = num_acc[j]
-            step = out_ids[j][:a + 1]
-            r = results[i]
-            before = len(r.tokens)
-            done = _emit_until(r.tokens, step, max_new[i], eos)
-            r.add_step(ns[j], a, len(r.tokens) - before)
-            r.proposed.append(proposed[j])
-            if on_step is not None:
-                on_step(i, props[j] if props[j] is not None else Proposal(empty.clone()), a, r.tokens[before:])
-            if done:
-                finish(i)
-                continue
-            sess.keep(i, lengths[j] + a + 1)
-            if proposer is not None:
-                adv[0].append(states[i])
-                adv[1].append(torch.tensor(step, dtype=torch.int64))
-                adv[2].append(feats[j].slice(0, a + 1))
-            last[i] = step[-1]
-            still.append(i)
-        if adv[0]:
-            ta = _clock(device)
-            _advance_batch(proposer, *adv)
-            dt = _clock(device) - ta
-            draft_s += dt
-            for i in still:
-                results[i].draft_seconds += dt
-        live = still
-    return BatchResult(results, time.perf_counter() - t0, forwards, draft_s, verify_s)
+        if run.proposer is not None:
+            run.states[i] = run.proposer.start(torch.tensor(run.prompts[i] + [tok], dtype=torch.int64), feats_i)
+        run.last[i] = tok
+        run.live.append(i)
+
+
+def _draft(run: _Run) -> _Step:
+    """ONE batched ``propose`` for the live requests (request i asks for at most
+    ``min(k_i, max_new_i - generated_i - 1)`` drafts), checked, then cut by the gate if any."""
+    live, proposer = run.live, run.proposer
+    k_eff = [min(run.ks[i], run.max_new[i] - len(run.results[i].tokens) - 1) for i in live]
+    sp = _select(run.params, run.gens, live)
+    tp = _clock(run.device)
+    if proposer is not None and any(k_eff):
+        props = _propose_batch(proposer, [run.states[i] for i in live], k_eff, sp, [run.gens[i] for i in live])
+    else:
+        props = [None] * len(live)
+    drafts = []
+    for j, p in enumerate(props):
+        d = _NO_DRAFTS if p is None else p.token_ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+        if d.numel() > k_eff[j]:
+            raise SpeculatorsError(f"proposer {type(proposer).__name__} returned {d.numel()} drafts when "
+                                   f"asked for at most {k_eff[j]}")
+        drafts.append(d)
+    proposed = [int(d.numel()) for d in drafts]  # before gating
+    if run.gate is not None and proposer is not None and any(proposed):
+        _gate(run.gate, proposer, props, drafts, proposed)
+    tv = _clock(run.device) if proposer is not None else tp
+    return _Step(sp, props, drafts, proposed, tp, tv)
+
+
+def _gate(gate, proposer, props: list, drafts: list[torch.Tensor], proposed: list[int]) -> None:
+    """Cut ``props`` / ``drafts`` in place to the prefixes ``gate.keep(proposer, props)`` keeps."""
+    for j, m in enumerate(gate.keep(proposer, props)):
+        if m is None or m == proposed[j]:
+            continue
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= proposed[j]:
+            raise SpeculatorsError(f"gate {type(gate).__name__}: keep() must give an integer in "
+                                   f"[0, {proposed[j]}] (or None) per proposal, got {m!r}")
+        props[j], drafts[j] = truncate_proposal(props[j], m), drafts[j][:m]
+
+
+def _verify(run: _Run, step: _Step) -> None:
+    """ONE target forward over every live request's ``[last token, drafts]`` and ONE ragged
+    :func:`speculators.verify.rejection_sample`; charges the step's drafting and verifying time."""
+    live = run.live
+    ns = [int(d.numel()) for d in step.drafts]
+    all_drafts = torch.cat(step.drafts)
+    vocab = run.vocab
+    if all_drafts.numel() and vocab is not None and (int(all_drafts.min()) < 0 or int(all_drafts.max()) >= vocab):
+        raise SpeculatorsError(f"proposer {type(run.proposer).__name__} returned draft ids outside [0, {vocab})")
+    step.lengths = [run.sess.length(i) for i in live]
+    logits, step.feats = run.sess.forward(live, [torch.cat([torch.tensor([run.last[i]]), d])
+                                                 for i, d in zip(live, step.drafts)])
+    run.forwards += 1
+    logits = torch.cat(logits)
+    # draft distributions only matter to sampled requests (greedy ones compare with the argmax)
+    sampled = not all(run.greedy[i] for i in live)
+    probs = _draft_probs(step.props, step.drafts, logits.shape[-1], run.device) if sampled else None
+    res = rejection_sample(all_drafts.to(run.device), ns, probs, logits, step.sp, validate=False)
+    step.num_acc = res.num_accepted.tolist()
+    step.out_ids = res.output_token_ids.tolist()
+    te = _clock(run.device)
+    run.draft_s, run.verify_s = run.draft_s + (step.tv - step.tp), run.verify_s + (te - step.tv)
+    for i in live:
+        run.results[i].draft_seconds += step.tv - step.tp
+        run.results[i].verify_seconds += te - step.tv
+
+
+def _keep(run: _Run, step: _Step) -> None:
+    """Per live request: emit the step's accepted drafts and recovered/bonus token up to a stop token or
+    ``max_new_tokens``, record the step (and tell ``on_step``), retire a finished request, else keep the
+    accepted prefix in the target's cache; then ONE batched ``advance`` of the proposer."""
+    still, adv = [], ([], [], [])
+    for j, i in enumerate(run.live):
+        a = step.num_acc[j]
+        new = step.out_ids[j][:a + 1]
+        r = run.results[i]
+        before = len(r.tokens)
+        done = _emit_until(r.tokens, new, run.max_new[i], run.eos)
+        r.add_step(int(step.drafts[j].numel()), a, len(r.tokens) - before)
+        r.proposed.append(step.proposed[j])
+        if run.on_step is not None:
+            p = step.props[j]
+            run.on_step(i, p if p is not None else Proposal(_NO_DRAFTS.clone()), a, r.tokens[before:])
+        if done:
+            _retire(run, i)
+            continue
+        run.sess.keep(i, step.lengths[j] + a + 1)
+        if run.proposer is not None:
+            adv[0].append(run.states[i])
+            adv[1].append(torch.tensor(new, dtype=torch.int64))
+            adv[2].append(step.feats[j].slice(0, a + 1))
+        run.last[i] = new[-1]
+        still.append(i)
+    if adv[0]:
+        ta = _clock(run.device)
+        run.proposer.advance(*adv)
+        dt = _clock(run.device) - ta
+        run.draft_s += dt
+        for i in still:
+            run.results[i].draft_seconds += dt
+    run.live = still
 
 
 @torch.no_grad()
@@ -823,8 +681,8 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
 
     Args:
         target: :class:`speculators.target.Target`.
-        proposer: a :class:`Proposer` (a drafter or :class:`NGramProposer`; a per-request proposer of the
-            old protocol is accepted too), or ``None`` for plain decoding; its ``propose`` gets the
+        proposer: a :class:`speculators.proposal.Proposer` (a drafter or
+            :class:`speculators.proposers.NGramProposer`), or ``None`` for plain decoding; its ``propose`` gets the
             request's ``SamplingParams`` and the request's generator (the verifier draws from the same
             generator, after the drafts).
         prompt_ids: prompt token ids.
@@ -835,11 +693,11 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
         SpeculatorsError: bad ``k`` / ``max_new_tokens`` / ``eos_ids`` / ``seed`` / ``sampling`` / prompt,
             or a proposer that returned more drafts than asked for.
     """
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    k = _check_int("k (drafts per step)", k, 0)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    k = check_int("k (drafts per step)", k, 0)
     params = _request_params(sampling, None)
     if seed is not None:
-        seed = _check_int("seed", seed, -(2 ** 63))
+        seed = check_int("seed", seed, -(2 ** 63))
     return speculative_generate(target, proposer, [prompt_ids], k, max_new_tokens, params, batch_size=1,
                                 eos_ids=eos_ids, seeds=[seed]).results[0]
 
@@ -889,69 +747,3 @@ def resolve_stop_ids(target, eos_ids=None) -> set[int]:
     tok = getattr(target, "tokenizer", None)
     eos = getattr(tok, "eos_token_id", None) if tok is not None else None
     return set() if eos is None else _as_token_ids(eos, "tokenizer.eos_token_id")
-
-
-@dataclass
-class _NGramState:
-    tokens: list[int]
-
-
-class NGramProposer:
-    """Prompt-lookup (n-gram) proposer, the model-free baseline (vLLM ``method: ngram``).
-
-    Finds the most recent earlier occurrence of the last ``n`` tokens (``n`` from ``max_n`` down to
-    ``min_n``) in the prompt + generated text and proposes the tokens that followed it. Drafts are
-    ids only (``probs=None``): the verifier treats them as point masses. Batched :class:`Proposer`:
-    ``propose`` / ``advance`` loop over the requests (:meth:`_propose_one` / :meth:`_advance_one`).
-    """
-
-    def __init__(self, max_n: int = 3, min_n: int = 1):
-        """``max_n`` >= ``min_n`` >= 1: the n-gram lengths tried, longest first.
-
-        Raises:
-            SpeculatorsError: other values.
-        """
-        self.min_n = _check_int("NGramProposer min_n", min_n, 1)
-        self.max_n = _check_int("NGramProposer max_n", max_n, self.min_n)
-
-    def start(self, input_ids: torch.Tensor, features: Any = None) -> _NGramState:
-        """``input_ids [n+1]``: prompt + first token; ``features`` are not used."""
-        return _NGramState(input_ids.reshape(-1).tolist())
-
-    def propose(self, states: list[_NGramState], ks: list[int], sampling: SamplingParams | None = None,
-                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
-        """Per request, up to ``ks[i]`` drafts (:meth:`_propose_one`); ids only, no randomness.
-
-        Raises:
-            SpeculatorsError: list lengths that differ, a negative ``k``, or ``sampling`` not ``B``
-                requests' ``SamplingParams``.
-        """
-        return propose_each(self._propose_one, states, ks, sampling, generators)
-
-    def advance(self, states: list[_NGramState], new_ids: list[torch.Tensor], features: list | None = None) -> None:
-        """Append each request's verified tokens ``new_ids[i] [m_i]``; ``features`` are not used.
-
-        Raises:
-            SpeculatorsError: list lengths that differ.
-        """
-        advance_each(self._advance_one, states, new_ids, features)
-
-    def _advance_one(self, state: _NGramState, new_ids: torch.Tensor, features: Any = None) -> None:
-        state.tokens.extend(new_ids.reshape(-1).tolist())
-
-    def _propose_one(self, state: _NGramState, k: int, sampling: SamplingParams | None = None,
-                     generator: torch.Generator | None = None) -> Proposal:
-        """Up to ``k`` drafts: the tokens that followed the most recent earlier match of the longest
-        suffix n-gram (``max_n`` down to ``min_n``); none without a match. Ids only (``probs=None``,
-        point masses) whatever ``sampling`` says, and no randomness (``generator`` unused). The state
-        is not modified."""
-        toks = state.tokens
-        L = len(toks)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            pattern = toks[L - n:]
-            for start in range(L - n - 1, -1, -1):  # most recent match first
-                if toks[start:start + n] == pattern:
-                    follow = toks[start + n:start + n + k]
-                    if follow:
-                        return Proposal(torch.tensor(follow, dtype=torch.int64))
-        return Proposal(torch.empty(0, dtype=torch.int64))

@@ -1,13 +1,25 @@
-"""The per-request protocol pieces shared by every drafter and proposer: the :class:`Proposal` a
-drafter returns, the calibrated confidence of its drafts, and the default batched ``propose`` /
-``advance`` loops over one request at a time with their argument checks and the K bound
-(:func:`check_speculative_tokens`). Re-exported by :mod:`speculators.drafters.base` (the Drafter
-interface, docs/ARCHITECTURE.md)."""
+"""The proposer protocol: what the decoding loop, the drafter families and the model-free proposers share.
+
+* :class:`Proposer`: the batched protocol every proposer implements (``start`` / ``propose`` /
+  ``advance``; vLLM's spec-decode proposers follow the same split), and :class:`Proposal`, the drafts
+  of one request with their distributions and confidence logits;
+* the default batched ``propose`` / ``advance`` loops over one request at a time
+  (:func:`propose_each` / :func:`advance_each`) with their argument checks, and one request's sampling
+  parameters (:func:`request_sampling`);
+* the calibrated confidence of a proposal's drafts (:func:`calibrated_confidence_logits`);
+* the K cap: :func:`max_speculative_tokens_of` and :func:`check_speculative_tokens` (the one error a
+  user sees for a K above what a drafter was trained for), and :func:`check_int`, the integer check of
+  the loop's and the proposers' arguments.
+
+It sits below the drafters and the loop (docs/ARCHITECTURE.md): :mod:`speculators.drafters.base`
+re-exports its names.
+"""
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -25,7 +37,7 @@ class Proposal:
             or None for drafters that only give ids (the verifier then treats q as a point mass).
         confidence_logits: ``[k]`` float32 raw (pre-sigmoid, uncalibrated) confidence logits of the drafts
             (DSpark's confidence head), or None; calibrated ``c_k = sigmoid(logit_k / T_k + b_k)`` with the
-            drafter's :meth:`Drafter.confidence_calibration` (:mod:`speculators.calibrate`).
+            drafter's :meth:`Drafter.confidence_calibration` (:mod:`speculators.calibration`).
             Contract (what keeps confidence-gated verification lossless): logit k may read the drafter's
             state and drafts ``< k``, never draft k itself nor the target (DSpark's ``c_k`` reads ``h_k``
             and ``x_{k-1}``).
@@ -36,10 +48,61 @@ class Proposal:
     confidence_logits: torch.Tensor | None = None
 
 
+@runtime_checkable
+class Proposer(Protocol):
+    """What the speculative loop needs from a proposer (a drafter family or a model-free proposer).
+
+    Batched and ragged: ``propose`` / ``advance`` take the states of ``B`` requests (``B = 1`` is just
+    a batch of one). Inference protocol (features lag tokens by one): after ``start``/``advance`` the
+    proposer has seen tokens ``x_0..x_n`` of a request and target features of positions ``0..n-1``;
+    ``x_n`` is the newest (bonus or recovered) token, not yet run through the target.
+    """
+
+    def start(self, input_ids: torch.Tensor, features: Any) -> Any:
+        """Begin ONE request: ``input_ids [n+1]`` int64 (prompt + first target token), ``features`` the
+        target's :class:`speculators.target.TargetFeatures` of positions ``0..n-1`` (batch dim 1).
+        Returns the proposer's per-request state."""
+        ...
+
+    def propose(self, states: list, ks: list[int], sampling: SamplingParams | None = None,
+                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """Drafts for ``B = len(states)`` requests: request i gets a :class:`Proposal` of at most
+        ``ks[i]`` drafts (target-vocabulary ids ``[k_i']`` and the ``[k_i', V]`` float32 draft
+        distributions or None for point masses); ``ks[i] == 0`` gives an empty Proposal.
+        ``sampling``: the B requests' :class:`speculators.verify.SamplingParams` (per-request
+        temperature / top-k / top-p; ``None`` = all greedy); ``generators``: one torch generator (or
+        None) per request, winning over ``sampling.generators``; request i draws ONLY from its own
+        generator (else torch's global RNG). Must leave every state as it found it."""
+        ...
+
+    def advance(self, states: list, new_ids: list[torch.Tensor], features: list) -> None:
+        """Append to request i the ``m_i`` verified tokens ``new_ids[i] [m_i]`` (accepted drafts + the
+        recovered/bonus token) and the target features ``features[i]`` of positions
+        ``n_i..n_i+m_i-1``; updates the states in place."""
+        ...
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (any integer type; bools refused).
+
+    Raises:
+        SpeculatorsError: naming ``name``: not an integer, or below ``minimum``.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise SpeculatorsError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return n
+
+
 def calibrated_confidence_logits(z: torch.Tensor, temperature: torch.Tensor | None = None,
                                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """``z / T + b`` per draft: the calibrated confidence logits of ``Proposal.confidence_logits``
-    (:mod:`speculators.calibrate`; the one place that applies and checks a calibration).
+    (:mod:`speculators.calibration`; the one place that applies and checks a calibration).
 
     Args:
         z: ``[n]`` raw confidence logits. temperature: ``[>= n]`` temperatures (> 0), None = all 1.

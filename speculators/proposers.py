@@ -1,6 +1,7 @@
-"""Model-free and combined proposers: suffix decoding and the hybrid (suffix match, else the neural drafter).
+"""Model-free and combined proposers: n-gram, suffix decoding, the hybrid (suffix match, else the neural
+drafter) and argmax drafts.
 
-Both implement the batched proposer protocol of :class:`speculators.generate.Proposer`::
+All implement the batched proposer protocol of :class:`speculators.proposal.Proposer`::
 
     start(input_ids [n+1], features) -> state                      # one request
     propose(states, ks, sampling, generators=None) -> list[Proposal]   # B = len(states), ks[i] may be 0
@@ -9,6 +10,7 @@ Both implement the batched proposer protocol of :class:`speculators.generate.Pro
 so they run in :func:`speculators.generate.speculative_generate` like every drafter family, and are
 lossless like any proposer (the rejection sampler decides what is emitted).
 
+* :class:`NGramProposer`: prompt lookup (vLLM ``method: ngram``), the model-free baseline.
 * :class:`SuffixProposer` follows arctic-inference's suffix decoding (Oliaro et al., "SuffixDecoding:
   Extreme Speculative Decoding for Emerging AI Applications", 2024; ``arctic_inference.suffix_decoding``):
   a suffix tree of depth at most ``max_depth`` over the request's prompt and generated text, updated
@@ -30,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .drafters.base import Proposal
 from .errors import SpeculatorsError
-from .generate import _check_int  # one integer check for the decoding loop and the proposers
+from .proposal import Proposal, advance_each, check_int, propose_each
+from .verify import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -41,7 +43,73 @@ def _check_batch(who: str, states: list, ks: list[int]) -> list[int]:
     """``ks`` as ints, one per state, each >= 0."""
     if len(ks) != len(states):
         raise SpeculatorsError(f"{who}.propose: ks has {len(ks)} entries for {len(states)} states (one per request)")
-    return [_check_int(f"{who}.propose ks[{i}]", k, 0) for i, k in enumerate(ks)]
+    return [check_int(f"{who}.propose ks[{i}]", k, 0) for i, k in enumerate(ks)]
+
+
+@dataclass
+class _NGramState:
+    tokens: list[int]
+
+
+class NGramProposer:
+    """Prompt-lookup (n-gram) proposer, the model-free baseline (vLLM ``method: ngram``).
+
+    Finds the most recent earlier occurrence of the last ``n`` tokens (``n`` from ``max_n`` down to
+    ``min_n``) in the prompt + generated text and proposes the tokens that followed it. Drafts are
+    ids only (``probs=None``): the verifier treats them as point masses. Batched :class:`Proposer`:
+    ``propose`` / ``advance`` loop over the requests (:meth:`_propose_one` / :meth:`_advance_one`).
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        """``max_n`` >= ``min_n`` >= 1: the n-gram lengths tried, longest first.
+
+        Raises:
+            SpeculatorsError: other values.
+        """
+        self.min_n = check_int("NGramProposer min_n", min_n, 1)
+        self.max_n = check_int("NGramProposer max_n", max_n, self.min_n)
+
+    def start(self, input_ids: torch.Tensor, features: Any = None) -> _NGramState:
+        """``input_ids [n+1]``: prompt + first token; ``features`` are not used."""
+        return _NGramState(input_ids.reshape(-1).tolist())
+
+    def propose(self, states: list[_NGramState], ks: list[int], sampling: SamplingParams | None = None,
+                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """Per request, up to ``ks[i]`` drafts (:meth:`_propose_one`); ids only, no randomness.
+
+        Raises:
+            SpeculatorsError: list lengths that differ, a negative ``k``, or ``sampling`` not ``B``
+                requests' ``SamplingParams``.
+        """
+        return propose_each(self._propose_one, states, ks, sampling, generators)
+
+    def advance(self, states: list[_NGramState], new_ids: list[torch.Tensor], features: list | None = None) -> None:
+        """Append each request's verified tokens ``new_ids[i] [m_i]``; ``features`` are not used.
+
+        Raises:
+            SpeculatorsError: list lengths that differ.
+        """
+        advance_each(self._advance_one, states, new_ids, features)
+
+    def _advance_one(self, state: _NGramState, new_ids: torch.Tensor, features: Any = None) -> None:
+        state.tokens.extend(new_ids.reshape(-1).tolist())
+
+    def _propose_one(self, state: _NGramState, k: int, sampling: SamplingParams | None = None,
+                     generator: torch.Generator | None = None) -> Proposal:
+        """Up to ``k`` drafts: the tokens that followed the most recent earlier match of the longest
+        suffix n-gram (``max_n`` down to ``min_n``); none without a match. Ids only (``probs=None``,
+        point masses) whatever ``sampling`` says, and no randomness (``generator`` unused). The state
+        is not modified."""
+        toks = state.tokens
+        L = len(toks)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            pattern = toks[L - n:]
+            for start in range(L - n - 1, -1, -1):  # most recent match first
+                if toks[start:start + n] == pattern:
+                    follow = toks[start + n:start + n + k]
+                    if follow:
+                        return Proposal(torch.tensor(follow, dtype=torch.int64))
+        return Proposal(torch.empty(0, dtype=torch.int64))
 
 
 class _Node:
@@ -98,9 +166,9 @@ class SuffixProposer:
         Raises:
             SpeculatorsError: other values (naming the argument).
         """
-        self.min_match = _check_int("SuffixProposer min_match", min_match, 1)
-        self.max_match = _check_int("SuffixProposer max_match", max_match, self.min_match)
-        self.max_depth = _check_int("SuffixProposer max_depth", max_depth, self.max_match + 1)
+        self.min_match = check_int("SuffixProposer min_match", min_match, 1)
+        self.max_match = check_int("SuffixProposer max_match", max_match, self.min_match)
+        self.max_depth = check_int("SuffixProposer max_depth", max_depth, self.max_match + 1)
 
     # ------------------------------------------------------------------ the suffix tree
     def _extend(self, state: SuffixState, tok: int) -> None:
@@ -209,11 +277,11 @@ class HybridProposer:
         """
         self.drafter = drafter
         self.lookup = lookup if lookup is not None else SuffixProposer()
-        self.min_match = _check_int("HybridProposer min_match", min_match, 1)
+        self.min_match = check_int("HybridProposer min_match", min_match, 1)
         if self.min_match > self.lookup.max_match:
             raise SpeculatorsError(f"HybridProposer min_match ({min_match}) must be <= the suffix proposer's "
                                    f"max_match ({self.lookup.max_match})")
-        self.drafter_k = None if drafter_k is None else _check_int("HybridProposer drafter_k", drafter_k, 1)
+        self.drafter_k = None if drafter_k is None else check_int("HybridProposer drafter_k", drafter_k, 1)
         cap = getattr(drafter, "max_speculative_tokens", None)
         if self.drafter_k is not None and cap is not None and self.drafter_k > int(cap):
             raise SpeculatorsError(f"HybridProposer drafter_k ({self.drafter_k}) is more than the drafter drafts "
@@ -229,6 +297,13 @@ class HybridProposer:
             return None
         cap = getattr(self.drafter, "max_speculative_tokens", None)
         return None if cap is None else int(cap)
+
+    def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafter's declared confidence calibration (temperatures ``[B]``, shifts ``[B]``), or None:
+        the suffix drafts carry no confidences, the drafter's are calibrated as its own
+        (:mod:`speculators.gating`)."""
+        get = getattr(self.drafter, "confidence_calibration", None)
+        return get() if callable(get) else None
 
     def start(self, input_ids: torch.Tensor, features: Any) -> HybridState:
         """Start both parts on ``input_ids [n+1]`` and the prompt's target ``features``."""
@@ -287,7 +362,7 @@ class ArgmaxDrafts:
     what the wrapped proposer does by itself. Both are lossless; their acceptance differs, so an eval at
     temperature > 0 reports the drafter under both (:func:`speculators.evaluate.run_eval`).
 
-    Wraps any batched proposer (:class:`speculators.generate.Proposer`): ``propose`` asks it for greedy
+    Wraps any batched proposer (:class:`speculators.proposal.Proposer`): ``propose`` asks it for greedy
     drafts (``sampling=None``, no generators: nothing is drawn from the request's random stream) and
     drops their distributions (``probs=None``); confidence logits are kept. ``start`` / ``advance`` and
     the K cap are the wrapped proposer's. At temperature 0 the wrapper changes nothing.
@@ -302,6 +377,13 @@ class ArgmaxDrafts:
         """The wrapped proposer's K bound (None: unbounded)."""
         cap = getattr(self.inner, "max_speculative_tokens", None)
         return None if cap is None else int(cap)
+
+    def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The wrapped proposer's declared confidence calibration (temperatures ``[B]``, shifts ``[B]``),
+        or None: the confidence logits are kept, so they are calibrated as the wrapped proposer's
+        (:mod:`speculators.gating`)."""
+        get = getattr(self.inner, "confidence_calibration", None)
+        return get() if callable(get) else None
 
     def start(self, input_ids: torch.Tensor, features: Any) -> Any:
         """The wrapped proposer's state for ``input_ids [n+1]`` and the prompt's target ``features``."""

@@ -18,11 +18,12 @@ from speculators.drafters.base import Proposal
 from speculators.errors import SpeculatorsError
 from speculators.generate import (
     BatchResult,
-    NGramProposer,
     plain_decode,
     speculative_decode,
     speculative_generate,
 )
+from speculators.proposal import advance_each, propose_each
+from speculators.proposers import NGramProposer
 from speculators.target import Target, build_tiny_target, resolve_device
 from speculators.verify import SamplingParams, apply_sampling
 from speculators.verify.testing import assert_distribution, chi2_check
@@ -473,9 +474,9 @@ def test_bad_proposals_are_refused(target):
             speculative_generate(target, cls(), [[1, 2, 3], [4, 5]], 2, 8, None, 2, eos_ids=set())
 
 
-def test_a_per_request_proposer_of_the_old_protocol_still_works(target):
-    """A proposer whose propose/advance take ONE request (first parameter ``state``) is called once per
-    request by the loop: same output as the batched n-gram proposer."""
+def test_a_proposer_written_one_request_at_a_time_works(target):
+    """A proposer whose batched propose/advance loop over ONE request at a time (the protocol's
+    ``propose_each`` / ``advance_each``) gives the same output as the batched n-gram proposer."""
     class OneAtATime:
         def __init__(self):
             self.inner = NGramProposer()
@@ -483,11 +484,12 @@ def test_a_per_request_proposer_of_the_old_protocol_still_works(target):
         def start(self, input_ids, features=None):
             return self.inner.start(input_ids)
 
-        def propose(self, state, k, sampling=None, generator=None):
-            return self.inner._propose_one(state, k)
+        def propose(self, states, ks, sampling=None, generators=None):
+            return propose_each(lambda state, k, *_: self.inner._propose_one(state, k), states, ks, sampling,
+                                generators)
 
-        def advance(self, state, new_ids, features=None):
-            self.inner._advance_one(state, new_ids)
+        def advance(self, states, new_ids, features=None):
+            advance_each(lambda state, ids, _: self.inner._advance_one(state, ids), states, new_ids, features)
 
     ps = [p + p for p in (rand_prompt(5, 1), rand_prompt(8, 2), rand_prompt(3, 3))]
     a = speculative_generate(target, OneAtATime(), ps, 3, 12, None, 2, eos_ids=set())

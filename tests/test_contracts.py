@@ -35,7 +35,8 @@ from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.drafters.checkpoint import TargetMeta
 from speculators.errors import SpeculatorsError
 from speculators.drafters.base import request_sampling
-from speculators.generate import NGramProposer, plain_decode, speculative_decode, speculative_generate
+from speculators.generate import plain_decode, speculative_decode, speculative_generate
+from speculators.proposers import NGramProposer
 from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
 from speculators.training_unit import TrainingUnit

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from speculators.drafters import DraftVocab, registry
-from speculators.generate import NGramProposer, plain_decode, speculative_decode
+from speculators.generate import plain_decode, speculative_decode
+from speculators.proposers import NGramProposer
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 from conftest import batch_for
@@ -347,10 +348,10 @@ def test_greedy_accepts_everything_when_drafter_is_the_target_chain(target):
     plain = plain_decode(target, prompt, 25, eos_ids=set())
 
     class Oracle(NGramProposer):
-        def propose(self, state, k, *a, **kw):
-            n_gen = len(state.tokens) - len(prompt)
+        def propose(self, states, ks, *a, **kw):
             from speculators.drafters.base import Proposal
-            return Proposal(torch.tensor(plain.tokens[n_gen:n_gen + k], dtype=torch.int64))
+            return [Proposal(torch.tensor(plain.tokens[len(s.tokens) - len(prompt):][:k], dtype=torch.int64))
+                    for s, k in zip(states, ks)]
 
     spec = speculative_decode(target, Oracle(), prompt, 4, 25, eos_ids=set())
     assert spec.tokens == plain.tokens

@@ -17,8 +17,8 @@ from speculators.cli import _EVAL_OPTIONS, app
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.drafters.base import max_speculative_tokens_of
 from speculators.errors import SpeculatorsError
-from speculators.generate import NGramProposer, speculative_decode, speculative_generate
-from speculators.proposers import HybridProposer, SuffixProposer
+from speculators.generate import speculative_decode, speculative_generate
+from speculators.proposers import HybridProposer, NGramProposer, SuffixProposer
 from speculators.target import build_tiny_target
 
 V = 96

@@ -19,14 +19,9 @@ from speculators.drafters.base import Proposal
 from speculators.errors import SpeculatorsError
 from speculators.eval_report import render_markdown as report_markdown
 from speculators.evaluate import AcceptanceStats, run_eval
-from speculators.generate import (
-    ConfidenceGate,
-    NGramProposer,
-    check_confidence_threshold,
-    plain_decode,
-    speculative_generate,
-    survival_probabilities,
-)
+from speculators.gating import ConfidenceGate, check_confidence_threshold, survival_probabilities
+from speculators.generate import plain_decode, speculative_generate
+from speculators.proposers import NGramProposer
 from speculators.recipe import eval_spec_with
 from speculators.verify import SamplingParams, rejection_sample
 from speculators.verify.testing import assert_distribution, chi2_check

@@ -14,12 +14,12 @@ from speculators.errors import SpeculatorsError
 from speculators.evaluate import AcceptanceStats
 from speculators.generate import (
     GenerationResult,
-    NGramProposer,
-    Proposer,
     plain_decode,
     resolve_stop_ids,
     speculative_decode,
 )
+from speculators.proposal import Proposer
+from speculators.proposers import NGramProposer
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 
@@ -48,10 +48,13 @@ class Oracle(NGramProposer):
         super().__init__()
         self.prompt, self.cont = list(prompt), list(continuation)
 
-    def propose(self, state, k, sampling=None, generator=None):
-        assert state.tokens[:len(self.prompt)] == self.prompt
-        n_gen = len(state.tokens) - len(self.prompt)
-        return Proposal(torch.tensor(self.cont[n_gen:n_gen + k], dtype=torch.int64))
+    def propose(self, states, ks, sampling=None, generators=None):
+        out = []
+        for state, k in zip(states, ks):
+            assert state.tokens[:len(self.prompt)] == self.prompt
+            n_gen = len(state.tokens) - len(self.prompt)
+            out.append(Proposal(torch.tensor(self.cont[n_gen:n_gen + k], dtype=torch.int64)))
+        return out
 
 
 def greedy_with_fresh_token(target, lo, hi, n=24):
@@ -235,8 +238,8 @@ def test_max_new_tokens_zero_used_to_emit_a_token(target):
 
 def test_a_proposer_that_drafts_more_than_asked_is_refused(target):
     class Greedy(NGramProposer):
-        def propose(self, state, k, sampling=None, generator=None):
-            return Proposal(torch.zeros(k + 2, dtype=torch.int64))
+        def propose(self, states, ks, sampling=None, generators=None):
+            return [Proposal(torch.zeros(k + 2, dtype=torch.int64)) for k in ks]
 
     with pytest.raises(SpeculatorsError, match="returned 5 drafts when asked for at most 3"):
         speculative_decode(target, Greedy(), [1, 2, 3], 3, 20, eos_ids=set())

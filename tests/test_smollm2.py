@@ -9,7 +9,8 @@ import torch
 
 from speculators.data.chat import render_prompt
 from speculators.drafters import DraftVocab, registry
-from speculators.generate import NGramProposer, plain_decode, speculative_decode
+from speculators.generate import plain_decode, speculative_decode
+from speculators.proposers import NGramProposer
 from speculators.target import Target
 
 pytestmark = pytest.mark.slow
