@@ -45,7 +45,6 @@ temperature / top-k / top-p), so drafts and the verifier apply the same transfor
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 import time
 from collections import deque
@@ -54,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from .decode_args import batch_params, check_prompts, per_request, request_params, select_rows
 from .errors import SpeculatorsError
 from .gating import (  # noqa: F401  (re-exported: their import paths from generate keep working)
     ConfidenceGate,
@@ -68,27 +68,6 @@ from .proposal import Proposal, Proposer, check_int, check_speculative_tokens  #
 from .verify import SamplingParams, rejection_sample
 
 _NO_DRAFTS = torch.empty(0, dtype=torch.int64)
-
-
-def _request_params(sampling: SamplingParams | None, seed: int | None) -> SamplingParams:
-    """The one request's sampling parameters a decode uses: ``sampling`` (greedy when None), with a
-    fresh generator seeded with ``seed`` when one is given (so every decode of a prompt starts from
-    the same random stream).
-
-    Raises:
-        SpeculatorsError: ``sampling`` is not a batch-of-one ``SamplingParams`` or holds invalid values.
-    """
-    if sampling is None:
-        sampling = SamplingParams.uniform(1)
-    elif not isinstance(sampling, SamplingParams):
-        raise SpeculatorsError(f"sampling: expected speculators.verify.SamplingParams (one request) or None, "
-                               f"got {type(sampling).__name__}")
-    sampling.validate(1)  # VerifyInputError (a SpeculatorsError) naming the field
-    if seed is not None:
-        seed = check_int("seed", seed, -(2 ** 63))  # any integer torch.Generator.manual_seed takes
-        dev = sampling.temperature.device
-        sampling = dataclasses.replace(sampling, generators=[torch.Generator(device=dev).manual_seed(seed)])
-    return sampling
 
 
 @dataclass
@@ -197,78 +176,6 @@ def _emit_until(out: list[int], new: list[int], max_new: int, eos: set[int]) -> 
         if t in eos or len(out) >= max_new:
             return True
     return False
-
-
-def _per_request(name: str, value, batch: int, minimum: int) -> list[int]:
-    """``value`` (one int for every request, or a list of ``batch`` ints) as a list of ``batch`` ints."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != batch:
-            raise SpeculatorsError(f"{name}: expected one integer or a list of {batch} (one per prompt), "
-                                   f"got a list of {len(value)}")
-        return [check_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(value)]
-    return [check_int(name, value, minimum)] * batch
-
-
-def _check_prompts(prompts, vocab_size: int | None) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-        raise SpeculatorsError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
-    out = []
-    for i, p in enumerate(prompts):
-        try:
-            ids = [operator.index(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
-            if any(isinstance(t, bool) for t in p):
-                raise TypeError
-        except TypeError:
-            raise SpeculatorsError(f"prompts[{i}]: expected a list of integer token ids, got {p!r:.80}") from None
-        if not ids:
-            raise SpeculatorsError(f"prompts[{i}]: empty prompt (every prompt needs at least one token)")
-        if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
-            raise SpeculatorsError(f"prompts[{i}]: token ids must lie in [0, {vocab_size}), got "
-                                   f"min {min(ids)} max {max(ids)}")
-        out.append(ids)
-    return out
-
-
-def _batch_params(sampling: SamplingParams | None, seeds, batch: int,
-                  device: torch.device) -> tuple[SamplingParams, list[torch.Generator | None]]:
-    """The run's per-request sampling parameters on ``device`` and each request's generator
-    (``seeds[i]`` -> a fresh generator on ``device``; else ``sampling.generators[i]``; else None)."""
-    if sampling is None:
-        sampling = SamplingParams.uniform(batch, device=device)
-    elif not isinstance(sampling, SamplingParams):
-        raise SpeculatorsError(f"sampling: expected speculators.verify.SamplingParams for the {batch} prompts "
-                               f"or None (greedy), got {type(sampling).__name__}")
-    sampling.validate(batch)  # VerifyInputError (a SpeculatorsError) naming the field
-    if seeds is not None:
-        if not isinstance(seeds, (list, tuple)) or len(seeds) != batch:
-            raise SpeculatorsError(f"seeds: expected a list of {batch} seeds (int or None, one per prompt) or "
-                                   f"None, got {seeds!r:.80}")
-        seeds = [None if s is None else check_int(f"seeds[{i}]", s, -(2 ** 63)) for i, s in enumerate(seeds)]
-    gens: list[torch.Generator | None] = []
-    for i in range(batch):
-        if seeds is not None and seeds[i] is not None:
-            gens.append(torch.Generator(device=device).manual_seed(seeds[i]))
-        else:
-            gens.append(sampling.generators[i] if sampling.generators is not None else None)
-
-    def to(x):
-        return None if x is None else x.to(device)
-
-    params = SamplingParams(temperature=sampling.temperature.to(device), top_k=to(sampling.top_k),
-                            top_p=to(sampling.top_p))
-    return params, gens
-
-
-def _select(params: SamplingParams, gens: list, idx: list[int]) -> SamplingParams:
-    """Rows ``idx`` of the run's parameters, with those requests' generators."""
-    rows = torch.tensor(idx, device=params.temperature.device)
-
-    def pick(x):
-        return None if x is None else x.index_select(0, rows)
-
-    g = [gens[i] for i in idx]
-    return SamplingParams(temperature=pick(params.temperature), top_k=pick(params.top_k), top_p=pick(params.top_p),
-                          generators=g if any(x is not None for x in g) else None)
 
 
 def _propose_batch(proposer, states: list, ks: list[int], sampling: SamplingParams,
@@ -479,14 +386,14 @@ def _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, e
            confidence_threshold, gate, on_step) -> _Run:
     """Check :func:`speculative_generate`'s arguments (see its Raises) and build the run's state."""
     vocab = getattr(target, "vocab_size", None)
-    prompts = _check_prompts(prompts, vocab)
+    prompts = check_prompts(prompts, vocab)
     B = len(prompts)
-    ks = _per_request("k (drafts per step)", k, B, 0)
-    max_new = _per_request("max_new_tokens", max_new_tokens, B, 1)
+    ks = per_request("k (drafts per step)", k, B, 0)
+    max_new = per_request("max_new_tokens", max_new_tokens, B, 1)
     batch_size = check_int("batch_size", batch_size, 1)
     eos = resolve_stop_ids(target, eos_ids)
     device = getattr(target, "device", torch.device("cpu"))
-    params, gens = _batch_params(sampling, seeds, B, device)
+    params, gens = batch_params(sampling, seeds, B, device)
     greedy = (params.temperature == 0).tolist()
     gate = resolve_gate(gate, confidence_threshold)
     if on_step is not None and not callable(on_step):
@@ -524,7 +431,7 @@ def _join(run: _Run) -> None:
     run.joined.update({i: now for i in idx})
     first_logits, first_feats = run.sess.add_many(idx, [run.prompts[i] for i in idx])
     res = rejection_sample(_NO_DRAFTS.to(run.device), [0] * len(idx), None, torch.stack(first_logits),
-                           _select(run.params, run.gens, idx), validate=False)
+                           select_rows(run.params, run.gens, idx), validate=False)
     for i, feats_i, tok in zip(idx, first_feats, res.output_token_ids[:, 0].tolist()):
         if _emit_until(run.results[i].tokens, [tok], run.max_new[i], run.eos):
             _retire(run, i)
@@ -540,7 +447,7 @@ def _draft(run: _Run) -> _Step:
     ``min(k_i, max_new_i - generated_i - 1)`` drafts), checked, then cut by the gate if any."""
     live, proposer = run.live, run.proposer
     k_eff = [min(run.ks[i], run.max_new[i] - len(run.results[i].tokens) - 1) for i in live]
-    sp = _select(run.params, run.gens, live)
+    sp = select_rows(run.params, run.gens, live)
     tp = _clock(run.device)
     if proposer is not None and any(k_eff):
         props = _propose_batch(proposer, [run.states[i] for i in live], k_eff, sp, [run.gens[i] for i in live])
@@ -695,7 +602,7 @@ def speculative_decode(target, proposer, prompt_ids: list[int], k: int, max_new_
     """
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     k = check_int("k (drafts per step)", k, 0)
-    params = _request_params(sampling, None)
+    params = request_params(sampling, None)
     if seed is not None:
         seed = check_int("seed", seed, -(2 ** 63))
     return speculative_generate(target, proposer, [prompt_ids], k, max_new_tokens, params, batch_size=1,
