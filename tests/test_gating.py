@@ -234,6 +234,42 @@ def test_gating_never_changes_greedy_output_and_advance_gets_only_what_was_accep
     assert verified[0.95] < verified[0.6] < verified[0.2] <= verified[None]
 
 
+def test_on_step_sees_the_proposal_the_gate_kept(target):
+    """The outcome hook gets the proposal as verified: cut by the gate (ids and confidence logits alike)."""
+    prompts = [rand_prompt(n, 70 + n) for n in (4, 7, 5)]
+    calls = []
+    out = speculative_generate(target, SharpTargetProposer(target), prompts, 4, 12, None, 2, eos_ids=set(),
+                               seeds=[1, 2, 3], confidence_threshold=0.6, on_step=lambda *a: calls.append(a))
+    for i, r in enumerate(out.results):
+        mine = [c for c in calls if c[0] == i]
+        assert [int(c[1].token_ids.numel()) for c in mine] == r.drafted
+        assert all(c[1].confidence_logits is None or c[1].confidence_logits.numel() == c[1].token_ids.numel()
+                   for c in mine)
+    assert sum(sum(r.proposed) for r in out.results) > sum(sum(r.drafted) for r in out.results)
+
+
+def test_wrapper_proposers_declare_the_calibration_of_what_they_wrap():
+    """HybridProposer and ArgmaxDrafts declare confidence_calibration() by delegating (the gate reads only
+    the declared interface, never a wrapped proposer's attributes)."""
+    from speculators.gating import confidence_bias_of, confidence_temperature_of
+    from speculators.proposers import ArgmaxDrafts, HybridProposer
+
+    class Calibrated:
+        max_speculative_tokens = None
+
+        def confidence_calibration(self):
+            return torch.tensor([2.0, 3.0]), torch.tensor([0.5, -0.5])
+
+    class Uncalibrated:
+        max_speculative_tokens = None
+
+    for wrap in (HybridProposer, ArgmaxDrafts):
+        assert confidence_temperature_of(wrap(Calibrated())).tolist() == [2.0, 3.0]
+        assert confidence_bias_of(wrap(Calibrated())).tolist() == [0.5, -0.5]
+        assert confidence_temperature_of(wrap(Uncalibrated())) is None
+        assert confidence_bias_of(wrap(Uncalibrated())) is None
+
+
 def test_proposals_without_confidences_are_untouched(target):
     class NoConfidence(SharpTargetProposer):
         def propose(self, states, ks, sampling=None, generators=None):
