@@ -1,6 +1,6 @@
 """Confidence-gated verification (issue 13): the gate's rule, its losslessness, and the eval's gated rows.
 
-The gate (:class:`speculators.generate.ConfidenceGate`) cuts a proposal to the drafts before the first
+The gate (:class:`speculators.gating.ConfidenceGate`) cuts a proposal to the drafts before the first
 whose survival ``prod_{i<=k} sigmoid(z_i / T_i)`` falls below the threshold. It reads only the drafter's
 outputs, so the output distribution must stay the target's; the statistical test below checks that on
 a tiny random target with the chi-square machinery of the verifier tests, and checks that the same test

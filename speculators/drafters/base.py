@@ -12,7 +12,7 @@ generation loop, the evaluator and the CLI only use this interface (docs/ARCHITE
   normalises by the counts of the whole window);
 * ``start(input_ids, features) -> state`` (one request); the batched ``propose(states, ks, sampling,
   generators=None) -> list[Proposal]`` and ``advance(states, new_ids, features)`` (B requests, ragged:
-  :class:`speculators.generate.Proposer`), by default loops (:func:`propose_each` /
+  :class:`speculators.proposal.Proposer`), by default loops (:func:`propose_each` /
   :func:`advance_each`) over the per-request ``_propose_one(state, k, sampling_1, generator)`` and
   ``_advance_one(state, new_ids, features)`` each family implements; a family may override the
   batched methods (EAGLE-3);
@@ -412,7 +412,7 @@ class Drafter(nn.Module):
 
     def propose(self, states: list, ks: list[int], sampling: SamplingParams | None = None,
                 generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
-        """Drafts for a batch of requests (:class:`speculators.generate.Proposer`'s batched ``propose``).
+        """Drafts for a batch of requests (:class:`speculators.proposal.Proposer`'s batched ``propose``).
 
         Default: :func:`propose_each` over :meth:`_propose_one` (one request at a time, each drawing
         only from its own generator); families override it with a truly batched implementation where
