@@ -299,7 +299,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         SpeculatorsError: the checkpoint cannot be read by our own loader (and no ``drafter`` was given),
             or neither the recorded target nor a synthetic one of its recorded config can be built.
     """
-    from ..drafters import Drafter, registry
+    from ..drafters import registry
     from ..drafters.checkpoint import read_checkpoint_config
 
     checkpoint = Path(checkpoint)
@@ -314,70 +314,22 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
     except ReferenceUnavailable as e:
         result.skipped = str(e)
         return result
-
-    problems = []
-    if drafter is not None:
-        problems += _file_vs_drafter(checkpoint, drafter)
-    try:  # our side drafts with the weights as published (e.g. bfloat16), read by our own loader
-        drafter = Drafter.from_pretrained(checkpoint).float()
-    except SpeculatorsError as e:
-        if drafter is None:
-            raise
-        problems.append(f"our own loader refuses the checkpoint: {e}")
-        drafter = copy.deepcopy(drafter).float()
-    synthetic = None
-    if target is None:
-        from ..target import Target
-
-        name = drafter.meta.name_or_path
-        try:
-            target = Target.load(name, aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
-        except SpeculatorsError as e:
-            log(f"parity: the target {name!r} cannot be loaded ({e}); using SYNTHETIC inputs")
-            target = synthetic_target(drafter.meta)
-            synthetic = (f"SYNTHETIC: a random target of the recorded config (the real target {name!r} could not "
-                         "be loaded)")
-    drafter.attach_target(_TargetPieces(target))  # frozen copies a published checkpoint left out, head, norm
-    drafter.eval()
+    problems: list[str] = []
+    drafter, target, synthetic = _our_side(checkpoint, drafter, target, problems, log)
     seqs, label = _sequences(target, sequences, num_sequences)
     result.inputs = inputs_label or (f"{synthetic}; {label}" if synthetic else label)
-
     cfg_ids = _config_aux_ids(cfg, registry.get(family).serving_aux_ids_key)
     ours_ids = list(drafter.meta.aux_layer_ids)
     if cfg_ids != [i + 1 for i in ours_ids]:
         problems.append(f"config.json aux layer ids {cfg_ids} (vLLM convention) tap layers "
                         f"{[i - 1 for i in cfg_ids]}, the drafter was trained on {ours_ids}")
-
     problems += export_config_problems(cfg, drafter)
-
     with tempfile.TemporaryDirectory(prefix="speculators-parity-") as tmp:
         tmp = Path(tmp)
-        verifier = _verifier_dir(target, tmp / "verifier")
-        ref_inputs, requests, ours_out, ours_hooks = {}, [], {}, {}
-        names = export_module_names(drafter)
-        for i, ids in enumerate(seqs):
-            s = f"seq{i}"
-            feats_ref = _features(target, ids, [v - 1 for v in cfg_ids] if min(cfg_ids, default=1) >= 1 else None)
-            feats_ours = _features(target, ids, ours_ids)
-            if feats_ref is None:
-                problems.append(f"config.json aux layer ids {cfg_ids}: an id below 1 names no decoder layer output")
-                feats_ref = feats_ours
-            store, order = {}, []
-            handles = _hook_modules(drafter, store, order)
-            try:
-                step = drafter.reference_parity_step(cfg, ids, feats_ours, feats_ref)
-            finally:
-                for h in handles:
-                    h.remove()
-            for k, v in step.ref_tensors.items():
-                ref_inputs[f"{s}.{k}"] = v.contiguous()
-            requests.append({"name": s, "kwargs": step.ref_kwargs, "pin": step.pin})
-            for k, v in step.outputs.items():
-                ours_out[f"{s}.{k}"] = v.detach().float()
-            if i == 0:
-                ours_hooks = store
+        ref_inputs, requests, ours_out, ours_hooks = _first_steps(drafter, target, cfg, cfg_ids, seqs, problems)
         save_file(ref_inputs, str(tmp / "inputs.safetensors"))
-        request = {"checkpoint": str(checkpoint.resolve()), "family": family, "verifier": str(verifier),
+        request = {"checkpoint": str(checkpoint.resolve()), "family": family,
+                   "verifier": str(_verifier_dir(target, tmp / "verifier")),
                    "inputs": str(tmp / "inputs.safetensors"), "output": str(tmp / "out.safetensors"),
                    "report": str(tmp / "report.json"), "attn_implementation": "eager", "sequences": requests,
                    "expect_version": REFERENCE_VERSION}
@@ -393,6 +345,78 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
             result.passed = False
             return result
         ref_out = load_file(str(tmp / "out.safetensors"))
+    _judge(result, checkpoint, cfg, rep, problems, ours_out, ref_out, ours_hooks, export_module_names(drafter))
+    return result
+
+
+def _our_side(checkpoint: Path, drafter, target, problems: list[str], log):
+    """Our drafter as the file's weights read by our own loader (float32; the in-memory ``drafter`` stands in,
+    with a named problem, when our loader refuses the file), attached to ``target`` (None: the recorded one,
+    else a SYNTHETIC random target of its recorded config). Returns ``(drafter, target, synthetic label or
+    None)``; appends to ``problems``."""
+    from ..drafters import Drafter
+
+    if drafter is not None:
+        problems += _file_vs_drafter(checkpoint, drafter)
+    try:  # our side drafts with the weights as published (e.g. bfloat16), read by our own loader
+        ours = Drafter.from_pretrained(checkpoint).float()
+    except SpeculatorsError as e:
+        if drafter is None:
+            raise
+        problems.append(f"our own loader refuses the checkpoint: {e}")
+        ours = copy.deepcopy(drafter).float()
+    synthetic = None
+    if target is None:
+        from ..target import Target
+
+        name = ours.meta.name_or_path
+        try:
+            target = Target.load(name, aux_layer_ids=list(ours.meta.aux_layer_ids), log=log)
+        except SpeculatorsError as e:
+            log(f"parity: the target {name!r} cannot be loaded ({e}); using SYNTHETIC inputs")
+            target = synthetic_target(ours.meta)
+            synthetic = (f"SYNTHETIC: a random target of the recorded config (the real target {name!r} could not "
+                         "be loaded)")
+    ours.attach_target(_TargetPieces(target))  # frozen copies a published checkpoint left out, head, norm
+    ours.eval()
+    return ours, target, synthetic
+
+
+def _first_steps(drafter, target, cfg: dict[str, Any], cfg_ids: list[int], seqs: list[list[int]],
+                 problems: list[str]):
+    """Our first drafting step on every sequence (the family's ``reference_parity_step``) with the target's
+    features tapped at our layers, the reference's inputs tapped at the layers the config names. Returns
+    ``(reference inputs by "seq{i}.{name}", per-sequence requests, our outputs by "seq{i}.{name}", our hooked
+    module outputs of the first sequence)``; appends to ``problems``."""
+    ref_inputs, requests, ours_out, ours_hooks = {}, [], {}, {}
+    ours_ids = list(drafter.meta.aux_layer_ids)
+    for i, ids in enumerate(seqs):
+        s = f"seq{i}"
+        feats_ref = _features(target, ids, [v - 1 for v in cfg_ids] if min(cfg_ids, default=1) >= 1 else None)
+        feats_ours = _features(target, ids, ours_ids)
+        if feats_ref is None:
+            problems.append(f"config.json aux layer ids {cfg_ids}: an id below 1 names no decoder layer output")
+            feats_ref = feats_ours
+        store, order = {}, []
+        handles = _hook_modules(drafter, store, order)
+        try:
+            step = drafter.reference_parity_step(cfg, ids, feats_ours, feats_ref)
+        finally:
+            for h in handles:
+                h.remove()
+        ref_inputs.update({f"{s}.{k}": v.contiguous() for k, v in step.ref_tensors.items()})
+        requests.append({"name": s, "kwargs": step.ref_kwargs, "pin": step.pin})
+        ours_out.update({f"{s}.{k}": v.detach().float() for k, v in step.outputs.items()})
+        if i == 0:
+            ours_hooks = store
+    return ref_inputs, requests, ours_out, ours_hooks
+
+
+def _judge(result: ParityResult, checkpoint: Path, cfg: dict[str, Any], rep: dict, problems: list[str],
+           ours_out: dict, ref_out: dict, ours_hooks: dict, names: dict) -> None:
+    """Fill ``result`` from the reference's report ``rep`` and outputs: load problems (missing, unexpected,
+    unequal weights; config fields), the compared outputs, the verdict and the first divergence (a load
+    problem, else the first hooked module whose outputs differ, else the first failing output)."""
     result.reference_version = rep.get("version", REFERENCE_VERSION)
     for k in rep["missing_keys"]:
         problems.append(f"weight `{k}` missing from model.safetensors (the reference keeps its init)")
@@ -406,7 +430,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
     for u in rep["unequal_weights"]:
         problems.append(f"weight `{u['name']}` loaded unequal to the file (max |delta| {u['max_abs_diff']})")
     problems += _config_problems(cfg, rep["config"])
-    result.outputs = compare({k: v for k, v in ours_out.items()}, ref_out)
+    result.outputs = compare(ours_out, ref_out)
     bad_out = [o for o in result.outputs if o.max_abs_delta > TOLERANCE
                or (o.argmax_agreement is not None and o.argmax_agreement < 1.0)]
     result.load_problems = problems
@@ -418,7 +442,6 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
         hooked = {k[len("seq0.hook."):]: v for k, v in ref_out.items() if k.startswith("seq0.hook.")}
         result.first_divergence = (first_hook_divergence(ours_hooks, hooked, rep["hook_order"].get("seq0", []),
                                                          names) or f"output `{bad_out[0].name}`")
-    return result
 
 
 _OWN_KEYS = ("speculators_training", "speculators_version", "torch_dtype", "dtype", "transformers_version")

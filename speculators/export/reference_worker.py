@@ -48,16 +48,31 @@ def _first_tensor(out):
 
 
 def main(request_file):
+    """Run one request (module docstring): load, compare with the file, run every sequence, write back."""
     with open(request_file) as f:
         req = json.load(f)
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
+    version = _import_reference(req)
+    torch.manual_seed(0)
+    model, cfg = _load(req)
+    missing, unexpected, unequal = _against_file(model, req["checkpoint"])
+    outputs, orders = _run_sequences(model, req)
+    save_file(outputs, req["output"])
+    report = {"version": version, "model_class": type(model).__name__, "missing_keys": missing,
+              "unexpected_keys": unexpected, "unequal_weights": unequal,
+              "use_draft_vocab": bool(getattr(model, "use_draft_vocab", True)), "config": cfg.to_dict(),
+              "hook_order": orders}
+    with open(req["report"], "w") as f:
+        json.dump(report, f, default=str)
+
+
+def _import_reference(req) -> str:
+    """Import the reference package and check it is the reference at the expected version (else exit with
+    :data:`UNAVAILABLE`); returns its version."""
     try:
         import speculators
-        import speculators.models.utils as ref_utils
-        from speculators.model import SpeculatorModel
         from speculators.version import version
     except ImportError as e:
         print(f"cannot import vllm-project/speculators: {e}", file=sys.stderr)
@@ -69,38 +84,53 @@ def main(request_file):
     if req.get("expect_version") and version != req["expect_version"]:
         print(f"speculators {version} is installed, the gate follows {req['expect_version']}", file=sys.stderr)
         sys.exit(UNAVAILABLE)
-    torch.manual_seed(0)
-    ckpt = req["checkpoint"]
+    return version
 
-    # The verifier (for the reference's layer-id check and its verifier weights) is the caller's
-    # local copy of the target, whatever name the checkpoint records.
-    if req.get("verifier"):
-        real = ref_utils.get_verifier_config
-        verifier = req["verifier"]
 
-        def get_verifier_config(_name, trust_remote_code=False):
-            return real(verifier, trust_remote_code=trust_remote_code)
+def _use_local_verifier(verifier: str) -> None:
+    """The verifier (for the reference's layer-id check and its verifier weights) is the caller's local copy
+    of the target, whatever name the checkpoint records."""
+    import speculators.models.utils as ref_utils
+    import speculators.utils.loading as loading
 
-        ref_utils.get_verifier_config = get_verifier_config
-        import speculators.utils.loading as loading
+    real = ref_utils.get_verifier_config
 
-        real_layers = loading.load_model_layers
+    def get_verifier_config(_name, trust_remote_code=False):
+        return real(verifier, trust_remote_code=trust_remote_code)
 
-        def load_model_layers(names, _path, *a, **k):
-            return real_layers(names, verifier, *a, **k)
+    ref_utils.get_verifier_config = get_verifier_config
+    real_layers = loading.load_model_layers
 
-        loading.load_model_layers = load_model_layers
+    def load_model_layers(names, _path, *a, **k):
+        return real_layers(names, verifier, *a, **k)
 
+    loading.load_model_layers = load_model_layers
+
+
+def _load(req):
+    """The checkpoint loaded by the reference's own ``from_pretrained``, in float32 (weights the checkpoint
+    lacks, taken from the verifier, must not pass through its dtype); returns ``(model, config)``."""
+    import torch
     from speculators.config import SpeculatorModelConfig
+    from speculators.model import SpeculatorModel
 
+    ckpt = req["checkpoint"]
+    if req.get("verifier"):
+        _use_local_verifier(req["verifier"])
     cfg = SpeculatorModelConfig.from_pretrained(ckpt)
     if req.get("verifier"):
         cfg.speculators_config.verifier.name_or_path = req["verifier"]
     cfg.transformer_layer_config._attn_implementation = req.get("attn_implementation", "eager")
-    # float32 throughout: weights the checkpoint lacks (taken from the verifier) must not pass through its dtype
     model = SpeculatorModel.from_pretrained(ckpt, config=cfg, dtype=torch.float32).float().eval()
+    return model, cfg
 
-    # keys and weights against the file, as exported
+
+def _against_file(model, ckpt: str):
+    """Keys and weights of the loaded model against the file, as exported: ``(missing, unexpected, unequal)``."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         file_keys = list(f.keys())
     file_weights = load_file(os.path.join(ckpt, "model.safetensors"))
@@ -114,35 +144,48 @@ def main(request_file):
             d = None if state[k].shape != v.shape else float((state[k].float() - v.float()).abs().max())
             unequal.append({"name": k, "max_abs_diff": d, "shape_file": list(v.shape),
                             "shape_reference": list(state[k].shape)})
+    return missing, unexpected, unequal
 
-    captured = {}
 
-    def capture_metrics(pin):
-        """Patch the module whose ``compute_metrics`` receives the family's logits (``pin["metrics_module"]``)
-        so that the step's logits (and, at positional index ``pin["confidence_arg"]``, its confidence
-        logits) are captured where the family hands them to its loss."""
-        core = importlib.import_module(pin["metrics_module"])
-        conf_arg = pin.get("confidence_arg")
+def _capture_metrics(pin, captured: dict) -> None:
+    """Patch the module whose ``compute_metrics`` receives the family's logits (``pin["metrics_module"]``)
+    so that the step's logits (and, at positional index ``pin["confidence_arg"]``, its confidence logits)
+    are captured into ``captured`` where the family hands them to its loss."""
+    import torch
 
-        def compute_metrics(*args, **kwargs):
-            logits = kwargs.get("logits", args[0] if args else None)
-            captured.setdefault("logits", logits.detach().float().reshape(-1, logits.shape[-1]).clone())
-            conf = kwargs.get("confidence_logits",
-                              args[conf_arg] if conf_arg is not None and len(args) > conf_arg else None)
-            if conf is not None:
-                captured.setdefault("confidence_logits", conf.detach().float().reshape(-1).clone())
-            return torch.zeros((), requires_grad=False), {}
+    core = importlib.import_module(pin["metrics_module"])
+    conf_arg = pin.get("confidence_arg")
 
-        core.compute_metrics = compute_metrics
+    def compute_metrics(*args, **kwargs):
+        logits = kwargs.get("logits", args[0] if args else None)
+        captured.setdefault("logits", logits.detach().float().reshape(-1, logits.shape[-1]).clone())
+        conf = kwargs.get("confidence_logits",
+                          args[conf_arg] if conf_arg is not None and len(args) > conf_arg else None)
+        if conf is not None:
+            captured.setdefault("confidence_logits", conf.detach().float().reshape(-1).clone())
+        return torch.zeros((), requires_grad=False), {}
 
-    def pin_choices(pin):
-        """Replace each random choice the family names (``pin["patches"]``: module, attribute and the
-        tensors it must return) by a function returning the caller's choice."""
-        for p in pin.get("patches", []):
-            values = tuple(torch.tensor(r["values"], dtype=getattr(torch, r["dtype"])) for r in p["returns"])
-            setattr(importlib.import_module(p["module"]), p["attr"], lambda *_a, _v=values, **_k: _v)
+    core.compute_metrics = compute_metrics
 
-    hooks, order, handles = {}, [], []
+
+def _pin_choices(pin) -> None:
+    """Replace each random choice the family names (``pin["patches"]``: module, attribute and the tensors it
+    must return) by a function returning the caller's choice."""
+    import torch
+
+    for p in pin.get("patches", []):
+        values = tuple(torch.tensor(r["values"], dtype=getattr(torch, r["dtype"])) for r in p["returns"])
+        setattr(importlib.import_module(p["module"]), p["attr"], lambda *_a, _v=values, **_k: _v)
+
+
+def _run_sequences(model, req):
+    """Each sequence's first drafting step through the reference's forward, with forward hooks on every
+    module that owns parameters and every decoder layer: ``(outputs by "{seq}.{name}", hook order per
+    sequence)``."""
+    import torch
+    from safetensors.torch import load_file
+
+    captured, hooks, order = {}, {}, []
 
     def hook_for(name):
         def hook(_m, _a, out):
@@ -156,8 +199,7 @@ def main(request_file):
         owns = any(True for _ in m.parameters(recurse=False))
         is_layer = name.count(".") == 1 and name.startswith("layers.")
         if name and (owns or is_layer):
-            handles.append(m.register_forward_hook(hook_for(name)))
-
+            m.register_forward_hook(hook_for(name))
     inputs = load_file(req["inputs"])
     outputs, orders = {}, {}
     for seq in req["sequences"]:
@@ -165,8 +207,8 @@ def main(request_file):
         kw = {k[len(s) + 1:]: v for k, v in inputs.items() if k.startswith(s + ".")}
         kw.update(seq.get("kwargs", {}))
         pin = seq.get("pin", {})
-        capture_metrics(pin)
-        pin_choices(pin)
+        _capture_metrics(pin, captured)
+        _pin_choices(pin)
         captured.clear()
         hooks.clear()
         order.clear()
@@ -178,13 +220,7 @@ def main(request_file):
         for k, v in hooks.items():
             outputs[f"{s}.hook.{k}"] = v.contiguous()
         orders[s] = list(order)
-    save_file(outputs, req["output"])
-    report = {"version": version, "model_class": type(model).__name__, "missing_keys": missing,
-              "unexpected_keys": unexpected, "unequal_weights": unequal,
-              "use_draft_vocab": bool(getattr(model, "use_draft_vocab", True)), "config": cfg.to_dict(),
-              "hook_order": orders}
-    with open(req["report"], "w") as f:
-        json.dump(report, f, default=str)
+    return outputs, orders
 
 
 if __name__ == "__main__":

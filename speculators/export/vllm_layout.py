@@ -91,95 +91,132 @@ def expected_layout(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] |
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise SpeculatorsError("config.json has no `transformer_layer_config` dict")
-        d = _dims(config, layer)
-        H, V = d["H"], d["V"]
-        N = int(config.get("draft_vocab_size") or V)
-        shapes: dict[str, tuple[int, ...] | None] = {}
-        required: set[str] = set()
-        qk = layer.get("model_type") == "qwen3"
-        if family in ("eagle3", "peagle"):
-            ids = _aux_ids(config, "eagle_aux_hidden_state_layer_ids", problems, exact=EAGLE3_TAPS)
-            n = max(len(ids), 1)
-            shapes.update({"fc.weight": (H, n * H), "norm.weight": (H,), "lm_head.weight": (N, H),
-                           "embed_tokens.weight": (V, H), "d2t": (N,), "t2d": (V,),
-                           "layers.0.hidden_norm.weight": (H,)})
-            required |= {"fc.weight", "norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"}
-            if config.get("norm_before_fc"):
-                shapes["input_norm.weight"] = (n * H,)
-                required.add("input_norm.weight")
-            if config.get("fc_norm"):
-                for i in range(n):
-                    shapes[f"fc_norm.{i}.weight"] = (H,)
-                    required.add(f"fc_norm.{i}.weight")
-            for i in range(d["L"]):
-                s, r = _decoder_layer(f"layers.{i}.", d, 2 * H if i == 0 else H, qk)
-                shapes.update(s)
-                required |= r
-            if family == "peagle":
-                shapes["mask_hidden"] = (1, 1, n * H)
-                required.add("mask_hidden")
-        elif family in ("dflash", "dspark"):
-            ids = _aux_ids(config, "aux_hidden_state_layer_ids", problems)
-            n = max(len(ids), 1)
-            shapes.update({"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
-                           "lm_head.weight": (N, H), "embed_tokens.weight": (V, H), "d2t": (N,), "t2d": (V,)})
-            required |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
-            for i in range(d["L"]):
-                s, r = _decoder_layer(f"layers.{i}.", d, H, qk)
-                shapes.update(s)
-                required |= r
-            if family == "dspark":
-                # qwen3_dspark.py: mask_embedding is dropped; a reduced vocabulary needs its own lm_head and d2t
-                shapes["mask_embedding"] = None
-                if N != V:
-                    required |= {"lm_head.weight", "d2t"}
-                r_ = int(config.get("markov_rank") or 0)
-                if r_ > 0:
-                    shapes["markov_head.markov_w1.weight"] = (V, r_)
-                    shapes["markov_head.markov_w2.weight"] = (N, r_)
-                    required |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
-                if config.get("enable_confidence_head"):
-                    width = H + (r_ if config.get("confidence_head_with_markov") else 0)
-                    shapes["confidence_head.proj.weight"] = (1, width)
-                    shapes["confidence_head.proj.bias"] = (1,)
-                    required |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
-        elif family == "eagle":
-            bias = bool(config.get("fusion_bias"))
-            shapes.update({"fc.weight": (H, 2 * H), "embed_tokens.weight": (V, H)})
-            required.add("fc.weight")
-            if bias:
-                shapes["fc.bias"] = (H,)
-                required.add("fc.bias")
-            for i in range(d["L"]):
-                s, r = _decoder_layer(f"layers.{i}.", d, H, qk, input_norm=i > 0)
-                shapes.update(s)
-                required |= r
-        elif family == "mtp":
-            D = int(config.get("num_nextn_predict_layers") or 1)
-            shapes["embed_tokens.weight"] = (V, H)  # optional: DeepSeek-V3's MTP shares the target's
-            for i in range(D):
-                p = f"layers.{i}."
-                shapes.update({p + "enorm.weight": (H,), p + "hnorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H),
-                               p + "shared_head.norm.weight": (H,), p + "shared_head.head.weight": (V, H)})
-                required |= {p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight"}
-                s, r = _decoder_layer(p, d, H, qk)
-                shapes.update(s)
-                required |= r
-        elif family == "medusa":
-            K, nl = int(config.get("num_heads") or 0), int(config.get("num_hidden_layers") or 1)
-            for k in range(K):
-                for j in range(nl):
-                    shapes[f"blocks.{k}.layers.{j}.weight"] = (H, H)
-                    shapes[f"blocks.{k}.layers.{j}.bias"] = (H,)
-                shapes[f"lm_heads.{k}.weight"] = (N, H)
-                required.add(f"lm_heads.{k}.weight")
-            shapes.update({"d2t": (N,), "t2d": (V,), "token_map": (N,)})
-        else:
+        if family not in _LAYOUTS:
             raise SpeculatorsError(f"vLLM layout check: unknown family {family!r} (config "
                                    "`speculators_model_type` / `model_type`)")
+        d = _dims(config, layer)
+        d["N"] = int(config.get("draft_vocab_size") or d["V"])
+        d["qk"] = layer.get("model_type") == "qwen3"
+        shapes, required = _LAYOUTS[family](family, config, d, problems)
     except (KeyError, TypeError, ValueError) as e:
         raise SpeculatorsError(f"vLLM layout check: config.json lacks a size it needs ({e})") from None
     return shapes, required, problems
+
+
+def _layers(d: dict, first_in: int, prefix: str = "layers.", input_norm_after_first: bool = False):
+    """Every decoder layer ``{prefix}{i}.`` of the drafter (the first taking ``first_in`` features)."""
+    shapes, required = {}, set()
+    for i in range(d["L"]):
+        kw = {"input_norm": i > 0} if input_norm_after_first else {}
+        s, r = _decoder_layer(f"{prefix}{i}.", d, first_in if i == 0 else d["H"], d["qk"], **kw)
+        shapes.update(s)
+        required |= r
+    return shapes, required
+
+
+def _eagle3_like(family: str, config: dict[str, Any], d: dict, problems: list[str]):
+    """``llama_eagle3.py`` (vLLM serves P-EAGLE through it, plus the parallel-drafting ``mask_hidden``)."""
+    H, V, N = d["H"], d["V"], d["N"]
+    ids = _aux_ids(config, "eagle_aux_hidden_state_layer_ids", problems, exact=EAGLE3_TAPS)
+    n = max(len(ids), 1)
+    shapes = {"fc.weight": (H, n * H), "norm.weight": (H,), "lm_head.weight": (N, H),
+              "embed_tokens.weight": (V, H), "d2t": (N,), "t2d": (V,), "layers.0.hidden_norm.weight": (H,)}
+    required = {"fc.weight", "norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"}
+    if config.get("norm_before_fc"):
+        shapes["input_norm.weight"] = (n * H,)
+        required.add("input_norm.weight")
+    if config.get("fc_norm"):
+        for i in range(n):
+            shapes[f"fc_norm.{i}.weight"] = (H,)
+            required.add(f"fc_norm.{i}.weight")
+    s, r = _layers(d, 2 * H)
+    shapes.update(s)
+    required |= r
+    if family == "peagle":
+        shapes["mask_hidden"] = (1, 1, n * H)
+        required.add("mask_hidden")
+    return shapes, required
+
+
+def _block_drafter(family: str, config: dict[str, Any], d: dict, problems: list[str]):
+    """``qwen3_dflash.py`` / ``qwen3_dspark.py`` (DSpark adds the Markov and confidence heads; its
+    ``mask_embedding`` is dropped; a reduced vocabulary needs its own lm_head and d2t)."""
+    H, V, N = d["H"], d["V"], d["N"]
+    ids = _aux_ids(config, "aux_hidden_state_layer_ids", problems)
+    n = max(len(ids), 1)
+    shapes = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+              "lm_head.weight": (N, H), "embed_tokens.weight": (V, H), "d2t": (N,), "t2d": (V,)}
+    required = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    s, r = _layers(d, H)
+    shapes.update(s)
+    required |= r
+    if family != "dspark":
+        return shapes, required
+    shapes["mask_embedding"] = None
+    if N != V:
+        required |= {"lm_head.weight", "d2t"}
+    r_ = int(config.get("markov_rank") or 0)
+    if r_ > 0:
+        shapes["markov_head.markov_w1.weight"] = (V, r_)
+        shapes["markov_head.markov_w2.weight"] = (N, r_)
+        required |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    if config.get("enable_confidence_head"):
+        width = H + (r_ if config.get("confidence_head_with_markov") else 0)
+        shapes["confidence_head.proj.weight"] = (1, width)
+        shapes["confidence_head.proj.bias"] = (1,)
+        required |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    return shapes, required
+
+
+def _eagle1(family: str, config: dict[str, Any], d: dict, problems: list[str]):
+    """EAGLE-1 in our own layout (vLLM's ``method: eagle`` loader takes another one)."""
+    H, V = d["H"], d["V"]
+    shapes: dict[str, tuple[int, ...] | None] = {"fc.weight": (H, 2 * H), "embed_tokens.weight": (V, H)}
+    required = {"fc.weight"}
+    if config.get("fusion_bias"):
+        shapes["fc.bias"] = (H,)
+        required.add("fc.bias")
+    s, r = _layers(d, H, input_norm_after_first=True)
+    shapes.update(s)
+    return shapes, required | r
+
+
+def _mtp(family: str, config: dict[str, Any], d: dict, problems: list[str]):
+    """MTP modules in the DeepSeek layout (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``);
+    ``embed_tokens`` optional (DeepSeek-V3's MTP shares the target's)."""
+    H, V = d["H"], d["V"]
+    shapes: dict[str, tuple[int, ...] | None] = {"embed_tokens.weight": (V, H)}
+    required: set[str] = set()
+    for i in range(int(config.get("num_nextn_predict_layers") or 1)):
+        p = f"layers.{i}."
+        shapes.update({p + "enorm.weight": (H,), p + "hnorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H),
+                       p + "shared_head.norm.weight": (H,), p + "shared_head.head.weight": (V, H)})
+        required |= {p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight"}
+        s, r = _decoder_layer(p, d, H, d["qk"])
+        shapes.update(s)
+        required |= r
+    return shapes, required
+
+
+def _medusa_speculators(family: str, config: dict[str, Any], d: dict, problems: list[str]):
+    """Medusa in the speculators layout (our own: vLLM's Medusa loader takes its native layout)."""
+    H, V, N = d["H"], d["V"], d["N"]
+    K, nl = int(config.get("num_heads") or 0), int(config.get("num_hidden_layers") or 1)
+    shapes: dict[str, tuple[int, ...] | None] = {"d2t": (N,), "t2d": (V,), "token_map": (N,)}
+    required: set[str] = set()
+    for k in range(K):
+        for j in range(nl):
+            shapes[f"blocks.{k}.layers.{j}.weight"] = (H, H)
+            shapes[f"blocks.{k}.layers.{j}.bias"] = (H,)
+        shapes[f"lm_heads.{k}.weight"] = (N, H)
+        required.add(f"lm_heads.{k}.weight")
+    return shapes, required
+
+
+#: ``speculators_model_type`` -> what vLLM's loader for it places (``(family, config, dims, problems) ->
+#: (shapes, required)``)
+_LAYOUTS = {"eagle3": _eagle3_like, "peagle": _eagle3_like, "dflash": _block_drafter, "dspark": _block_drafter,
+            "eagle": _eagle1, "mtp": _mtp, "medusa": _medusa_speculators}
 
 
 def _medusa_vllm(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
