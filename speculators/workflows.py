@@ -183,7 +183,9 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
             f"parameters at lr {groups[1]['lr']}")
     final = Trainer(recipe, unit, data, out, log=log, console=console, run_info=identity).train(resume=resume)
     if recipe.train.parity_check and state.is_main_process and not joint:
-        export_gate(final, target, drafter, data.held_out, log=log)
+        # several processes (DDP, FSDP, DeepSpeed ZeRO) may leave this rank's drafter sharded: the gate then
+        # compares the published file alone (our loader reads final/), not the file against the drafter in memory
+        export_gate(final, target, drafter if state.num_processes == 1 else None, data.held_out, log=log)
     return final
 
 
@@ -382,6 +384,36 @@ def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Ma
         raise SpeculatorsError(f"{what}: {e}") from None
 
 
+def _eval_batch_size(ev: EvalSpec, target, log) -> int:
+    """The loaded batch size of an eval: ``eval.batch_size``, else the device's default, which falls back
+    to 1 (with a log line) where the target cannot decode a batch."""
+    from .evaluate import default_batch_size
+
+    batch = ev.batch_size or default_batch_size(str(target.device))
+    if batch > 1 and ev.batch_size is None:
+        try:
+            target.batch_session(batch)
+        except SpeculatorsError as e:
+            log(f"eval: batch 1 only: {e}")
+            batch = 1
+    return batch
+
+
+def _add_compare(report: dict, label: str, others: list[tuple[str, Path]], measure_other) -> None:
+    """``report["compare"]`` over ``label``'s report and each other checkpoint's (``measure_other(given,
+    path) -> report``, one at a time so that only one target is loaded); their greedy mismatches join the
+    report's (every checkpoint's outputs must equal plain greedy decoding)."""
+    from .evaluate import compare_rows
+
+    reports = [(label, report)]
+    for given, other in others:
+        orep = measure_other(given, other)
+        reports.append((given, orep))
+        if report["greedy_mismatches"] is not None:
+            report["greedy_mismatches"] += [{**m, "checkpoint": given} for m in orep["greedy_mismatches"]]
+    report["compare"] = {"checkpoints": [c for c, _ in reports], "rows": compare_rows(reports)}
+
+
 def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
              prompts: str | list[str] | None = None, target_model: str | None = None,
              output: str | Path | None = None, log: Callable[[str], None] = print, progress=None,
@@ -437,7 +469,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             whose target differs.
     """
     from .drafters import Drafter
-    from .evaluate import compare_rows, default_batch_size, run_eval, write_report
+    from .evaluate import run_eval, write_report
     from .hub import looks_like_hub_id
     from .verify import SamplingParams
 
@@ -460,13 +492,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         _check_eval_k(Drafter.from_pretrained(path), ev, eval_overrides or {}, override_names or {}, str(given))
     drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
     plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts, log)
-    batch = ev.batch_size or default_batch_size(str(target.device))
-    if batch > 1 and ev.batch_size is None:  # the default load: fall back to batch 1 where batching is impossible
-        try:
-            target.batch_session(batch)
-        except SpeculatorsError as e:
-            log(f"eval: batch 1 only: {e}")
-            batch = 1
+    batch = _eval_batch_size(ev, target, log)
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
 
@@ -499,21 +525,19 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     report = describe(measure(target, drafter, tuple(m for m in METHODS if m in ev.methods), ""), ckpt, drafter,
                       target)
     if others:
-        reports = [(str(checkpoint), report)]
         del drafter, target
-        for given, other in zip(compare, others):
+
+        def measure_other(given, other):
             orec = load_recipe(other / RUN_RECIPE) if (other / RUN_RECIPE).is_file() else rec
-            od, ot, ofp = _load_for_eval(other, orec, target_model or (rec.target.model if rec else None), device, log, dtype)
+            od, ot, ofp = _load_for_eval(other, orec, target_model or (rec.target.model if rec else None), device,
+                                         log, dtype)
             if ofp != fingerprint:
                 raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
                                        "compare checkpoints of the same target (or pass --target)")
-            orep = describe(measure(ot, od, tuple(m for m in ("drafter", "drafter_argmax", "hybrid") if m in ev.methods) or ("drafter",),
-                                    f" ({given})", gated=False), other, od, ot)
-            reports.append((str(given), orep))
-            if report["greedy_mismatches"] is not None:  # every checkpoint's outputs must equal plain greedy
-                report["greedy_mismatches"] += [{**m, "checkpoint": str(given)} for m in orep["greedy_mismatches"]]
-            del od, ot
-        report["compare"] = {"checkpoints": [c for c, _ in reports], "rows": compare_rows(reports)}
+            methods = tuple(m for m in ("drafter", "drafter_argmax", "hybrid") if m in ev.methods) or ("drafter",)
+            return describe(measure(ot, od, methods, f" ({given})", gated=False), other, od, ot)
+
+        _add_compare(report, str(checkpoint), [(str(c), o) for c, o in zip(compare, others)], measure_other)
     # a pulled drafter lives in the Hub cache: its reports go under ./outputs/hub/ instead
     base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
     out = Path(output) if output is not None else base / f"eval-k{'-'.join(map(str, ev.ks))}-t{ev.temperature:g}"
