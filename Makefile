@@ -6,7 +6,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch is pinned to the version whose CPU wheel this project's machines keep locally (pip finds it there);
+# torch is pinned to the version whose CPU wheel the project's build machines keep locally (pip finds it there);
 # elsewhere pip takes the PyPI wheel of that version. Override with TORCH_SPEC=... for another build.
 TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8

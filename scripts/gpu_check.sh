@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, prepared for one short run on a lent CUDA machine (the `device` tool):
+# The GPU checks, prepared for one short run on a CUDA machine:
 #   1. the verifier: the Triton kernels on CUDA tensors against the torch implementation (identical
 #      tokens) and the statistical losslessness tests, on the GPU (no conftest: torch, triton, pytest);
 #   2. batched speculative decoding (issue 11): tests/test_batched.py on the GPU (the ragged batch
