@@ -203,6 +203,27 @@ def is_engine_state(directory: str | Path) -> bool:
     return (Path(directory) / DCP_METADATA).is_file()
 
 
-__all__ = ["fsdp_on_cpu_requested", "shard_unit", "is_sharded", "full_parameters", "keep_full_parameters", "reshard",
+def deepspeed_on_cpu_requested() -> bool:
+    """True when ``accelerate launch`` started this process for DeepSpeed (``ACCELERATE_USE_DEEPSPEED=true``,
+    ``LOCAL_RANK`` set: a config with ``distributed_type: DEEPSPEED``) on a machine without CUDA: the
+    trainer then runs DeepSpeed on its CPU accelerator (``DS_ACCELERATOR=cpu``) over gloo.
+
+    Raises:
+        SpeculatorsError: DeepSpeed is asked for and the ``deepspeed`` package cannot be imported (how to
+            install it, and the configs that run without it).
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("true", "1") or \
+            int(os.environ.get("LOCAL_RANK", -1)) == -1:
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SpeculatorsError("the launcher config asks for DeepSpeed (distributed_type: DEEPSPEED) but the deepspeed "
+                               "package is not installed: pip install 'speculators[deepspeed]' (on a CPU machine: "
+                               "see docs/DISTRIBUTED.md), or launch with recipes/accelerate/fsdp.yaml or cpu.yaml")
+    return True
+
+
+__all__ = ["deepspeed_on_cpu_requested", "fsdp_on_cpu_requested", "shard_unit", "is_sharded", "full_parameters", "keep_full_parameters", "reshard",
            "save_engine_state", "load_engine_state", "is_engine_state", "set_gradient_sync", "local_part",
            "full_value"]

@@ -256,3 +256,19 @@ class ProgressReporter:
         except (OSError, ValueError):
             pass
         t.last_print, t.printed_done = now, t.done
+
+
+class NoProgress:
+    """A progress reporter that draws nothing (ranks other than 0 of a multi-process run)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *args, **kwargs):
+        return 0
+
+    def update(self, *args, **kwargs):
+        pass

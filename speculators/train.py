@@ -55,7 +55,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import time
 import uuid
@@ -64,108 +63,20 @@ from pathlib import Path
 import torch
 
 from .data.dataset import make_batch, plan_batches
-from .drafters.checkpoint import RECIPE_NAME, check_weights
+from .drafters.checkpoint import RECIPE_NAME
 from .errors import SpeculatorsError
-from .fsdp import (full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state, is_sharded,
+from .fsdp import (deepspeed_on_cpu_requested, full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state, is_sharded,
                    keep_full_parameters, load_engine_state, local_part, reshard, save_engine_state,
                    set_gradient_sync, shard_unit)
 from .recipe import dump_recipe
 from .tracking import (TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to,  # noqa: F401
                        log_eval_report, report_table)
 from .training_unit import TrainingUnit
+from .hardware import fast_bf16, resolve_precision  # noqa: F401  (train.precision: auto)
+from .progress import NoProgress
+from .run_dir import (CKPT_RE, DIVERGED_PREFIX, ENGINE_STATE_DIR, STATE_NAME, check_output_dir,  # noqa: F401
+                      _unprefixed, checkpoint_weights_problem, checkpoints, model_card, prepare_output_dir)
 from .utils import atomic_write_text
-
-STATE_NAME = "trainer_state.pt"
-ENGINE_STATE_DIR = "engine_state"  # FSDP / DeepSpeed: accelerate's save_state (sharded optimizer, weights)
-CKPT_RE = re.compile(r"^step-(\d+)$")
-DIVERGED_PREFIX = "diverged-"  # a checkpoint found not good after a divergence: step-N -> diverged-step-N
-
-
-def checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary ``.step-*`` dirs are ignored)."""
-    d = Path(output_dir) / "checkpoints"
-    if not d.is_dir():
-        return []
-    found = [p for p in d.iterdir() if CKPT_RE.match(p.name) and (p / STATE_NAME).is_file()]
-    return sorted(found, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
-
-
-def checkpoint_weights_problem(path: Path) -> str | None:
-    """Why checkpoint ``path`` cannot be used: one of its weight files cannot be read or holds a NaN/inf
-    (:func:`speculators.drafters.checkpoint.check_weights`); ``None`` when every tensor is finite."""
-    try:
-        check_weights(path)
-    except SpeculatorsError as e:
-        return str(e)
-    return None
-
-
-def fast_bf16() -> bool:
-    """True when bf16 autocast is faster than fp32 here: a CUDA device with bf16 support, or a CPU with
-    native bf16 matrix instructions (``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``). On an
-    AVX2-only CPU torch emulates bf16 matmuls, ~10x slower than fp32 (measured on this project's AMD EPYC
-    machines)."""
-    if torch.cuda.is_available():
-        return bool(torch.cuda.is_bf16_supported())
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_precision(precision: str) -> str:
-    """``train.precision`` -> ``"fp32"`` or ``"bf16"`` (``"auto"``: bf16 where :func:`fast_bf16`)."""
-    if precision == "auto":
-        return "bf16" if fast_bf16() else "fp32"
-    return precision
-
-
-def deepspeed_on_cpu_requested() -> bool:
-    """True when ``accelerate launch`` started this process for DeepSpeed (``ACCELERATE_USE_DEEPSPEED=true``,
-    ``LOCAL_RANK`` set: a config with ``distributed_type: DEEPSPEED``) on a machine without CUDA: the
-    trainer then runs DeepSpeed on its CPU accelerator (``DS_ACCELERATOR=cpu``) over gloo.
-
-    Raises:
-        SpeculatorsError: DeepSpeed is asked for and the ``deepspeed`` package cannot be imported (how to
-            install it, and the configs that run without it).
-    """
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("true", "1") or \
-            int(os.environ.get("LOCAL_RANK", -1)) == -1:
-        return False
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        raise SpeculatorsError("the launcher config asks for DeepSpeed (distributed_type: DEEPSPEED) but the deepspeed "
-                               "package is not installed: pip install 'speculators[deepspeed]' (on a CPU machine: "
-                               "see docs/DISTRIBUTED.md), or launch with recipes/accelerate/fsdp.yaml or cpu.yaml")
-    return True
-
-
-def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Check the ``--resume`` / ``--overwrite`` rules before any work starts (nothing is written).
-
-    Raises:
-        SpeculatorsError: the path exists and is not a directory; the directory exists (non-empty)
-            and neither flag is given; both flags are given.
-    """
-    if resume and overwrite:
-        raise SpeculatorsError("--resume and --overwrite are mutually exclusive")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise SpeculatorsError(f"output directory {str(output_dir)!r} exists and is not a directory")
-    if output_dir.exists() and any(output_dir.iterdir()) and not (resume or overwrite):
-        raise SpeculatorsError(f"output directory {str(output_dir)!r} already exists; "
-                               "pass --resume to continue it or --overwrite to replace it")
-
-
-def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Apply the rules of :func:`check_output_dir`, then create the run directory (deleting an
-    existing one with ``overwrite``). Called once the run is about to start training."""
-    check_output_dir(output_dir, resume, overwrite)
-    if overwrite and output_dir.exists():
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-
 
 class Trainer:
     """Train one training unit on ``data`` following ``recipe.train`` and write checkpoints to ``output_dir``.
@@ -701,7 +612,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         stop = self.step >= self.total_steps
         # a rich bar on a terminal, periodic plain lines in a log file/pipe, off with SPECULATORS_NO_PROGRESS=1
-        progress = ProgressReporter(console=self.console, log=self.log) if self.is_main else _NoProgress()
+        progress = ProgressReporter(console=self.console, log=self.log) if self.is_main else NoProgress()
         n_proc = self.accelerator.num_processes
         engine = "FSDP2 on CPU, gloo" if self.fsdp_cpu else self.accelerator.distributed_type.value
         procs = f" x {n_proc} processes ({engine})" if n_proc > 1 else ""
@@ -724,16 +635,7 @@ class Trainer:
                     now = time.time()
                     tps = tok_window / max(now - t_window, 1e-9)
                     t_window, tok_window = now, 0
-                    lrs = self.scheduler.get_last_lr()
-                    # train/loss: the global batch's loss (= the loss of its micro-batches as one batch, all
-                    # ranks); the family's metrics (loss_j, accuracies, sim_tau): rank 0's last micro-batch
-                    scal = {"train/loss": loss_value, "train/lr": lrs[0],
-                            **{f"train/lr_{n}": lr for n, lr in zip(self.group_names[1:], lrs[1:])},
-                            "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
-                            **{f"train/{k}": v for k, v in metrics.items()}}
-                    self._log_scalars(scal)
-                    progress.update(task, info=f"loss {loss_value:.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
-                                               f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
+                    self._log_step(loss_value, gnorm, tps, metrics, progress, task)
                 progress.update(task, completed=self.step)
                 if self.step % spec.eval_every == 0 or self.step == self.total_steps:
                     self.held_out_last = self._held_out_eval() or self.held_out_last
@@ -752,8 +654,26 @@ class Trainer:
         if self.held_out_last.get("step") != self.step:  # stopped early (max_minutes) or resumed at the end
             self.held_out_last = self._held_out_eval() or self.held_out_last
         self.save_checkpoint()
+        return self._write_final(tokens_seen, dt)
+
+    def _log_step(self, loss_value: float, gnorm, tps: float, metrics: dict[str, float], progress, task) -> None:
+        """The scalars of a logged step: ``train/loss`` is the global batch's loss (= the loss of its
+        micro-batches as one batch, all ranks); the family's metrics (loss_j, accuracies, sim_tau) are
+        rank 0's last micro-batch's."""
+        lrs = self.scheduler.get_last_lr()
+        scal = {"train/loss": loss_value, "train/lr": lrs[0],
+                **{f"train/lr_{n}": lr for n, lr in zip(self.group_names[1:], lrs[1:])},
+                "train/grad_norm": float(gnorm), "train/tokens_per_s": tps,
+                **{f"train/{k}": v for k, v in metrics.items()}}
+        self._log_scalars(scal)
+        progress.update(task, info=f"loss {loss_value:.3f} sim_tau {metrics.get('sim_tau', 0):.2f} "
+                                   f"acc0 {metrics.get('full_acc_0', 0):.2f} {tps:.0f} tok/s")
+
+    def _write_final(self, tokens_seen: int, seconds: float) -> Path:
+        """Write ``OUTPUT_DIR/final`` (rank 0; published: ``train.save_dtype``, no frozen target copies, the
+        model card), full weights under FSDP; returns its path."""
         final = self.output_dir / "final"
-        card = model_card(self.unit, self.step, tokens_seen, dt, self.held_out_before, self.held_out_last,
+        card = model_card(self.unit, self.step, tokens_seen, seconds, self.held_out_before, self.held_out_last,
                           data_report=getattr(self.data, "report", None))
         with self._full_weights():
             if self.is_main:
@@ -764,49 +684,3 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         self.log(f"train: final drafter written to {final}")
         return final
-
-
-class _NoProgress:
-    """The progress reporter of ranks other than 0: draws nothing."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def add_task(self, *args, **kwargs):
-        return 0
-
-    def update(self, *args, **kwargs):
-        pass
-
-
-def _unprefixed(ev: dict[str, float], prefix: str = "held_out/") -> dict[str, float]:
-    """Held-out metrics without their ``held_out/`` prefix (and without ``step``)."""
-    return {k[len(prefix):]: v for k, v in ev.items() if k.startswith(prefix)}
-
-
-def model_card(unit: TrainingUnit, steps: int, tokens: int, seconds: float, before: dict[str, float],
-               after: dict[str, float], data_report: dict | None = None) -> str:
-    """``final/README.md``: what was trained, on what, how long, the unit's own lines
-    (``TrainingUnit.card_lines``: for a joint run the adapter and the target's held-out perplexity before
-    and after training), the last held-out metrics (``before`` / ``after``: ``held_out/`` names) and the
-    training data per source with the rows each filter dropped (``data_report``:
-    :func:`speculators.data.pipeline.report_markdown`)."""
-    m = unit.drafter.meta
-    lines = [f"# {unit.drafter.algorithm} drafter for {m.name_or_path}", "",
-             f"Trained by speculators from `{RECIPE_NAME}` (in this directory): {steps} steps, {tokens} tokens, "
-             f"{seconds / 60:.1f} min.", ""]
-    lines += unit.card_lines(_unprefixed(before), _unprefixed(after))
-    if after:
-        lines += ["| held-out metric | before training | after training |", "|---|---|---|"]
-        for k in sorted(k for k in after if k != "step"):
-            name = k.replace("held_out/", "")
-            b = before.get(k)
-            lines.append(f"| {name} | {'-' if b is None else f'{b:.4f}'} | {after[k]:.4f} |")
-    if data_report:
-        from .data.pipeline import report_markdown
-
-        lines += [""] + report_markdown(data_report)
-    return "\n".join(lines) + "\n"

@@ -424,7 +424,7 @@ def test_two_process_gradient_equals_the_one_batch_gradient(tmp_path):
 def test_precision_auto_picks_bf16_only_where_it_is_fast(monkeypatch):
     """``train.precision: auto`` is bf16 only on hardware with native bf16 matmuls (else fp32: on AVX2 CPUs
     bf16 autocast is ~10x slower); explicit values are kept."""
-    from speculators import train as train_mod
+    from speculators import hardware as train_mod  # where the precision is resolved
 
     monkeypatch.setattr(train_mod, "fast_bf16", lambda: False)
     assert train_mod.resolve_precision("auto") == "fp32"
