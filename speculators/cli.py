@@ -277,11 +277,14 @@ def check(
         None, "--reference-python", help="python of a venv with vllm-project/speculators 0.9.0 (default: "
         "$SPECULATORS_REFERENCE_PYTHON, ./.venv-reference, else one is built in the cache)"),
     no_parity: bool = typer.Option(False, "--no-parity", help="only the static vLLM layout check"),
+    write: bool = typer.Option(True, "--write/--no-write", help="record the result as DIR/parity.json (what "
+                               "`speculators push` puts on the model card)"),
 ):
     """Check an exported checkpoint: every tensor's name and shape against vLLM 0.33.0's loader, then load it
     with the reference implementation (vllm-project/speculators 0.9.0) and compare the first drafting step with
-    ours (pass: max |delta logit| <= 1e-4 in float32 and equal argmax). Exit status 1 on a failure, 0 when
-    everything checked passed (a parity check that could not run is reported, not failed)."""
+    ours (pass: max |delta logit| <= 1e-4 in float32 and equal argmax). The result is written to DIR/parity.json
+    (the model card of `speculators push` shows it). Exit status 1 on a failure, 0 when everything checked
+    passed (a parity check that could not run is reported, not failed)."""
     from .export.gate import check_checkpoint
 
     if (checkpoint / "final" / "config.json").is_file():
@@ -296,6 +299,15 @@ def check(
     res = check_checkpoint(checkpoint, target=target, num_sequences=num_sequences,
                            reference_python=reference_python, parity=not no_parity, log=log)
     console.print(res.to_markdown(), markup=False)
+    if write:
+        import json
+
+        from .utils import atomic_write_text
+
+        try:
+            atomic_write_text(checkpoint / "parity.json", json.dumps(res.to_json(), indent=2) + "\n")
+        except OSError as e:  # e.g. a read-only Hub cache: the check stands, only the record is not kept
+            log(f"check: could not write {checkpoint / 'parity.json'} ({e}); use --no-write to silence this")
     if res.passed is False:
         raise typer.Exit(1)
 

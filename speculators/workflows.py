@@ -182,19 +182,27 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
         log(f"joint: the target is trained too, {sum(p.numel() for p in groups[1]['params']) / 1e6:.2f}M LoRA "
             f"parameters at lr {groups[1]['lr']}")
     final = Trainer(recipe, unit, data, out, log=log, console=console, run_info=identity).train(resume=resume)
-    if recipe.train.parity_check and state.is_main_process and not joint:
+    if recipe.train.parity_check and state.is_main_process:
         # several processes (DDP, FSDP, DeepSpeed ZeRO) may leave this rank's drafter sharded: the gate then
         # compares the published file alone (our loader reads final/), not the file against the drafter in memory
-        export_gate(final, target, drafter if state.num_processes == 1 else None, data.held_out, log=log)
+        export_gate(final, target, drafter if state.num_processes == 1 else None, data.held_out, log=log,
+                    parity_skip=JOINT_PARITY_NOTE if joint else None)
     return final
 
 
+#: why a joint run's export gate checks the layout only
+JOINT_PARITY_NOTE = ("parity with the reference implementation not run: a joint run's verifier is the base model "
+                     "with this run's LoRA adapter (final/target_adapter), which the reference does not load; merge "
+                     "the adapter and run `speculators check DIR --target MERGED_MODEL`")
+
+
 def export_gate(final: Path, target, drafter, held_out, log: Callable[[str], None] = print,
-                num_sequences: int = 3, max_tokens: int = 64):
+                num_sequences: int = 3, max_tokens: int = 64, parity_skip: str | None = None):
     """The end step of ``speculators train`` (``train.parity_check``): :func:`speculators.export.gate.check_checkpoint`
     on ``final`` with the run's target and trained drafter on its first held-out sequences (at most
     ``max_tokens`` tokens each; built-in texts when the run has none). Writes ``final/parity.json`` and
     appends the result to ``final/README.md`` (the run card, which ``speculators push`` publishes).
+    ``parity_skip``: run the layout check only, and say why (a joint run).
 
     Returns:
         The :class:`speculators.export.gate.GateResult`.
@@ -212,7 +220,10 @@ def export_gate(final: Path, target, drafter, held_out, log: Callable[[str], Non
     if held_out is not None and len(held_out):
         seqs = [held_out.example(i)["input_ids"][:max_tokens].tolist() for i in range(min(num_sequences, len(held_out)))]
     res = check_checkpoint(final, target=target, sequences=seqs, num_sequences=num_sequences, drafter=drafter,
-                           log=log)
+                           log=log, parity=parity_skip is None)
+    if parity_skip is not None:
+        res.notes.append(parity_skip)
+        log(f"export gate: {parity_skip}")
     atomic_write_text(final / "parity.json", json.dumps(res.to_json(), indent=2) + "\n")
     card = final / "README.md"
     if card.is_file():

@@ -511,9 +511,14 @@ def _reference_or_skip():
 def test_check_static_layout_exit_codes(trained, tmp_path):
     good = tmp_path / "good"
     shutil.copytree(trained.dir / "final", good)
+    (good / "parity.json").unlink(missing_ok=True)
+    r = CliRunner().invoke(app, ["check", str(good), "--no-parity", "--no-write"])
+    assert r.exit_code == 0 and not (good / "parity.json").exists(), r.output
     r = CliRunner().invoke(app, ["check", str(good), "--no-parity"])
     assert r.exit_code == 0, r.output
     assert "vLLM 0.33.0 weight layout" in r.output and "Every tensor" in r.output
+    # the result is recorded where `speculators push` reads it for the model card
+    assert json.loads((good / "parity.json").read_text())["layout_problems"] == []
     bad = tmp_path / "bad"
     shutil.copytree(trained.dir / "final", bad)
     from safetensors.torch import save_file

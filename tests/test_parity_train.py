@@ -38,6 +38,36 @@ def test_unavailable_reference_does_not_fail_the_run(target, tmp_path, monkeypat
     assert "## Checked" in card and "parity with vllm-project/speculators 0.9.0: not checked" in card
 
 
+def test_a_joint_run_checks_the_layout_and_says_why_parity_did_not_run(target, tmp_path, monkeypatch):
+    from speculators.workflows import JOINT_PARITY_NOTE
+
+    path = tmp_path / "final"
+    d = make(target, "eagle3", path)
+    _card(path)
+    monkeypatch.setenv(reference_env.ENV_VAR, str(tmp_path / "nowhere" / "python"))  # must not be needed
+    lines = []
+    res = export_gate(path, target, d, None, log=lines.append, parity_skip=JOINT_PARITY_NOTE)
+    assert res.parity is None and res.layout_checked and res.layout_problems == [] and res.passed is None
+    g = json.loads((path / "parity.json").read_text())
+    assert g["notes"] == [JOINT_PARITY_NOTE] and g["parity"] is None
+    assert JOINT_PARITY_NOTE in (path / "README.md").read_text() and any(JOINT_PARITY_NOTE in x for x in lines)
+
+
+def test_a_family_without_a_known_vllm_loader_is_not_checked_nor_failed(target, tmp_path):
+    """A new family (its ``speculators_model_type`` unknown to the vLLM layout table) passes through the gate
+    with its layout marked unchecked: adding a family does not break the end of training."""
+    from speculators.export.gate import check_checkpoint
+
+    path = tmp_path / "final"
+    make(target, "dflash", path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["speculators_model_type"] = "brandnew"
+    (path / "config.json").write_text(json.dumps(cfg))
+    res = check_checkpoint(path, parity=False)
+    assert not res.layout_checked and res.layout_problems == [] and res.passed is None
+    assert "No vLLM 0.33.0 loader is known for this layout" in res.to_markdown()
+
+
 def test_layout_failure_fails_the_run_and_marks_the_card(target, tmp_path, monkeypatch):
     path = tmp_path / "final"
     d = make(target, "dspark", path)

@@ -1,6 +1,6 @@
 """The export gate: the static vLLM layout check plus the parity check, on one checkpoint directory.
 
-Used by ``speculators check DIR`` and at the end of ``speculators train`` (``export.parity_check``).
+Used by ``speculators check DIR`` and at the end of ``speculators train`` (``train.parity_check``).
 """
 
 from __future__ import annotations
@@ -10,18 +10,22 @@ from pathlib import Path
 from typing import Any
 
 from .parity import ParityResult, check_parity
-from .vllm_layout import VLLM_VERSION, check_layout
+from .vllm_layout import VLLM_VERSION, check_layout, known_layout
 
 
 @dataclass
 class GateResult:
     """``layout_problems`` (:func:`.vllm_layout.check_layout`) and ``parity`` (:func:`.parity.check_parity`).
-    ``passed``: no layout problem and parity passed; None when parity could not run (layout clean)."""
+    ``passed``: no layout problem and parity passed; None when parity could not run (layout clean).
+    ``layout_checked``: False when no vLLM loader is known for the layout (a new family: not checked);
+    ``notes``: why a check did not run."""
 
     checkpoint: str
     layout_problems: list[str] = field(default_factory=list)
     parity: ParityResult | None = None
     serving: str = ""
+    layout_checked: bool = True
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool | None:
@@ -32,7 +36,9 @@ class GateResult:
     def to_markdown(self) -> str:
         """Markdown for the run card, the model card and ``speculators check``."""
         lines = [f"## vLLM {VLLM_VERSION} weight layout", ""]
-        if self.layout_problems:
+        if not self.layout_checked:
+            lines.append(f"No vLLM {VLLM_VERSION} loader is known for this layout: its tensors were not checked.")
+        elif self.layout_problems:
             lines += [f"- {p}" for p in self.layout_problems]
         else:
             lines.append(f"Every tensor in model.safetensors is one vLLM {VLLM_VERSION}'s loader places, at its shape."
@@ -44,11 +50,12 @@ class GateResult:
         lines.append("")
         if self.parity is not None:
             lines.append(self.parity.to_markdown())
+        lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "vllm_version": VLLM_VERSION, "layout_problems": self.layout_problems,
-                "serving": self.serving,
+                "layout_checked": self.layout_checked, "notes": self.notes, "serving": self.serving,
                 "parity": None if self.parity is None else self.parity.to_json(), "passed": self.passed}
 
 
@@ -61,7 +68,13 @@ def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_se
     Raises:
         SpeculatorsError: the directory is not a readable checkpoint, or the target cannot be loaded.
     """
-    res = GateResult(str(checkpoint), check_layout(checkpoint), serving=_serving(checkpoint))
+    import json
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text()) \
+        if (Path(checkpoint) / "config.json").is_file() else {}
+    checked = not config or known_layout(config)  # a directory without config.json: check_layout names it
+    res = GateResult(str(checkpoint), check_layout(checkpoint) if checked else [], serving=_serving(checkpoint),
+                     layout_checked=checked)
     if parity:
         res.parity = check_parity(checkpoint, target=target, sequences=sequences, num_sequences=num_sequences,
                                   reference_python=reference_python, build=build, log=log,

@@ -241,6 +241,13 @@ def _medusa_vllm(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | No
     return shapes, required
 
 
+def known_layout(config: dict[str, Any]) -> bool:
+    """Whether this check knows vLLM's loader for the ``config.json`` (its ``speculators_model_type``, or
+    vLLM's native Medusa ``model_type``). A family vLLM has no loader for (a new family) is not checked."""
+    family = config.get("speculators_model_type") or config.get("model_type")
+    return family in _LAYOUTS
+
+
 def check_layout(path: str | Path) -> list[str]:
     """Problems vLLM's loader would have with the checkpoint directory ``path`` (module docstring).
 
