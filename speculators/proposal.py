@@ -151,30 +151,30 @@ def request_sampling(sampling: SamplingParams | None, i: int,
                           top_p=row(sampling.top_p), generators=None if generator is None else [generator])
 
 
-def _check_batch(states, ks, sampling, generators) -> int:
-    """Shapes of a batched ``propose`` call; returns ``B``."""
+def check_batch(states, ks, sampling=None, generators=None, who: str = "propose") -> list[int]:
+    """Check the arguments of a batched ``propose`` call (the protocol of :class:`Proposer`): one state list,
+    one draft count per state (integers >= 0), the batch's ``SamplingParams`` or None, one generator (or
+    None) per request. Returns ``ks`` as ints (``B = len``).
+
+    Raises:
+        SpeculatorsError: naming ``who`` and the argument that is wrong.
+    """
     if not isinstance(states, (list, tuple)):
-        raise SpeculatorsError(f"propose: states must be a list of per-request states (batched protocol), got "
+        raise SpeculatorsError(f"{who}: states must be a list of per-request states (batched protocol), got "
                                f"{type(states).__name__}; for one request call propose([state], [k], ...)")
     B = len(states)
     if not isinstance(ks, (list, tuple)) or len(ks) != B:
-        raise SpeculatorsError(f"propose: ks must be a list of {B} draft counts (one per state), got {ks!r}")
-    for i, k in enumerate(ks):
-        try:
-            ok = not isinstance(k, bool) and operator.index(k) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise SpeculatorsError(f"propose: ks[{i}] must be an integer >= 0, got {k!r}")
+        raise SpeculatorsError(f"{who}: ks must be a list of {B} draft counts (one per state), got {ks!r}")
+    out = [check_int(f"{who}: ks[{i}]", k, 0) for i, k in enumerate(ks)]
     if sampling is not None:
         if not isinstance(sampling, SamplingParams):
-            raise SpeculatorsError(f"propose: sampling must be speculators.verify.SamplingParams for the {B} "
+            raise SpeculatorsError(f"{who}: sampling must be speculators.verify.SamplingParams for the {B} "
                                    f"requests or None, got {type(sampling).__name__}")
         sampling.validate(B, values=False)  # VerifyInputError (a SpeculatorsError) naming the field
     if generators is not None and len(generators) != B:
-        raise SpeculatorsError(f"propose: generators must have one entry (Generator or None) per request ({B}), "
+        raise SpeculatorsError(f"{who}: generators must have one entry (Generator or None) per request ({B}), "
                                f"got {len(generators)}")
-    return B
+    return out
 
 
 def propose_each(one, states: list, ks: list[int], sampling: SamplingParams | None = None,
@@ -189,7 +189,7 @@ def propose_each(one, states: list, ks: list[int], sampling: SamplingParams | No
     Raises:
         SpeculatorsError: see :meth:`Drafter.propose`.
     """
-    _check_batch(states, ks, sampling, generators)
+    check_batch(states, ks, sampling, generators)
     out = []
     for i, (state, k) in enumerate(zip(states, ks)):
         k = int(k)

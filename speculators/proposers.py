@@ -33,17 +33,10 @@ from typing import Any
 import torch
 
 from .errors import SpeculatorsError
-from .proposal import Proposal, advance_each, check_int, propose_each
+from .proposal import Proposal, advance_each, check_batch, check_int, propose_each
 from .verify import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-def _check_batch(who: str, states: list, ks: list[int]) -> list[int]:
-    """``ks`` as ints, one per state, each >= 0."""
-    if len(ks) != len(states):
-        raise SpeculatorsError(f"{who}.propose: ks has {len(ks)} entries for {len(states)} states (one per request)")
-    return [check_int(f"{who}.propose ks[{i}]", k, 0) for i, k in enumerate(ks)]
 
 
 @dataclass
@@ -231,7 +224,7 @@ class SuffixProposer:
         Raises:
             SpeculatorsError: ``ks`` not one non-negative integer per state.
         """
-        ks = _check_batch("SuffixProposer", states, ks)
+        ks = check_batch(states, ks, who="SuffixProposer.propose")
         return [self._propose_one(s, k) for s, k in zip(states, ks)]
 
 
@@ -317,7 +310,7 @@ class HybridProposer:
             SpeculatorsError: ``ks`` not one non-negative integer per state; the drafter returned another
                 number of proposals than requests.
         """
-        ks = _check_batch("HybridProposer", states, ks)
+        ks = check_batch(states, ks, who="HybridProposer.propose")
         out: list[Proposal | None] = [None] * len(states)
         neural_ks = [0] * len(states)
         for i, (s, k) in enumerate(zip(states, ks)):
@@ -397,7 +390,7 @@ class ArgmaxDrafts:
             SpeculatorsError: ``ks`` not one non-negative integer per state; the wrapped proposer returned
                 another number of proposals than requests.
         """
-        ks = _check_batch("ArgmaxDrafts", states, ks)
+        ks = check_batch(states, ks, who="ArgmaxDrafts.propose")
         props = self.inner.propose(states, ks, None, None)
         if len(props) != len(states):
             raise SpeculatorsError(f"ArgmaxDrafts: the wrapped proposer returned {len(props)} proposals for "

@@ -65,17 +65,16 @@ import torch
 from .data.dataset import make_batch, plan_batches
 from .drafters.checkpoint import RECIPE_NAME
 from .errors import SpeculatorsError
-from .fsdp import (deepspeed_on_cpu_requested, full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state, is_sharded,
-                   keep_full_parameters, load_engine_state, local_part, reshard, save_engine_state,
+from .fsdp import (deepspeed_on_cpu_requested, full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state,
+                   is_sharded, keep_full_parameters, load_engine_state, local_part, reshard, save_engine_state,
                    set_gradient_sync, shard_unit)
-from .recipe import dump_recipe
-from .tracking import (TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to,  # noqa: F401
-                       log_eval_report, report_table)
-from .training_unit import TrainingUnit
-from .hardware import fast_bf16, resolve_precision  # noqa: F401  (train.precision: auto)
+from .hardware import resolve_precision
 from .progress import NoProgress
-from .run_dir import (CKPT_RE, DIVERGED_PREFIX, ENGINE_STATE_DIR, STATE_NAME, check_output_dir,  # noqa: F401
-                      _unprefixed, checkpoint_weights_problem, checkpoints, model_card, prepare_output_dir)
+from .recipe import dump_recipe
+from .run_dir import (CKPT_RE, DIVERGED_PREFIX, ENGINE_STATE_DIR, STATE_NAME, _unprefixed, checkpoint_weights_problem,
+                      checkpoints, model_card)
+from .tracking import TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to
+from .training_unit import TrainingUnit
 from .utils import atomic_write_text
 
 class Trainer:

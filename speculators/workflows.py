@@ -121,7 +121,9 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     from .target import Target, process_device_map
     from accelerate import PartialState
 
-    from .train import Trainer, check_output_dir, check_report_to, prepare_output_dir
+    from .run_dir import check_output_dir, prepare_output_dir
+    from .tracking import check_report_to
+    from .train import Trainer
     from .training_unit import TrainingUnit
 
     # under `accelerate launch` every rank runs this: rank 0 logs, builds the caches first and owns the run dir
@@ -271,7 +273,7 @@ def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,
         SpeculatorsError: none of these; a run that only left diverged checkpoints; a failed download.
     """
     from .hub import looks_like_hub_id, pull_checkpoint
-    from .train import checkpoints
+    from .run_dir import checkpoints
 
     path = Path(path)
     if allow_hub and looks_like_hub_id(str(path)):  # no such local path: a pushed drafter's namespace/name
@@ -554,7 +556,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     out = Path(output) if output is not None else base / f"eval-k{'-'.join(map(str, ev.ks))}-t{ev.temperature:g}"
     write_report(report, out, title=f"speculators eval: {ckpt}")
     if not from_hub:  # the training run's trackers (train.report_to) get the report as a table
-        from .train import log_eval_report
+        from .tracking import log_eval_report
 
         logged = log_eval_report(ckpt, rec, report, log=log)
         if logged:

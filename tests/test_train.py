@@ -34,7 +34,8 @@ from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe
 from speculators.target import build_tiny_target
-from speculators.train import Trainer, checkpoints, model_card
+from speculators.run_dir import checkpoints, model_card
+from speculators.train import Trainer
 from speculators.training_unit import TrainingUnit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -344,7 +345,7 @@ def test_nan_loss_at_step_s_plus_1_condemns_checkpoint_s_only(tmp_path, isolated
 
 
 def test_resume_refuses_a_checkpoint_with_non_finite_weights(tmp_path):
-    from speculators.train import checkpoint_weights_problem
+    from speculators.run_dir import checkpoint_weights_problem
 
     path, name = _nan_checkpoint(tmp_path)
     problem = checkpoint_weights_problem(path)

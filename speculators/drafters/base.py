@@ -47,7 +47,6 @@ from ..verify import SamplingParams
 from . import checkpoint
 from ..proposal import (  # noqa: F401  (the protocol pieces, speculators/proposal.py; their import paths from base keep working)
     Proposal,
-    _check_batch,
     _empty_proposal,
     advance_each,
     calibrated_confidence_logits,

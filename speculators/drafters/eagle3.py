@@ -57,7 +57,8 @@ from ..losses import (
     target_to_draft,
 )
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, _check_batch, register, request_sampling
+from ..proposal import check_batch
+from .base import Drafter, DrafterConfig, Proposal, register, request_sampling
 from .checkpoint import TargetMeta
 from .layers import (
     DecoderLayer,
@@ -470,7 +471,7 @@ class Eagle3Drafter(Drafter):
             SpeculatorsError: ``ks`` / ``generators`` not one entry per state, a negative or non-integer
                 ``ks[i]``, or ``sampling`` not valid ``SamplingParams`` for B requests (naming the field).
         """
-        B = _check_batch(states, ks, sampling, generators)
+        B = len(check_batch(states, ks, sampling, generators))
         ks = [int(k) for k in ks]
         V = self.t2d.numel()
         toks: list[list[int]] = [[] for _ in range(B)]
