@@ -92,7 +92,7 @@ def module_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(module_cache, tiny_target_dir, tmp_path_factory) -> Run:
     out = tmp_path_factory.mktemp("cli-run") / "run"
-    r = invoke("train", TINY, f"target.model={tiny_target_dir}", "-o", out)
+    r = invoke("train", TINY, f"target.model={tiny_target_dir}", "train.parity_check=true", "-o", out)  # + the end gate
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     return Run(out, r.output)
 
