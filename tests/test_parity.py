@@ -126,6 +126,32 @@ def test_perturbed_weight_is_named(reference_python, target, sequences, tmp_path
 
 
 @pytest.mark.slow
+def test_a_divergent_forward_is_named_at_its_first_module(reference_python, target, sequences, tmp_path,
+                                                          monkeypatch):
+    """Without the trained drafter in memory (a checkpoint trained elsewhere) a divergence shows only in the
+    comparison with the reference: our side's ``down_proj`` is perturbed after loading (the file is not), and
+    the gate names the first hooked module, in the reference's forward order, whose outputs differ."""
+    from speculators.drafters import Drafter
+
+    path = tmp_path / "e3"
+    make(target, "eagle3", path)
+    real = Drafter.from_pretrained
+
+    def perturbed(p):
+        d = real(p)
+        name = next(n for n, _ in d.named_modules() if n.endswith("down_proj"))
+        with torch.no_grad():
+            d.get_submodule(name).weight[0, 0] += 1.0
+        return d
+
+    monkeypatch.setattr(Drafter, "from_pretrained", staticmethod(perturbed))
+    r = check_parity(path, target=target, sequences=sequences, reference_python=reference_python)
+    assert r.passed is False and r.load_problems == [], r.load_problems
+    assert r.first_divergence.startswith("module `") and "down_proj" in r.first_divergence, r.first_divergence
+    assert r.max_abs_delta > 1e-4
+
+
+@pytest.mark.slow
 def test_calibration_tensor_in_weights_fails(reference_python, target, sequences, tmp_path):
     path = tmp_path / "ds"
     d = make(target, "dspark", path)
