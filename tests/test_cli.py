@@ -366,7 +366,7 @@ def test_resume_of_a_finished_run_does_not_retrain(trained, tiny_target_dir):
     log_before = (d / "train_log.jsonl").read_text()
     w = weights(d / "final")
     ckpts = sorted(p.name for p in (d / "checkpoints").iterdir())
-    r = invoke("train", TINY, f"target.model={tiny_target_dir}", "-o", d, "--resume")
+    r = invoke("train", TINY, f"target.model={tiny_target_dir}", "train.parity_check=true", "-o", d, "--resume")
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     assert re.search(r"resume: continuing from .*step-000006.*step 6/6", r.output), r.output
     assert (d / "train_log.jsonl").read_text() == log_before  # no optimizer step was logged
