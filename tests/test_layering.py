@@ -36,9 +36,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "speculators"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
-#: families, present and announced (P-EAGLE, DFlash, DSpark): none of these may appear outside drafters/
-FAMILY_WORDS = ("eagle", "medusa", "dflash", "dspark")  # substrings (peagle, eagle3, Eagle3Config, ...)
-FAMILY_TOKENS = ("mtp",)  # whole words only (``attempt`` is not a family)
+def _family_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The registered families' names (the registry, not a list kept here): names of 4 letters or more match
+    as substrings (``eagle`` also catches ``peagle``, ``eagle3``, ``Eagle3Config``), shorter ones as whole
+    words only (``mtp``; ``attempt`` is not a family)."""
+    from speculators.drafters import registry
+
+    names = sorted(registry.names())
+    return tuple(n for n in names if len(n) >= 4), tuple(n for n in names if len(n) < 4)
+
+
+#: none of these may appear outside drafters/ (read from the registry)
+FAMILY_WORDS, FAMILY_TOKENS = _family_names()
 
 # ----------------------------------------------------------------------------- the import reader
 
