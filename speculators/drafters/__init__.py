@@ -9,7 +9,7 @@ from ..data.vocab import DraftVocab  # noqa: F401  (lives in the data layer; re-
 from .base import Drafter, DrafterConfig, Proposal, registry  # noqa: F401
 
 # shared infrastructure, not families
-INFRASTRUCTURE = frozenset({"base", "checkpoint", "joint", "layers", "parity_inputs", "protocol"})
+INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "joint", "layers", "parity_inputs"})
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in INFRASTRUCTURE and not _module.startswith("_"):

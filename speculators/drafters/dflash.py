@@ -53,7 +53,6 @@ target's (vLLM shares it when the checkpoint has none).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -71,7 +70,8 @@ from ..losses import chained_acceptance, draft_to_target, hard_cross_entropy, sa
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal, register
 from .checkpoint import TargetMeta
-from .layers import DecoderLayer, KVCache, RMSNorm, Rotary, head_dim, layer_config, shift_left
+from .anchors import AnchorSeeds, sample_anchors, valid_anchor_positions
+from .layers import DecoderLayer, KVCache, RMSNorm, Rotary, head_dim, layer_config
 
 
 def default_gamma(block_size: int) -> float:
@@ -240,7 +240,7 @@ class DFlashDrafter(Drafter):
             self.register_buffer("d2t", torch.zeros(N, dtype=torch.int64))
             self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
         self._target_embed: torch.Tensor | None = None
-        self._anchor_seeds: dict[bytes, list[int]] = {}
+        self._anchor_seeds = AnchorSeeds()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -379,64 +379,22 @@ class DFlashDrafter(Drafter):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    # ------------------------------------------------------------------ anchors
+    # ------------------------------------------------------------------ anchors (drafters/anchors.py)
     @staticmethod
     def valid_anchor_positions(batch) -> torch.Tensor:
-        """``[B, T]`` bool: positions p that may anchor a block (``loss_mask[p] & loss_mask[p+1]``, both
-        real tokens)."""
-        lm = batch.loss_mask & batch.attention_mask
-        return lm & shift_left(lm, 1)
+        """``[B, T]`` bool: positions that may anchor a block (:func:`.anchors.valid_anchor_positions`)."""
+        return valid_anchor_positions(batch)
 
     def sample_anchors(self, batch, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to ``num_anchors`` anchors per sequence, uniform without replacement among
-        :meth:`valid_anchor_positions`, drawn with a CPU generator seeded by ``seed``.
-
-        Returns:
-            ``(anchors [B, A] int64, valid [B, A] bool)`` on the batch's device, anchors ascending
-            within a row's valid ones; ``A = max(1, min(num_anchors, max valid count))`` (rows with
-            fewer valid positions are padded with invalid entries).
-        """
-        ok = self.valid_anchor_positions(batch).cpu()
-        B, T = ok.shape
-        A = max(1, min(self.cfg.num_anchors, int(ok.sum(1).max()) if ok.numel() else 0))
-        g = torch.Generator().manual_seed(int(seed))
-        keys = torch.rand(B, T, generator=g)
-        keys = torch.where(ok, keys, torch.full_like(keys, 2.0))  # invalid positions sort last
-        idx = keys.topk(min(A, T), dim=1, largest=False).indices
-        valid = ok.gather(1, idx)
-        # ascending positions, valid first (invalid ones get T + position)
-        order = torch.where(valid, idx, idx + T).sort(dim=1).indices
-        idx, valid = idx.gather(1, order), valid.gather(1, order)
-        dev = batch.input_ids.device
-        return idx.to(dev), valid.to(dev)
-
-    @staticmethod
-    def _content_key(batch) -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        for t in (batch.input_ids, batch.loss_mask, batch.attention_mask):
-            h.update(str(tuple(t.shape)).encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        return h.digest()
+        """Up to ``num_anchors`` anchors per sequence (:func:`.anchors.sample_anchors`):
+        ``(anchors [B, A] int64, valid [B, A] bool)`` on the batch's device."""
+        return sample_anchors(self.valid_anchor_positions(batch), self.cfg.num_anchors, seed, batch.input_ids.device)
 
     def _anchors(self, batch, for_counts: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The anchors of this step for ``batch`` (see the module docstring): eval mode -> seeded by the
         content; training -> a seed from torch's RNG, shared by ``loss_counts`` and the next ``loss``
-        of the same batch content."""
-        key = self._content_key(batch)
-        if not self.training:
-            return self.sample_anchors(batch, int.from_bytes(key[:7], "little"))
-        pending = self._anchor_seeds.get(key)
-        if not for_counts and pending:
-            seed = pending.pop(0)
-            if not pending:
-                del self._anchor_seeds[key]
-        else:
-            seed = int(torch.randint(0, 2 ** 62, (1,)))
-            if for_counts:
-                if len(self._anchor_seeds) > 256:  # counts never followed by a loss: do not grow forever
-                    self._anchor_seeds.clear()
-                self._anchor_seeds.setdefault(key, []).append(seed)
-        return self.sample_anchors(batch, seed)
+        of the same batch content (:class:`.anchors.AnchorSeeds`)."""
+        return self.sample_anchors(batch, self._anchor_seeds.seed(batch, self.training, for_counts))
 
     # ------------------------------------------------------------------ training
     @property
@@ -691,23 +649,14 @@ class DFlashDrafter(Drafter):
         of positions ``0..a-1`` (the export gate, :meth:`Drafter.reference_parity_step`). Ours: ``start``
         then ``head(block_hidden(state))`` (the trained block, ``[B, N]``, slot 0 included); the
         reference: one anchor pinned at ``a``, mask tokens after it."""
-        from .parity_inputs import ParityStep, block_reference_inputs
+        from .parity_inputs import ParityStep, block_reference_inputs, reference_anchor_pin
 
         t = torch.tensor(ids, dtype=torch.long)
         a = len(ids) - 1
         logits = self.head(self.block_hidden(self.start(t, feats_ours.slice(0, a)))).float()
         pad = [int(config.get("mask_token_id") or 0)] * (self.block_size - 1)
         return ParityStep(block_reference_inputs(self.block_size, ids, feats_ref, pad), {"max_anchors": 1},
-                          self._reference_anchor_pin(a, "speculators.models.dflash.core"), {"logits": logits})
-
-    @staticmethod
-    def _reference_anchor_pin(a: int, metrics_module: str, confidence_arg: int | None = None) -> dict[str, Any]:
-        """The reference's random anchor choice (``select_anchors`` of its DFlash core, shared by DSpark)
-        pinned to the one anchor ``a``, and where its logits are captured."""
-        choice = [{"values": [a], "dtype": "int64"}, {"values": [True], "dtype": "bool"}]
-        return {"metrics_module": metrics_module, "confidence_arg": confidence_arg,
-                "patches": [{"module": "speculators.models.dflash.core", "attr": "select_anchors",
-                             "returns": choice}]}
+                          reference_anchor_pin(a, "speculators.models.dflash.core"), {"logits": logits})
 
     def export_config(self) -> dict[str, Any]:
         """vllm-project/speculators ``dflash`` config (FORMATS.md); vLLM serves it as method ``dflash``."""

@@ -531,7 +531,7 @@ class DSparkDrafter(DFlashDrafter):
         Markov-corrected logits of every slot along OUR greedy chain (slot j conditions on the anchor,
         then on draft j-1: vLLM's ``sample_from_anchor`` chain) and the raw confidence logits. The
         reference reads the chain from ``input_ids`` after the anchor."""
-        from .parity_inputs import ParityStep, block_reference_inputs
+        from .parity_inputs import ParityStep, block_reference_inputs, reference_anchor_pin
 
         t = torch.tensor(ids, dtype=torch.long)
         a, B = len(ids) - 1, self.block_size
@@ -554,7 +554,7 @@ class DSparkDrafter(DFlashDrafter):
         out = {"logits": torch.stack(rows)}
         if confs:
             out["confidence_logits"] = torch.cat(confs)
-        pin = self._reference_anchor_pin(a, "speculators.models.dspark.core", confidence_arg=2)
+        pin = reference_anchor_pin(a, "speculators.models.dspark.core", confidence_arg=2)
         return ParityStep(block_reference_inputs(B, ids, feats_ref, chain[:B - 1]), {"max_anchors": 1}, pin, out)
 
     def export_config(self) -> dict[str, Any]:

@@ -59,3 +59,12 @@ def block_reference_inputs(block_size: int, ids: list[int], feats_ref, block_tok
     aux[:, :a] = feats_ref.aux[:, :a]
     full = torch.tensor(list(ids) + list(block_tokens), dtype=torch.long)
     return reference_batch(aux, full, feats_ref.top.shape[-1])
+
+
+def reference_anchor_pin(a: int, metrics_module: str, confidence_arg: int | None = None) -> dict[str, Any]:
+    """A block family's ``ParityStep.pin``: the reference's random anchor choice (``select_anchors`` of its
+    DFlash core, which DSpark shares) pinned to the one anchor ``a``, and where its logits are captured
+    (``metrics_module``; ``confidence_arg``: the positional index of confidence logits)."""
+    choice = [{"values": [a], "dtype": "int64"}, {"values": [True], "dtype": "bool"}]
+    return {"metrics_module": metrics_module, "confidence_arg": confidence_arg,
+            "patches": [{"module": "speculators.models.dflash.core", "attr": "select_anchors", "returns": choice}]}
