@@ -22,15 +22,14 @@ The in-process tests (fast) run the same helpers in a 1-rank gloo group: the ful
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_distributed import _env, _free_port, _losses  # the process helpers shared with the DDP tests
 from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -51,23 +50,6 @@ def _no_gate() -> tuple[str, ...]:
     from speculators.recipe import TrainSpec
 
     return ("train.parity_check=false",) if "parity_check" in TrainSpec.model_fields else ()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(cache: Path, crash_at: int | None = None) -> dict:
-    env = dict(os.environ)
-    env.pop("SPECULATORS_TEST_CRASH_AT_STEP", None)
-    env.update(SPECULATORS_CACHE=str(cache), SPECULATORS_NO_PROGRESS="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", COLUMNS="250",
-               CUDA_VISIBLE_DEVICES="")
-    if crash_at is not None:
-        env["SPECULATORS_TEST_CRASH_AT_STEP"] = str(crash_at)
-    return env
 
 
 def _start(out: Path, recipe: Path, target_dir: Path, cache: Path, processes: int, *extra: str,
@@ -100,11 +82,6 @@ def _finish(p: subprocess.Popen) -> tuple[int, str]:
         output, _ = p.communicate()
         pytest.fail(f"training subprocess timed out:\n{output[-5000:]}")
     return p.returncode, output
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def _assert_losses_match(run: Path, ref: Path, steps=range(1, STEPS + 1), total: int = STEPS) -> None:
