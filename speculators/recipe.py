@@ -108,7 +108,9 @@ class RegenerationSpec(Strict):
     max_new_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    batch_size: int = Field(default=16, gt=0)
+    batch_size: int | None = Field(
+        default=None, gt=0, description="prompts per generation batch; unset = chosen per length bucket from free "
+                                        "memory (speculators.data.batching.generation_batches)")
     seed: int = 0
 
 

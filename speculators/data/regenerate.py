@@ -1,7 +1,9 @@
 """Response regeneration: every prompt's assistant turn is rewritten by the target itself.
 
 A drafter should imitate the target's own outputs (on-policy data). Generation is batched (left
-padding, prompts sorted by length), greedy or sampled per recipe, stops at the target's stop tokens
+padding, prompts sorted by length so a batch pads little, batch sizes chosen from free memory unless the
+recipe sets ``regeneration.batch_size``: :func:`speculators.data.batching.generation_batches`), greedy or
+sampled per recipe, stops at the target's stop tokens
 (:attr:`speculators.target.Target.stop_token_ids`: tokenizer EOS, generation-config EOS ids and the chat
 template's end-of-turn token), and is cached on disk in a JSONL file keyed by (format version, target,
 source, settings, stop ids, chat template); inside it every response is keyed by the CONTENT of its
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..utils import cache_root, open_jsonl_append, read_jsonl_records, stable_hash
+from .batching import generation_batches
 from .chat import prompt_messages, render_prompt, render_with_mask
 from .sources import Conversation
 
@@ -67,7 +70,7 @@ def _prompt_mask(tok, messages: list[dict], prompt_ids: list[int], chat_template
 
 @torch.no_grad()
 def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, seed: int = 0,
+               temperature: float = 0.0, top_p: float = 1.0, batch_size: int | None = None, seed: int = 0,
                chat_template: str | None = None, log=print, progress=None,
                max_length: int | None = None) -> list[Conversation]:
     """Replace the final assistant turn of each conversation by the target's own response.
@@ -85,7 +88,11 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         convs: conversations of one source; everything before the last assistant turn is the prompt.
         source: source label for the cache key.
         max_new_tokens, temperature, top_p: generation settings (temperature 0 = greedy).
-        batch_size: prompts per ``generate_batch`` call.
+        batch_size: prompts per ``generate_batch`` call; None = chosen from free memory per length bucket
+            (:func:`speculators.data.batching.generation_batches`). Greedy responses do not depend on it (nor on
+            the order): each row's logits are its own, up to the last-bit rounding of a batched matmul, which
+            can flip an exact near-tie of the two best logits (float32 on CPU: none seen; bfloat16: see
+            :func:`speculators.target.generation.generate_batch`).
         seed: sampling seed (each prompt samples from its own generator, :func:`prompt_seed`).
         chat_template: the recipe's ``data.chat_template`` (None = the tokenizer's); also selects the
             end-of-turn stop token (:meth:`speculators.target.Target.stop_ids_for`).
@@ -125,12 +132,13 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
     else:
         log(f"regeneration: {len(todo)} of {n_distinct} prompts of {source!r} "
             f"({n_distinct - len(todo)} cached) -> {path}")
-        order = sorted(todo, key=lambda k: len(todo[k]))
+        order = list(todo)
+        batches = [[order[i] for i in b] for b in
+                   generation_batches(target, [len(todo[k]) for k in order], max_new_tokens, batch_size)]
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
         t0, n_new, n_cut = time.time(), 0, 0
         with open_jsonl_append(path) as f:
-            for bi in range(0, len(order), batch_size):
-                chunk = order[bi:bi + batch_size]
+            for bi, chunk in enumerate(batches):
                 # one generator per prompt, seeded from (seed, prompt key): a prompt samples the same
                 # response whichever prompts share its batch, so a resumed or extended run reproduces an
                 # uninterrupted one and no two prompts replay one random stream. On the target's device:
@@ -147,9 +155,11 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
                     f.write(json.dumps(rec) + "\n")
                 f.flush()
                 if progress:
-                    progress(min(bi + batch_size, len(order)), len(order))
+                    progress(sum(len(b) for b in batches[:bi + 1]), len(order))
         dt = time.time() - t0
-        log(f"regeneration: {n_new} tokens in {dt:.1f}s ({n_new / max(dt, 1e-9):.1f} tokens/s); "
+        sizes = sorted(len(b) for b in batches)
+        log(f"regeneration: {n_new} tokens in {dt:.1f}s ({n_new / max(dt, 1e-9):.1f} tokens/s, "
+            f"{next(target.model.parameters()).dtype}, {len(batches)} batches of {sizes[0]}-{sizes[-1]} prompts); "
             f"{n_cut} of {len(order)} responses cut by max_new_tokens={max_new_tokens} (no end-of-turn trained)")
     out = []
     for c, pm, p, k in zip(convs, pms, prompts, keys):
