@@ -64,6 +64,8 @@ class MethodRow(TypedDict, total=False):
     verified_per_step: Optional[float]
     draft_seconds: float
     verify_seconds: float
+    prefill_seconds: float
+    forward_seconds: float
     batched_steps: int
     draft_ms_per_step: float
     verify_ms_per_step: float
@@ -82,9 +84,83 @@ class PlainRow(TypedDict):
     tokens_per_s: Optional[float]
     draft_seconds: float
     verify_seconds: float
+    prefill_seconds: float
+    forward_seconds: float
     batched_steps: int
     draft_ms_per_step: float
     verify_ms_per_step: float
+
+
+class ForwardCosts(TypedDict):
+    """Measured target forwards (:func:`speculators.cost_model.measure_costs`): ``seconds[str(b)][m - 1]`` =
+    one forward over m = 1..k+1 tokens per request for b requests after ``context`` tokens each (median of
+    ``reps``)."""
+
+    k: int
+    context: int
+    reps: int
+    batch_sizes: list[int]
+    seconds: dict[str, list[float]]
+
+
+class CostPrediction(TypedDict):
+    """One method at one K' <= K and batch size under the cost model: ``expected_tokens_per_step`` =
+    E[1 + accepted | K'] from the measured per-position acceptance, the predicted step's parts
+    (``draft_ms_per_step``, ``forward_ms_per_step``, ``overhead_ms_per_step``: means per batched step) and
+    ``prefill_seconds``, ``predicted_tokens_per_s``, ``predicted_speedup`` (over predicted plain decoding at
+    that batch size), and on the rows the eval ran (``measured``) ``measured_tokens_per_s`` and
+    ``relative_error`` = (predicted - measured) / measured (None otherwise)."""
+
+    method: str
+    k: int
+    batch_size: int
+    measured: bool
+    expected_tokens_per_step: Optional[float]
+    draft_ms_per_step: Optional[float]
+    forward_ms_per_step: Optional[float]
+    overhead_ms_per_step: Optional[float]
+    prefill_seconds: Optional[float]
+    predicted_tokens_per_s: Optional[float]
+    predicted_speedup: Optional[float]
+    measured_tokens_per_s: Optional[float]
+    relative_error: Optional[float]
+
+
+class PlainPrediction(TypedDict):
+    """Plain decoding at one batch size under the cost model (1-token forwards + measured overhead)."""
+
+    batch_size: int
+    predicted_tokens_per_s: Optional[float]
+    measured_tokens_per_s: Optional[float]
+    relative_error: Optional[float]
+    forward_ms_per_step: Optional[float]
+    overhead_ms_per_step: Optional[float]
+
+
+class BreakEven(TypedDict):
+    """Per method: the smallest batch size (1 .. the largest measured) at which no K' <= K has a predicted
+    speedup >= 1 (None: it pays at every one), the best predicted speedup at each, and a sentence."""
+
+    batch_size: Optional[int]
+    best_speedup_by_batch: dict[str, Optional[float]]
+    note: str
+
+
+class CostModel(TypedDict):
+    """The cost model of an eval (:func:`speculators.cost_model.cost_model_block`; its module docstring
+    gives the formula and the assumptions): the measured ``costs``, plain decoding's measured per-step
+    overhead (``overhead_ms_per_step[str(b)]``, ms), ``plain`` and ``predictions`` checked against the
+    measured rows, ``best_k`` (``{batch: {method: K'}}`` by predicted speedup), ``break_even`` per method,
+    ``max_abs_relative_error`` over the measured rows and ``within_15_percent`` (None without any)."""
+
+    costs: ForwardCosts
+    overhead_ms_per_step: dict[str, float]
+    plain: list[PlainPrediction]
+    predictions: list[CostPrediction]
+    best_k: dict[str, dict[str, int]]
+    break_even: dict[str, BreakEven]
+    max_abs_relative_error: Optional[float]
+    within_15_percent: Optional[bool]
 
 
 class ServingConventions(TypedDict):
@@ -123,7 +199,7 @@ class EvalReport(TypedDict, total=False):
     drafter's) and ``<method>_speedup``, ``greedy_mismatches`` (temperature 0: every output that differs
     from plain greedy decoding; None when sampling), ``by_source`` (``{source: {method: block}}`` at the
     headline), ``serving_conventions`` (temperature > 0), ``gated_rows`` / ``gating`` (with a confidence
-    gate). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target``, ``prompts``,
+    gate), ``cost_model`` (predicted vs measured tokens/s, best K', break-even batch size). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target``, ``prompts``,
     ``device``, ``compare``; by :func:`speculators.evaluate.write_report`: ``plots``.
     """
 
@@ -152,6 +228,7 @@ class EvalReport(TypedDict, total=False):
     serving_conventions: ServingConventions
     gated_rows: list[MethodRow]
     gating: Gating
+    cost_model: CostModel
     checkpoint: str
     target: dict[str, Any]
     prompts: Optional[str]
@@ -279,6 +356,72 @@ def _gating_markdown(report: dict) -> list[str]:
     return lines
 
 
+BREAK_EVEN_COLUMNS = ("method", "batch", "K", "predicted tok/s", "measured tok/s", "error", "predicted speedup",
+                      "best K", "break-even batch")
+
+
+def break_even_rows(report: dict) -> list[list[str]]:
+    """The cells of the break-even table (``report["cost_model"]``, :data:`BREAK_EVEN_COLUMNS`): per batch
+    size the plain row, then every method's rows the eval ran (predicted and measured tokens/s, relative
+    error, predicted speedup, the method's best K' at that batch size by predicted speedup with that
+    speedup, and its break-even batch size, ``-`` when it pays at every measured batch size); empty
+    without a cost model."""
+    cm = report.get("cost_model")
+    if not cm:
+        return []
+    out = []
+    for p in cm["plain"]:
+        b = p["batch_size"]
+        out.append(["plain", str(b), "-", fmt(p["predicted_tokens_per_s"], ".1f"), fmt(p["measured_tokens_per_s"], ".1f"),
+                    _fmt_pct(p["relative_error"]), "1.00x", "-", "-"])
+        for m in report["methods"]:
+            best = cm["best_k"].get(str(b), {}).get(m)
+            bsp = next((q["predicted_speedup"] for q in cm["predictions"]
+                        if q["method"] == m and q["batch_size"] == b and q["k"] == best), None)
+            be = cm["break_even"].get(m, {}).get("batch_size")
+            for q in cm["predictions"]:
+                if q["method"] == m and q["batch_size"] == b and q["measured"]:
+                    out.append([METHOD_LABELS[m], str(b), str(q["k"]), fmt(q["predicted_tokens_per_s"], ".1f"),
+                                fmt(q["measured_tokens_per_s"], ".1f"), _fmt_pct(q["relative_error"]),
+                                fmt(q["predicted_speedup"], ".2f", "x"),
+                                "-" if best is None else f"{best} ({fmt(bsp, '.2f', 'x')})", "-" if be is None else str(be)])
+    return out
+
+
+def _fmt_pct(x: float | None) -> str:
+    return fmt(None if x is None else 100 * x, "+.1f", "%")
+
+
+def _break_even_markdown(report: dict) -> list[str]:
+    """The cost-model section: how the prediction is made, the break-even table, the measured forward
+    costs and each method's break-even sentence; nothing without ``report["cost_model"]``."""
+    cm = report.get("cost_model")
+    if not cm:
+        return []
+    c = cm["costs"]
+    lines = ["", "## Cost model and break-even", "",
+             "Predicted tokens/s = tokens / (prefill + sum over steps of draft(K') + forward(K'+1 tokens, live "
+             "requests) + overhead), with E[tokens per step | K'] = 1 + sum_{j<=K'} prod_{i<=j} q_i c_i from the "
+             "measured conditional acceptance c_j (Leviathan et al. 2023's (1 - a^{K'+1}) / (1 - a) when every c_j = "
+             "a), the measured drafting time, the measured target forwards and plain decoding's measured "
+             "per-step overhead (speculators.cost_model). error = (predicted - measured) / measured; best K = the "
+             "K' <= K with the best predicted speedup (its speedup); break-even batch = the smallest batch size at "
+             "which no K' pays (- : it pays at every measured batch size).", "",
+             "| " + " | ".join(BREAK_EVEN_COLUMNS) + " |", "|---" * len(BREAK_EVEN_COLUMNS) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in break_even_rows(report)]
+    worst = cm.get("max_abs_relative_error")
+    lines += ["", "No measured row to check the prediction against." if worst is None else
+              f"Largest |error|: {100 * worst:.1f}% ({'within' if cm.get('within_15_percent') else 'not within'} "
+              "15% on every measured row).", "",
+              f"Measured target forward (ms) over m tokens per request, after {c['context']} tokens of context "
+              f"(median of {c['reps']}):", "", "| batch | " + " | ".join(f"m={m + 1}" for m in range(c["k"] + 1)) + " |",
+              "|---" * (c["k"] + 2) + "|"]
+    for b in c["batch_sizes"]:
+        lines.append(f"| {b} | " + " | ".join(f"{1000 * x:.2f}" for x in c["seconds"][str(b)]) + " |")
+    lines += [""] + [f"- {METHOD_LABELS[m]}: {be['note']}" for m, be in cm["break_even"].items()]
+    return lines
+
+
 def render_markdown(report: EvalReport, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
     """The report of :func:`speculators.evaluate.run_eval` as Markdown (``report.md``).
 
@@ -287,7 +430,8 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     ms per step; ★ marks each method's best K), the counts table of the headline rows (steps, drafted,
     accepted, accepted & emitted, emitted), the by-source table (``report["by_source"]``, when the
     prompts come from two sources or more), the confidence-gating section (``report["gating"]``: ungated
-    and gated drafter rows, drafted / verified drafts per step, acc_k of both), per-position and conditional acceptance at batch 1 and the largest K, the plots
+    and gated drafter rows, drafted / verified drafts per step, acc_k of both), the cost model's break-even table
+    (``report["cost_model"]``: predicted vs measured tokens/s, best K', break-even batch size), per-position and conditional acceptance at batch 1 and the largest K, the plots
     (``plots``, default ``report["plots"]``: ``{"per_position" | "tau_vs_k": relative PNG path}``,
     embedded as images), the compare table (``report["compare"]``) and the greedy losslessness line.
     """
@@ -333,6 +477,7 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     lines += _serving_markdown(report)
     lines += _by_source_markdown(report)
     lines += _gating_markdown(report)
+    lines += _break_even_markdown(report)
     kmax, b1 = max(ks), report["batch_sizes"][0]
     lines += ["", f"## Per-position acceptance (batch size {b1}, K={kmax})", "",
               "acc_k = P(draft k accepted | draft k proposed); cond acc_k = P(draft k accepted | drafts 1..k-1 "
@@ -440,7 +585,8 @@ def compare_markdown(rows: list[dict]) -> str:
 def render_terminal(report: EvalReport, console) -> None:
     """Print the report on a ``rich`` console: one table per batch size (a row per method and K, ★ on
     each method's best K), per-position acceptance at batch 1 and the largest K, the serving-conventions
-    table (temperature > 0), the compare table, the confidence-gating table and the losslessness line."""
+    table (temperature > 0), the compare table, the confidence-gating table, the cost model's break-even
+    table and the losslessness line."""
     from rich.table import Table
 
     for b in report["batch_sizes"]:
@@ -499,6 +645,14 @@ def render_terminal(report: EvalReport, console) -> None:
                               fmt(row["drafted_per_step"], ".2f"), fmt(row["verified_per_step"], ".2f"),
                               fmt(row["acceptance_rate"], ".3f"), fmt(row["tokens_per_s"], ".1f"),
                               fmt(row["speedup"], ".2f", "x"))
+        console.print(t)
+    if report.get("cost_model"):
+        t = Table(title="cost model: predicted vs measured tokens/s, best K' and break-even batch size "
+                        f"(largest |error| {fmt(report['cost_model']['max_abs_relative_error'], '.1%')})")
+        for col in BREAK_EVEN_COLUMNS:
+            t.add_column(col)
+        for row in break_even_rows(report):
+            t.add_row(*row)
         console.print(t)
     mm = report.get("greedy_mismatches")
     if mm is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cost_model import cost_model_block, eval_context, measure_costs, step_times
 from .errors import SpeculatorsError
 from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown, write_plots
 from .utils import atomic_dir
@@ -274,16 +275,6 @@ def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tok
                                 gate=gate)
 
 
-def _step_times(out) -> dict:
-    """The drafting / verifying time of a pass (:class:`speculators.generate.BatchResult`): total seconds and
-    milliseconds per decoding step, a step being one batched target forward (= one request's step at
-    batch 1). ``draft_*`` is 0 for plain decoding."""
-    steps = max(int(out.target_forwards), 1)
-    return {"draft_seconds": out.draft_seconds, "verify_seconds": out.verify_seconds,
-            "batched_steps": int(out.target_forwards), "draft_ms_per_step": 1000.0 * out.draft_seconds / steps,
-            "verify_ms_per_step": 1000.0 * out.verify_seconds / steps}
-
-
 def _source_blocks(prompts: list[dict], results: list, k: int, resamples: int, seed: int) -> dict[str, dict]:
     """Per prompt source (``prompt["source"]``; ``"prompts"`` when unlabelled), in order of first
     appearance: the :meth:`AcceptanceStats.as_dict` block of that source's prompts (``seconds`` and
@@ -312,7 +303,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
              seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
              methods=DEFAULT_METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
              hybrid_drafter_k: int | None = None,
-             confidence_threshold: float | None = None, verify_cost: list[float] | None = None) -> dict:
+             confidence_threshold: float | None = None, verify_cost: list[float] | None = None,
+             forward_costs: dict | None = None) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
@@ -381,6 +373,10 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     "confidences" (whether the drafter reported any), "headline": {"ungated": row, "gated": row}}`` at the
     headline batch size and K. Gated outputs join the greedy losslessness check (``proposer:
     "drafter (gated)"``). Without them both keys are absent.
+
+    ``cost_model`` (:func:`speculators.cost_model.cost_model_block`): predicted vs measured tokens/s, best K'
+    and break-even batch size from ``forward_costs`` (:func:`speculators.cost_model.measure_costs`; measured
+    after the passes when None); rows carry ``prefill_seconds`` and ``forward_seconds`` for it.
     """
     from .losses import sampling_values
 
@@ -423,6 +419,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     report["greedy_mismatches"] = ev.mismatches if temperature == 0.0 else None
     if temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(methods):
         report["serving_conventions"] = serving_conventions(report)
+    costs = forward_costs or measure_costs(target, max(ks), batch_sizes, context=eval_context(prompts, max_new_tokens))
+    report["cost_model"] = cost_model_block(report, ev.stats_of, ev.plain_tokens, costs)
     report["by_source"] = ev.by_source(methods, head)
     return report
 
@@ -543,6 +541,7 @@ class _EvalPasses:
         self.reference: list | None = None
         self.mismatches: list[dict] = []
         self.results_of: dict[tuple, list] = {}
+        self.stats_of, self.plain_tokens = {}, {}  # the cost model's inputs: (method, K, b) -> stats; b -> tokens
 
     def decode(self, proposer, k: int, b: int, gate=None):
         """One pass of every prompt (:func:`_generate`), counted in ``progress``."""
@@ -580,9 +579,10 @@ class _EvalPasses:
         for r in out.results:
             plain.add(r)
         plain.seconds = out.seconds
+        self.plain_tokens[b] = [len(r.tokens) for r in out.results]
         self._check("plain", 0, b, out.results)
         return {"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
-                "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **_step_times(out)}
+                "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **step_times(out)}
 
     def method_row(self, method: str, proposer, k: int, b: int, plain_tps: float | None, gate=None) -> dict:
         """One pass of ``method`` at K ``k`` and batch size ``b``: its report row (speedup over
@@ -598,11 +598,11 @@ class _EvalPasses:
                "tau_ci": list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
                                                self.resamples, self.seed)),
                "speedup": st.tokens_per_s / plain_tps if plain_tps and st.tokens_per_s is not None else None,
-               "best_k": False, **_step_times(out)}
+               "best_k": False, **step_times(out)}
         if hasattr(proposer, "counts"):
             row["proposals"] = dict(proposer.counts)  # hybrid: how many steps each part drafted
         if gate is None:
-            self.results_of[(method, k, b)] = res
+            self.results_of[(method, k, b)], self.stats_of[(method, k, b)] = res, st
         self._check(f"{method} (gated)" if gate is not None else method, k, b, res)
         return row
 

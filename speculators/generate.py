@@ -139,6 +139,11 @@ class BatchResult:
             ``draft_seconds + verify_seconds <= seconds``. Measured with ``time.perf_counter``, after a
             ``torch.cuda.synchronize`` when the target is on CUDA (asynchronous kernels are charged to
             the phase that launched them).
+        prefill_seconds: wall time (s) of the joins: the target's prompt prefills, the first tokens' sampling
+            and the proposer's ``start`` (neither drafting nor verifying).
+        forward_seconds: the part of ``verify_seconds`` spent in the target forwards alone (the rest is
+            rejection sampling): ``seconds - prefill_seconds - forward_seconds - draft_seconds`` is the
+            loop's per-step overhead (sampling, bookkeeping) that :mod:`speculators.cost_model` measures.
     """
 
     results: list[GenerationResult]
@@ -146,6 +151,8 @@ class BatchResult:
     target_forwards: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    forward_seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -210,34 +217,43 @@ def _draft_probs(props: list, drafts: list[torch.Tensor], vocab: int, device) ->
 
 
 @torch.no_grad()
-def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0) -> list[float]:
-    """The cost model of :class:`ConfidenceGate`'s cost-aware mode, measured on the machine at hand:
-    ``[k + 1]`` seconds of one batch-1 target forward over ``m + 1`` tokens (m = 0..k) after a random
-    ``prompt_len``-token prompt, the median of ``reps`` timings each (one warm-up forward first; a
-    ``torch.cuda.synchronize`` around each timing on CUDA). The cache is rolled back after every forward,
-    so every length is timed at the same context length.
+def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0,
+                        batch_size: int = 1) -> list[float]:
+    """The measured cost of a verification forward, on the machine at hand: ``[k + 1]`` seconds of ONE
+    target forward over ``m + 1`` new tokens per request (m = 0..k) for ``batch_size`` requests, each after
+    its own random ``prompt_len``-token prompt, through the decode session the loop uses
+    (:meth:`speculators.target.Target.batch_session`: the same padded forward, attention mask and output
+    head as a step of :func:`speculative_generate`), the median of ``reps`` timings each (one warm-up forward
+    first; a ``torch.cuda.synchronize`` around each timing on CUDA). Every request's cache is rolled back
+    after every forward, so every length is timed at the same context length. Only the forward (and its
+    output head) is timed, not the rejection sampling. At ``batch_size`` 1 it is the cost model of
+    :class:`ConfidenceGate`'s cost-aware mode; :mod:`speculators.cost_model` reads it at every batch size
+    of an eval.
 
     Raises:
-        SpeculatorsError: ``k`` < 0, ``reps`` < 1, ``prompt_len`` < 1.
+        SpeculatorsError: ``k`` < 0, ``reps`` < 1, ``prompt_len`` < 1, ``batch_size`` < 1.
     """
     import statistics
 
     k = check_int("k", k, 0)
     reps = check_int("reps", reps, 1)
     prompt_len = check_int("prompt_len", prompt_len, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     device = getattr(target, "device", torch.device("cpu"))
     vocab = int(getattr(target, "vocab_size", 2))
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (prompt_len + k + 1,), generator=g)
-    sess = target.batch_session(1)
-    sess.add_many([0], [ids[:prompt_len].tolist()])
+    ids = torch.randint(0, vocab, (batch_size, prompt_len + k + 1), generator=g)
+    rows = list(range(batch_size))
+    sess = target.batch_session(batch_size)
+    sess.add_many(rows, [ids[i, :prompt_len].tolist() for i in rows])
     base = sess.length(0)
 
     def once(m: int) -> float:
         t0 = _clock(device)
-        sess.forward([0], [ids[prompt_len:prompt_len + m + 1]])
+        sess.forward(rows, [ids[i, prompt_len:prompt_len + m + 1] for i in rows])
         dt = _clock(device) - t0
-        sess.keep(0, base)
+        for i in rows:
+            sess.keep(i, base)
         return dt
 
     once(k)  # warm-up
@@ -326,7 +342,8 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         step = _draft(run)
         _verify(run, step)
         _keep(run, step)
-    return BatchResult(run.results, time.perf_counter() - t0, run.forwards, run.draft_s, run.verify_s)
+    return BatchResult(run.results, time.perf_counter() - t0, run.forwards, run.draft_s, run.verify_s, run.prefill_s,
+                       run.forward_s)
 
 
 @dataclass
@@ -361,6 +378,8 @@ class _Run:
     done_count: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prefill_s: float = 0.0
+    forward_s: float = 0.0
 
 
 @dataclass
@@ -427,7 +446,7 @@ def _join(run: _Run) -> None:
         idx.append(run.waiting.popleft())
     if not idx:
         return
-    now = time.perf_counter()
+    now = _clock(run.device)
     run.joined.update({i: now for i in idx})
     first_logits, first_feats = run.sess.add_many(idx, [run.prompts[i] for i in idx])
     res = rejection_sample(_NO_DRAFTS.to(run.device), [0] * len(idx), None, torch.stack(first_logits),
@@ -440,6 +459,7 @@ def _join(run: _Run) -> None:
             run.states[i] = run.proposer.start(torch.tensor(run.prompts[i] + [tok], dtype=torch.int64), feats_i)
         run.last[i] = tok
         run.live.append(i)
+    run.prefill_s += _clock(run.device) - now
 
 
 def _draft(run: _Run) -> _Step:
@@ -488,8 +508,10 @@ def _verify(run: _Run, step: _Step) -> None:
     if all_drafts.numel() and vocab is not None and (int(all_drafts.min()) < 0 or int(all_drafts.max()) >= vocab):
         raise SpeculatorsError(f"proposer {type(run.proposer).__name__} returned draft ids outside [0, {vocab})")
     step.lengths = [run.sess.length(i) for i in live]
+    tf = _clock(run.device)
     logits, step.feats = run.sess.forward(live, [torch.cat([torch.tensor([run.last[i]]), d])
                                                  for i, d in zip(live, step.drafts)])
+    run.forward_s += _clock(run.device) - tf
     run.forwards += 1
     logits = torch.cat(logits)
     # draft distributions only matter to sampled requests (greedy ones compare with the argmax)

@@ -446,9 +446,10 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     :func:`speculators.evaluate.run_eval` decodes them through the batched loop at batch size 1 and at
     ``batch_size`` (EvalSpec; None = 16 on CUDA, 8 elsewhere), for every K of ``ks`` (``k_sweep`` or
     ``[k]``), with the drafter, n-gram, suffix and hybrid proposers. With ``confidence_threshold`` (and/or
-    ``confidence_cost_aware``: the verify-cost model is measured once here,
-    :func:`speculators.generate.measure_verify_cost`) the drafter is also decoded confidence-gated
-    (``report["gated_rows"]``, ``report["gating"]``; compared checkpoints are measured ungated).
+    ``confidence_cost_aware``: the gate reads the batch-1 costs of the target forwards measured once here,
+    :func:`speculators.cost_model.measure_costs`, which the report's ``cost_model`` reads too) the drafter
+    is also decoded confidence-gated (``report["gated_rows"]``, ``report["gating"]``; compared checkpoints
+    are measured ungated).
 
     With ``compare``, every listed checkpoint's drafter (and its hybrid) is measured on the SAME prompts
     and settings; ``report["compare"]`` holds one table (:func:`speculators.evaluate.compare_rows`).
@@ -509,13 +510,13 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
 
-    verify_cost = None
-    if ev.confidence_cost_aware and "drafter" in ev.methods:  # the gate's cost model, measured once per eval
-        from .generate import measure_verify_cost
+    from .cost_model import eval_context, gate_cost, measure_costs
 
-        verify_cost = measure_verify_cost(target, max(ev.ks))
-        log("eval: verify cost (ms) of a target forward over 1..K+1 tokens: "
-            + ", ".join(f"{1000 * c:.2f}" for c in verify_cost))
+    # the target's forward costs, measured once per eval: the report's cost model and the cost-aware gate read them
+    costs = measure_costs(target, max(ev.ks), sorted({1, batch}), context=eval_context(plist, ev.max_new_tokens))
+    log("eval: target forward (ms) over 1..K+1 tokens per request: " + "; ".join(
+        f"batch {b}: " + ", ".join(f"{1000 * c:.2f}" for c in costs["seconds"][str(b)]) for b in costs["batch_sizes"]))
+    verify_cost = gate_cost(costs) if ev.confidence_cost_aware and "drafter" in ev.methods else None
 
     def measure(t, d, methods, what, gated=True):
         with _progress_scope(progress) as make:
@@ -523,7 +524,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
                             log=log, progress=make(f"speculative vs plain decoding{what}") if make else None,
                             batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match,
                             hybrid_drafter_k=ev.hybrid_drafter_k, confidence_threshold=ev.confidence_threshold if gated else None,
-                            verify_cost=verify_cost if gated else None)
+                            verify_cost=verify_cost if gated else None, forward_costs=costs)
 
     def describe(rep, path, d, t):
         rep["checkpoint"] = str(path)

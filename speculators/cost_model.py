@@ -1,0 +1,499 @@
+"""Cost model of speculative decoding: predicted tokens/s, the best K and the break-even batch size.
+
+Speculation pays when the tokens a step emits outweigh what the step costs over a plain decoding step.
+This module predicts, for every method, every ``K' <= K`` (``num_speculative_tokens``) and batch size,
+the tokens/s the decoding loop (:func:`speculators.generate.speculative_generate`) reaches, from MEASURED
+quantities only, and checks the prediction against every row the eval actually ran.
+
+The model
+---------
+Acceptance (per method and batch size, from the eval's largest-K pass; :func:`acceptance_profile`):
+``c_j`` = conditional acceptance of draft position j (P(draft j accepted | drafts 1..j-1 accepted and
+draft j proposed): the report's ``conditional``), ``q_j`` = P(draft j proposed | drafts 1..j-1
+accepted) (1 for a drafter; below 1 for the n-gram / suffix proposers, which draft only what they
+match). The survival ``s_j = prod_{i<=j} q_i c_i`` is the probability that a step's verifier accepts at
+least j drafts, and one step emits ``X`` tokens with ``P(X >= j + 1) = s_j`` (capped at ``K' + 1``):
+
+    E[X | K'] = 1 + sum_{j<=K'} s_j                                          (:func:`expected_tokens`)
+
+In the i.i.d. case (``q_j = 1``, ``c_j = a``) this is Leviathan et al. 2023's ``(1 - a^{K'+1}) / (1 - a)``;
+the model uses the measured per-position values instead, which fall with j for a trained drafter.
+
+Steps: request i generates ``n_i`` tokens (the plain pass's count: the prefill gives the first, the
+steps the rest). Its expected number of steps is the first-passage expectation ``f(n_i - 1)`` with
+``f(r) = 1 + sum_x P(X = x) f(r - x)``, ``f(r <= 0) = 0`` (:func:`expected_steps`: the last step of a
+request is cut at its stop token or ``max_new_tokens``, as the loop cuts it). Requests join a batch of
+``b`` slots in prompt order as slots free (continuous batching, :func:`batch_schedule`), which gives
+the number of live requests ``n`` over the run.
+
+Step time with ``n`` live requests (summed over the schedule by :func:`predict_seconds`):
+
+    step(K', n) = draft(K', n) + E[forward(1 + max_i d_i, n)] + overhead(n)
+
+* ``forward(m, n)``: one target forward over ``m`` tokens per request for ``n`` requests, measured by
+  :func:`measure_costs` (:func:`speculators.generate.measure_verify_cost`, through the loop's batched
+  decode session) at every batch size of the eval, linear in ``n`` between them; ``d_i`` the drafts of
+  request i (``P(d >= j) = `` the measured share of steps that drafted >= j, capped at K'; the padded
+  forward is as long as the longest row's, the rows taken as independent).
+* ``draft(K', n)``: the method's measured drafting time per batched step (``propose`` + ``advance``,
+  the eval's own ``draft_ms_per_step``), linear in K' between the measured Ks and constant outside them
+  (one measured K: constant in K', exact for parallel drafters and the model-free proposers, an
+  overestimate of a smaller K's drafting for autoregressive drafters), linear in ``n`` between the
+  batch sizes (each taken at its pass's mean number of live requests).
+* ``overhead(n)``: everything a PLAIN decoding step spends outside the target forward (sampling,
+  emitting, cache bookkeeping), measured in the plain pass: ``(seconds - prefill - forward seconds) /
+  batched steps``, linear in ``n`` between batch sizes. It is charged unchanged to speculative steps.
+
+Predicted seconds = prefill (the method's measured prompt prefills and proposer ``start``, mean over its
+passes at that batch size) + the sum of ``step`` over the schedule; predicted tokens/s = the plain pass's
+tokens / predicted seconds; plain decoding is the same model with ``K' = 0`` and no drafting (its
+step: ``forward(1, n) + overhead(n)``). Speedup = predicted tokens/s over predicted plain tokens/s.
+
+Assumptions (each a source of error the report's per-row ``relative_error`` shows): acceptance at
+positions ``<= K'`` does not depend on K' (and is the largest-K pass's); a speculative step's overhead
+is a plain step's (the larger rejection sampling and the proposer's bookkeeping outside ``propose`` /
+``advance`` are not charged); step counts enter the schedule as expectations (``E[max]`` of the batch's
+requests is taken as the max of expectations); the forward is timed at one context length
+(:func:`measure_costs`' ``context``); at temperature > 0 outputs (and lengths) differ between passes.
+Batch sizes between the measured ones are predicted with costs interpolated in ``n``; nothing is
+extrapolated beyond the largest measured batch size.
+
+A ratio with a zero denominator is None (``n/a``), never 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from .errors import SpeculatorsError
+
+
+def _check_int(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise SpeculatorsError(f"cost model: {name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def measure_costs(target, k: int, batch_sizes: list[int], reps: int = 5, context: int = 32,
+                  seed: int = 0) -> dict:
+    """The target-forward costs of an eval: at every batch size ``b`` of ``batch_sizes``, the ``[k + 1]``
+    seconds of one forward over ``m = 1..k+1`` tokens per request for ``b`` requests after ``context``
+    tokens each (:func:`speculators.generate.measure_verify_cost`, median of ``reps``). The cost-aware
+    confidence gate reads the batch-1 list of the same measurement (:func:`gate_cost`).
+
+    Returns:
+        ``{"k", "context", "reps", "batch_sizes": sorted, "seconds": {str(b): [k + 1] floats}}`` (JSON-native).
+    Raises:
+        SpeculatorsError: ``k`` < 0, ``reps`` / ``context`` < 1, or a batch size that is not an integer >= 1.
+    """
+    from .generate import measure_verify_cost
+
+    bs = sorted({_check_int("batch size", b, 1) for b in batch_sizes})
+    if not bs:
+        raise SpeculatorsError("cost model: measure_costs needs at least one batch size")
+    return {"k": _check_int("k", k, 0), "context": _check_int("context", context, 1), "reps": reps,
+            "batch_sizes": bs,
+            "seconds": {str(b): measure_verify_cost(target, k, reps, context, seed, batch_size=b) for b in bs}}
+
+
+def gate_cost(costs: dict) -> list[float]:
+    """The batch-1 forward costs ``[k + 1]`` (s) of :func:`measure_costs`: the ``verify_cost`` of
+    :class:`speculators.gating.ConfidenceGate` (its smallest measured batch size when 1 was not measured)."""
+    return list(costs["seconds"][str(min(costs["batch_sizes"]))])
+
+
+def step_times(out) -> dict:
+    """The time split of a decode pass (:class:`speculators.generate.BatchResult`), the report row fields
+    this model reads: ``draft_seconds`` / ``verify_seconds`` / ``prefill_seconds`` / ``forward_seconds``
+    (s; the forward is part of verifying), ``batched_steps`` (batched target forwards) and
+    ``draft_ms_per_step`` / ``verify_ms_per_step`` (ms per batched step, a step being one batched target
+    forward = one request's step at batch 1; drafting is 0 for plain decoding)."""
+    steps = max(int(out.target_forwards), 1)
+    return {"draft_seconds": out.draft_seconds, "verify_seconds": out.verify_seconds,
+            "prefill_seconds": out.prefill_seconds, "forward_seconds": out.forward_seconds,
+            "batched_steps": int(out.target_forwards), "draft_ms_per_step": 1000.0 * out.draft_seconds / steps,
+            "verify_ms_per_step": 1000.0 * out.verify_seconds / steps}
+
+
+def eval_context(prompts: list[dict], max_new_tokens: int) -> int:
+    """The context length the forward costs of an eval are measured at: the prompts' mean length plus
+    half of ``max_new_tokens`` (a request's mean context over its decode), at least 1."""
+    lens = [len(p["input_ids"]) for p in prompts]
+    return max(1, int(round(sum(lens) / max(len(lens), 1) + max_new_tokens / 2)))
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def acceptance_profile(steps: int, pos_drafted: list[int], pos_accepted: list[int],
+                       pos_reached: list[int]) -> dict | None:
+    """Per draft position j = 1..K, from the counts of :class:`speculators.evaluate.AcceptanceStats`:
+    ``conditional`` c_j = accepted_j / reached_j, ``continuation`` q_j = reached_j / accepted_{j-1}
+    (accepted_0 = steps), ``survival`` s_j = prod_{i<=j} q_i c_i = accepted_j / steps (P(>= j drafts
+    accepted)) and ``drafted_at_least`` = drafted_j / steps (P(a step drafts >= j)). A position no step
+    reached has c_j (and q_j when nothing reached j - 1) None and survival 0.
+
+    Returns:
+        the four ``[K]`` lists, or None when there was no step (every ratio would divide by zero).
+    Raises:
+        SpeculatorsError: the three lists differ in length.
+    """
+    if not len(pos_drafted) == len(pos_accepted) == len(pos_reached):
+        raise SpeculatorsError(f"acceptance_profile: per-position counts of different lengths "
+                               f"({len(pos_drafted)}, {len(pos_accepted)}, {len(pos_reached)})")
+    if not steps:
+        return None
+    prev = [steps, *pos_accepted[:-1]]
+    return {"conditional": [_ratio(a, r) for a, r in zip(pos_accepted, pos_reached)],
+            "continuation": [_ratio(r, p) for r, p in zip(pos_reached, prev)],
+            "survival": [a / steps for a in pos_accepted],
+            "drafted_at_least": [d / steps for d in pos_drafted]}
+
+
+def survival(conditional: list[float | None], continuation: list[float | None] | None = None) -> list[float]:
+    """``s_j = prod_{i<=j} q_i c_i`` (q = 1 without ``continuation``); a None factor (position never
+    reached) makes s_j and every later one 0.
+
+    Raises:
+        SpeculatorsError: a probability outside [0, 1], or lists of different lengths.
+    """
+    q = [1.0] * len(conditional) if continuation is None else list(continuation)
+    if len(q) != len(conditional):
+        raise SpeculatorsError(f"survival: {len(conditional)} conditional values but {len(q)} continuation values")
+    out, s = [], 1.0
+    for c, qq in zip(conditional, q):
+        for v in (c, qq):
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise SpeculatorsError(f"survival: probabilities must lie in [0, 1], got {v!r}")
+        s = 0.0 if c is None or qq is None else s * qq * c
+        out.append(s)
+    return out
+
+
+def expected_tokens(surv: list[float], k: int) -> float:
+    """``E[X | K'] = 1 + sum_{j<=k} s_j``: expected tokens one step emits (accepted drafts + the
+    recovered/bonus token) when it drafts up to ``k`` tokens (Leviathan et al. 2023's
+    ``(1 - a^{k+1}) / (1 - a)`` when every ``s_j = a^j``).
+
+    Raises:
+        SpeculatorsError: ``k`` < 0 or above the measured positions (``len(surv)``).
+    """
+    k = _check_int("k", k, 0)
+    if k > len(surv):
+        raise SpeculatorsError(f"expected_tokens: K'={k} is above the {len(surv)} measured draft positions")
+    return 1.0 + sum(surv[:k])
+
+
+def emitted_distribution(surv: list[float], k: int) -> list[float]:
+    """``[P(X = 1), ..., P(X = k + 1)]`` of a step drafting up to ``k``: ``P(X = x) = s_{x-1} - s_x``
+    (``s_0 = 1``, ``s_{k+1} = 0``). Raises as :func:`expected_tokens`."""
+    expected_tokens(surv, k)
+    s = [1.0, *surv[:k], 0.0]
+    return [max(s[x] - s[x + 1], 0.0) for x in range(k + 1)]
+
+
+def expected_steps(dist: list[float], n_max: int) -> list[float]:
+    """``f[r]`` for r = 0..n_max: the expected steps to emit r more tokens when a step emits x tokens with
+    probability ``dist[x - 1]`` and the last step is cut at r: ``f(0) = 0``, ``f(r) = 1 + sum_x P(X = x)
+    f(max(r - x, 0))``.
+
+    Raises:
+        SpeculatorsError: an empty ``dist``, ``P(X = 1) = 1`` is fine, a ``dist`` that does not sum to 1
+            (within 1e-6) or ``n_max`` < 0.
+    """
+    n_max = _check_int("n_max", n_max, 0)
+    if not dist or abs(sum(dist) - 1.0) > 1e-6 or min(dist) < 0:
+        raise SpeculatorsError(f"expected_steps: dist must be a probability distribution over 1..K+1 tokens, "
+                               f"got {dist!r}")
+    f = [0.0] * (n_max + 1)
+    for r in range(1, n_max + 1):
+        f[r] = 1.0 + sum(p * f[max(r - x, 0)] for x, p in enumerate(dist, start=1) if p)
+    return f
+
+
+# ----------------------------------------------------------------------------- schedule and costs
+
+
+def batch_schedule(durations: list[float], batch_size: int) -> list[tuple[int, float]]:
+    """Continuous batching of requests that take ``durations[i]`` steps each (>= 0): at most
+    ``batch_size`` live, request i joins (in order) when the earliest slot frees. Returns the segments
+    ``[(live requests, steps)]`` of the run, in time order, empty segments left out (their steps sum to
+    the makespan).
+
+    Raises:
+        SpeculatorsError: ``batch_size`` < 1 or a negative duration.
+    """
+    b = _check_int("batch_size", batch_size, 1)
+    if any(d < 0 for d in durations):
+        raise SpeculatorsError(f"batch_schedule: durations must be >= 0, got {durations!r}")
+    free: list[float] = []
+    events: list[tuple[float, int]] = []
+    for d in durations:
+        start = heapq.heappop(free) if len(free) == b else 0.0
+        heapq.heappush(free, start + d)
+        events += [(start, 1), (start + d, -1)]
+    events.sort(key=lambda e: (e[0], e[1]))  # a request leaves before the next one joins at the same time
+    out, live, t = [], 0, 0.0
+    for when, delta in events:
+        if when > t and live:
+            out.append((live, when - t))
+        t, live = max(t, when), live + delta
+    return out
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through ``points`` ``[(x, y)]`` (sorted here), constant outside them.
+
+    Raises:
+        SpeculatorsError: no points.
+    """
+    if not points:
+        raise SpeculatorsError("interpolate: no points")
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def forward_seconds(costs: dict, m: int, live: float) -> float:
+    """One target forward over ``m`` tokens per request for ``live`` requests: the measured
+    :func:`measure_costs` at each batch size (its last length beyond the measured ones), linear in ``live``
+    between the batch sizes."""
+    pts = []
+    for b in costs["batch_sizes"]:
+        c = costs["seconds"][str(b)]
+        pts.append((float(b), c[min(m, len(c)) - 1]))
+    return interpolate(pts, live)
+
+
+def expected_forward_seconds(costs: dict, drafted_at_least: list[float], k: int, live: int) -> float:
+    """``E[forward(1 + max_i d_i, live)]`` with ``d_i`` i.i.d. per live request, ``P(d >= j) =
+    drafted_at_least[j - 1]`` for j <= k, 0 above k (the padded forward is as long as its longest row)."""
+    at_least = [1.0, *drafted_at_least[:k], 0.0]
+    total, below = 0.0, 0.0
+    for j in range(k + 1):  # max d = j
+        cdf = (1.0 - at_least[j + 1]) ** live
+        total += (cdf - below) * forward_seconds(costs, j + 1, live)
+        below = cdf
+    return total
+
+
+def predict_seconds(durations: list[float], batch_size: int, prefill: float, step) -> tuple[float, float, list[float]]:
+    """A run's predicted seconds over the schedule of :func:`batch_schedule`: ``prefill + sum over its
+    segments of steps * sum(step(live))``, where ``step(live)`` gives one batched step's parts in seconds
+    (drafting, forward, overhead) with ``live`` requests.
+
+    Returns:
+        ``(seconds, batched steps, [seconds of each part summed over the run])``.
+    """
+    sums, steps, cache = None, 0.0, {}
+    for live, n_steps in batch_schedule(durations, batch_size):
+        if live not in cache:
+            cache[live] = list(step(live))
+        sums = [0.0] * len(cache[live]) if sums is None else sums
+        steps += n_steps
+        sums = [a + n_steps * v for a, v in zip(sums, cache[live])]
+    sums = sums or []
+    return prefill + sum(sums), steps, sums
+
+
+def tokens_per_s(tokens: int, seconds: float) -> float | None:
+    """``tokens / seconds``, None when no time was predicted."""
+    return tokens / seconds if seconds > 0 and math.isfinite(seconds) else None
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """``(predicted - measured) / measured``; None when either is missing or ``measured`` is 0."""
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+# ----------------------------------------------------------------------------- the report block
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _occupancy(row: dict) -> float:
+    """Mean live requests per batched step of a pass (request steps / batched steps; 1 without steps)."""
+    return row["steps"] / row["batched_steps"] if row.get("batched_steps") else 1.0
+
+
+class _Inputs:
+    """What :func:`cost_model_block` reads from an eval, arranged per batch size: the forward costs, the
+    plain passes' per-step overhead and prefills, the method passes' drafting time and prefills, the
+    acceptance profiles (largest K) and each batch size's per-request token counts."""
+
+    def __init__(self, report: dict, stats: dict, plain_tokens: dict, costs: dict):
+        self.costs, self.ks, self.kmax = costs, report["ks"], max(report["ks"])
+        self.bs = list(report["batch_sizes"])
+        self.rows = {(r["method"], r["k"], r["batch_size"]): r for r in report["rows"]}
+        self.plain = {p["batch_size"]: p for p in report["plain_rows"]}
+        self.tokens = {int(b): list(t) for b, t in plain_tokens.items()}
+        self.overhead_by_b = {b: (p["seconds"] - p.get("prefill_seconds", 0.0) - p.get("forward_seconds", 0.0))
+                              / p["batched_steps"] for b, p in self.plain.items() if p.get("batched_steps")}
+        self.overhead = [(_occupancy(self.plain[b]), o) for b, o in self.overhead_by_b.items()]
+        self.profiles = {}
+        for (method, k, b), st in stats.items():
+            if k == self.kmax:
+                self.profiles[(method, b)] = acceptance_profile(st.steps, st.pos_drafted, st.pos_accepted,
+                                                                st.pos_reached)
+        self._steps: dict = {}
+
+    def nearest(self, b: int) -> int:
+        """The measured batch size closest to ``b`` (the larger one on a tie)."""
+        return min(self.bs, key=lambda x: (abs(x - b), -x))
+
+    def prefill(self, method: str | None, b: int) -> float:
+        if method is None:
+            pts = [(float(x), self.plain[x].get("prefill_seconds", 0.0)) for x in self.bs]
+        else:
+            pts = [(float(x), _mean([self.rows[(method, k, x)].get("prefill_seconds", 0.0) for k in self.ks]))
+                   for x in self.bs]
+        return interpolate(pts, b)
+
+    def draft(self, method: str, k: int, live: float) -> float:
+        pts = []
+        for x in self.bs:
+            rs = [self.rows[(method, kk, x)] for kk in self.ks]
+            per_k = [(float(r["k"]), r["draft_seconds"] / r["batched_steps"] if r.get("batched_steps") else 0.0)
+                     for r in rs]
+            pts.append((_mean([_occupancy(r) for r in rs]), interpolate(per_k, k)))
+        return interpolate(pts, live)
+
+    def step_counts(self, method: str, k: int, b_ref: int) -> list[float] | None:
+        """Expected steps of each request of batch size ``b_ref``'s plain pass under ``method`` at ``k``."""
+        key = (method, k, b_ref)
+        if key not in self._steps:
+            prof = self.profiles.get((method, b_ref))
+            toks = self.tokens.get(b_ref, [])
+            if prof is None:
+                self._steps[key] = None
+            else:
+                f = expected_steps(emitted_distribution(prof["survival"], k), max([t - 1 for t in toks], default=0))
+                self._steps[key] = [f[max(t - 1, 0)] for t in toks]
+        return self._steps[key]
+
+
+def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | None:
+    """Predicted seconds (and their parts) of ``method`` at ``k`` (None: plain decoding) and batch size ``b``."""
+    b_ref = inp.nearest(b)
+    toks = inp.tokens.get(b_ref, [])
+    if method is None:
+        durations, at_least = [max(t - 1, 0) for t in toks], []
+    else:
+        durations = inp.step_counts(method, k, b_ref)
+        if durations is None:
+            return None
+        at_least = inp.profiles[(method, b_ref)]["drafted_at_least"]
+
+    def step(live: int) -> tuple[float, float, float]:
+        return (0.0 if method is None else inp.draft(method, k, live),
+                expected_forward_seconds(inp.costs, at_least, k if method else 0, live),
+                interpolate(inp.overhead, live) if inp.overhead else 0.0)
+
+    prefill = inp.prefill(method, b)
+    seconds, steps, sums = predict_seconds(durations, b, prefill, step)
+    ms = [None if not steps else 1000.0 * s / steps for s in (sums or [0.0, 0.0, 0.0])]
+    return {"tokens": sum(toks), "seconds": seconds, "batched_steps": steps, "prefill_seconds": prefill,
+            "draft_ms_per_step": ms[0], "forward_ms_per_step": ms[1], "overhead_ms_per_step": ms[2],
+            "tokens_per_s": tokens_per_s(sum(toks), seconds)}
+
+
+def _speedup(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _break_even(inp: _Inputs, method: str, plain_by_b: dict) -> dict:
+    """The smallest batch size (1 .. the largest measured) at which no K' <= K has a predicted speedup >= 1."""
+    best: dict[str, float | None] = {}
+    for b in range(1, max(inp.bs) + 1):
+        plain = plain_by_b.get(b) or _run_prediction(inp, None, 0, b)
+        sp = [_speedup((_run_prediction(inp, method, k, b) or {}).get("tokens_per_s"), plain["tokens_per_s"])
+              for k in range(1, inp.kmax + 1)]
+        known = [s for s in sp if s is not None]
+        best[str(b)] = max(known) if known else None
+        if best[str(b)] is not None and best[str(b)] < 1.0:
+            note = ("speculation does not pay at batch size 1" if b == 1 else
+                    f"stops paying at batch size {b} (costs interpolated between the measured batch sizes)")
+            return {"batch_size": b, "best_speedup_by_batch": best, "note": note}
+    return {"batch_size": None, "best_speedup_by_batch": best,
+            "note": f"pays at every batch size up to {max(inp.bs)}: not within the measured batch sizes "
+                    f"{inp.bs} (not extrapolated)"}
+
+
+def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict) -> dict:
+    """The report's ``cost_model`` block (:class:`speculators.eval_report.CostModel`; the model is this
+    module's docstring).
+
+    Args:
+        report: an eval report with ``methods``, ``ks``, ``batch_sizes``, ``rows`` and ``plain_rows`` (each
+            row with ``seconds``, ``steps``, ``batched_steps``, ``draft_seconds``, ``prefill_seconds``, plain
+            rows with ``forward_seconds``).
+        stats: ``{(method, k, batch_size): AcceptanceStats}`` of the ungated passes (``steps``,
+            ``pos_drafted``, ``pos_accepted``, ``pos_reached``).
+        plain_tokens: ``{batch_size: [tokens of each request]}`` of the plain passes.
+        costs: :func:`measure_costs` at (at least) the report's batch sizes and its largest K.
+    Returns:
+        ``{"costs", "overhead_ms_per_step", "plain", "predictions", "best_k", "break_even",
+        "max_abs_relative_error", "within_15_percent"}``: ``predictions`` has one entry per method, K' = 1..K
+        and measured batch size (``measured: True`` and ``measured_tokens_per_s`` / ``relative_error`` on the
+        rows the eval ran); ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K');
+        ``break_even`` ``{method: {"batch_size" (None: never within the measured range), "best_speedup_by_batch",
+        "note"}}``.
+    Raises:
+        SpeculatorsError: ``costs`` misses a batch size of the report or measured fewer than K + 1 lengths.
+    """
+    missing = [b for b in report["batch_sizes"] if str(b) not in costs.get("seconds", {})]
+    if missing or any(len(c) < max(report["ks"]) + 1 for c in costs.get("seconds", {}).values()):
+        raise SpeculatorsError(f"cost model: the measured forward costs must cover batch sizes "
+                               f"{report['batch_sizes']} and 1..{max(report['ks']) + 1} tokens; got batch sizes "
+                               f"{sorted(costs.get('seconds', {}))} (missing {missing}), k={costs.get('k')}")
+    inp = _Inputs(report, stats, plain_tokens, costs)
+    plain_by_b, plain_out, preds = {}, [], []
+    for b in inp.bs:
+        p = plain_by_b[b] = _run_prediction(inp, None, 0, b)
+        meas = inp.plain[b]["tokens_per_s"]
+        plain_out.append({"batch_size": b, "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": meas,
+                          "relative_error": relative_error(p["tokens_per_s"], meas),
+                          "forward_ms_per_step": p["forward_ms_per_step"],
+                          "overhead_ms_per_step": p["overhead_ms_per_step"]})
+    best_k: dict[str, dict[str, int]] = {}
+    for b in inp.bs:
+        for method in report["methods"]:
+            prof = inp.profiles.get((method, b))
+            cands = []
+            for k in range(1, inp.kmax + 1):
+                p = _run_prediction(inp, method, k, b) or {}
+                row = inp.rows.get((method, k, b))
+                meas = row["tokens_per_s"] if row else None
+                sp = _speedup(p.get("tokens_per_s"), plain_by_b[b]["tokens_per_s"])
+                cands.append((sp if sp is not None else -math.inf, -k))
+                preds.append({"method": method, "k": k, "batch_size": b, "measured": row is not None,
+                              "expected_tokens_per_step": expected_tokens(prof["survival"], k) if prof else None,
+                              **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step",
+                                                       "overhead_ms_per_step", "prefill_seconds")},
+                              "predicted_tokens_per_s": p.get("tokens_per_s"), "predicted_speedup": sp,
+                              "measured_tokens_per_s": meas,
+                              "relative_error": relative_error(p.get("tokens_per_s"), meas)})
+            best_k.setdefault(str(b), {})[method] = -max(cands)[1]
+    errs = [abs(e["relative_error"]) for e in preds + plain_out if e["relative_error"] is not None]
+    return {"costs": costs,
+            "overhead_ms_per_step": {str(b): 1000.0 * o for b, o in inp.overhead_by_b.items()},
+            "plain": plain_out, "predictions": preds, "best_k": best_k,
+            "break_even": {m: _break_even(inp, m, plain_by_b) for m in report["methods"]},
+            "max_abs_relative_error": max(errs) if errs else None,
+            "within_15_percent": all(e <= 0.15 for e in errs) if errs else None}

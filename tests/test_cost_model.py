@@ -1,0 +1,205 @@
+"""The cost model's predictor on hand-computable cases (no timing is asserted), and its block in a tiny eval."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from speculators import cost_model as cm
+from speculators.errors import SpeculatorsError
+from speculators.evaluate import AcceptanceStats, run_eval
+from speculators.target import build_tiny_target
+
+
+def test_expected_tokens_is_leviathans_formula_in_the_iid_case():
+    a = 0.5
+    s = cm.survival([a, a, a])
+    assert s == [0.5, 0.25, 0.125]
+    assert cm.expected_tokens(s, 3) == pytest.approx((1 - a ** 4) / (1 - a)) == 1.875
+    assert cm.expected_tokens(s, 0) == 1.0
+    with pytest.raises(SpeculatorsError, match="above the 3 measured"):
+        cm.expected_tokens(s, 4)
+
+
+def test_survival_uses_per_position_conditional_and_continuation():
+    # falling acceptance: 0.8, then 0.5; the proposer drafts position 1 in half the steps only
+    assert cm.survival([0.8, 0.5], [0.5, 1.0]) == pytest.approx([0.4, 0.2])
+    assert cm.survival([0.5, None, 1.0]) == [0.5, 0.0, 0.0]  # a position never reached: nothing after it
+    with pytest.raises(SpeculatorsError, match=r"\[0, 1\]"):
+        cm.survival([1.2])
+    with pytest.raises(SpeculatorsError, match="continuation"):
+        cm.survival([0.5], [1.0, 1.0])
+
+
+def test_acceptance_profile_from_counts():
+    # 10 steps; 8 drafted 2 tokens; 6 accepted draft 1, 5 of those went on to draft 2, 3 accepted it
+    p = cm.acceptance_profile(10, [10, 8], [6, 3], [10, 5])
+    assert p["conditional"] == pytest.approx([0.6, 0.6])
+    assert p["continuation"] == pytest.approx([1.0, 5 / 6])
+    assert p["survival"] == pytest.approx([0.6, 0.3])
+    assert p["survival"] == pytest.approx(cm.survival(p["conditional"], p["continuation"]))
+    assert p["drafted_at_least"] == pytest.approx([1.0, 0.8])
+    assert cm.acceptance_profile(0, [0], [0], [0]) is None  # no step: every ratio would divide by zero
+    assert cm.acceptance_profile(4, [4], [0], [0])["conditional"] == [None] and \
+        cm.acceptance_profile(4, [4], [0], [4])["conditional"] == [0.0]
+    with pytest.raises(SpeculatorsError, match="different lengths"):
+        cm.acceptance_profile(1, [1], [1, 0], [1])
+
+
+def test_emitted_distribution_and_expected_steps():
+    assert cm.emitted_distribution([0.5, 0.25], 2) == pytest.approx([0.5, 0.25, 0.25])
+    assert cm.emitted_distribution([0.5, 0.25], 1) == pytest.approx([0.5, 0.5])
+    # every draft accepted at K=2: each step emits 3 tokens, the last one cut
+    assert cm.expected_steps([0.0, 0.0, 1.0], 7) == [0, 1, 1, 1, 2, 2, 2, 3]
+    # X = 1 or 2 with probability 1/2: f(1) = 1, f(2) = 1 + f(1)/2, f(3) = 1 + (f(2) + f(1))/2
+    assert cm.expected_steps([0.5, 0.5], 3) == pytest.approx([0.0, 1.0, 1.5, 2.25])
+    with pytest.raises(SpeculatorsError, match="probability distribution"):
+        cm.expected_steps([0.5, 0.4], 3)
+
+
+def test_batch_schedule_is_continuous_batching():
+    assert cm.batch_schedule([3, 1, 2], 1) == [(1, 3), (1, 1), (1, 2)]
+    # request 2 takes request 1's slot when it leaves at step 1
+    assert cm.batch_schedule([3, 1, 2], 2) == [(2, 1), (2, 2)]
+    assert cm.batch_schedule([3, 1, 2], 3) == [(3, 1), (2, 1), (1, 1)]
+    assert cm.batch_schedule([0, 2], 1) == [(1, 2)]
+    with pytest.raises(SpeculatorsError, match="batch_size"):
+        cm.batch_schedule([1], 0)
+
+
+def test_interpolation_forward_cost_and_prediction():
+    assert cm.interpolate([(3, 30.0), (1, 10.0)], 2) == 20.0
+    assert cm.interpolate([(1, 10.0), (3, 30.0)], 0) == 10.0 and cm.interpolate([(1, 10.0), (3, 30.0)], 5) == 30.0
+    with pytest.raises(SpeculatorsError):
+        cm.interpolate([], 1)
+    costs = {"batch_sizes": [1, 3], "seconds": {"1": [1.0, 2.0, 3.0], "3": [2.0, 4.0, 6.0]}}
+    assert cm.forward_seconds(costs, 2, 2) == 3.0  # halfway between batch 1 and batch 3
+    assert cm.forward_seconds(costs, 9, 1) == 3.0  # beyond the measured lengths: the last one
+    one = {"batch_sizes": [1], "seconds": {"1": [1.0, 2.0, 3.0]}}
+    # half the steps draft 2 tokens, the others 1: E = 0.5 * cost(2) + 0.5 * cost(3)
+    assert cm.expected_forward_seconds(one, [1.0, 0.5], 2, 1) == pytest.approx(2.5)
+    # two rows: the forward is as long as the longer one: P(max d <= 1) = 0.5^2
+    assert cm.expected_forward_seconds(one, [1.0, 0.5], 2, 2) == pytest.approx(0.25 * 2 + 0.75 * 3)
+    assert cm.expected_forward_seconds(one, [1.0, 0.5], 1, 2) == pytest.approx(2.0)  # capped at K'=1
+    seconds, steps, parts = cm.predict_seconds([2, 2], 1, 1.0, lambda live: (0.5, 1.0, 0.25))
+    assert (seconds, steps, parts) == (8.0, 4, [2.0, 4.0, 1.0])
+
+
+def test_ratios_with_zero_denominators_are_none():
+    assert cm.relative_error(110.0, 100.0) == pytest.approx(0.1)
+    assert cm.relative_error(1.0, 0.0) is None and cm.relative_error(None, 1.0) is None
+    assert cm.relative_error(1.0, None) is None
+    assert cm.tokens_per_s(10, 0.0) is None and cm.tokens_per_s(10, 4.0) == 2.5
+
+
+def _stats(k, steps, drafted, accepted, reached):
+    st = AcceptanceStats(k)
+    st.steps, st.pos_drafted, st.pos_accepted, st.pos_reached = steps, drafted, accepted, reached
+    return st
+
+
+def _hand_report(verify_2_tokens: float):
+    """Two requests of 5 tokens at batch 1: plain 8 steps; n-gram K=1 accepts every draft (4 steps).
+    Plain: 10 s, of which 1 s prefill and 6 s forwards: overhead (10 - 1 - 6) / 8 = 0.375 s per step."""
+    plain = {"batch_size": 1, "tau": 1.0, "steps": 8, "tokens": 10, "seconds": 10.0, "tokens_per_s": 1.0,
+             "draft_seconds": 0.0, "verify_seconds": 7.0, "prefill_seconds": 1.0, "forward_seconds": 6.0,
+             "batched_steps": 8}
+    row = {"method": "ngram", "k": 1, "batch_size": 1, "steps": 4, "tokens": 10, "seconds": 6.0, "tokens_per_s": 1.5,
+           "draft_seconds": 0.4, "prefill_seconds": 1.0, "forward_seconds": 3.0, "batched_steps": 4}
+    report = {"methods": ["ngram"], "ks": [1], "batch_sizes": [1], "rows": [row], "plain_rows": [plain]}
+    costs = {"k": 1, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, verify_2_tokens]}}
+    stats = {("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}
+    return cm.cost_model_block(report, stats, {1: [5, 5]}, costs)
+
+
+def test_cost_model_block_by_hand():
+    block = _hand_report(1.0)
+    plain = block["plain"][0]
+    # plain: 1 s prefill + 8 steps * (0.5 s forward + 0.375 s overhead) = 8 s for 10 tokens
+    assert plain["predicted_tokens_per_s"] == pytest.approx(10 / 8.0)
+    assert plain["relative_error"] == pytest.approx((10 / 8.0 - 1.0) / 1.0)
+    assert block["overhead_ms_per_step"] == {"1": pytest.approx(375.0)}
+    (pred,) = block["predictions"]
+    # n-gram K'=1: 2 tokens per step, 2 steps per request; 1 s + 4 * (0.1 draft + 1.0 forward + 0.375) = 6.9 s
+    assert pred["expected_tokens_per_step"] == 2.0 and pred["measured"]
+    assert pred["predicted_tokens_per_s"] == pytest.approx(10 / 6.9)
+    assert pred["predicted_speedup"] == pytest.approx((10 / 6.9) / (10 / 8.0))
+    assert pred["relative_error"] == pytest.approx((10 / 6.9 - 1.5) / 1.5)
+    assert pred["draft_ms_per_step"] == pytest.approx(100.0) and pred["forward_ms_per_step"] == pytest.approx(1000.0)
+    assert block["best_k"] == {"1": {"ngram": 1}}
+    assert block["break_even"]["ngram"]["batch_size"] is None  # pays at batch 1, the only measured one
+    # the plain row's error (+25%) is the largest, and above 15%
+    assert block["max_abs_relative_error"] == pytest.approx(0.25) and block["within_15_percent"] is False
+    # a verify forward 4x the 1-token one: 1 + 4 * (0.1 + 2.0 + 0.375) = 10.9 s > plain's 8 s
+    slow = _hand_report(2.0)
+    assert slow["predictions"][0]["predicted_speedup"] == pytest.approx(8.0 / 10.9)
+    assert slow["break_even"]["ngram"]["batch_size"] == 1
+    assert "does not pay at batch size 1" in slow["break_even"]["ngram"]["note"]
+
+
+def test_cost_model_block_refuses_costs_that_miss_a_batch_size():
+    report = {"methods": [], "ks": [2], "batch_sizes": [1, 4], "rows": [], "plain_rows": []}
+    with pytest.raises(SpeculatorsError, match="batch sizes"):
+        cm.cost_model_block(report, {}, {}, {"k": 2, "batch_sizes": [1], "seconds": {"1": [1.0, 1.0, 1.0]}})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3)
+    prompts = [{"id": f"p{i}", "input_ids": ([1, 2, 3, 4] * 3)[: 6 + i]} for i in range(3)]
+    return target, prompts
+
+
+def test_measure_costs_at_every_batch_size(tiny):
+    target, _ = tiny
+    costs = cm.measure_costs(target, 2, [2, 1], reps=1, context=6)
+    assert costs["batch_sizes"] == [1, 2] and set(costs["seconds"]) == {"1", "2"}
+    assert all(len(v) == 3 and all(c > 0 and math.isfinite(c) for c in v) for v in costs["seconds"].values())
+    assert cm.gate_cost(costs) == costs["seconds"]["1"]
+    with pytest.raises(SpeculatorsError, match="batch size"):
+        cm.measure_costs(target, 2, [0])
+
+
+def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
+    import speculators.evaluate as ev
+    from rich.console import Console
+
+    from speculators.eval_report import BREAK_EVEN_COLUMNS, render_markdown, render_terminal
+
+    target, prompts = tiny
+    given = cm.measure_costs(target, 2, [1, 2], reps=1, context=8)
+
+    def refuse(*a, **kw):
+        raise AssertionError("the eval measured the forward costs a second time")
+
+    monkeypatch.setattr(ev, "measure_costs", refuse)
+    rep = run_eval(target, None, prompts, [1, 2], 8, batch_size=2, eos_ids=set(), methods=("ngram", "suffix"),
+                   log=lambda m: None, bootstrap_resamples=20, forward_costs=given)
+    block = rep["cost_model"]
+    assert block["costs"] is given
+    assert set(block) == {"costs", "overhead_ms_per_step", "plain", "predictions", "best_k", "break_even",
+                          "max_abs_relative_error", "within_15_percent"}
+    # one prediction per method, K' <= K and batch size; the ones the eval ran carry the measurement
+    assert sorted((p["method"], p["k"], p["batch_size"]) for p in block["predictions"]) == sorted(
+        (m, k, b) for m in ("ngram", "suffix") for k in (1, 2) for b in (1, 2))
+    for p in block["predictions"] + block["plain"]:
+        assert p["predicted_tokens_per_s"] > 0 and math.isfinite(p["predicted_tokens_per_s"])
+        assert p["measured_tokens_per_s"] > 0 and math.isfinite(p["relative_error"])
+    for p in block["predictions"]:
+        assert p["measured"] and math.isfinite(p["predicted_speedup"]) and p["expected_tokens_per_step"] >= 1.0
+    assert set(block["best_k"]) == {"1", "2"} and set(block["break_even"]) == {"ngram", "suffix"}
+    for row in rep["rows"] + rep["plain_rows"]:
+        assert 0 < row["forward_seconds"] <= row["verify_seconds"] and row["prefill_seconds"] > 0
+    md = render_markdown(rep)
+    assert "## Cost model and break-even" in md and "| " + " | ".join(BREAK_EVEN_COLUMNS) + " |" in md
+    console = Console(record=True, width=200)
+    render_terminal(rep, console)
+    assert "break-even batch" in console.export_text()
+    # without given costs the eval measures them itself (once)
+    calls = []
+    monkeypatch.setattr(ev, "measure_costs", lambda *a, **kw: calls.append(kw) or given)
+    rep = run_eval(target, None, prompts[:1], [2], 4, eos_ids=set(), methods=("ngram",), log=lambda m: None,
+                   bootstrap_resamples=20)
+    assert len(calls) == 1 and rep["cost_model"]["costs"] is given
