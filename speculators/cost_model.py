@@ -7,7 +7,8 @@ quantities only, and checks the prediction against every row the eval actually r
 
 The model
 ---------
-Acceptance (per method and batch size, from the eval's largest-K pass; :func:`acceptance_profile`):
+Acceptance (per method, K' and batch size, from the eval's pass at K' or, for a K' the eval did not run,
+at the smallest measured K above it; :func:`acceptance_profile`):
 ``c_j`` = conditional acceptance of draft position j (P(draft j accepted | drafts 1..j-1 accepted and
 draft j proposed): the report's ``conditional``), ``q_j`` = P(draft j proposed | drafts 1..j-1
 accepted) (1 for a drafter; below 1 for the n-gram / suffix proposers, which draft only what they
@@ -28,7 +29,7 @@ the number of live requests ``n`` over the run.
 
 Step time with ``n`` live requests (summed over the schedule by :func:`predict_seconds`):
 
-    step(K', n) = draft(K', n) + E[forward(1 + max_i d_i, n)] + overhead(n)
+    step(K', n) = draft(K', n) + E[forward(1 + max_i d_i, n)] + sampling(K', n) + overhead(n)
 
 * ``forward(m, n)``: one target forward over ``m`` tokens per request for ``n`` requests, measured by
   :func:`measure_costs` (:func:`speculators.generate.measure_verify_cost`, through the loop's batched
@@ -40,19 +41,25 @@ Step time with ``n`` live requests (summed over the schedule by :func:`predict_s
   (one measured K: constant in K', exact for parallel drafters and the model-free proposers, an
   overestimate of a smaller K's drafting for autoregressive drafters), linear in ``n`` between the
   batch sizes (each taken at its pass's mean number of live requests).
-* ``overhead(n)``: everything a PLAIN decoding step spends outside the target forward (sampling,
-  emitting, cache bookkeeping), measured in the plain pass: ``(seconds - prefill - forward seconds) /
+* ``sampling(K', n)``: the rejection sampler's time per batched step (the pass's verify time outside the
+  target forwards: ``(verify_seconds - forward_seconds) / batched steps``), measured per method and
+  interpolated in K' and ``n`` as drafting is; plain decoding's from its own pass. At temperature > 0
+  it grows with the verified tokens (a softmax / top-p over the vocabulary per position).
+* ``overhead(n)``: what a PLAIN decoding step spends outside the forward and the sampler (emitting,
+  stop checks, cache bookkeeping), measured in the plain pass: ``(seconds - prefill - verify seconds) /
   batched steps``, linear in ``n`` between batch sizes. It is charged unchanged to speculative steps.
 
 Predicted seconds = prefill (the method's measured prompt prefills and proposer ``start``, mean over its
 passes at that batch size) + the sum of ``step`` over the schedule; predicted tokens/s = the plain pass's
 tokens / predicted seconds; plain decoding is the same model with ``K' = 0`` and no drafting (its
-step: ``forward(1, n) + overhead(n)``). Speedup = predicted tokens/s over predicted plain tokens/s.
+step: ``forward(1, n) + sampling + overhead(n)``, the forward the only part not read from its own pass).
+Speedup = predicted tokens/s over predicted plain tokens/s.
 
-Assumptions (each a source of error the report's per-row ``relative_error`` shows): acceptance at
-positions ``<= K'`` does not depend on K' (and is the largest-K pass's); a speculative step's overhead
-is a plain step's (the larger rejection sampling and the proposer's bookkeeping outside ``propose`` /
-``advance`` are not charged); step counts enter the schedule as expectations (``E[max]`` of the batch's
+Assumptions (each a source of error the report's per-row ``relative_error`` shows): for a K' the eval
+did not run, acceptance at positions ``<= K'`` is that of the next larger measured K (a proposer that
+drafts more tokens per step may match at other positions); a speculative step's bookkeeping is a
+plain step's (the proposer's bookkeeping outside ``propose`` / ``advance``, e.g. slicing the target
+features it is advanced with, is not charged); step counts enter the schedule as expectations (``E[max]`` of the batch's
 requests is taken as the max of expectations); the forward is timed at one context length
 (:func:`measure_costs`' ``context``); at temperature > 0 outputs (and lengths) differ between passes.
 Batch sizes between the measured ones are predicted with costs interpolated in ``n``; nothing is
@@ -292,7 +299,7 @@ def expected_forward_seconds(costs: dict, drafted_at_least: list[float], k: int,
 def predict_seconds(durations: list[float], batch_size: int, prefill: float, step) -> tuple[float, float, list[float]]:
     """A run's predicted seconds over the schedule of :func:`batch_schedule`: ``prefill + sum over its
     segments of steps * sum(step(live))``, where ``step(live)`` gives one batched step's parts in seconds
-    (drafting, forward, overhead) with ``live`` requests.
+    (drafting, forward, rejection sampling, overhead) with ``live`` requests.
 
     Returns:
         ``(seconds, batched steps, [seconds of each part summed over the run])``.
@@ -334,8 +341,9 @@ def _occupancy(row: dict) -> float:
 
 class _Inputs:
     """What :func:`cost_model_block` reads from an eval, arranged per batch size: the forward costs, the
-    plain passes' per-step overhead and prefills, the method passes' drafting time and prefills, the
-    acceptance profiles (largest K) and each batch size's per-request token counts."""
+    plain passes' per-step sampling, overhead and prefills, the method passes' drafting and sampling time
+    and prefills, the
+    acceptance profiles (per measured K) and each batch size's per-request token counts."""
 
     def __init__(self, report: dict, stats: dict, plain_tokens: dict, costs: dict):
         self.costs, self.ks, self.kmax = costs, report["ks"], max(report["ks"])
@@ -343,15 +351,18 @@ class _Inputs:
         self.rows = {(r["method"], r["k"], r["batch_size"]): r for r in report["rows"]}
         self.plain = {p["batch_size"]: p for p in report["plain_rows"]}
         self.tokens = {int(b): list(t) for b, t in plain_tokens.items()}
-        self.overhead_by_b = {b: (p["seconds"] - p.get("prefill_seconds", 0.0) - p.get("forward_seconds", 0.0))
+        self.overhead_by_b = {b: (p["seconds"] - p.get("prefill_seconds", 0.0) - p.get("verify_seconds", 0.0))
                               / p["batched_steps"] for b, p in self.plain.items() if p.get("batched_steps")}
         self.overhead = [(_occupancy(self.plain[b]), o) for b, o in self.overhead_by_b.items()]
-        self.profiles = {}
-        for (method, k, b), st in stats.items():
-            if k == self.kmax:
-                self.profiles[(method, b)] = acceptance_profile(st.steps, st.pos_drafted, st.pos_accepted,
-                                                                st.pos_reached)
+        self.plain_sampling = [(_occupancy(p), _sampling_per_step(p)) for p in self.plain.values()
+                               if p.get("batched_steps")]
+        self.profiles = {key: acceptance_profile(st.steps, st.pos_drafted, st.pos_accepted, st.pos_reached)
+                         for key, st in stats.items()}
         self._steps: dict = {}
+
+    def profile(self, method: str, k: int, b: int) -> dict | None:
+        """The acceptance profile of ``method`` at K' = ``k``: the pass at the smallest measured K >= k."""
+        return self.profiles.get((method, min(x for x in self.ks if x >= k), b))
 
     def nearest(self, b: int) -> int:
         """The measured batch size closest to ``b`` (the larger one on a tie)."""
@@ -365,20 +376,21 @@ class _Inputs:
                    for x in self.bs]
         return interpolate(pts, b)
 
-    def draft(self, method: str, k: int, live: float) -> float:
+    def per_step(self, method: str, part, k: int, live: float) -> float:
+        """``part(row)`` (seconds per batched step of a pass) of ``method``'s passes, linear in K between
+        the measured Ks (constant outside), then linear in ``live`` between the batch sizes (each at its
+        passes' mean live requests)."""
         pts = []
         for x in self.bs:
             rs = [self.rows[(method, kk, x)] for kk in self.ks]
-            per_k = [(float(r["k"]), r["draft_seconds"] / r["batched_steps"] if r.get("batched_steps") else 0.0)
-                     for r in rs]
-            pts.append((_mean([_occupancy(r) for r in rs]), interpolate(per_k, k)))
+            pts.append((_mean([_occupancy(r) for r in rs]), interpolate([(float(r["k"]), part(r)) for r in rs], k)))
         return interpolate(pts, live)
 
     def step_counts(self, method: str, k: int, b_ref: int) -> list[float] | None:
         """Expected steps of each request of batch size ``b_ref``'s plain pass under ``method`` at ``k``."""
         key = (method, k, b_ref)
         if key not in self._steps:
-            prof = self.profiles.get((method, b_ref))
+            prof = self.profile(method, k, b_ref)
             toks = self.tokens.get(b_ref, [])
             if prof is None:
                 self._steps[key] = None
@@ -386,6 +398,17 @@ class _Inputs:
                 f = expected_steps(emitted_distribution(prof["survival"], k), max([t - 1 for t in toks], default=0))
                 self._steps[key] = [f[max(t - 1, 0)] for t in toks]
         return self._steps[key]
+
+
+def _draft_per_step(row: dict) -> float:
+    return row["draft_seconds"] / row["batched_steps"] if row.get("batched_steps") else 0.0
+
+
+def _sampling_per_step(row: dict) -> float:
+    """Rejection sampling per batched step: the pass's verify time outside the target forwards."""
+    if not row.get("batched_steps"):
+        return 0.0
+    return max(row.get("verify_seconds", 0.0) - row.get("forward_seconds", 0.0), 0.0) / row["batched_steps"]
 
 
 def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | None:
@@ -398,18 +421,23 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
         durations = inp.step_counts(method, k, b_ref)
         if durations is None:
             return None
-        at_least = inp.profiles[(method, b_ref)]["drafted_at_least"]
+        at_least = inp.profile(method, k, b_ref)["drafted_at_least"]
 
-    def step(live: int) -> tuple[float, float, float]:
-        return (0.0 if method is None else inp.draft(method, k, live),
-                expected_forward_seconds(inp.costs, at_least, k if method else 0, live),
+    def step(live: int) -> tuple[float, float, float, float]:
+        if method is None:
+            sampling = interpolate(inp.plain_sampling, live) if inp.plain_sampling else 0.0
+        else:
+            sampling = inp.per_step(method, _sampling_per_step, k, live)
+        return (0.0 if method is None else inp.per_step(method, _draft_per_step, k, live),
+                expected_forward_seconds(inp.costs, at_least, k if method else 0, live), sampling,
                 interpolate(inp.overhead, live) if inp.overhead else 0.0)
 
     prefill = inp.prefill(method, b)
     seconds, steps, sums = predict_seconds(durations, b, prefill, step)
-    ms = [None if not steps else 1000.0 * s / steps for s in (sums or [0.0, 0.0, 0.0])]
+    ms = [None if not steps else 1000.0 * s / steps for s in (sums or [0.0] * 4)]
     return {"tokens": sum(toks), "seconds": seconds, "batched_steps": steps, "prefill_seconds": prefill,
-            "draft_ms_per_step": ms[0], "forward_ms_per_step": ms[1], "overhead_ms_per_step": ms[2],
+            "draft_ms_per_step": ms[0], "forward_ms_per_step": ms[1], "sampling_ms_per_step": ms[2],
+            "overhead_ms_per_step": ms[3],
             "tokens_per_s": tokens_per_s(sum(toks), seconds)}
 
 
@@ -469,22 +497,20 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         meas = inp.plain[b]["tokens_per_s"]
         plain_out.append({"batch_size": b, "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": meas,
                           "relative_error": relative_error(p["tokens_per_s"], meas),
-                          "forward_ms_per_step": p["forward_ms_per_step"],
-                          "overhead_ms_per_step": p["overhead_ms_per_step"]})
+                          **{f: p[f] for f in ("forward_ms_per_step", "sampling_ms_per_step", "overhead_ms_per_step")}})
     best_k: dict[str, dict[str, int]] = {}
     for b in inp.bs:
         for method in report["methods"]:
-            prof = inp.profiles.get((method, b))
             cands = []
             for k in range(1, inp.kmax + 1):
-                p = _run_prediction(inp, method, k, b) or {}
+                prof, p = inp.profile(method, k, b), _run_prediction(inp, method, k, b) or {}
                 row = inp.rows.get((method, k, b))
                 meas = row["tokens_per_s"] if row else None
                 sp = _speedup(p.get("tokens_per_s"), plain_by_b[b]["tokens_per_s"])
                 cands.append((sp if sp is not None else -math.inf, -k))
                 preds.append({"method": method, "k": k, "batch_size": b, "measured": row is not None,
                               "expected_tokens_per_step": expected_tokens(prof["survival"], k) if prof else None,
-                              **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step",
+                              **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step", "sampling_ms_per_step",
                                                        "overhead_ms_per_step", "prefill_seconds")},
                               "predicted_tokens_per_s": p.get("tokens_per_s"), "predicted_speedup": sp,
                               "measured_tokens_per_s": meas,

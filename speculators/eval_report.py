@@ -106,7 +106,8 @@ class ForwardCosts(TypedDict):
 class CostPrediction(TypedDict):
     """One method at one K' <= K and batch size under the cost model: ``expected_tokens_per_step`` =
     E[1 + accepted | K'] from the measured per-position acceptance, the predicted step's parts
-    (``draft_ms_per_step``, ``forward_ms_per_step``, ``overhead_ms_per_step``: means per batched step) and
+    (``draft_ms_per_step``, ``forward_ms_per_step``, ``sampling_ms_per_step``, ``overhead_ms_per_step``: means
+    per batched step) and
     ``prefill_seconds``, ``predicted_tokens_per_s``, ``predicted_speedup`` (over predicted plain decoding at
     that batch size), and on the rows the eval ran (``measured``) ``measured_tokens_per_s`` and
     ``relative_error`` = (predicted - measured) / measured (None otherwise)."""
@@ -118,6 +119,7 @@ class CostPrediction(TypedDict):
     expected_tokens_per_step: Optional[float]
     draft_ms_per_step: Optional[float]
     forward_ms_per_step: Optional[float]
+    sampling_ms_per_step: Optional[float]
     overhead_ms_per_step: Optional[float]
     prefill_seconds: Optional[float]
     predicted_tokens_per_s: Optional[float]
@@ -127,13 +129,14 @@ class CostPrediction(TypedDict):
 
 
 class PlainPrediction(TypedDict):
-    """Plain decoding at one batch size under the cost model (1-token forwards + measured overhead)."""
+    """Plain decoding at one batch size under the cost model (1-token forwards + measured sampling and overhead)."""
 
     batch_size: int
     predicted_tokens_per_s: Optional[float]
     measured_tokens_per_s: Optional[float]
     relative_error: Optional[float]
     forward_ms_per_step: Optional[float]
+    sampling_ms_per_step: Optional[float]
     overhead_ms_per_step: Optional[float]
 
 
@@ -149,7 +152,7 @@ class BreakEven(TypedDict):
 class CostModel(TypedDict):
     """The cost model of an eval (:func:`speculators.cost_model.cost_model_block`; its module docstring
     gives the formula and the assumptions): the measured ``costs``, plain decoding's measured per-step
-    overhead (``overhead_ms_per_step[str(b)]``, ms), ``plain`` and ``predictions`` checked against the
+    overhead outside the forward and the sampler (``overhead_ms_per_step[str(b)]``, ms), ``plain`` and ``predictions`` checked against the
     measured rows, ``best_k`` (``{batch: {method: K'}}`` by predicted speedup), ``break_even`` per method,
     ``max_abs_relative_error`` over the measured rows and ``within_15_percent`` (None without any)."""
 
@@ -401,12 +404,13 @@ def _break_even_markdown(report: dict) -> list[str]:
     c = cm["costs"]
     lines = ["", "## Cost model and break-even", "",
              "Predicted tokens/s = tokens / (prefill + sum over steps of draft(K') + forward(K'+1 tokens, live "
-             "requests) + overhead), with E[tokens per step | K'] = 1 + sum_{j<=K'} prod_{i<=j} q_i c_i from the "
-             "measured conditional acceptance c_j (Leviathan et al. 2023's (1 - a^{K'+1}) / (1 - a) when every c_j = "
-             "a), the measured drafting time, the measured target forwards and plain decoding's measured "
-             "per-step overhead (speculators.cost_model). error = (predicted - measured) / measured; best K = the "
-             "K' <= K with the best predicted speedup (its speedup); break-even batch = the smallest batch size at "
-             "which no K' pays (- : it pays at every measured batch size).", "",
+             "requests) + sampling(K') + overhead), with E[tokens per step | K'] = 1 + sum_{j<=K'} prod_{i<=j} "
+             "q_i c_i from the measured conditional acceptance c_j (Leviathan et al. 2023's (1 - a^{K'+1}) / "
+             "(1 - a) when every c_j = a), the measured drafting and rejection-sampling time, the measured target "
+             "forwards and plain decoding's measured per-step overhead (speculators.cost_model). error = "
+             "(predicted - measured) / measured; best K = the K' <= K with the best predicted speedup (its "
+             "speedup); break-even batch = the smallest batch size at which no K' pays (- : it pays at every "
+             "measured batch size).", "",
              "| " + " | ".join(BREAK_EVEN_COLUMNS) + " |", "|---" * len(BREAK_EVEN_COLUMNS) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in break_even_rows(report)]
     worst = cm.get("max_abs_relative_error")

@@ -102,12 +102,14 @@ def _stats(k, steps, drafted, accepted, reached):
 
 def _hand_report(verify_2_tokens: float):
     """Two requests of 5 tokens at batch 1: plain 8 steps; n-gram K=1 accepts every draft (4 steps).
-    Plain: 10 s, of which 1 s prefill and 6 s forwards: overhead (10 - 1 - 6) / 8 = 0.375 s per step."""
+    Plain: 10 s, of which 1 s prefill, 7 s verifying (6 s forwards, 1 s sampling: 0.125 s per step) and
+    2 s of overhead (0.25 s per step). The n-gram pass samples for 0.4 s over 4 steps (0.1 s per step)."""
     plain = {"batch_size": 1, "tau": 1.0, "steps": 8, "tokens": 10, "seconds": 10.0, "tokens_per_s": 1.0,
              "draft_seconds": 0.0, "verify_seconds": 7.0, "prefill_seconds": 1.0, "forward_seconds": 6.0,
              "batched_steps": 8}
     row = {"method": "ngram", "k": 1, "batch_size": 1, "steps": 4, "tokens": 10, "seconds": 6.0, "tokens_per_s": 1.5,
-           "draft_seconds": 0.4, "prefill_seconds": 1.0, "forward_seconds": 3.0, "batched_steps": 4}
+           "draft_seconds": 0.4, "prefill_seconds": 1.0, "verify_seconds": 3.4, "forward_seconds": 3.0,
+           "batched_steps": 4}
     report = {"methods": ["ngram"], "ks": [1], "batch_sizes": [1], "rows": [row], "plain_rows": [plain]}
     costs = {"k": 1, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, verify_2_tokens]}}
     stats = {("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}
@@ -117,26 +119,47 @@ def _hand_report(verify_2_tokens: float):
 def test_cost_model_block_by_hand():
     block = _hand_report(1.0)
     plain = block["plain"][0]
-    # plain: 1 s prefill + 8 steps * (0.5 s forward + 0.375 s overhead) = 8 s for 10 tokens
+    # plain: 1 s prefill + 8 steps * (0.5 s forward + 0.125 s sampling + 0.25 s overhead) = 8 s for 10 tokens
     assert plain["predicted_tokens_per_s"] == pytest.approx(10 / 8.0)
     assert plain["relative_error"] == pytest.approx((10 / 8.0 - 1.0) / 1.0)
-    assert block["overhead_ms_per_step"] == {"1": pytest.approx(375.0)}
+    assert block["overhead_ms_per_step"] == {"1": pytest.approx(250.0)}
+    assert plain["sampling_ms_per_step"] == pytest.approx(125.0)
     (pred,) = block["predictions"]
-    # n-gram K'=1: 2 tokens per step, 2 steps per request; 1 s + 4 * (0.1 draft + 1.0 forward + 0.375) = 6.9 s
+    # n-gram K'=1: 2 tokens per step, 2 steps per request; 1 s + 4 * (0.1 draft + 1.0 forward + 0.1 sampling
+    # + 0.25 overhead) = 6.8 s
     assert pred["expected_tokens_per_step"] == 2.0 and pred["measured"]
-    assert pred["predicted_tokens_per_s"] == pytest.approx(10 / 6.9)
-    assert pred["predicted_speedup"] == pytest.approx((10 / 6.9) / (10 / 8.0))
-    assert pred["relative_error"] == pytest.approx((10 / 6.9 - 1.5) / 1.5)
+    assert pred["predicted_tokens_per_s"] == pytest.approx(10 / 6.8)
+    assert pred["predicted_speedup"] == pytest.approx((10 / 6.8) / (10 / 8.0))
+    assert pred["relative_error"] == pytest.approx((10 / 6.8 - 1.5) / 1.5)
+    assert pred["sampling_ms_per_step"] == pytest.approx(100.0)
     assert pred["draft_ms_per_step"] == pytest.approx(100.0) and pred["forward_ms_per_step"] == pytest.approx(1000.0)
     assert block["best_k"] == {"1": {"ngram": 1}}
     assert block["break_even"]["ngram"]["batch_size"] is None  # pays at batch 1, the only measured one
     # the plain row's error (+25%) is the largest, and above 15%
     assert block["max_abs_relative_error"] == pytest.approx(0.25) and block["within_15_percent"] is False
-    # a verify forward 4x the 1-token one: 1 + 4 * (0.1 + 2.0 + 0.375) = 10.9 s > plain's 8 s
+    # a verify forward 4x the 1-token one: 1 + 4 * (0.1 + 2.0 + 0.1 + 0.25) = 10.8 s > plain's 8 s
     slow = _hand_report(2.0)
-    assert slow["predictions"][0]["predicted_speedup"] == pytest.approx(8.0 / 10.9)
+    assert slow["predictions"][0]["predicted_speedup"] == pytest.approx(8.0 / 10.8)
     assert slow["break_even"]["ngram"]["batch_size"] == 1
     assert "does not pay at batch size 1" in slow["break_even"]["ngram"]["note"]
+
+
+def test_a_k_the_eval_did_not_run_reads_the_next_larger_measured_k():
+    row = {"k": 2, "batch_size": 1, "steps": 4, "tokens": 10, "seconds": 6.0, "tokens_per_s": 1.5,
+           "draft_seconds": 0.4, "prefill_seconds": 1.0, "verify_seconds": 3.0, "forward_seconds": 3.0,
+           "batched_steps": 4}
+    plain = {"batch_size": 1, "steps": 8, "tokens": 10, "seconds": 8.0, "tokens_per_s": 1.25,
+             "prefill_seconds": 1.0, "verify_seconds": 5.0, "forward_seconds": 4.0, "batched_steps": 8}
+    rows = [dict(row, method="ngram", k=1), dict(row, method="ngram", k=3)]
+    report = {"methods": ["ngram"], "ks": [1, 3], "batch_sizes": [1], "rows": rows, "plain_rows": [plain]}
+    costs = {"k": 3, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, 0.6, 0.7, 0.8]}}
+    stats = {("ngram", 1, 1): _stats(1, 4, [4], [2], [4]),  # K=1: half the drafts accepted
+             ("ngram", 3, 1): _stats(3, 4, [4, 4, 4], [4, 4, 0], [4, 4, 4])}  # K=3: 2 accepted, the 3rd not
+    preds = {p["k"]: p for p in cm.cost_model_block(report, stats, {1: [5, 5]}, costs)["predictions"]}
+    assert preds[1]["expected_tokens_per_step"] == 1.5 and preds[1]["measured"]  # its own pass
+    assert preds[2]["expected_tokens_per_step"] == 3.0 and not preds[2]["measured"]  # K=3's, capped at 2
+    assert preds[2]["measured_tokens_per_s"] is None and preds[2]["relative_error"] is None
+    assert preds[3]["expected_tokens_per_step"] == 3.0
 
 
 def test_cost_model_block_refuses_costs_that_miss_a_batch_size():
