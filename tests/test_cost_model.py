@@ -226,3 +226,26 @@ def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
     rep = run_eval(target, None, prompts[:1], [2], 4, eos_ids=set(), methods=("ngram",), log=lambda m: None,
                    bootstrap_resamples=20)
     assert len(calls) == 1 and rep["cost_model"]["costs"] is given
+
+
+def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(tmp_path, tiny_target_dir,
+                                                                                  isolated_cache, monkeypatch):
+    """``speculators eval --cost-aware``: one measurement of the target forwards (one per batch size), read
+    by the report's cost model and, at batch 1, by the gate."""
+    from pathlib import Path
+
+    from conftest import cli_train_then_eval
+
+    import speculators.generate as gen
+
+    calls = []
+    real = gen.measure_verify_cost
+    monkeypatch.setattr(gen, "measure_verify_cost", lambda *a, **kw: calls.append(kw.get("batch_size")) or real(*a, **kw))
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
+    _, _, report = cli_train_then_eval(recipe, tiny_target_dir, tmp_path / "run", "train.steps=2",
+                                       eval_args=("--temperature", "0", "--cost-aware", "-k", "2", "--batch-size", "2",
+                                                  "--num-prompts", "2", "--max-new-tokens", "6"))
+    assert sorted(calls) == [1, 2]
+    costs = report["cost_model"]["costs"]
+    assert report["gating"]["verify_cost"] == costs["seconds"]["1"] and costs["batch_sizes"] == [1, 2]
+    assert all(p["predicted_tokens_per_s"] > 0 for p in report["cost_model"]["predictions"])
