@@ -149,8 +149,9 @@ def eval_cmd(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="loaded batch size reported beside "
                                              "batch 1 (default: 16 on CUDA, 8 on CPU)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype: float32, bfloat16, float16 (default: "
-                                        "the recipe's target.dtype; bfloat16 is the usual choice on a GPU)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype: auto, float32, bfloat16, float16 "
+                                        "(default: the dtype the checkpoint was trained against; auto = bfloat16 "
+                                        "on a GPU or an AVX512-BF16/AMX CPU, else float32)"),
     methods: Optional[str] = typer.Option(None, "--methods", help="proposers to measure beside plain decoding, "
                                           "comma-separated: drafter,drafter_argmax,ngram,suffix,hybrid (default: all but "
                                           "drafter_argmax, which is added beside drafter at temperature > 0: the "
@@ -191,10 +192,12 @@ def eval_cmd(
 
     render_terminal(report, console)
     log(f"report written to {out}/report.json, report.md and the plots")
-    mm = report.get("greedy_mismatches")
-    if mm:
+    # only a mismatch that is not a near-tie of the target's logits (speculators.greedy_check) fails: in
+    # float32 that is every mismatch
+    failures = [m for m in report.get("greedy_mismatches") or [] if not m.get("near_tie")]
+    if failures:
         console.print(f"[bold red]error:[/bold red] speculative output differs from plain greedy decoding "
-                      f"on {len(mm)} prompt(s): {mm}")
+                      f"on {len(failures)} prompt(s) beyond the rounding of the target's logits: {failures}")
         raise typer.Exit(1)
 
 
@@ -216,7 +219,8 @@ def calibrate(
     temperature_only: bool = typer.Option(False, "--temperature-only", help="fit a temperature per position only "
                                           "(STS); default: a temperature and a shift per position (Platt scaling)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N (default: CUDA when present)"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype (default: the recipe's)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="target dtype: auto, float32, bfloat16, float16 "
+                                        "(default: the dtype the checkpoint was trained against)"),
     target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
     output: Optional[Path] = typer.Option(None, "--output", help="report directory (default: RUN_DIR/calibration)"),
     skip_prompts: Optional[int] = typer.Option(None, "--skip-prompts", min=0, help="leading prompts not used (default: "

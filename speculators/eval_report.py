@@ -200,10 +200,13 @@ class EvalReport(TypedDict, total=False):
     the first method's best K there), ``plain`` (the headline's plain row), one :class:`MethodRow` per
     method at the headline under the method's name (``report["drafter"]``...), ``speedup`` (the
     drafter's) and ``<method>_speedup``, ``greedy_mismatches`` (temperature 0: every output that differs
-    from plain greedy decoding; None when sampling), ``by_source`` (``{source: {method: block}}`` at the
+    from plain greedy decoding, each with its near-tie classification,
+    :func:`speculators.greedy_check.classify_mismatch`; None when sampling), ``greedy_check`` (their counts
+    per proposer and whether the check passed: :func:`speculators.greedy_check.greedy_summary`), ``by_source`` (``{source: {method: block}}`` at the
     headline), ``serving_conventions`` (temperature > 0), ``gated_rows`` / ``gating`` (with a confidence
-    gate), ``cost_model`` (predicted vs measured tokens/s, best K', break-even batch size). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target``, ``prompts``,
-    ``device``, ``compare``; by :func:`speculators.evaluate.write_report`: ``plots``.
+    gate), ``cost_model`` (predicted vs measured tokens/s, best K', break-even batch size). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target`` (with ``dtype``, the
+    served target's, and ``trained_dtype``, the checkpoint's; None when it records none), ``dtype_warning``
+    (only when the two differ), ``prompts``, ``device``, ``compare``; by :func:`speculators.evaluate.write_report`: ``plots``.
     """
 
     num_prompts: int
@@ -227,6 +230,8 @@ class EvalReport(TypedDict, total=False):
     headline: dict[str, int]
     plain: PlainRow
     greedy_mismatches: Optional[list[dict[str, Any]]]
+    greedy_check: Optional[dict[str, Any]]
+    dtype_warning: str
     by_source: dict[str, dict[str, dict[str, Any]]]
     serving_conventions: ServingConventions
     gated_rows: list[MethodRow]
@@ -359,6 +364,32 @@ def _gating_markdown(report: dict) -> list[str]:
     return lines
 
 
+def greedy_lines(report: dict) -> list[str]:
+    """The greedy losslessness lines of a report (Markdown and terminal alike; none when sampling): one
+    line when every output equals plain greedy decoding; else the mismatch and near-tie counts in the eval
+    dtype, one line per proposer, and ``ERROR`` naming every non-near-tie mismatch (a verifier failure).
+    A report without ``greedy_check`` (an older one) counts every mismatch as a failure."""
+    mm = report.get("greedy_mismatches")
+    if mm is None:
+        return []
+    if not mm:
+        return ["greedy losslessness: every proposer's output == plain greedy output on every prompt, at every K "
+                "and batch size."]
+    gc = report.get("greedy_check") or {"dtype": "?", "near_tie": 0, "failures": len(mm), "by_proposer": {}}
+    lines = [f"greedy losslessness ({gc['dtype']}): {len(mm)} mismatches, {gc['near_tie']} on near-ties of the "
+             f"target's logits (within the dtype's rounding; speculators.greedy_check), {gc['failures']} "
+             "verifier failures."]
+    lines += [f"- {label}: {c['mismatches']} mismatches, {c['near_tie']} near-tie, {c['failures']} failures"
+              for label, c in gc["by_proposer"].items()]
+    bad = [m for m in mm if not m.get("near_tie")]
+    if bad:
+        lines.append(f"ERROR: {len(bad)} mismatches are not near-ties (verifier failures): "
+                     + "; ".join(f"{m['prompt']} {m['proposer']} K={m['k']} batch {m['batch_size']} at token "
+                                 f"{m['first_diff']} (logit gap {fmt(m.get('logit_gap'), '.4g')} > bound "
+                                 f"{fmt(m.get('rounding_bound'), '.4g')})" for m in bad))
+    return lines
+
+
 BREAK_EVEN_COLUMNS = ("method", "batch", "K", "predicted tok/s", "measured tok/s", "error", "predicted speedup",
                       "best K", "break-even batch")
 
@@ -443,16 +474,16 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     methods = report["methods"]
     ks = report["ks"]
     head = report["headline"]
-    lines = [f"# {title}", "",
-             f"{report['num_prompts']} prompts" + (f" ({report['prompts']})" if report.get("prompts") else "")
-             + f", temperature {report['temperature']}, top_p {report['top_p']}, top_k {report['top_k']}, "
-             f"max_new_tokens {report['max_new_tokens']}; K in {ks}; batch sizes {report['batch_sizes']}.", "",
-             "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
-             f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
-             "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
-             "★ = the K with the best speedup of that method and batch size; draft / verify ms/step = wall time "
-             "of the proposer (propose + advance) / of the target forward and rejection sampling per batched "
-             "decoding step.", ""]
+    lines = [f"# {title}", ""] + ([f"**Warning:** {report['dtype_warning']}", ""] if report.get("dtype_warning") else [])
+    lines += [f"{report['num_prompts']} prompts" + (f" ({report['prompts']})" if report.get("prompts") else "")
+              + f", temperature {report['temperature']}, top_p {report['top_p']}, top_k {report['top_k']}, "
+              f"max_new_tokens {report['max_new_tokens']}; K in {ks}; batch sizes {report['batch_sizes']}.", "",
+              "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
+              f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
+              "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
+              "★ = the K with the best speedup of that method and batch size; draft / verify ms/step = wall time "
+              "of the proposer (propose + advance) / of the target forward and rejection sampling per batched "
+              "decoding step.", ""]
     for b in report["batch_sizes"]:
         plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
         lines += [f"## Batch size {b}", "", "| method | K | tau [95% CI] | acceptance rate | tokens/s | speedup | "
@@ -497,11 +528,8 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
             lines += [f"![{alt}]({plots[key]})", ""]
     if report.get("compare"):
         lines += ["## Compare (same prompts and settings)", "", compare_markdown(report["compare"]["rows"])]
-    mm = report.get("greedy_mismatches")
-    if mm is not None:
-        lines.append("Greedy losslessness: " + (
-            "every proposer's output == plain greedy output on every prompt, at every K and batch size."
-            if not mm else f"ERROR: {len(mm)} mismatches: {mm}"))
+    greedy = greedy_lines(report)
+    lines += greedy[:1] + ([""] if len(greedy) > 1 else []) + greedy[1:]
     return "\n".join(lines) + "\n"
 
 
@@ -593,6 +621,8 @@ def render_terminal(report: EvalReport, console) -> None:
     table and the losslessness line."""
     from rich.table import Table
 
+    if report.get("dtype_warning"):
+        console.print(f"warning: {report['dtype_warning']}", style="bold yellow", markup=False, highlight=False)
     for b in report["batch_sizes"]:
         plain = next(p for p in report["plain_rows"] if p["batch_size"] == b)
         t = Table(title=f"batch size {b} (temperature {report['temperature']}, {report['num_prompts']} prompts; "
@@ -658,10 +688,8 @@ def render_terminal(report: EvalReport, console) -> None:
         for row in break_even_rows(report):
             t.add_row(*row)
         console.print(t)
-    mm = report.get("greedy_mismatches")
-    if mm is not None:
-        console.print("greedy losslessness: every proposer's output == plain greedy output on every prompt "
-                      "(every K and batch size)" if not mm else f"greedy losslessness: ERROR, {len(mm)} mismatches")
+    for line in greedy_lines(report):
+        console.print(line, markup=False, highlight=False)
 
 
 def render_json(report: EvalReport) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 from .cost_model import cost_model_block, eval_context, measure_costs, step_times
 from .errors import SpeculatorsError
 from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown, write_plots
+from .greedy_check import classify_mismatches, first_diff, greedy_summary
 from .utils import atomic_dir
 
 
@@ -331,7 +332,11 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     drafting 0). Prompts may carry a ``"source"`` name (``speculators eval --prompts A --prompts B``,
     or the recipe's sources for the held-out split): ``by_source`` breaks the headline rows down by it.
     At temperature 0 every output is compared with plain greedy decoding at batch 1 (plain at
-    ``batch_size`` included): ``greedy_mismatches`` lists each difference. Every row names the vLLM
+    ``batch_size`` included): ``greedy_mismatches`` lists each difference, classified after the passes
+    (:func:`speculators.greedy_check.classify_mismatch`: ``near_tie`` where, in a low-precision dtype, the
+    two tokens' logits at the first diverging position are within rounding; else a verifier failure), and
+    ``greedy_check`` counts them per proposer (:func:`speculators.greedy_check.greedy_summary`; ``passed``
+    when no mismatch is a failure; every mismatch is a failure in float32). Every row names the vLLM
     ``draft_sample_method`` it holds under (``draft_sample_method``: None where it makes no difference);
     at temperature > 0 ``serving_conventions`` (:func:`serving_conventions`) puts the drafter's two
     conventions side by side.
@@ -353,7 +358,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         A JSON-serialisable report: ``num_prompts``, ``ks``, ``batch_size``, ``batch_sizes``,
         ``methods``, ``rows`` (one dict per method, K and batch size, with ``method``, ``k``,
         ``batch_size``), ``plain_rows`` (one per batch size), ``best_k`` (``{batch: {method: K}}``,
-        string keys), sampling values, ``stop_token_ids``, ``greedy_mismatches`` (None when sampling)
+        string keys), sampling values, ``stop_token_ids``, ``greedy_mismatches`` and ``greedy_check`` (None when sampling)
         and the HEADLINE (the largest batch size and the drafter's best K there; the first method's
         when there is no drafter): ``k``, one block per method (``report["drafter"]`` ...),
         ``plain``, ``speedup`` (the drafter's) and ``<method>_speedup``; ``by_source``:
@@ -416,7 +421,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
     if gate is not None:
         _add_gating(report, ev, drafter, gate, log)
-    report["greedy_mismatches"] = ev.mismatches if temperature == 0.0 else None
+    report["greedy_mismatches"] = ev.classified() if temperature == 0.0 else None
+    report["greedy_check"] = greedy_summary(report["greedy_mismatches"], str(target.dtype).removeprefix("torch."))
     if temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(methods):
         report["serving_conventions"] = serving_conventions(report)
     costs = forward_costs or measure_costs(target, max(ks), batch_sizes, context=eval_context(prompts, max_new_tokens))
@@ -540,6 +546,7 @@ class _EvalPasses:
         self.total, self.done = len(self.ids) * total_passes, 0
         self.reference: list | None = None
         self.mismatches: list[dict] = []
+        self._diverged: list[tuple[int, list[int], int]] = []  # per mismatch: (prompt index, output, K)
         self.results_of: dict[tuple, list] = {}
         self.stats_of, self.plain_tokens = {}, {}  # the cost model's inputs: (method, K, b) -> stats; b -> tokens
 
@@ -568,9 +575,15 @@ class _EvalPasses:
         if self.reference is None:
             self.reference = [r.tokens for r in results]  # plain greedy at batch 1: what every output must equal
         elif self.temperature == 0.0:
-            self.mismatches += [{"prompt": p["id"], "proposer": label, "k": k, "batch_size": b,
-                                 "first_diff": _first_diff(r.tokens, ref)}
-                                for p, r, ref in zip(self.prompts, results, self.reference) if r.tokens != ref]
+            for i, (p, r, ref) in enumerate(zip(self.prompts, results, self.reference)):
+                if r.tokens != ref:
+                    self.mismatches.append({"prompt": p["id"], "proposer": label, "k": k, "batch_size": b,
+                                            "first_diff": first_diff(r.tokens, ref)})
+                    self._diverged.append((i, list(r.tokens), k))
+
+    def classified(self) -> list[dict]:
+        """``mismatches``, each with its near-tie classification (run after every timed pass)."""
+        return classify_mismatches(self.target, self.ids, self.reference or [], self.mismatches, self._diverged)
 
     def plain_row(self, b: int) -> dict:
         """Plain decoding at batch size ``b`` (the baseline of that batch size's speedups)."""

@@ -35,10 +35,17 @@ class TargetSpec(Strict):
     ``balanced`` / ``balanced_low_0`` / ``sequential`` or a mapping module name -> device spreads a large
     target over the GPUs of one process, read straight onto them in ``dtype`` (use ``bfloat16``). Refused
     in a multi-process (``accelerate launch``) run, where every rank loads the whole target on its own GPU.
+
+    ``dtype: auto`` (the default) is resolved once, by :func:`speculators.hardware.resolve_target_dtype`:
+    bfloat16 on a GPU and on a CPU with AVX512-BF16 or AMX, float32 elsewhere. Regeneration, feature
+    extraction (the training labels) and eval all run the target in the resolved dtype, which the
+    checkpoint records (``speculators_training.target.dtype``).
     """
 
     model: str = Field(description="hub id, local dir, .gguf file, or the alias smollm2-135m-instruct")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="auto = bfloat16 where the hardware has bf16 matrix units (GPU, AVX512-BF16 or "
+                                    "AMX CPU), float32 elsewhere; or float32 | bfloat16 | float16")
     aux_layer_ids: list[int] | None = Field(
         default=None, description="0-based decoder layers whose OUTPUT is tapped, distinct and ascending, as many "
                                   "as the drafter's serving format takes (the family's aux_layer_count; three for the speculators-format "

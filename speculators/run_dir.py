@@ -80,7 +80,10 @@ def model_card(unit, steps: int, tokens: int, seconds: float, before: dict[str, 
     m = unit.drafter.meta
     lines = [f"# {unit.drafter.algorithm} drafter for {m.name_or_path}", "",
              f"Trained by speculators from `{RECIPE_NAME}` (in this directory): {steps} steps, {tokens} tokens, "
-             f"{seconds / 60:.1f} min.", ""]
+             f"{seconds / 60:.1f} min.", "",
+             f"Target dtype: {getattr(m, 'dtype', None) or 'not recorded'} (the target's dtype for regeneration, "
+             "features and the "
+             "logit labels; `speculators eval` serves it in this dtype by default and warns when told otherwise).", ""]
     lines += unit.card_lines(_unprefixed(before), _unprefixed(after))
     if after:
         lines += ["| held-out metric | before training | after training |", "|---|---|---|"]

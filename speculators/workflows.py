@@ -88,6 +88,23 @@ def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
                                f"{f}; resume with the same recipe or use --overwrite")
 
 
+def target_dtype(name: str, device=None, log: Callable[[str], None] | None = None) -> str:
+    """The dtype the target is loaded in for ``target.dtype`` / ``--dtype`` ``name`` on ``device`` (None = CUDA
+    when present, else the CPU): :func:`speculators.hardware.resolve_target_dtype`, the one rule (``auto`` =
+    bfloat16 on a GPU or an AVX512-BF16/AMX CPU, float32 elsewhere), logged when ``auto`` decided.
+
+    Raises:
+        SpeculatorsError: an unknown dtype name (naming the allowed ones).
+    """
+    from .hardware import resolve_target_dtype
+
+    resolved = resolve_target_dtype(name, device)
+    if name == "auto" and log is not None:
+        log(f"target dtype: auto -> {resolved} ("
+            + ("bf16 matrix units here" if resolved == "bfloat16" else "no bf16 matrix units here") + ")")
+    return resolved
+
+
 def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: bool = False,
               overwrite: bool = False, log: Callable[[str], None] = print, progress=None, console=None,
               recipe_file: str | Path | None = None) -> Path:
@@ -147,13 +164,16 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     identity = dict(loaded[1])
     if resume:
         check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
+    dtype = target_dtype(recipe.target.dtype, state.device, log)  # regeneration, features and labels in it
     with state.main_process_first():  # rank 0 converts/caches a GGUF target before the others read the cache
-        target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log,
+        target = Target.load(recipe.target.model, dtype, recipe.target.aux_layer_ids, log=log,
                              device_map=device_map)
     family = registry.get(recipe.drafter.algorithm)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (before features are cached)
         target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, recipe.drafter)
     identity["target (weights, config, chat template)"] = target.fingerprint
+    if dtype != "float32":  # --resume on hardware where auto resolves otherwise is refused (float32 runs: as before)
+        identity["target dtype"] = dtype
     if resume and not check_run_identity(out, identity) and (out / RUN_RECIPE).is_file():
         log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
     with state.main_process_first(), _progress_scope(progress) as make:  # the other ranks read rank 0's cache
@@ -251,8 +271,8 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
     from .drafters import registry
     from .target import Target
 
-    target = Target.load(recipe.target.model, recipe.target.dtype, recipe.target.aux_layer_ids, log=log,
-                         device_map=recipe.target.device_map)
+    target = Target.load(recipe.target.model, target_dtype(recipe.target.dtype, log=log), recipe.target.aux_layer_ids,
+                         log=log, device_map=recipe.target.device_map)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (as train_run extracts them)
         target.aux_layer_ids = registry.get(recipe.drafter.algorithm).default_aux_layer_ids(
             target.num_layers, recipe.drafter)
@@ -300,17 +320,23 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
     as loaded)``. The target taps the layers the drafter was trained on, loads on ``device`` (None =
     the recipe's ``target.device_map`` when set, else CUDA when present, else CPU;
     :meth:`speculators.target.Target.load`), merges a joint checkpoint's
-    LoRA adapter, and the drafter is moved to the target's device. ``dtype`` (float32 | bfloat16 |
-    float16; None = the recipe's ``target.dtype``) is the target's dtype, e.g. bf16 on a GPU."""
+    LoRA adapter, and the drafter is moved to the target's device. ``dtype`` (auto | float32 | bfloat16 |
+    float16; None = the dtype the checkpoint was trained against, ``speculators_training.target.dtype``, else
+    the recipe's ``target.dtype``, else float32) is resolved by :func:`target_dtype`; when the checkpoint
+    records another dtype than the one served, a warning is logged (:func:`dtype_warning`)."""
     from .drafters import Drafter
     from .target import Target
 
     drafter = Drafter.from_pretrained(ckpt)
+    served = target_dtype(dtype or drafter.meta.dtype or (rec.target.dtype if rec else "float32"), device, log)
     # the verifier taps the layers this drafter was trained on (check_target only checks)
-    target = Target.load(target_model or rec.target.model, dtype or (rec.target.dtype if rec else "float32"),
+    target = Target.load(target_model or rec.target.model, served,
                          aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log, device=device,
                          device_map=None if rec is None or device is not None else rec.target.device_map)
     fingerprint = target.fingerprint
+    warning = dtype_warning(drafter.meta.dtype, served)
+    if warning:
+        log(f"warning: {warning}")
     drafter.check_target(target, warn=log)
     if drafter.target_adapter_dir is not None:  # joint checkpoint: verify against the fine-tuned target
         target.merge_adapter(drafter.target_adapter_dir)
@@ -322,6 +348,17 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
     if template is not None:
         target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
     return drafter, target, fingerprint
+
+
+def dtype_warning(trained: str | None, served: str) -> str | None:
+    """The warning an eval gives when the target is served in another dtype (``served``) than the one the
+    drafter was trained against (``trained``: the checkpoint's ``speculators_training.target.dtype``; None =
+    unknown, an older checkpoint: no warning). None when they agree."""
+    if trained is None or trained == served:
+        return None
+    return (f"the drafter was trained against the target in {trained} (its features and logit labels), the target "
+            f"is served in {served} here: acceptance can differ from what it was trained for; pass --dtype "
+            f"{trained} to measure it as trained")
 
 
 def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: int,
@@ -415,8 +452,9 @@ def _eval_batch_size(ev: EvalSpec, target, log) -> int:
 def _add_compare(report: dict, label: str, others: list[tuple[str, Path]], measure_other) -> None:
     """``report["compare"]`` over ``label``'s report and each other checkpoint's (``measure_other(given,
     path) -> report``, one at a time so that only one target is loaded); their greedy mismatches join the
-    report's (every checkpoint's outputs must equal plain greedy decoding)."""
+    report's (every checkpoint's outputs must equal plain greedy decoding; ``greedy_check`` counts them all)."""
     from .evaluate import compare_rows
+    from .greedy_check import greedy_summary
 
     reports = [(label, report)]
     for given, other in others:
@@ -424,6 +462,7 @@ def _add_compare(report: dict, label: str, others: list[tuple[str, Path]], measu
         reports.append((given, orep))
         if report["greedy_mismatches"] is not None:
             report["greedy_mismatches"] += [{**m, "checkpoint": given} for m in orep["greedy_mismatches"]]
+            report["greedy_check"] = greedy_summary(report["greedy_mismatches"], report["greedy_check"]["dtype"])
     report["compare"] = {"checkpoints": [c for c, _ in reports], "rows": compare_rows(reports)}
 
 
@@ -467,10 +506,13 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         device: where the target and the drafter run (``"cpu"``, ``"cuda"``, ``"cuda:1"``; None = CUDA
             when present, else CPU).
         compare: further checkpoints / run directories / Hub ids to compare with ``checkpoint``.
-        dtype: the target's dtype (``float32`` | ``bfloat16`` | ``float16``; None = the recipe's
-            ``target.dtype``). Greedy equality with plain decoding is checked in that dtype: in bf16 a
-            batched forward can round a near-tie differently from a batch-1 forward, which the report
-            then lists as a mismatch (as an engine's outputs would differ too).
+        dtype: the target's dtype (``auto`` | ``float32`` | ``bfloat16`` | ``float16``; None = the dtype the
+            checkpoint was trained against, else the recipe's ``target.dtype``; ``auto``:
+            :func:`speculators.hardware.resolve_target_dtype`). A dtype other than the checkpoint's is
+            logged and recorded as ``report["dtype_warning"]``. Greedy equality with plain decoding is
+            checked in that dtype: in bf16 a verify forward can round a near-tie differently from a 1-token
+            forward; each mismatch is classified (``near_tie``, :mod:`speculators.greedy_check`) and only
+            the others fail the check (``report["greedy_check"]["passed"]``).
     Returns:
         ``(report, report_dir)``: the report dict of :func:`speculators.evaluate.run_eval` with
         ``checkpoint``, ``target``, ``prompts``, ``device`` (and ``compare``) added, and the directory it
@@ -529,7 +571,10 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     def describe(rep, path, d, t):
         rep["checkpoint"] = str(path)
         rep["target"] = {"name_or_path": t.name_or_path, "fingerprint": t.fingerprint,
-                         "adapter": None if d.target_adapter_dir is None else str(d.target_adapter_dir)}
+                         "adapter": None if d.target_adapter_dir is None else str(d.target_adapter_dir),
+                         "dtype": str(t.dtype).removeprefix("torch."), "trained_dtype": d.meta.dtype}
+        if dtype_warning(d.meta.dtype, rep["target"]["dtype"]):
+            rep["dtype_warning"] = dtype_warning(d.meta.dtype, rep["target"]["dtype"])
         rep["prompts"] = label
         rep["device"] = str(t.device)
         return rep

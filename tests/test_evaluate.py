@@ -323,9 +323,13 @@ def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
 
     monkeypatch.setattr(ev, "_generate", corrupt)
     rep = run_eval(target, RandomDrafter(64), prompts, [1, 2], 6, eos_ids=set(), methods=("suffix",))
-    assert rep["greedy_mismatches"] == [{"prompt": "p1", "proposer": "suffix", "k": 2, "batch_size": 1,
-                                         "first_diff": 3}]
-    assert "ERROR: 1 mismatches" in report_markdown(rep)
+    (m,) = rep["greedy_mismatches"]
+    assert {k: m[k] for k in ("prompt", "proposer", "k", "batch_size", "first_diff")} == {
+        "prompt": "p1", "proposer": "suffix", "k": 2, "batch_size": 1, "first_diff": 3}
+    # classified at the diverging position (speculators.greedy_check): float32, so a failure whatever the gap
+    assert m["dtype"] == "float32" and m["near_tie"] is False and m["logit_gap"] >= 0.0
+    assert rep["greedy_check"]["failures"] == 1 and rep["greedy_check"]["passed"] is False
+    assert "ERROR: 1 mismatches are not near-ties" in report_markdown(rep)
 
 
 def test_run_eval_sampled_has_no_greedy_check(tiny):

@@ -54,7 +54,7 @@ VLLM_MEDUSA_KEYS = {"model_type", "architectures", "hidden_size", "vocab_size", 
                     "medusa_fc_bias", "original_lm_head", "truncated_vocab_size", "speculators_version",
                     TRAINING_KEY}
 TARGET_KEYS = ["name_or_path", "reference", "architectures", "fingerprint", "vocab_size", "hidden_size",
-               "num_layers", "aux_layer_ids", "aux_layer_ids_convention", "target_config"]
+               "num_layers", "aux_layer_ids", "aux_layer_ids_convention", "target_config", "dtype"]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +176,7 @@ def _strip(cfg: dict) -> dict:
     cfg.pop("speculators_version", None)
     tb = cfg[TRAINING_KEY]["target"]
     tb.pop("fingerprint")
+    tb.pop("dtype", None)  # the target's dtype: recorded since it follows the hardware (target.dtype: auto)
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "num_hidden_layers",
             "vocab_size", "model_type", "architectures")

@@ -398,3 +398,61 @@ def test_a_single_k_override_replaces_the_recipes_sweep():
     assert eval_spec_with(base, {"k": 6}).ks == [6]
     assert eval_spec_with(base, {}).ks == [1, 2, 4]
     assert eval_spec_with(base, {"k_sweep": [2, 3]}).ks == [2, 3]
+
+
+# ----------------------------------------------------------------------------- target.dtype: auto
+
+RECIPES = TINY.parent
+
+
+def test_target_dtype_defaults_to_auto_and_names_the_allowed_values():
+    raw = tiny_raw()
+    del raw["target"]["dtype"]
+    assert recipe_from_dict(raw, "r.yaml").target.dtype == "auto"
+    raw["target"]["dtype"] = "fp8"
+    with pytest.raises(SpeculatorsError, match=r"target\.dtype") as e:
+        recipe_from_dict(raw, "r.yaml")
+    assert "auto" in str(e.value) and "bfloat16" in str(e.value)
+
+
+def test_smollm2_recipes_use_auto_and_no_wall_clock_cap_tiny_ones_float32():
+    """What a SmolLM2 recipe trains is set by its steps / epochs alone (train.max_minutes would make it
+    depend on the machine's load) and its target follows the hardware; the tiny test targets stay float32."""
+    smollm2 = sorted(RECIPES.glob("smollm2-*.yaml"))
+    tiny = sorted(RECIPES.glob("tiny-*.yaml"))
+    assert len(smollm2) >= 8 and len(tiny) >= 7
+    for f in smollm2:
+        rec = load_recipe(f)
+        assert rec.target.dtype == "auto", f
+        assert rec.train.max_minutes is None, f
+        assert rec.train.epochs is not None or rec.train.steps is not None, f
+    assert load_recipe(RECIPES / "smollm2-eagle3.yaml").train.epochs == 4
+    for f in tiny:
+        assert load_recipe(f, ["target.model=/x"]).target.dtype == "float32", f
+
+
+@pytest.mark.parametrize("fast,device,expected", [(True, None, "bfloat16"), (False, None, "float32"),
+                                                  (True, "cpu", "bfloat16"), (False, "cuda:1", "float32")])
+def test_auto_target_dtype_follows_the_hardware(monkeypatch, fast, device, expected):
+    from speculators import hardware
+
+    seen = []
+    monkeypatch.setattr(hardware, "fast_bf16", lambda d=None: seen.append(d) or fast)
+    assert hardware.resolve_target_dtype("auto", device) == expected
+    assert seen == [device]
+    for name in ("float32", "bfloat16", "float16"):  # an explicit dtype is kept whatever the hardware
+        assert hardware.resolve_target_dtype(name, device) == name
+    with pytest.raises(SpeculatorsError, match="allowed auto, float32, bfloat16, float16"):
+        hardware.resolve_target_dtype("int8")
+
+
+def test_fast_bf16_reads_the_cpu_flags_for_a_cpu(monkeypatch, tmp_path):
+    from speculators import hardware
+
+    for flags, fast in (("flags : fpu avx2 avx512f avx512_bf16", True), ("flags : fpu amx_bf16", True),
+                        ("flags : fpu avx2", False)):
+        f = tmp_path / "cpuinfo"
+        f.write_text(flags + "\n")
+        monkeypatch.setattr(hardware, "Path", lambda _p, f=f: f)
+        assert hardware.fast_bf16("cpu") is fast
+    assert hardware.fast_bf16("mps") is False  # no bf16 matrix units known there

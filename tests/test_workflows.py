@@ -183,3 +183,37 @@ def test_eval_taps_the_layers_the_checkpoint_was_trained_on(tmp_path, tiny_targe
                                          "train.steps=2")
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert report["greedy_mismatches"] == []
+
+
+def test_checkpoint_records_the_target_dtype_and_eval_warns_when_it_serves_another(tmp_path, tiny_target_dir,
+                                                                                  isolated_cache):
+    """The resolved target dtype is recorded in config.json (``speculators_training.target.dtype``) and the
+    run card; eval serves that dtype by default, warns (log and ``report["dtype_warning"]``) when told to
+    serve another, and a checkpoint that records none (an older version) loads without a warning."""
+    import json
+
+    from conftest import cli_train_then_eval
+
+    from speculators.workflows import dtype_warning, eval_run
+
+    out = tmp_path / "run"
+    cfg, _, report = cli_train_then_eval(TINY, tiny_target_dir, out, "train.steps=2")
+    assert cfg["speculators_training"]["target"]["dtype"] == "float32"  # the tiny recipe's
+    assert "Target dtype: float32" in (out / "final" / "README.md").read_text()
+    assert report["target"]["dtype"] == report["target"]["trained_dtype"] == "float32"
+    assert "dtype_warning" not in report
+    logs: list[str] = []
+    small = {"num_prompts": 2, "max_new_tokens": 6, "k": 2, "batch_size": 1}
+    rep, _ = eval_run(out, eval_overrides=small, dtype="bfloat16", log=logs.append, output=tmp_path / "bf16")
+    assert rep["target"]["dtype"] == "bfloat16" and rep["target"]["trained_dtype"] == "float32"
+    assert rep["dtype_warning"] == dtype_warning("float32", "bfloat16") and "--dtype float32" in rep["dtype_warning"]
+    assert any(line.startswith("warning: ") and "bfloat16" in line for line in logs)
+    assert "**Warning:**" in (tmp_path / "bf16" / "report.md").read_text()
+    assert rep["greedy_check"]["dtype"] == "bfloat16"  # the greedy check runs in the served dtype
+    f = out / "final" / "config.json"
+    raw = json.loads(f.read_text())
+    del raw["speculators_training"]["target"]["dtype"]
+    f.write_text(json.dumps(raw))
+    rep, _ = eval_run(out, eval_overrides=small, dtype="bfloat16", log=logs.append, output=tmp_path / "old")
+    assert rep["target"]["trained_dtype"] is None and "dtype_warning" not in rep
+    assert dtype_warning(None, "bfloat16") is None and dtype_warning("bfloat16", "bfloat16") is None

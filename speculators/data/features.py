@@ -198,14 +198,15 @@ class FeatureStore:
 
 def feature_cache_dir(target, dtype: str | torch.dtype = DEFAULT_FEATURE_DTYPE) -> Path:
     """Cache location of this target's features: a key of the cache format
-    (:data:`FEATURE_FORMAT_VERSION`), the target's fingerprint, its aux layer ids and the storage
+    (:data:`FEATURE_FORMAT_VERSION`), the target's fingerprint and compute dtype
+    (:attr:`speculators.target.Target.cache_identity`: the logit labels depend on it), its aux layer ids and the storage
     dtype (``data.feature_dtype``).
 
     Raises:
         SpeculatorsError: an unknown ``dtype`` (:func:`feature_dtype`).
     """
     name = _dtype_name(feature_dtype(dtype))
-    key = stable_hash({"target": target.fingerprint, "aux": target.aux_layer_ids, "dtype": name,
+    key = stable_hash({"target": target.cache_identity, "aux": target.aux_layer_ids, "dtype": name,
                        "v": FEATURE_FORMAT_VERSION})
     return cache_root() / "features" / key
 

@@ -35,8 +35,9 @@ REGEN_FORMAT = 2
 
 
 def regeneration_cache_file(target, source: str, settings: dict, chat_template: str | None) -> Path:
-    """JSONL cache of one source's regenerations for this target, settings and chat template."""
-    key = stable_hash({"format": REGEN_FORMAT, "target": target.fingerprint, "source": source,
+    """JSONL cache of one source's regenerations for this target (its fingerprint and compute dtype:
+    :attr:`speculators.target.Target.cache_identity`), settings and chat template."""
+    key = stable_hash({"format": REGEN_FORMAT, "target": target.cache_identity, "source": source,
                        "settings": settings, "template": chat_template})
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source)[-40:]
     return cache_root() / "regen" / f"{safe}-{key}.jsonl"

@@ -333,10 +333,11 @@ def synthesis_identity(settings: Any) -> str:
 
 
 def synthesis_cache_file(target, settings: Any, chat_template: str | None, stop_ids: list[int]) -> Path:
-    """JSONL cache of one self-synthesis run: keyed by the format, the target's fingerprint, the chat
+    """JSONL cache of one self-synthesis run: keyed by the format, the target's fingerprint (and compute dtype:
+    :attr:`speculators.target.Target.cache_identity`), the chat
     template, the stop ids and the sampling settings (not the filters nor ``num_prompts``)."""
     s = _as_settings(settings)
-    key = stable_hash({"format": SYNTH_FORMAT, "target": target.fingerprint, "template": chat_template,
+    key = stable_hash({"format": SYNTH_FORMAT, "target": target.cache_identity, "template": chat_template,
                        "stops": list(stop_ids), "sampling": _sampling_settings(s)})
     return cache_root() / "selfsynth" / f"self-{key}.jsonl"
 

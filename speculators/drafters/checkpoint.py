@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -115,6 +115,16 @@ OLD_AUX_LAYER_IDS_CONVENTIONS = {
 _WARNED_TAPS: set[tuple[str, int]] = set()  # (config file, layer): warn once per process
 
 
+#: the target dtypes a checkpoint records (``TargetMeta.dtype``)
+TARGET_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(dtype) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``; None for a dtype a target is never loaded in."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in TARGET_DTYPE_NAMES else None
+
+
 class TargetMeta(BaseModel):
     """What a checkpoint records about the target it was trained for (``speculators_training.target``).
 
@@ -136,6 +146,10 @@ class TargetMeta(BaseModel):
             :meth:`tap_convention_problem` compares it with today's.
         target_config: the target's HF config as a JSON-normalised dict (the drafter's layers copy RoPE,
             eps and sizes from it).
+        dtype: the dtype the target ran in when the drafter's data were made (regeneration, features and
+            the logit labels: ``"float32"``, ``"bfloat16"`` or ``"float16"``; the resolved ``target.dtype``);
+            None when the checkpoint recorded none (an older version: unknown, eval does not warn).
+            Written only when known, so an older checkpoint re-saved keeps its keys.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -150,6 +164,7 @@ class TargetMeta(BaseModel):
     aux_layer_ids: tuple[int, ...]
     aux_layer_ids_convention: str | None = None
     target_config: dict[str, Any]
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @classmethod
     def from_target(cls, target) -> "TargetMeta":
@@ -160,7 +175,8 @@ class TargetMeta(BaseModel):
                    fingerprint=target.fingerprint, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                    num_layers=target.num_layers, aux_layer_ids=list(target.aux_layer_ids),
                    aux_layer_ids_convention=AUX_LAYER_IDS_CONVENTION,
-                   target_config=json.loads(json.dumps(target.layer_config_dict(), default=str)))
+                   target_config=json.loads(json.dumps(target.layer_config_dict(), default=str)),
+                   dtype=_dtype_name(target.dtype))
 
     @classmethod
     def from_json(cls, data: Any, where: str = "speculators_training.target") -> "TargetMeta":
@@ -179,13 +195,17 @@ class TargetMeta(BaseModel):
             raise SpeculatorsError(f"{where}.{field}: {err['msg']}") from None
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object written to ``config.json`` (same keys and order as every earlier version)."""
-        return {"name_or_path": self.name_or_path, "reference": self.reference,
-                "architectures": list(self.architectures), "fingerprint": self.fingerprint,
-                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
-                "aux_layer_ids": list(self.aux_layer_ids),
-                "aux_layer_ids_convention": self.aux_layer_ids_convention or AUX_LAYER_IDS_CONVENTION,
-                "target_config": self.target_config}
+        """The JSON object written to ``config.json`` (the keys and order of every earlier version, then
+        ``dtype`` when known)."""
+        out = {"name_or_path": self.name_or_path, "reference": self.reference,
+               "architectures": list(self.architectures), "fingerprint": self.fingerprint,
+               "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+               "aux_layer_ids": list(self.aux_layer_ids),
+               "aux_layer_ids_convention": self.aux_layer_ids_convention or AUX_LAYER_IDS_CONVENTION,
+               "target_config": self.target_config}
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
+        return out
 
     @property
     def target_num_layers(self) -> int | None:

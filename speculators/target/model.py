@@ -137,6 +137,15 @@ class Target(LoraTarget):
         return self._fingerprint
 
     @property
+    def cache_identity(self) -> str:
+        """Key of the caches of what this target computes (regenerations, self-synthesized prompts, features):
+        :attr:`fingerprint`, plus the compute dtype when it is not float32 (``"<fingerprint>:bfloat16"``).
+        Weights stored in bf16 have the same fingerprint in either dtype, but a bf16 forward rounds its
+        logits differently, so a bf16 run never reads a float32 run's outputs (float32 keys are unchanged)."""
+        name = str(self.dtype).removeprefix("torch.")
+        return self.fingerprint if name == "float32" else f"{self.fingerprint}:{name}"
+
+    @property
     def verifier_name(self) -> str:
         """Name recorded as ``verifier.name_or_path`` in exported configs: the hub id for the alias."""
         return SMOLLM2_HUB_ID if self.name_or_path == SMOLLM2_ALIAS else self.name_or_path
