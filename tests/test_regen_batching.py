@@ -93,6 +93,24 @@ def test_bucketed_greedy_equals_one_prompt_at_a_time(dtype):
     assert len({len(g.ids) for g in alone}) > 3 and any(g.stop is not None for g in alone)
 
 
+def test_reserved_cache_gives_the_tokens_of_a_growing_cache(monkeypatch):
+    """The reserved KV buffers (written in place, compacted when rows finish) give the tokens that the plain
+    ``DynamicCache`` (a new tensor per step) gives, and are really in use."""
+    from speculators.target import generation
+
+    target = _varied_target(torch.float32)
+    prompts = _prompts(24, seed=1)
+    stops = {3, 50, 97}
+    used = []
+    real = generation._reserved_cache
+    monkeypatch.setattr(generation, "_reserved_cache", lambda c, cap: used.append(cap) or real(c, cap))
+    reserved = target.generate_batch(prompts, 20, stops)
+    assert used == [max(map(len, prompts)) + 20]
+    monkeypatch.setattr(generation, "_reserved_cache", lambda c, cap: c)
+    assert target.generate_batch(prompts, 20, stops) == reserved
+    assert len({len(g.ids) for g in reserved}) > 2  # rows left the batch at different steps
+
+
 def test_regenerate_returns_the_input_order_whatever_the_batch_size(smol_tokenizer, isolated_cache):
     """``regenerate`` with memory-chosen batches (``batch_size=None``) and with one prompt per batch: the same
     conversations, in the input order (prompts of different lengths are bucketed out of order)."""

@@ -23,7 +23,7 @@ from ..errors import SpeculatorsError
 # may take, and the cap on rows (past it a CPU step is compute-bound and a large batch drains into a long
 # tail of few rows).
 MEMORY_FRACTION = 0.25
-MAX_AUTO_BATCH = 128
+MAX_AUTO_BATCH = 256
 
 
 def kv_bytes_per_token(target) -> int:

@@ -4,7 +4,11 @@ Prompts are left-padded and prefilled in one forward; then each step samples (gr
 temperature / top-p through :func:`speculators.verify.apply_sampling`), records the tokens, drops the
 rows that stopped from the batch and its KV cache (``DynamicCache.batch_select_indices``), and runs one
 forward over the rows still generating: the cost follows the generated tokens, not ``batch x longest
-response``.
+response``. The KV cache of every layer is reserved at the prefill for the whole response
+(:class:`_ReservedLayer`): a step writes its position in place instead of copying the cache into a new
+tensor (``DynamicLayer``'s concatenation), so no per-step work but attention itself scales with the width.
+Callers bucket prompts by length first (:func:`speculators.data.batching.generation_batches`) so a batch
+pads little.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import SpeculatorsError
 from .cache import _CACHE_KW
@@ -55,6 +60,15 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
             other prompts share its batch or on their order (its logits may still differ from a lone
             forward's in the last bits, so a draw at a boundary can flip).
         pad_token_id: id written in the left padding (masked out).
+
+    Greedy responses (``temperature == 0``) do not depend on the batch: a row's logits are computed from
+    its own tokens only (padding masked, positions from its own start). What can differ is the last bits of
+    a batched matmul against a lone one (the kernels tile an ``[n, H]`` input by ``n``), so where the two
+    best logits of a step are within that rounding the argmax can flip and the responses part there. In
+    float32 this has not been seen on CPU; in bfloat16 (8 mantissa bits: one ulp is 1/128 of the logit's
+    power of two) it is possible in principle at such an exact near-tie. ``tests/test_regen_batching.py``
+    checks token equality in both dtypes and ``scripts/bench_regenerate.py --check-alone K`` on the real
+    target prints every mismatch with its top-2 logit gap.
     Returns:
         One :class:`Generation` per prompt: ``ids`` (without the prompt and the stop token) and
         ``stop`` (the stop id that ended it, or None when cut by ``max_new_tokens``).
@@ -67,7 +81,7 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
     per_row = generator is not None and not isinstance(generator, torch.Generator)
     if B == 0:
         return []
-    cache, logits, att, last_pos = _prefill(target, prompts, pad_token_id)
+    cache, logits, att, last_pos = _prefill(target, prompts, pad_token_id, max_new_tokens)
     rows = torch.arange(B, device=target.device)  # original index of each active row
     results: list[list[int]] = [[] for _ in range(B)]
     stopped: list[int | None] = [None] * B
@@ -114,8 +128,9 @@ def _check_request(target, prompts, max_new_tokens, stop_token_ids, generator) -
     return stops
 
 
-def _prefill(target, prompts: list[list[int]], pad_token_id: int):
-    """Left-pad ``prompts`` and run them through the target in one forward with a fresh ``DynamicCache``.
+def _prefill(target, prompts: list[list[int]], pad_token_id: int, max_new_tokens: int):
+    """Left-pad ``prompts`` and run them through the target in one forward with a fresh ``DynamicCache`` whose
+    layers reserve room for ``max_new_tokens`` more positions (:func:`_reserved_cache`).
 
     Returns:
         ``(cache, logits [B, V] float32 of the last position, attention mask [B, T] int64, last position
@@ -133,10 +148,58 @@ def _prefill(target, prompts: list[list[int]], pad_token_id: int):
     dev = target.device
     ids, att = ids.to(dev), att.to(dev)
     pos = (att.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=target.config)
+    cache = _reserved_cache(DynamicCache(config=target.config), T + max_new_tokens)
     out = target.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True,
                        logits_to_keep=1, **{_CACHE_KW: cache})
     return cache, out.logits[:, -1].float(), att, pos[:, -1]
+
+
+class _ReservedLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values live in buffers ``[B, kv_heads, capacity, head_dim]``
+    allocated at the prefill: a decode step writes its position in place and attends over a view of the
+    filled part, where ``DynamicLayer`` concatenates (copies the whole cache into a new tensor every step).
+    Dropping finished rows (``batch_select_indices``) copies the filled part of the kept rows only."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self._k = self._v = None
+        self._len = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            B, H, _, D = key_states.shape
+            self.device = key_states.device
+            self._k = key_states.new_empty(B, H, self.capacity, D)
+            self._v = value_states.new_empty(B, H, self.capacity, value_states.shape[-1])
+            self.is_initialized = True
+        end = self._len + key_states.shape[-2]
+        if end > self.capacity:
+            raise SpeculatorsError(f"generate_batch: {end} cached positions exceed the {self.capacity} reserved")
+        self._k[:, :, self._len:end] = key_states
+        self._v[:, :, self._len:end] = value_states
+        self._len = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._len == 0:
+            return
+        k, v = self._k[indices, :, :self._len], self._v[indices, :, :self._len]
+        self._k = k.new_empty(k.shape[0], k.shape[1], self.capacity, k.shape[-1])
+        self._v = v.new_empty(v.shape[0], v.shape[1], self.capacity, v.shape[-1])
+        self._k[:, :, :self._len], self._v[:, :, :self._len] = k, v
+        self.keys, self.values = self._k[:, :, :self._len], self._v[:, :, :self._len]
+
+
+def _reserved_cache(cache, capacity: int):
+    """``cache`` (a fresh ``DynamicCache``) with every layer a :class:`_ReservedLayer` of ``capacity`` positions,
+    when every layer is a plain full-attention ``DynamicLayer``; otherwise (sliding-window, linear-attention
+    layers) ``cache`` as it is."""
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return cache
+    cache.layers = [_ReservedLayer(capacity) for _ in cache.layers]
+    return cache
 
 
 def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator, per_row: bool,
