@@ -296,10 +296,6 @@ def _source_blocks(prompts: list[dict], results: list, k: int, resamples: int, s
     return out
 
 
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampling=None, ngram_max: int = 3,
              seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
              methods=DEFAULT_METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,

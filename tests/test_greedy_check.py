@@ -172,3 +172,35 @@ def test_no_mismatch_no_classification(dtype):
     t = twin_target(dtype)
     rep = run_eval(t, None, PROMPTS, [2], 6, eos_ids=set(), methods=("ngram",))
     assert rep["greedy_mismatches"] == [] and rep["greedy_check"]["passed"] is True
+
+
+@pytest.mark.parametrize("near_tie,exit_code", [(True, 0), (False, 1)])
+def test_eval_exits_1_only_on_a_verifier_failure(monkeypatch, tmp_path, near_tie, exit_code):
+    """``speculators eval``: a near-tie mismatch is printed and does not fail the command; any other does."""
+    from typer.testing import CliRunner
+
+    import speculators.workflows as wf
+    from speculators.cli import app
+
+    t = twin_target(torch.bfloat16)
+    if near_tie:
+        _take_the_twin(monkeypatch)
+    else:  # a corrupted output far from the target's choice: not a tie
+        import speculators.evaluate as ev
+
+        real = ev._generate
+
+        def corrupt(target, proposer, ids, k, *a, **kw):
+            out = real(target, proposer, ids, k, *a, **kw)
+            if type(proposer).__name__ == "NGramProposer" and len(ids) > 1:
+                toks = out.results[1].tokens
+                toks[3] = int(next_token_logits(target, PROMPTS[1]["input_ids"], toks[:3], 1).argmin())
+            return out
+
+        monkeypatch.setattr(ev, "_generate", corrupt)
+    rep = run_eval(t, None, PROMPTS, [2], 8, eos_ids=set(), methods=("ngram",))
+    monkeypatch.setattr(wf, "eval_run", lambda *a, **kw: (rep, tmp_path))
+    r = CliRunner().invoke(app, ["eval", str(tmp_path)])
+    assert r.exit_code == exit_code, r.output
+    assert "greedy losslessness (bfloat16): 1 mismatches" in r.output
+    assert ("ERROR" in r.output) is (not near_tie)
