@@ -111,7 +111,7 @@ def _facts(cfg: dict) -> dict:
         "algorithm": algo,
         "family": family,
         "verifier": (spec.get("verifier") or {}).get("name_or_path") or recorded,
-        "k": family.speculative_tokens(cfg) if family is not None else None,
+        "k": family.serving.speculative_tokens(cfg) if family is not None else None,
         "adapter": training.get("target_adapter"),
     }
 
@@ -121,7 +121,7 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
 
     Header: ``huggingface_hub.ModelCardData`` (``library_name``, tags, ``base_model`` when the verifier is
     a Hub id). Body: how vLLM serves it (``vllm serve VERIFIER --speculative-config {...}`` with the
-    family's ``method`` from :meth:`Drafter.vllm_serving`, or why it cannot yet), the LoRA note of a joint
+    family's ``method`` from :meth:`ServingFormat.vllm_serving`, or why it cannot yet), the LoRA note of a joint
     run, the run's own card (``README.md`` in ``ckpt``) and every ``eval-*/report.md`` beside ``ckpt``.
 
     Raises:
@@ -137,7 +137,7 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
     data = ModelCardData(library_name="speculators", tags=["speculative-decoding", algo, "speculators"],
                          base_model=verifier if _is_hub_id(verifier) and not Path(verifier).exists() else None)
     family = facts["family"]
-    method, why_not = family.vllm_serving(cfg) if family is not None else (None, f"unknown family `{algo}`")
+    method, why_not = family.serving.vllm_serving(cfg) if family is not None else (None, f"unknown family `{algo}`")
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# {repo_id}", "",

@@ -284,14 +284,14 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _aux_layer_ids(self) -> "Recipe":
         """``target.aux_layer_ids`` as the drafter's family allows them (distinct, ascending, >= 0, the
-        count of its serving format: ``Drafter.check_aux_layer_ids``), checked before any work; the upper
+        count of its serving format: ``ServingFormat.check_aux_layer_ids``), checked before any work; the upper
         bound L - 1 is checked when the target is loaded."""
         from .drafters import registry
 
         ids = self.target.aux_layer_ids
         if ids is not None and isinstance(self.drafter, DrafterConfig) and self.drafter.algorithm in registry.names():
             try:
-                registry.get(self.drafter.algorithm).check_aux_layer_ids(ids, None, "")
+                registry.get(self.drafter.algorithm).serving.check_aux_layer_ids(ids, None, "")
             except SpeculatorsError as e:
                 err = PydanticCustomError("aux_layer_ids", str(e).removeprefix(": ").replace("{", "(").replace("}", ")"))
                 raise ValidationError.from_exception_data(

@@ -211,7 +211,7 @@ class TrainingUnit(nn.Module):
                 for a published checkpoint (``final/``); ``None`` = full precision, exact: what the
                 resumable ``checkpoints/step-N`` (read back by :meth:`load`) are written in.
             frozen_copies: False for a published checkpoint: leave out the frozen target copies its serving
-                format does not need (e.g. EAGLE-3's ``embed_tokens``; ``Drafter.frozen_target_weights``).
+                format does not need (e.g. EAGLE-3's ``embed_tokens``; ``ServingFormat.frozen_target_weights``).
         Raises:
             SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; an unknown
                 ``dtype``.
@@ -241,7 +241,7 @@ class TrainingUnit(nn.Module):
             if not f.is_file():
                 raise SpeculatorsError(f"{f}: missing; the checkpoint has no target adapter to resume from")
             adapter = (f.parent, load_weights(f, "the adapter weights"))
-        self.drafter.load_export_state_dict(weights)
+        self.drafter.serving.load_state_dict(self.drafter, weights)
         if adapter is not None:
             self.target.load_adapter(*adapter)
 

@@ -170,7 +170,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
                              device_map=device_map)
     family = registry.get(recipe.drafter.algorithm)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (before features are cached)
-        target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, recipe.drafter)
+        target.aux_layer_ids = family.serving.default_aux_layer_ids(target.num_layers, recipe.drafter)
     identity["target (weights, config, chat template)"] = target.fingerprint
     if dtype != "float32":  # --resume on hardware where auto resolves otherwise is refused (float32 runs: as before)
         identity["target dtype"] = dtype
@@ -274,7 +274,7 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
     target = Target.load(recipe.target.model, target_dtype(recipe.target.dtype, log=log), recipe.target.aux_layer_ids,
                          log=log, device_map=recipe.target.device_map)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (as train_run extracts them)
-        target.aux_layer_ids = registry.get(recipe.drafter.algorithm).default_aux_layer_ids(
+        target.aux_layer_ids = registry.get(recipe.drafter.algorithm).serving.default_aux_layer_ids(
             target.num_layers, recipe.drafter)
     with _progress_scope(progress) as make:
         return prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,

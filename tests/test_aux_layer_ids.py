@@ -1,6 +1,6 @@
 """Aux layer ids (the target taps): distinct, strictly ascending, in range and as many as the family's
 serving format allows (EAGLE-3 / P-EAGLE: exactly 3, vLLM's ``fc`` is 3 x hidden; DFlash / DSpark: 1 or
-more), checked by ONE rule (``Drafter.check_aux_layer_ids``) in the recipe (before any work), in the
+more), checked by ONE rule (``ServingFormat.check_aux_layer_ids``) in the recipe (before any work), in the
 defaults (never a repeated layer, also on shallow targets), for a new drafter and for a loaded checkpoint."""
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ def test_defaults_never_repeat_a_layer_on_any_target_depth(algorithm):
     family = registry.get(algorithm)
     raw = load_recipe(tiny_recipe_file(algorithm), ["target.model=/x"]).drafter
     # the fewest layers giving distinct taps: 3 (EAGLE-3 / P-EAGLE), one per draft layer (DFlash / DSpark)
-    need = raw.num_layers if algorithm in ("dflash", "dspark") else family.aux_layer_count[0]
+    need = raw.num_layers if algorithm in ("dflash", "dspark") else family.serving.aux_layer_count[0]
     for L in range(1, 40):
         if L < need:
             with pytest.raises(SpeculatorsError, match=r"target\.aux_layer_ids"):
-                family.default_aux_layer_ids(L, raw)
+                family.serving.default_aux_layer_ids(L, raw)
             continue
-        ids = family.default_aux_layer_ids(L, raw)
+        ids = family.serving.default_aux_layer_ids(L, raw)
         assert ids == sorted(set(ids)) and ids[0] >= 0 and ids[-1] <= L - 1, (L, ids)
-        family.check_aux_layer_ids(ids, L)
+        family.serving.check_aux_layer_ids(ids, L)
     assert default_aux_layer_ids(30) == [1, 14, 26] and default_aux_layer_ids(8) == [1, 3, 4]  # unchanged where valid
     assert default_aux_layer_ids(4) == [0, 1, 2] and default_aux_layer_ids(6) == [1, 2, 3]
 
@@ -80,7 +80,7 @@ def test_distinct_layer_ids_moves_each_id_as_little_as_needed():
 
 def test_a_too_shallow_target_is_refused_for_eagle3():
     with pytest.raises(SpeculatorsError, match=r"target\.aux_layer_ids: \[0, 1\].*too shallow for 3"):
-        registry.get("eagle3").default_aux_layer_ids(2, None)
+        registry.get("eagle3").serving.default_aux_layer_ids(2, None)
 
 
 def test_a_drafter_and_a_checkpoint_with_bad_taps_are_refused(tmp_path):

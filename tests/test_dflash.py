@@ -280,18 +280,18 @@ def test_k_below_the_block_runs_vllms_shrunken_block():
 @pytest.mark.parametrize("vocab", [None, 48])
 def test_export_config_weights_and_round_trip(vocab, tmp_path):
     target, d = make(block_size=8, num_layers=2, vocab=vocab, mask_token_id=5)
-    cfg = d.export_config()
+    cfg = d.serving.config(d)
     assert cfg["speculators_model_type"] == "dflash" and cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == 8 and cfg["mask_token_id"] == 5 and cfg["sample_from_anchor"] is False
     assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
-    assert DFlashDrafter.speculative_tokens(cfg) == 7
+    assert DFlashDrafter.serving.speculative_tokens(cfg) == 7
     assert cfg["draft_vocab_size"] == (vocab or V)
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["vocab_size"] == V
     assert layer["head_dim"] == HIDDEN // 4 and layer["rope_theta"] == 10000.0
-    assert DFlashDrafter.vllm_serving(cfg) == ("dflash", "")
-    names = set(d.export_state_dict())
+    assert DFlashDrafter.serving.vllm_serving(cfg) == ("dflash", "")
+    names = set(d.serving.state_dict(d))
     per_layer = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                  "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                  "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
@@ -301,7 +301,7 @@ def test_export_config_weights_and_round_trip(vocab, tmp_path):
     if vocab:
         expect |= {"lm_head.weight", "d2t", "t2d"}
     assert names == expect and not any("mask_hidden" in n or "embed_tokens" in n for n in names)
-    assert tuple(d.export_state_dict()["fc.weight"].shape) == (HIDDEN, len(target.aux_layer_ids) * HIDDEN)
+    assert tuple(d.serving.state_dict(d)["fc.weight"].shape) == (HIDDEN, len(target.aux_layer_ids) * HIDDEN)
     path = d.save_pretrained(tmp_path / "ckpt")
     loaded = Drafter.from_pretrained(path)
     assert isinstance(loaded, DFlashDrafter) and loaded.cfg == d.cfg and loaded.reduced_vocab == bool(vocab)
@@ -326,12 +326,12 @@ def test_default_aux_layer_ids():
     assert dflash_aux_layer_ids(4, 2) == [1, 2] and dflash_aux_layer_ids(3, 3) == [0, 1, 2]
     for L in range(1, 12):
         for n in range(1, L + 1):
-            ids = DFlashDrafter.default_aux_layer_ids(L, DFlashConfig(num_layers=n))
+            ids = DFlashDrafter.serving.default_aux_layer_ids(L, DFlashConfig(num_layers=n))
             assert len(ids) == n and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L, (L, n, ids)
     with pytest.raises(SpeculatorsError, match=r"target.aux_layer_ids.*2 decoder layer\(s\) cannot give 3 distinct"):
         dflash_aux_layer_ids(2, 3)
-    assert DFlashDrafter.default_aux_layer_ids(30, DFlashConfig(num_layers=3)) == [1, 14, 27]
-    assert registry.get("eagle3").default_aux_layer_ids(30, None) == [1, 14, 26]  # the base default
+    assert DFlashDrafter.serving.default_aux_layer_ids(30, DFlashConfig(num_layers=3)) == [1, 14, 27]
+    assert registry.get("eagle3").serving.default_aux_layer_ids(30, None) == [1, 14, 26]  # the base default
 
 
 def test_train_workflow_uses_the_family_default_taps(monkeypatch, tmp_path):

@@ -348,17 +348,17 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     with torch.no_grad():
         d.confidence_temperature.copy_(torch.linspace(0.5, 2.0, 8))  # as a calibration would leave it
         d.confidence_bias.copy_(torch.linspace(-1.0, 0.4, 8))
-    cfg = d.export_config()
+    cfg = d.serving.config(d)
     assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["DSparkDraftModel"]
     assert cfg["sample_from_anchor"] is True and cfg["block_size"] == 8 and cfg["mask_token_id"] == 5
     assert cfg["markov_rank"] == RANK and cfg["markov_head_type"] == "vanilla"
     assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is with_markov
     assert cfg["speculators_config"]["algorithm"] == "dspark"
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
-    assert DSparkDrafter.speculative_tokens(cfg) == 8 and DSparkDrafter.speculative_tokens({"block_size": 8}) == 8
+    assert DSparkDrafter.serving.speculative_tokens(cfg) == 8 and DSparkDrafter.serving.speculative_tokens({"block_size": 8}) == 8
     assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
     assert cfg["draft_vocab_size"] == (vocab or V) and cfg["transformer_layer_config"]["model_type"] == "qwen3"
-    sd = d.export_state_dict()
+    sd = d.serving.state_dict(d)
     N = vocab or V
     shapes = {"markov_head.markov_w1.weight": (V, RANK), "markov_head.markov_w2.weight": (N, RANK),
               "confidence_head.proj.weight": (1, HIDDEN + (RANK if with_markov else 0)),
@@ -445,8 +445,13 @@ def test_the_writer_refuses_calibration_tensors_in_the_weights_file(tmp_path):
     """A family declares its training-side state; the checkpoint writer refuses to put it in
     ``model.safetensors`` (vLLM's loader would refuse the file)."""
     _, d = make()
-    sd = d.export_state_dict()
-    d.export_state_dict = lambda: {**sd, "confidence_temperature": torch.ones(BS)}
+    sd = d.serving.state_dict(d)
+
+    class Leaky(type(d.serving)):  # a format that would write the calibration into the weights
+        def state_dict(self, drafter):
+            return {**sd, "confidence_temperature": torch.ones(BS)}
+
+    d.serving = Leaky()
     with pytest.raises(SpeculatorsError, match=r"confidence_temperature.*training-side state.*may not be written"):
         d.save_pretrained(tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
@@ -481,7 +486,7 @@ def test_bf16_checkpoint_keeps_the_calibration_exact(tmp_path):
 
 def test_without_confidence_head():
     target, d = make(enable_confidence_head=False)
-    assert not any(n.startswith("confidence") for n in d.export_state_dict())
+    assert not any(n.startswith("confidence") for n in d.serving.state_dict(d))
     state = state_at(d, make_batch(target), 0, 8)
     p = d.propose([state], [3])[0]
     assert p.confidence_logits is None and d.confidences(p) is None

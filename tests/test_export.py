@@ -96,7 +96,7 @@ def test_target_and_meta_use_the_same_rule(target):
     meta = TargetMeta.from_target(target)
     assert target.vllm_aux_layer_ids == meta.vllm_aux_layer_ids == [i + 1 for i in AUX]
     d = make(target, "eagle3")
-    assert d.export_config()["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert d.serving.config(d)["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
 
 def test_speculators_config_block():
@@ -131,9 +131,9 @@ def test_vllm_serving_facts():
     method, note = export.vllm_serving("x", None)
     assert method is None and "`x`" in note
     medusa = registry.get("medusa")
-    assert medusa.vllm_serving({"model_type": "medusa"}) == ("medusa", "")
-    assert medusa.vllm_serving({"speculators_model_type": "medusa"})[0] is None
-    assert medusa.speculative_tokens({"model_type": "medusa", "num_heads": 3}) == 3
+    assert medusa.serving.vllm_serving({"model_type": "medusa"}) == ("medusa", "")
+    assert medusa.serving.vllm_serving({"speculators_model_type": "medusa"})[0] is None
+    assert medusa.serving.speculative_tokens({"model_type": "medusa", "num_heads": 3}) == 3
 
 
 # ----------------------------------------------------------------------------- round trip per family
@@ -153,7 +153,7 @@ def test_config_keys_per_family_and_round_trip(target, name, tmp_path):
         assert cfg["speculators_model_type"] == name
         sc = cfg["speculators_config"]
         assert sc["algorithm"] == name and sc["verifier"]["name_or_path"] == target.verifier_name
-        assert sc["proposal_methods"][0]["speculative_tokens"] == registry.get(name).speculative_tokens(cfg) >= 1
+        assert sc["proposal_methods"][0]["speculative_tokens"] == registry.get(name).serving.speculative_tokens(cfg) >= 1
         layer = cfg["transformer_layer_config"]
         assert layer["model_type"] in ("llama", "qwen3") and layer["rope_theta"] == 10000.0 and "rope_scaling" in layer
         assert layer["hidden_size"] == 64 and layer["vocab_size"] == V

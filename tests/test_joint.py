@@ -245,7 +245,7 @@ def test_state_dict_excludes_the_target_and_resume_restores_the_adapter(tmp_path
         for p in d.parameters():
             if p.requires_grad:
                 p.add_(0.01)
-    sd = d.export_state_dict()
+    sd = d.serving.state_dict(d)
     assert sd and not [k for k in sd if "joint_target" in k or "lora" in k]
     unit.save(tmp_path / "ck")
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
@@ -259,7 +259,7 @@ def test_state_dict_excludes_the_target_and_resume_restores_the_adapter(tmp_path
     b = dict(t2.model.named_parameters())
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert all(torch.equal(v, sd[k]) for k, v in unit2.drafter.export_state_dict().items())
+    assert all(torch.equal(v, sd[k]) for k, v in unit2.drafter.serving.state_dict(unit2.drafter).items())
     # a checkpoint without the adapter cannot resume a joint run
     shutil.rmtree(tmp_path / "ck" / "target_adapter")
     with pytest.raises(SpeculatorsError, match="no target adapter to resume from"):
@@ -340,8 +340,8 @@ def test_init_from_checks_the_family(tmp_path):
                 p.normal_(0, 0.1)
     frozen.save_pretrained(tmp_path / "frozen")
     d.init_from_checkpoint(tmp_path / "frozen")
-    ref = frozen.export_state_dict()
-    assert all(torch.equal(v, ref[k]) for k, v in d.export_state_dict().items())
+    ref = frozen.serving.state_dict(frozen)
+    assert all(torch.equal(v, ref[k]) for k, v in d.serving.state_dict(d).items())
 
 
 # ----------------------------------------------------------------------------- CLI end to end

@@ -77,7 +77,7 @@ def test_exported_rope_matches_the_trained_layer(family, name):
     vocab = DraftVocab.from_counts(torch.arange(V, 0, -1), V)
     torch.manual_seed(0)
     d = fam.from_target(cfg, target, vocab)
-    exported = d.export_config()["transformer_layer_config"]
+    exported = d.serving.config(d)["transformer_layer_config"]
     assert _partial(exported) == 1.0, {k: v for k, v in exported.items() if "rot" in k or "rope" in k}
     attn = next(m for m in d.modules() if isinstance(m, Attention))
     hd = attn.head_dim

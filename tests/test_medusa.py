@@ -382,10 +382,10 @@ def test_save_load_round_trip_and_formats(target, tmp_path, export, vocab):
 
 def test_load_rejects_mismatched_weights(target, tmp_path):
     d = make_drafter(target, vocab_size=40)
-    sd = d.export_state_dict()
+    sd = d.serving.state_dict(d)
     sd.pop("lm_heads.3.weight")
     with pytest.raises(SpeculatorsError, match="missing"):
-        d.load_export_state_dict(sd)
+        d.serving.load_state_dict(d, sd)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -63,7 +63,7 @@ def test_online_loss_equals_offline_loss(algorithm, dtype, isolated_cache):
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=0)
     cfg = tiny_drafter_cfg(algorithm)
     family = registry.get(algorithm)
-    target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, cfg)
+    target.aux_layer_ids = family.serving.default_aux_layer_ids(target.num_layers, cfg)
     exs = tokenized()
     offline = extract_features(target, exs, batch_tokens=64, log=lambda *_: None, dtype=dtype)
     online = FeatureStore.tokens_only(exs, dtype)
@@ -118,7 +118,7 @@ def test_the_frozen_target_is_not_trained_nor_saved(tmp_path, isolated_cache):
     path = unit.save(tmp_path / "ck")
     from safetensors.torch import load_file
 
-    assert set(load_file(str(path / "model.safetensors"))) == set(drafter.export_state_dict())
+    assert set(load_file(str(path / "model.safetensors"))) == set(drafter.serving.state_dict(drafter))
 
 
 def test_online_needs_a_frozen_target():

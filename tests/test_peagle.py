@@ -271,15 +271,15 @@ def test_export_config_and_weights_follow_the_peagle_format_and_round_trip(targe
     d = make_drafter(target, num_depths=5, num_layers=3).eval()
     mid = d.cfg.mask_token_id
     assert mid == V - 1  # no tokenizer: the last id
-    cfg = d.export_config()
+    cfg = d.serving.config(d)
     assert cfg["speculators_model_type"] == "peagle" and cfg["speculators_config"]["algorithm"] == "peagle"
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert cfg["mask_token_id"] == mid and cfg["embed_requires_grad"] is True
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layer_ids]
     assert cfg["draft_vocab_size"] == N and cfg["transformer_layer_config"]["num_hidden_layers"] == 3
-    assert d.vllm_serving(cfg)[0] == "eagle3" and d.speculative_tokens(cfg) == 5
+    assert d.serving.vllm_serving(cfg)[0] == "eagle3" and d.serving.speculative_tokens(cfg) == 5
     H, n_aux = target.hidden_size, len(target.aux_layer_ids)
-    sd = d.export_state_dict()
+    sd = d.serving.state_dict(d)
     assert "mask_embedding" not in sd
     assert sd["mask_hidden"].shape == (1, 1, n_aux * H)
     assert sd["fc.weight"].shape == (H, n_aux * H)

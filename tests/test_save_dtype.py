@@ -36,7 +36,7 @@ def fresh(algorithm: str):
     family = registry.get(algorithm)
     cfg = family.config_class.model_validate(raw)
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=0)
-    target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, cfg)
+    target.aux_layer_ids = family.serving.default_aux_layer_ids(target.num_layers, cfg)
     torch.manual_seed(0)
     d = family.from_target(cfg, target, DraftVocab.from_counts(torch.arange(V, dtype=torch.float), cfg.draft_vocab_size))
     with torch.no_grad():  # trained-looking weights: not exactly representable in 16 bits
@@ -50,13 +50,13 @@ def fresh(algorithm: str):
 @pytest.mark.parametrize("algorithm", registry.names())
 def test_save_in_dtype_and_load_back(algorithm, dtype, tmp_path):
     d = fresh(algorithm)
-    ref = d.export_state_dict()
+    ref = d.serving.state_dict(d)
     path = save_pretrained(d, tmp_path / "ck", dtype=dtype)
     written = load_file(str(path / "model.safetensors"))
     cfg = json.loads((path / "config.json").read_text())
     assert written.keys() == ref.keys()
     want = getattr(torch, dtype) if dtype else torch.float32
-    exact = set(type(d).full_precision_weights)  # e.g. DSpark's confidence_temperature: float32 always
+    exact = set(d.serving.full_precision_weights)  # e.g. DSpark's confidence_temperature: float32 always
     for k, t in written.items():
         if ref[k].is_floating_point():
             assert t.dtype == (torch.float32 if k in exact else want), k
@@ -66,7 +66,7 @@ def test_save_in_dtype_and_load_back(algorithm, dtype, tmp_path):
         assert cfg["torch_dtype"] == (dtype or "float32")
     loaded = Drafter.from_pretrained(path)
     assert all(p.dtype == torch.float32 for p in loaded.parameters())  # upcast into the eval module
-    back = loaded.export_state_dict()
+    back = loaded.serving.state_dict(loaded)
     for k, t in ref.items():
         expect = t.to(want).to(t.dtype) if t.is_floating_point() and k not in exact else t
         assert torch.equal(back[k], expect), k
@@ -118,7 +118,7 @@ def test_published_checkpoint_omits_only_unneeded_frozen_copies(algorithm, tmp_p
     ``attach_target`` copies the target's tensor; then the drafter equals the one that was saved."""
     d = fresh(algorithm)
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=0)
-    ref = d.export_state_dict()
+    ref = d.serving.state_dict(d)
     frozen = set(omittable_target_weights(d))
     if algorithm in ("eagle", "mtp"):
         assert frozen == {"embed_tokens.weight"}
@@ -131,9 +131,9 @@ def test_published_checkpoint_omits_only_unneeded_frozen_copies(algorithm, tmp_p
     assert block.get("omitted_target_weights", []) == sorted(frozen & set(ref))
     loaded = Drafter.from_pretrained(path)
     for name in frozen:
-        assert bool(torch.isnan(loaded.export_state_dict()[name]).all())
+        assert bool(torch.isnan(loaded.serving.state_dict(loaded)[name]).all())
     loaded.attach_target(target)
-    back = loaded.export_state_dict()
+    back = loaded.serving.state_dict(loaded)
     for k, t in ref.items():
         assert torch.equal(back[k], t), k
     if frozen:  # a damaged checkpoint that lost a weight it did NOT list is still refused

@@ -1,7 +1,7 @@
 """What a checkpoint's ``model.safetensors`` holds (FORMATS.md, "Rules every export follows"):
 
 * only tensors a serving engine places: a family's declared training-side state
-  (``Drafter.training_state_tensors``, DSpark's calibration) is refused by the writer, for every family;
+  (``ServingFormat.training_state_tensors``, DSpark's calibration) is refused by the writer, for every family;
 * ``norm_before_fc`` (EAGLE-3, P-EAGLE) is written as ``input_norm.weight`` (vLLM's and
   vllm-project/speculators' name), and checkpoints of earlier versions holding ``fc_norm.weight`` load;
 * EAGLE-3's ``final/`` keeps ``embed_tokens.weight`` (the reference library would keep zeros without it),
@@ -40,7 +40,7 @@ def fresh(algorithm: str, target, **over):
         raw["draft_vocab_size"] = 64
     family = registry.get(algorithm)
     cfg = family.config_class.model_validate(raw)
-    target.aux_layer_ids = family.default_aux_layer_ids(target.num_layers, cfg)
+    target.aux_layer_ids = family.serving.default_aux_layer_ids(target.num_layers, cfg)
     torch.manual_seed(0)
     d = family.from_target(cfg, target, DraftVocab.from_counts(torch.arange(V, dtype=torch.float), cfg.draft_vocab_size))
     with torch.no_grad():
@@ -55,10 +55,10 @@ def test_the_writer_refuses_declared_training_side_state_for_every_family(algori
     """A family that declares a tensor as training-side state cannot have it written to model.safetensors
     (vLLM's loader raises on a name it cannot place); nothing is left on disk."""
     d = fresh(algorithm, tiny_target())
-    names = sorted(d.export_state_dict())
+    names = sorted(d.serving.state_dict(d))
     written = load_file(str(d.save_pretrained(tmp_path / "ok") / "model.safetensors"))
-    assert not set(written) & set(type(d).training_state_tensors)
-    monkeypatch.setattr(type(d), "training_state_tensors", (names[0],))
+    assert not set(written) & set(d.serving.training_state_tensors)
+    monkeypatch.setattr(type(d.serving), "training_state_tensors", (names[0],))
     with pytest.raises(SpeculatorsError, match=rf"{names[0]}.*training-side state of the {algorithm}"):
         d.save_pretrained(tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

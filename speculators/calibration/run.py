@@ -141,7 +141,7 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
     raw[TRAINING_KEY].update(drafter.training_state())
     atomic_write_text(path / CONFIG_NAME, json.dumps(raw, indent=2, default=str))
     file = path / WEIGHTS_NAME
-    declared = set(drafter.training_state_tensors)
+    declared = set(drafter.serving.training_state_tensors)
     weights = load_weights(file)
     if any(k in declared or k.rsplit(".", 1)[-1] in declared for k in weights):  # an earlier version's file
         with safe_open(str(file), framework="pt") as f:

@@ -6,10 +6,13 @@ import importlib
 import pkgutil
 
 from ..data.vocab import DraftVocab  # noqa: F401  (lives in the data layer; re-exported for users)
-from .base import Drafter, DrafterConfig, Proposal, registry  # noqa: F401
+from .base import Drafter, DrafterConfig, Proposal  # noqa: F401
+from .registry import registry  # noqa: F401
+from .serving_format import ServingFormat  # noqa: F401
 
 # shared infrastructure, not families
-INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "joint", "layers", "parity_inputs"})
+INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "joint", "layers",
+                            "parity_inputs", "registry", "serving_format"})
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in INFRASTRUCTURE and not _module.startswith("_"):

@@ -1,7 +1,9 @@
-"""The drafter interface and the family registry.
+"""The drafter interface: the model a family trains and drafts with.
 
-A family is one file in ``speculators/drafters/``: it subclasses :class:`Drafter`, declares its
-pydantic config (``config_class``) and registers itself with :func:`register`. The trainer, the
+A family is one file in ``speculators/drafters/``: it subclasses :class:`Drafter` (the model), declares its
+pydantic config (``config_class``) and its serving format (``serving``, an instance of its own
+:class:`~.serving_format.ServingFormat` subclass: the checkpoint as engines see it), and registers itself
+with :func:`~.registry.register`. The trainer, the
 generation loop, the evaluator and the CLI only use this interface (docs/ARCHITECTURE.md, "The Drafter interface"):
 
 * ``from_target(cfg, target, vocab)``: build a fresh drafter for a frozen target (its
@@ -16,10 +18,14 @@ generation loop, the evaluator and the CLI only use this interface (docs/ARCHITE
   :func:`advance_each`) over the per-request ``_propose_one(state, k, sampling_1, generator)`` and
   ``_advance_one(state, new_ids, features)`` each family implements; a family may override the
   batched methods (EAGLE-3);
-* formats: ``export_config() -> dict`` (``config.json`` as vLLM loads it, built with the helpers of
-  :mod:`speculators.export`), ``export_state_dict()`` / ``load_export_state_dict(sd)`` (weights under
-  the serving engine's names), ``_build(cfg, meta, weights)`` (an empty module for a checkpoint), and
-  the class hooks ``vllm_serving(config)`` / ``speculative_tokens(config)``;
+* ``serving`` (:mod:`speculators.drafters.serving_format`): the checkpoint as a serving engine sees it,
+  ``serving.config(drafter) -> dict`` (``config.json`` as vLLM loads it, built with the helpers of
+  :mod:`speculators.export`), ``serving.state_dict(drafter)`` / ``serving.load_state_dict(drafter, sd)``
+  (weights under the serving engine's names), ``serving.vllm_serving(config)`` /
+  ``serving.speculative_tokens(config)``, the target taps the format allows
+  (``serving.check_aux_layer_ids`` / ``serving.default_aux_layer_ids``), and the export gate's
+  ``serving.reference_parity_step``; the drafter keeps ``_build(cfg, meta, weights)`` (an empty module
+  for a checkpoint);
 * ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir)``: thin methods over
   :mod:`speculators.drafters.checkpoint`, which owns the checkpoint directory (layout, atomic write,
   finite-weight checks, the recorded target facts).
@@ -40,7 +46,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from .. import export
 from ..data.vocab import DraftVocab  # noqa: F401  (moved to the data layer; re-exported)
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
@@ -55,6 +60,8 @@ from ..proposal import (  # noqa: F401  (the protocol pieces, speculators/propos
     propose_each,
     request_sampling,
 )
+from .registry import _REGISTRY, register, registry  # noqa: F401  (the registry's old import paths keep working)
+from .serving_format import ServingFormat
 from .checkpoint import (  # noqa: F401  (old import paths of the checkpoint names keep working)
     CONFIG_NAME,
     RECIPE_NAME,
@@ -76,34 +83,14 @@ class DrafterConfig(BaseModel):
         default=None, gt=0, description="size of the draft vocabulary (d2t/t2d); None = full target vocab")
 
 
-_REGISTRY: dict[str, type["Drafter"]] = {}
-
-
-def register(cls: type["Drafter"]) -> type["Drafter"]:
-    """Class decorator: make a family available under ``cls.algorithm``."""
-    _REGISTRY[cls.algorithm] = cls
-    return cls
-
-
-class _Registry:
-    def names(self) -> list[str]:
-        return sorted(_REGISTRY)
-
-    def get(self, name: str) -> type["Drafter"]:
-        try:
-            return _REGISTRY[name]
-        except KeyError:
-            raise SpeculatorsError(f"unknown drafter algorithm {name!r}; allowed: {self.names()}") from None
-
-
-registry = _Registry()
-
-
 class Drafter(nn.Module):
     """Base class of every drafter family (see the module docstring for the protocol)."""
 
     algorithm: ClassVar[str] = ""
     config_class: ClassVar[type[DrafterConfig]] = DrafterConfig
+    #: the family's serving format (its own :class:`ServingFormat` subclass, ``algorithm`` equal to the
+    #: drafter's): config.json, weight names, what vLLM serves, the target taps it allows
+    serving: ClassVar[ServingFormat] = ServingFormat()
 
     def __init__(self, cfg: DrafterConfig, meta: TargetMeta | Mapping[str, Any]):
         """``meta``: the facts about the target recorded in the checkpoint (:class:`TargetMeta`; a
@@ -111,12 +98,12 @@ class Drafter(nn.Module):
 
         Raises:
             SpeculatorsError: ``meta`` is a mapping with missing or invalid target facts, or taps aux layers
-                this family refuses (:meth:`check_aux_layer_ids`).
+                this family's serving format refuses (``serving.check_aux_layer_ids``).
         """
         super().__init__()
         self.cfg = cfg
         self.meta: TargetMeta = meta if isinstance(meta, TargetMeta) else TargetMeta.from_json(dict(meta), "meta")
-        type(self).check_aux_layer_ids(self.meta.aux_layer_ids, self.meta.target_num_layers)
+        self.serving.check_aux_layer_ids(self.meta.aux_layer_ids, self.meta.target_num_layers)
         self._teacher_head: torch.Tensor | None = None
         # joint runs: directory of the target's LoRA adapter that came with a loaded checkpoint
         self.target_adapter_dir: Path | None = None
@@ -131,66 +118,6 @@ class Drafter(nn.Module):
             SpeculatorsError: ``vocab`` is not one this family supports (e.g. reduced, for full-vocab families).
         """
         raise NotImplementedError
-
-    @classmethod
-    def default_aux_layer_ids(cls, num_layers: int, cfg: DrafterConfig) -> list[int]:
-        """The target taps (0-based OUTPUT-of-layer ids) this family trains on when the recipe leaves
-        ``target.aux_layer_ids`` unset; ``num_layers`` is the target's decoder-layer count. Default:
-        EAGLE-3's three (:func:`speculators.target.default_aux_layer_ids`, distinct and ascending on every
-        target of >= 3 layers); families override it. Always distinct, ascending, in range and of a count
-        :meth:`check_aux_layer_ids` accepts.
-
-        Raises:
-            SpeculatorsError: a target too shallow for the family's taps (naming ``target.aux_layer_ids``).
-        """
-        from ..target import default_aux_layer_ids
-
-        return cls.check_aux_layer_ids(default_aux_layer_ids(num_layers), num_layers)
-
-    #: ``(min, max)`` number of aux layers the family's serving format allows (max None: any). Default: any
-    #: (families that read no aux hidden state: EAGLE-1, Medusa, MTP); EAGLE-3 / P-EAGLE: exactly 3 (vLLM
-    #: sizes the speculators format's ``fc`` as 3 x hidden); DFlash / DSpark: >= 1 (``fc`` is n x hidden).
-    aux_layer_count: ClassVar[tuple[int, int | None]] = (0, None)
-    aux_layer_count_reason: ClassVar[str] = ""  # why, in the error of check_aux_layer_ids
-
-    @classmethod
-    def check_aux_layer_ids(cls, ids, num_layers: int | None = None, where: str = "target.aux_layer_ids") -> list[int]:
-        """Validate the target taps of this family (the one check of the recipe, the defaults, a new
-        drafter and a loaded checkpoint): distinct 0-based layer ids in strictly ascending order (vLLM
-        collects the tapped states once per layer, in layer order), each in ``[0, L - 1]`` when L
-        (``num_layers``) is known, and as many as :attr:`aux_layer_count` allows.
-
-        Returns:
-            ``ids`` as a list of ints.
-        Raises:
-            SpeculatorsError: ONE error naming ``where``, what is wrong (repeated, unsorted, out of range,
-                too many/few, a target too shallow) and what is allowed.
-        """
-        ids = list(ids)
-        lo, hi = cls.aux_layer_count
-        problems = []
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            problems.append("not all integers")
-        else:
-            if len(set(ids)) != len(ids):
-                problems.append(f"layer(s) {sorted({i for i in ids if ids.count(i) > 1})} repeated")
-            elif ids != sorted(ids):
-                problems.append("not in ascending order")
-            bad = [i for i in ids if i < 0 or (num_layers is not None and i >= num_layers)]
-            if bad:
-                problems.append(f"layer(s) {bad} outside [0, {'L - 1' if num_layers is None else num_layers - 1}]")
-        if len(ids) < lo or (hi is not None and len(ids) > hi):
-            want = f"exactly {lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo} to {hi}"
-            why = f" ({cls.aux_layer_count_reason})" if cls.aux_layer_count_reason else ""
-            problems.append(f"{len(ids)} layer(s) where the {cls.algorithm} format takes {want}{why}")
-            if num_layers is not None and num_layers < lo:
-                problems.append(f"a target of {num_layers} decoder layer(s) is too shallow for {lo} distinct taps")
-        if problems:
-            rng = "[0, L - 1]" if num_layers is None else f"[0, {num_layers - 1}]"
-            count = (f"exactly {lo}" if lo == hi else f"{lo} or more" if hi is None else f"{lo} to {hi}")
-            raise SpeculatorsError(f"{where}: {ids}: {'; '.join(problems)}. Allowed: {count} distinct 0-based "
-                                   f"decoder-layer ids (outputs tapped) in strictly ascending order, each in {rng}")
-        return ids
 
     @classmethod
     def _from_target_full_vocab(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
@@ -221,18 +148,6 @@ class Drafter(nn.Module):
 
         d2t = self.d2t
         return draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)
-
-    @classmethod
-    def draft_vocab_size_of(cls, weights: dict[str, torch.Tensor]) -> int:
-        """The draft vocabulary size of a checkpoint's weights: ``lm_head.weight``'s row count.
-
-        Raises:
-            SpeculatorsError: the weights have no ``lm_head.weight``.
-        """
-        if "lm_head.weight" not in weights:
-            raise SpeculatorsError(f"{cls.algorithm} checkpoint: model.safetensors has no 'lm_head.weight' "
-                                   "(needed for the draft vocabulary size)")
-        return int(weights["lm_head.weight"].shape[0])
 
     def copy_draft_vocab(self, target, vocab: DraftVocab, heads: list[nn.Linear]) -> None:
         """Initialise ``heads`` (each ``Linear(H -> N)``) with the target's lm_head rows of the draft
@@ -392,7 +307,7 @@ class Drafter(nn.Module):
                 weights that do not fit or are not finite.
         """
         weights = checkpoint.read_init_weights(path, self.algorithm, self.meta.fingerprint)
-        self.load_export_state_dict(checkpoint.complete_frozen_copies(self, weights))
+        self.serving.load_state_dict(self, checkpoint.complete_frozen_copies(self, weights))
 
     # ---------------------------------------------------------------- inference
     # what bounds a parallel family's K, named in the error of :func:`check_speculative_tokens`
@@ -468,116 +383,7 @@ class Drafter(nn.Module):
         positions ``n..n+m-1`` (what the batched :meth:`advance` loops over); updates ``state``."""
         raise NotImplementedError
 
-    # ---------------------------------------------------------------- formats
-    def export_config(self) -> dict[str, Any]:
-        """``config.json`` in the format vLLM loads (FORMATS.md)."""
-        raise NotImplementedError
-
-    #: ``{export weight name: Target attribute}``: frozen, unchanged copies of target tensors that the serving
-    #: format does not need (the engine shares the target's), left out of published checkpoints and restored
-    #: from the target by :meth:`attach_target` (:func:`.checkpoint.fill_frozen_copies`).
-    frozen_target_weights: ClassVar[dict[str, str]] = {}
-    #: True when published checkpoints keep :attr:`frozen_target_weights` all the same (EAGLE-3: the reference
-    #: library, vllm-project/speculators, does not take the embedding from the target); the table then only
-    #: lets checkpoints of earlier versions that omitted them load (:func:`.checkpoint.omittable_target_weights`).
-    publish_frozen_copies: ClassVar[bool] = False
-    #: export weight names that a published checkpoint keeps in their trained dtype whatever
-    #: ``train.save_dtype`` says (:func:`.checkpoint.cast_weights`; none today: calibration constants are config keys).
-    full_precision_weights: ClassVar[tuple[str, ...]] = ()
-    vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
-    vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
-    #: the ``config.json`` key of the aux layer ids in vLLM's convention (None: the format has none)
-    serving_aux_ids_key: ClassVar[str | None] = None
-
-    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
-        """This drafter's first drafting step on one sequence, and how the reference implementation
-        (vllm-project/speculators) computes the same step: a
-        :class:`speculators.drafters.parity_inputs.ParityStep`, or None when the reference has no model
-        for this family in our export layout (the default). Used by the export gate
-        (:mod:`speculators.export.parity`).
-
-        Args:
-            config: the checkpoint's ``config.json``. ids: the sequence, ``T`` token ids.
-            feats_ours / feats_ref: the target's :class:`speculators.target.TargetFeatures` of the ``T``
-                positions tapped at this drafter's layers / at the layers the config names.
-        """
-        return None
-
-    @classmethod
-    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
-        """How vLLM serves a checkpoint of this family whose ``config.json`` is ``config``.
-
-        Returns ``(method, note)`` (:func:`speculators.export.vllm_serving`): ``method`` is the
-        ``--speculative-config`` ``"method"`` vLLM accepts for this layout, or ``None`` when vLLM cannot
-        load the checkpoint as written (``note`` says why and what to do). Default: the class's
-        ``vllm_method`` / ``vllm_note``; a family with several layouts overrides this.
-        """
-        return export.vllm_serving(cls.algorithm, cls.vllm_method, cls.vllm_note)
-
-    @classmethod
-    def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
-        """K (``num_speculative_tokens``) that a checkpoint's ``config.json`` declares
-        (:func:`speculators.export.speculative_tokens`); ``None`` when the layout does not say. A family
-        with its own layout overrides this."""
-        return export.speculative_tokens(config)
-
-    def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under the names vLLM expects (default: the module's own state dict)."""
-        return self.drafter_state_dict()
-
-    #: ``{name an earlier version exported: today's name}``, renamed when weights are read
-    #: (:meth:`load_export_state_dict`); e.g. EAGLE-3's ``fc_norm.weight``, today ``input_norm.weight``.
-    legacy_weight_names: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def upgrade_legacy_weights(cls, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``sd`` with every name of :attr:`legacy_weight_names` renamed to today's (a copy; ``sd`` as it is
-        when it holds none). A checkpoint holding both names keeps today's tensor.
-
-        Args:
-            sd: ``{export name: tensor}`` as read from a checkpoint.
-        """
-        old = [n for n in cls.legacy_weight_names if n in sd]
-        if not old:
-            return sd
-        out = dict(sd)
-        for name in old:
-            t = out.pop(name)
-            out.setdefault(cls.legacy_weight_names[name], t)
-        return out
-
-    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load weights written by :meth:`export_state_dict` (or by an earlier version: names in
-        :attr:`legacy_weight_names` are renamed first). Tensors the family declares as training-side
-        state (:attr:`training_state_tensors`) are not expected here: they live in ``config.json``
-        (:meth:`load_training_state`).
-
-        Raises:
-            SpeculatorsError: missing/unexpected names or shapes that do not match this config.
-        """
-        sd = self.upgrade_legacy_weights(sd)
-        legacy = {n: sd[n] for n in self.training_state_tensors if n in sd}  # earlier versions wrote them here
-        if legacy:
-            sd = {n: t for n, t in sd.items() if n not in legacy}
-        try:
-            missing, unexpected = self.load_state_dict(sd, strict=False)
-        except RuntimeError as e:
-            raise SpeculatorsError(f"checkpoint weights do not match this {self.algorithm} config: "
-                                   f"{str(e).splitlines()[-1].strip()}") from None
-        if missing or unexpected:
-            raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
-                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if legacy:
-            self.load_training_state({}, legacy)
-
     # ---------------------------------------------------------------- training-side state
-    #: names of the drafter's training-side tensors (non-persistent buffers, e.g. DSpark's confidence
-    #: calibration): never written to ``model.safetensors``, which holds only what a serving engine places
-    #: (vLLM refuses a name it cannot place); they go to ``config.json`` (:meth:`training_state`) and the
-    #: checkpoint writer refuses them in the weights (:func:`.checkpoint.check_serving_weights`). Found in
-    #: the weights of an earlier version's checkpoint, they are read and moved (:meth:`load_export_state_dict`).
-    training_state_tensors: ClassVar[tuple[str, ...]] = ()
-
     def training_state(self) -> dict[str, Any]:
         """JSON entries of the drafter's training-side state for ``config.json``'s ``speculators_training``
         block (engines ignore it); default none. DSpark: ``{"confidence_calibration": {"temperature": [B],

@@ -2,12 +2,13 @@
 
 A checkpoint is a Hugging Face-style directory (FORMATS.md) that vLLM loads as written:
 
-* ``config.json``: the family's serving config (``Drafter.export_config``, built with
+* ``config.json``: the family's serving config (``drafter.serving.config(drafter)``, a
+  :class:`~.serving_format.ServingFormat`, built with
   :mod:`speculators.export`), plus ``speculators_version`` and our own block ``speculators_training``
   (vLLM ignores it): ``{"drafter": <the family's config>, "target": <TargetMeta>, "target_adapter":
   <dir, joint runs only>}``;
-* ``model.safetensors``: ``Drafter.export_state_dict`` (the serving engine's weight names, and nothing
-  else: a family's training-side state, ``Drafter.training_state_tensors`` such as DSpark's confidence
+* ``model.safetensors``: ``serving.state_dict(drafter)`` (the serving engine's weight names, and nothing
+  else: a family's training-side state, ``ServingFormat.training_state_tensors`` such as DSpark's confidence
   calibration, is refused there (:func:`check_serving_weights`) and written to ``speculators_training``
   instead (``Drafter.training_state``; read back by ``Drafter.load_training_state``, which also moves
   it out of the weights of an earlier version's checkpoint)), in full
@@ -17,10 +18,10 @@ A checkpoint is a Hugging Face-style directory (FORMATS.md) that vLLM loads as w
   the weights back into the drafter's float32 parameters (:func:`from_pretrained`), so a bf16
   checkpoint evaluates like any other (at bf16's rounding of the weights);
 * frozen, unchanged copies of target tensors (``embed_tokens.weight`` of EAGLE-1, MTP:
-  ``Drafter.frozen_target_weights``) are written in training checkpoints but left out of published ones
+  ``ServingFormat.frozen_target_weights``) are written in training checkpoints but left out of published ones
   (``final/``): vLLM shares the target's embedding when a draft checkpoint has none, and
   ``attach_target`` restores them from the target (:func:`fill_frozen_copies`). EAGLE-3 publishes its
-  copy (``Drafter.publish_frozen_copies``: vllm-project/speculators' ``from_pretrained`` would keep zeros
+  copy (``ServingFormat.publish_frozen_copies``: vllm-project/speculators' ``from_pretrained`` would keep zeros
   without it); its ``final/`` directories written by earlier versions without it still load;
 * optionally ``recipe.yaml`` (how it was trained), a run card, a joint run's ``target_adapter/``
   (peft LoRA), and a trainer's extra files (optimizer state).
@@ -77,7 +78,7 @@ def cast_weights(weights: dict[str, torch.Tensor], dtype: torch.dtype | None,
                  keep: tuple[str, ...] | frozenset[str] = ()) -> dict[str, torch.Tensor]:
     """``weights`` with every floating-point tensor cast to ``dtype`` (``None``: unchanged); integer and
     bool tensors (``d2t``, ``t2d``, ``token_map``) and the names in ``keep`` (a family's
-    ``Drafter.full_precision_weights``: constants that bf16 would round to 3 significant digits) keep
+    ``ServingFormat.full_precision_weights``: constants that bf16 would round to 3 significant digits) keep
     their dtype.
 
     Raises:
@@ -336,16 +337,16 @@ OMITTED_KEY = "omitted_target_weights"  # speculators_training: frozen target co
 
 def frozen_target_weights(drafter: "Drafter") -> dict[str, str]:
     """``{export weight name: Target attribute}`` of the drafter's frozen, unchanged copies of target tensors
-    that its serving format does not need (the family's ``Drafter.frozen_target_weights``; e.g. EAGLE-3's
+    that its serving format does not need (the family's ``ServingFormat.frozen_target_weights``; e.g. EAGLE-3's
     ``embed_tokens.weight``: vLLM shares the target's embedding when a draft checkpoint has none)."""
-    return dict(getattr(type(drafter), "frozen_target_weights", None) or {})
+    return dict(drafter.serving.frozen_target_weights)
 
 
 def omittable_target_weights(drafter: "Drafter") -> dict[str, str]:
     """The frozen target copies a published checkpoint of ``drafter`` leaves out: :func:`frozen_target_weights`,
-    or none when the family publishes them all the same (``Drafter.publish_frozen_copies``, EAGLE-3: what
+    or none when the family publishes them all the same (``ServingFormat.publish_frozen_copies``, EAGLE-3: what
     vllm-project/speculators' ``from_pretrained`` needs to reproduce the drafts)."""
-    return {} if getattr(type(drafter), "publish_frozen_copies", False) else frozen_target_weights(drafter)
+    return {} if drafter.serving.publish_frozen_copies else frozen_target_weights(drafter)
 
 
 def complete_frozen_copies(drafter: "Drafter", weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -355,7 +356,7 @@ def complete_frozen_copies(drafter: "Drafter", weights: dict[str, torch.Tensor])
     missing = [n for n in frozen_target_weights(drafter) if n not in weights]
     if not missing:
         return weights
-    current = drafter.export_state_dict()
+    current = drafter.serving.state_dict(drafter)
     return {**weights, **{n: current[n] for n in missing}}
 
 
@@ -383,7 +384,7 @@ def fill_frozen_copies(drafter: "Drafter", target) -> None:
 def check_serving_weights(drafter: "Drafter", weights: dict[str, torch.Tensor], path: str | Path) -> None:
     """Refuse to write training-side state to ``model.safetensors``: every tensor of the weights file must
     be one a serving engine places (vLLM's loader raises "There is no module or parameter named ..." for
-    any other name). A family declares its training-side tensors (``Drafter.training_state_tensors``, e.g.
+    any other name). A family declares its training-side tensors (``ServingFormat.training_state_tensors``, e.g.
     DSpark's ``confidence_temperature`` / ``confidence_bias``); they belong in ``config.json``
     (``Drafter.training_state``).
 
@@ -392,7 +393,7 @@ def check_serving_weights(drafter: "Drafter", weights: dict[str, torch.Tensor], 
     Raises:
         SpeculatorsError: a training-side tensor among ``weights``, naming it and where it belongs.
     """
-    declared = tuple(getattr(type(drafter), "training_state_tensors", None) or ())
+    declared = tuple(drafter.serving.training_state_tensors)
     bad = sorted(n for n in weights if n in declared or n.rsplit(".", 1)[-1] in declared)
     if bad:
         raise SpeculatorsError(f"{path}: {bad} is training-side state of the {drafter.algorithm} drafter and may "
@@ -401,11 +402,11 @@ def check_serving_weights(drafter: "Drafter", weights: dict[str, torch.Tensor], 
 
 
 def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The ``config.json`` of ``drafter``: its ``export_config()``, ``speculators_version`` and the
+    """The ``config.json`` of ``drafter``: its serving format's ``config(drafter)``, ``speculators_version`` and the
     ``speculators_training`` block (family config, :class:`TargetMeta`, and, when the drafter was trained
     jointly with the target (``drafter.trains_target``), the adapter directory ``target_adapter``).
     ``dtype``: the dtype the weights are written in (``torch_dtype`` then names it; None = as exported)."""
-    cfg = drafter.export_config()
+    cfg = drafter.serving.config(drafter)
     if dtype is not None and "torch_dtype" in cfg:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg["speculators_version"] = __version__
@@ -420,7 +421,7 @@ def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> d
 def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | None = None,
                     extra_files: dict[str, str] | None = None, overwrite: bool = True, extra=None,
                     target=None, dtype: str | None = None, frozen_copies: bool = True) -> Path:
-    """Write ``config.json`` (:func:`checkpoint_config`), ``model.safetensors`` (``export_state_dict``),
+    """Write ``config.json`` (:func:`checkpoint_config`), ``model.safetensors`` (``serving.state_dict``),
     ``recipe.yaml`` (when given) and ``extra_files`` (name -> text) atomically to ``path``.
 
     ``dtype`` (``train.save_dtype``: bfloat16 | float16 | float32; None = as trained, exact) is the dtype
@@ -445,8 +446,7 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
     import shutil
 
     dt = save_dtype(dtype)
-    weights = cast_weights(drafter.export_state_dict(), dt,
-                           tuple(getattr(type(drafter), "full_precision_weights", None) or ()))
+    weights = cast_weights(drafter.serving.state_dict(drafter), dt, tuple(drafter.serving.full_precision_weights))
     check_serving_weights(drafter, weights, path)
     omitted = [] if frozen_copies else sorted(n for n in omittable_target_weights(drafter) if n in weights)
     for name in omitted:
@@ -494,7 +494,7 @@ def from_pretrained(path: str | Path) -> "Drafter":
             facts, weights that do not match, or a NaN/inf in a weight (of the drafter or of a joint
             run's target adapter), naming the file and the tensor.
     """
-    from .base import registry
+    from .registry import registry
 
     path = Path(path)
     cfg_file = path / CONFIG_NAME
@@ -506,11 +506,12 @@ def from_pretrained(path: str | Path) -> "Drafter":
     except ValueError as e:  # pydantic ValidationError
         raise SpeculatorsError(f"{cfg_file}: invalid drafter config: {e}".splitlines()[0]) from None
     meta = read_target_meta(raw, cfg_file)
-    cls.check_aux_layer_ids(meta.aux_layer_ids, meta.target_num_layers, f"{cfg_file}: {TRAINING_KEY}.target.aux_layer_ids")
+    cls.serving.check_aux_layer_ids(meta.aux_layer_ids, meta.target_num_layers,
+                                    f"{cfg_file}: {TRAINING_KEY}.target.aux_layer_ids")
     weights = load_weights(path / WEIGHTS_NAME)
     drafter = cls._build(cfg, meta, weights)
     omitted = [n for n in block.get(OMITTED_KEY) or [] if n in frozen_target_weights(drafter) and n not in weights]
-    drafter.load_export_state_dict(complete_frozen_copies(drafter, weights) if omitted else weights)
+    drafter.serving.load_state_dict(drafter, complete_frozen_copies(drafter, weights) if omitted else weights)
     if omitted:  # taken from the target by attach_target; NaN until then
         with torch.no_grad():
             for name in omitted:

@@ -68,8 +68,10 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, draft_to_target, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, register
+from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
+from .registry import register
+from .serving_format import ServingFormat
 from .anchors import AnchorSeeds, sample_anchors, valid_anchor_positions
 from .layers import DecoderLayer, KVCache, RMSNorm, Rotary, head_dim, layer_config
 
@@ -198,6 +200,69 @@ class DFlashState:
     last_id: int
 
 
+class DFlashFormat(ServingFormat):
+    """DFlash's serving format: vllm-project/speculators' ``dflash`` config and weight names (vLLM:
+    ``method: dflash``, ``DFlashQwen3ForCausalLM``); one aux layer per tap, any number of taps."""
+
+    algorithm = "dflash"
+    aux_layer_count = (1, None)  # vLLM's DFlash/DSpark fc takes len(aux layers) x hidden
+    aux_layer_count_reason = "vLLM's fc takes one hidden state per tap"
+    vllm_method = "dflash"  # vLLM's speculators loader maps `dflash` to DFlashQwen3ForCausalLM
+    serving_aux_ids_key = "aux_hidden_state_layer_ids"
+
+    def default_aux_layer_ids(self, num_layers: int, cfg: DFlashConfig) -> list[int]:
+        """DFlash's default taps (:func:`dflash_aux_layer_ids` with one tap per draft layer).
+
+        Raises:
+            SpeculatorsError: a target too shallow for one distinct tap per draft layer.
+        """
+        return self.check_aux_layer_ids(dflash_aux_layer_ids(num_layers, cfg.num_layers), num_layers)
+
+    def config(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        """vllm-project/speculators ``dflash`` config (FORMATS.md); vLLM serves it as method ``dflash``."""
+        m, cfg = drafter.meta, drafter.cfg
+        layer = export.transformer_layer_config(drafter.layer_cfg)
+        layer["model_type"] = "qwen3"  # Qwen3 layers: per-head q/k norms (vLLM's DFlashQwen3 layout)
+        layer["architectures"] = ["Qwen3ForCausalLM"]
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "speculators_model_type": "dflash",
+            "speculators_config": export.speculators_config(drafter.algorithm, cfg.block_size - 1,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_config": layer,
+            "draft_vocab_size": int(drafter.d2t.numel()) if drafter.reduced_vocab else m.vocab_size,
+            "block_size": cfg.block_size,
+            "aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
+            "mask_token_id": cfg.mask_token_id,
+            "sample_from_anchor": False,
+            "target_hidden_size": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+    def speculative_tokens(self, config: dict[str, Any]) -> int | None:
+        """``block_size - 1`` (the speculators block), else ``config["block_size"] - 1``."""
+        k = export.speculative_tokens(config)
+        if k is None and isinstance(config.get("block_size"), int):
+            k = config["block_size"] - 1
+        return k
+
+    def reference_parity_step(self, drafter: DFlashDrafter, config: dict[str, Any], ids: list[int], feats_ours,
+                              feats_ref):
+        """Every slot of one block anchored at the last token ``x_a`` (``a = T - 1``), context the features
+        of positions ``0..a-1`` (the export gate, :meth:`ServingFormat.reference_parity_step`). Ours: ``start``
+        then ``head(block_hidden(state))`` (the trained block, ``[B, N]``, slot 0 included); the
+        reference: one anchor pinned at ``a``, mask tokens after it."""
+        from .parity_inputs import ParityStep, block_reference_inputs, reference_anchor_pin
+
+        t = torch.tensor(ids, dtype=torch.long)
+        a = len(ids) - 1
+        logits = drafter.head(drafter.block_hidden(drafter.start(t, feats_ours.slice(0, a)))).float()
+        pad = [int(config.get("mask_token_id") or 0)] * (drafter.block_size - 1)
+        return ParityStep(block_reference_inputs(drafter.block_size, ids, feats_ref, pad), {"max_anchors": 1},
+                          reference_anchor_pin(a, "speculators.models.dflash.core"), {"logits": logits})
+
+
 @register
 class DFlashDrafter(Drafter):
     """DFlash drafter (see the module docstring). Shapes: ``B`` batch, ``T`` sequence, ``A`` anchors per
@@ -205,10 +270,7 @@ class DFlashDrafter(Drafter):
 
     algorithm = "dflash"
     config_class = DFlashConfig
-    aux_layer_count = (1, None)  # vLLM's DFlash/DSpark fc takes len(aux layers) x hidden
-    aux_layer_count_reason = "vLLM's fc takes one hidden state per tap"
-    vllm_method = "dflash"  # vLLM's speculators loader maps `dflash` to DFlashQwen3ForCausalLM
-    serving_aux_ids_key = "aux_hidden_state_layer_ids"
+    serving = DFlashFormat()
 
     def __init__(self, cfg: DFlashConfig, meta: TargetMeta | dict, draft_vocab_size: int | None = None):
         """Raises:
@@ -243,15 +305,6 @@ class DFlashDrafter(Drafter):
         self._anchor_seeds = AnchorSeeds()
 
     # ------------------------------------------------------------------ construction
-    @classmethod
-    def default_aux_layer_ids(cls, num_layers: int, cfg: DFlashConfig) -> list[int]:
-        """DFlash's default taps (:func:`dflash_aux_layer_ids` with one tap per draft layer).
-
-        Raises:
-            SpeculatorsError: a target too shallow for one distinct tap per draft layer.
-        """
-        return cls.check_aux_layer_ids(dflash_aux_layer_ids(num_layers, cfg.num_layers), num_layers)
-
     @classmethod
     def from_target(cls, cfg: DFlashConfig, target, vocab: DraftVocab) -> "DFlashDrafter":
         """A fresh drafter for ``target``: the target's embedding and head are attached (frozen, not
@@ -634,48 +687,3 @@ class DFlashDrafter(Drafter):
         ids, q = sample_draft(logits, sampling, generator, d2t=self.d2t if self.reduced_vocab else None,
                               vocab_size=self.meta.vocab_size)
         return Proposal(ids.to(torch.int64), q)
-
-    # ------------------------------------------------------------------ formats
-    @classmethod
-    def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
-        """``block_size - 1`` (the speculators block), else ``config["block_size"] - 1``."""
-        k = export.speculative_tokens(config)
-        if k is None and isinstance(config.get("block_size"), int):
-            k = config["block_size"] - 1
-        return k
-
-    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
-        """Every slot of one block anchored at the last token ``x_a`` (``a = T - 1``), context the features
-        of positions ``0..a-1`` (the export gate, :meth:`Drafter.reference_parity_step`). Ours: ``start``
-        then ``head(block_hidden(state))`` (the trained block, ``[B, N]``, slot 0 included); the
-        reference: one anchor pinned at ``a``, mask tokens after it."""
-        from .parity_inputs import ParityStep, block_reference_inputs, reference_anchor_pin
-
-        t = torch.tensor(ids, dtype=torch.long)
-        a = len(ids) - 1
-        logits = self.head(self.block_hidden(self.start(t, feats_ours.slice(0, a)))).float()
-        pad = [int(config.get("mask_token_id") or 0)] * (self.block_size - 1)
-        return ParityStep(block_reference_inputs(self.block_size, ids, feats_ref, pad), {"max_anchors": 1},
-                          reference_anchor_pin(a, "speculators.models.dflash.core"), {"logits": logits})
-
-    def export_config(self) -> dict[str, Any]:
-        """vllm-project/speculators ``dflash`` config (FORMATS.md); vLLM serves it as method ``dflash``."""
-        m, cfg = self.meta, self.cfg
-        layer = export.transformer_layer_config(self.layer_cfg)
-        layer["model_type"] = "qwen3"  # Qwen3 layers: per-head q/k norms (vLLM's DFlashQwen3 layout)
-        layer["architectures"] = ["Qwen3ForCausalLM"]
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "speculators_model_type": "dflash",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.block_size - 1,
-                                                            m.name_or_path, m.architectures),
-            "transformer_layer_config": layer,
-            "draft_vocab_size": int(self.d2t.numel()) if self.reduced_vocab else m.vocab_size,
-            "block_size": cfg.block_size,
-            "aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
-            "mask_token_id": cfg.mask_token_id,
-            "sample_from_anchor": False,
-            "target_hidden_size": None,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }

@@ -91,9 +91,10 @@ from .. import export
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
-from .base import Proposal, calibrated_confidence_logits, register
+from .base import Proposal, calibrated_confidence_logits
 from .checkpoint import TargetMeta
-from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashState
+from .registry import register
+from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashFormat, DFlashState
 
 MARKOV_HEAD_TYPES = ("vanilla",)  # implemented; the paper's "gated" and "rnn" variants are not
 CALIBRATION_KEY = "confidence_calibration"  # speculators_training entry of the confidence calibration
@@ -227,6 +228,75 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).squeeze(-1).float()
 
 
+class DSparkFormat(DFlashFormat):
+    """DSpark's serving format: DFlash's (its aux taps and weight names) with a ``dspark`` config that adds the
+    Markov and confidence keys (vLLM: ``method: dspark``); its confidence calibration stays out of the weights."""
+
+    algorithm = "dspark"
+    vllm_method = "dspark"  # vLLM's DSparkProposer (vllm/v1/spec_decode/dspark.py) and its DSpark model loader
+    # the confidence calibration is training-side state: config.json's speculators_training.confidence_calibration,
+    # never model.safetensors (vLLM's DSpark loader cannot place it)
+    training_state_tensors = ("confidence_temperature", "confidence_bias")
+
+    def config(self, drafter: DSparkDrafter) -> dict[str, Any]:
+        """vllm-project/speculators-style ``dspark`` config (FORMATS.md): DFlash's keys with
+        ``sample_from_anchor: true`` and ``speculative_tokens = block_size`` plus the Markov and
+        confidence keys."""
+        cfg: DSparkConfig = drafter.cfg
+        out = super().config(drafter)
+        out.update({
+            "architectures": ["DSparkDraftModel"],
+            "speculators_model_type": "dspark",
+            "speculators_config": export.speculators_config(drafter.algorithm, cfg.block_size,
+                                                            drafter.meta.name_or_path, drafter.meta.architectures),
+            "sample_from_anchor": True,
+            "markov_rank": cfg.markov_rank,
+            "markov_head_type": cfg.markov_head_type,
+            "enable_confidence_head": cfg.enable_confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head_with_markov,
+        })
+        return out
+
+    def speculative_tokens(self, config: dict[str, Any]) -> int | None:
+        """``block_size`` (the speculators block), else ``config["block_size"]``."""
+        k = export.speculative_tokens(config)
+        if k is None and isinstance(config.get("block_size"), int):
+            k = config["block_size"]
+        return k
+
+    def reference_parity_step(self, drafter: DSparkDrafter, config: dict[str, Any], ids: list[int], feats_ours,
+                              feats_ref):
+        """One block anchored at ``x_a`` (the export gate, :meth:`ServingFormat.reference_parity_step`): the
+        Markov-corrected logits of every slot along OUR greedy chain (slot j conditions on the anchor,
+        then on draft j-1: vLLM's ``sample_from_anchor`` chain) and the raw confidence logits. The
+        reference reads the chain from ``input_ids`` after the anchor."""
+        from .parity_inputs import ParityStep, block_reference_inputs, reference_anchor_pin
+
+        t = torch.tensor(ids, dtype=torch.long)
+        a, B = len(ids) - 1, drafter.block_size
+        st = drafter.start(t, feats_ours.slice(0, a))
+        h = drafter.block_hidden(st)
+        base = drafter.head(h).float()
+        prev = torch.tensor([st.last_id], dtype=torch.long)
+        rows, confs, chain = [], [], []
+        for j in range(B):
+            corr, e = drafter.markov_head(prev)
+            c = drafter._confidence(h[j:j + 1], e)
+            if c is not None:
+                confs.append(c.reshape(1).float())
+            row = (base[j:j + 1] + corr.float())[0]
+            rows.append(row)
+            tok = int(row.argmax())
+            tok = tok + int(drafter.d2t[tok]) if drafter.reduced_vocab else tok
+            chain.append(tok)
+            prev = torch.tensor([tok], dtype=torch.long)
+        out = {"logits": torch.stack(rows)}
+        if confs:
+            out["confidence_logits"] = torch.cat(confs)
+        pin = reference_anchor_pin(a, "speculators.models.dspark.core", confidence_arg=2)
+        return ParityStep(block_reference_inputs(B, ids, feats_ref, chain[:B - 1]), {"max_anchors": 1}, pin, out)
+
+
 @register
 class DSparkDrafter(DFlashDrafter):
     """DSpark drafter (see the module docstring). Shapes: ``B`` batch, ``T`` sequence, ``A`` anchors per
@@ -234,12 +304,9 @@ class DSparkDrafter(DFlashDrafter):
 
     algorithm = "dspark"
     config_class = DSparkConfig
-    vllm_method = "dspark"  # vLLM's DSparkProposer (vllm/v1/spec_decode/dspark.py) and its DSpark model loader
+    serving = DSparkFormat()
     sample_from_anchor: ClassVar[bool] = True
     max_speculative_tokens_source = "drafter.block_size"
-    # the confidence calibration is training-side state: config.json's speculators_training.confidence_calibration,
-    # never model.safetensors (vLLM's DSpark loader cannot place it)
-    training_state_tensors: ClassVar[tuple[str, ...]] = ("confidence_temperature", "confidence_bias")
 
     def __init__(self, cfg: DSparkConfig, meta: TargetMeta | dict, draft_vocab_size: int | None = None):
         """Raises:
@@ -516,62 +583,3 @@ class DSparkDrafter(DFlashDrafter):
             prev = tok.reshape(1).to(device=h.device, dtype=torch.int64)
         return Proposal(torch.cat(ids).to(torch.int64), torch.cat(probs) if probs else None,
                         torch.cat(confs).float().cpu() if confs else None)
-
-    # ------------------------------------------------------------------ formats
-    @classmethod
-    def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
-        """``block_size`` (the speculators block), else ``config["block_size"]``."""
-        k = export.speculative_tokens(config)
-        if k is None and isinstance(config.get("block_size"), int):
-            k = config["block_size"]
-        return k
-
-    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
-        """One block anchored at ``x_a`` (the export gate, :meth:`Drafter.reference_parity_step`): the
-        Markov-corrected logits of every slot along OUR greedy chain (slot j conditions on the anchor,
-        then on draft j-1: vLLM's ``sample_from_anchor`` chain) and the raw confidence logits. The
-        reference reads the chain from ``input_ids`` after the anchor."""
-        from .parity_inputs import ParityStep, block_reference_inputs, reference_anchor_pin
-
-        t = torch.tensor(ids, dtype=torch.long)
-        a, B = len(ids) - 1, self.block_size
-        st = self.start(t, feats_ours.slice(0, a))
-        h = self.block_hidden(st)
-        base = self.head(h).float()
-        prev = torch.tensor([st.last_id], dtype=torch.long)
-        rows, confs, chain = [], [], []
-        for j in range(B):
-            corr, e = self.markov_head(prev)
-            c = self._confidence(h[j:j + 1], e)
-            if c is not None:
-                confs.append(c.reshape(1).float())
-            row = (base[j:j + 1] + corr.float())[0]
-            rows.append(row)
-            tok = int(row.argmax())
-            tok = tok + int(self.d2t[tok]) if self.reduced_vocab else tok
-            chain.append(tok)
-            prev = torch.tensor([tok], dtype=torch.long)
-        out = {"logits": torch.stack(rows)}
-        if confs:
-            out["confidence_logits"] = torch.cat(confs)
-        pin = reference_anchor_pin(a, "speculators.models.dspark.core", confidence_arg=2)
-        return ParityStep(block_reference_inputs(B, ids, feats_ref, chain[:B - 1]), {"max_anchors": 1}, pin, out)
-
-    def export_config(self) -> dict[str, Any]:
-        """vllm-project/speculators-style ``dspark`` config (FORMATS.md): DFlash's keys with
-        ``sample_from_anchor: true`` and ``speculative_tokens = block_size`` plus the Markov and
-        confidence keys."""
-        cfg: DSparkConfig = self.cfg
-        out = super().export_config()
-        out.update({
-            "architectures": ["DSparkDraftModel"],
-            "speculators_model_type": "dspark",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.block_size,
-                                                            self.meta.name_or_path, self.meta.architectures),
-            "sample_from_anchor": True,
-            "markov_rank": cfg.markov_rank,
-            "markov_head_type": cfg.markov_head_type,
-            "enable_confidence_head": cfg.enable_confidence_head,
-            "confidence_head_with_markov": cfg.confidence_head_with_markov,
-        })
-        return out

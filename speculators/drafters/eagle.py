@@ -36,8 +36,10 @@ from .. import export
 from ..data.vocab import DraftVocab
 from ..losses import chained_acceptance, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, register
+from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
+from .registry import register
+from .serving_format import ServingFormat
 from .layers import (
     DecoderLayer,
     KVCache,
@@ -88,15 +90,44 @@ class EagleState:
     last_logits: torch.Tensor   # [V] target-head logits of last_feature
 
 
+class EagleFormat(ServingFormat):
+    """EAGLE-1's serving format: vllm-project/speculators' ``eagle`` config over vLLM's native EAGLE-1 weight
+    names (``EagleLlamaForCausalLM``); vLLM's speculators loader has no ``eagle`` entry (:attr:`vllm_note`)."""
+
+    algorithm = "eagle"
+    vllm_note = ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
+                 "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
+    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}  # vLLM shares the target's (not in final/)
+
+    def config(self, drafter: EagleDrafter) -> dict[str, Any]:
+        """Speculators-style ``eagle`` config (keys of vllm-project/speculators' EagleSpeculatorConfig).
+
+        Weights (``state_dict``) use vLLM's native EAGLE-1 names: ``fc.weight [H, 2H]``
+        (``fc.bias [H]`` when ``fc_bias``), ``layers.{i}.*`` (layer 0 without ``input_layernorm``),
+        ``embed_tokens.weight [V, H]`` (vLLM skips it and shares the target's); no lm_head, no norm.
+        """
+        m, cfg = drafter.meta, drafter.cfg
+        return {
+            "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+            "speculators_model_type": "eagle",
+            "speculators_config": export.speculators_config(drafter.algorithm, cfg.num_speculative_tokens,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_architecture": "LlamaDecoderLayer",
+            "transformer_layer_config": export.transformer_layer_config(drafter.layer_cfg),
+            "layernorms": False,
+            "fusion_bias": cfg.fc_bias,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+
 @register
 class EagleDrafter(Drafter):
     """EAGLE-1 drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden, ``V`` vocab."""
 
     algorithm = "eagle"
     config_class = EagleConfig
-    vllm_note = ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
-                 "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
-    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}  # vLLM shares the target's (not in final/)
+    serving = EagleFormat()
 
     def __init__(self, cfg: EagleConfig, meta: TargetMeta):
         super().__init__(cfg, meta)
@@ -329,25 +360,3 @@ class EagleDrafter(Drafter):
                 feat, logits = self._forward_cached(state.cache, emb, feat, start_pos=state.num_positions + 1 + i)
         state.cache.crop(state.num_positions)
         return Proposal(torch.tensor(toks, dtype=torch.int64), torch.stack(probs) if probs else None)
-
-    # ------------------------------------------------------------------ formats
-    def export_config(self) -> dict[str, Any]:
-        """Speculators-style ``eagle`` config (keys of vllm-project/speculators' EagleSpeculatorConfig).
-
-        Weights (``export_state_dict``) use vLLM's native EAGLE-1 names: ``fc.weight [H, 2H]``
-        (``fc.bias [H]`` when ``fc_bias``), ``layers.{i}.*`` (layer 0 without ``input_layernorm``),
-        ``embed_tokens.weight [V, H]`` (vLLM skips it and shares the target's); no lm_head, no norm.
-        """
-        m, cfg = self.meta, self.cfg
-        return {
-            "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
-            "speculators_model_type": "eagle",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.num_speculative_tokens,
-                                                            m.name_or_path, m.architectures),
-            "transformer_layer_architecture": "LlamaDecoderLayer",
-            "transformer_layer_config": export.transformer_layer_config(self.layer_cfg),
-            "layernorms": False,
-            "fusion_bias": cfg.fc_bias,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }

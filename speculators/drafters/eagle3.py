@@ -58,8 +58,10 @@ from ..losses import (
 )
 from ..verify import SamplingParams
 from ..proposal import check_batch
-from .base import Drafter, DrafterConfig, Proposal, register, request_sampling
+from .base import Drafter, DrafterConfig, Proposal, request_sampling
 from .checkpoint import TargetMeta
+from .registry import register
+from .serving_format import ServingFormat
 from .layers import (
     DecoderLayer,
     FusedInputLayer,
@@ -115,12 +117,11 @@ class Eagle3State:
     last_logits: torch.Tensor  # [N_draft] logits predicting the next token
 
 
-@register
-class Eagle3Drafter(Drafter):
-    """EAGLE-3 drafter (see module docstring). Tensor shapes: ``B`` batch, ``T`` sequence, ``H`` hidden."""
+class Eagle3Format(ServingFormat):
+    """EAGLE-3's serving format: vllm-project/speculators' ``eagle3`` config and weight names, which vLLM
+    loads as ``method: eagle3`` (FORMATS.md)."""
 
     algorithm = "eagle3"
-    config_class = Eagle3Config
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
     serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
@@ -131,6 +132,59 @@ class Eagle3Drafter(Drafter):
     # (``model.embed_tokens``) and vllm-project/speculators' from_pretrained would leave it at zeros
     frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
     publish_frozen_copies = True
+
+    def config(self, drafter: Eagle3Drafter) -> dict[str, Any]:
+        """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
+        m, cfg = drafter.meta, drafter.cfg
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": export.speculators_config(drafter.algorithm, cfg.num_speculative_tokens,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(drafter.layer_cfg),
+            "draft_vocab_size": int(drafter.d2t.numel()),
+            "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
+            "target_hidden_size": None,
+            "norm_before_residual": cfg.norm_before_residual,
+            "norm_before_fc": cfg.norm_before_fc,
+            # Eagle 3.1's feedback of the post-norm hidden state; written only when set (vLLM reads it with a
+            # False default), so a default export keeps FORMATS.md's key set
+            **({"norm_output": True} if cfg.norm_output else {}),
+            "embed_requires_grad": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+    def reference_parity_step(self, drafter: Eagle3Drafter, config: dict[str, Any], ids: list[int], feats_ours,
+                              feats_ref):
+        """TTT step 0 at every position (the export gate, :meth:`ServingFormat.reference_parity_step`): the
+        first draft's logits after each prefix. Ours: ``start(ids[:n+1], features[:n])`` for n = 1..T-1
+        (each a request whose first draft comes from ``last_logits``), rows ``[T-1, N]``. The reference:
+        one forward with ``ttt_steps=1`` over ``hidden_states = aux[:T-1]``, ``input_ids = ids[1:]`` (its
+        default position ids ``1..T-1``: index t pairs ``g[t]`` with ``x_{t+1}`` at position t + 1).
+
+        Raises:
+            SpeculatorsError: fewer than 2 tokens.
+        """
+        from .parity_inputs import ParityStep, reference_batch
+
+        T = len(ids)
+        if T < 2:
+            raise SpeculatorsError("parity: an EAGLE-3 sequence needs at least 2 tokens")
+        t = torch.tensor(ids, dtype=torch.long)
+        rows = [drafter.start(t[:n + 1], feats_ours.slice(0, n)).last_logits.float().reshape(-1) for n in range(1, T)]
+        ref = reference_batch(feats_ref.aux[:, :T - 1].contiguous(), t[1:], feats_ref.top.shape[-1])
+        pin = {"metrics_module": "speculators.models.eagle3.core"}
+        return ParityStep(ref, {"ttt_steps": 1}, pin, {"logits": torch.stack(rows)})
+
+
+@register
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 drafter (see module docstring). Tensor shapes: ``B`` batch, ``T`` sequence, ``H`` hidden."""
+
+    algorithm = "eagle3"
+    config_class = Eagle3Config
+    serving = Eagle3Format()
 
     def __init__(self, cfg: Eagle3Config, meta: TargetMeta, draft_vocab_size: int):
         super().__init__(cfg, meta)
@@ -170,7 +224,7 @@ class Eagle3Drafter(Drafter):
         Raises:
             SpeculatorsError: the checkpoint has no ``lm_head.weight``.
         """
-        return cls(cfg, meta, cls.draft_vocab_size_of(weights))
+        return cls(cfg, meta, cls.serving.draft_vocab_size_of(weights))
 
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
@@ -517,47 +571,3 @@ class Eagle3Drafter(Drafter):
                 logits = logits[:, 0]  # [f, N]
         return [Proposal(torch.tensor(toks[i], dtype=torch.int64), torch.stack(probs[i]) if probs[i] else None)
                 for i in range(B)]
-
-    # ------------------------------------------------------------------ formats
-    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
-        """TTT step 0 at every position (the export gate, :meth:`Drafter.reference_parity_step`): the
-        first draft's logits after each prefix. Ours: ``start(ids[:n+1], features[:n])`` for n = 1..T-1
-        (each a request whose first draft comes from ``last_logits``), rows ``[T-1, N]``. The reference:
-        one forward with ``ttt_steps=1`` over ``hidden_states = aux[:T-1]``, ``input_ids = ids[1:]`` (its
-        default position ids ``1..T-1``: index t pairs ``g[t]`` with ``x_{t+1}`` at position t + 1).
-
-        Raises:
-            SpeculatorsError: fewer than 2 tokens.
-        """
-        from .parity_inputs import ParityStep, reference_batch
-
-        T = len(ids)
-        if T < 2:
-            raise SpeculatorsError("parity: an EAGLE-3 sequence needs at least 2 tokens")
-        t = torch.tensor(ids, dtype=torch.long)
-        rows = [self.start(t[:n + 1], feats_ours.slice(0, n)).last_logits.float().reshape(-1) for n in range(1, T)]
-        ref = reference_batch(feats_ref.aux[:, :T - 1].contiguous(), t[1:], feats_ref.top.shape[-1])
-        pin = {"metrics_module": "speculators.models.eagle3.core"}
-        return ParityStep(ref, {"ttt_steps": 1}, pin, {"logits": torch.stack(rows)})
-
-    def export_config(self) -> dict[str, Any]:
-        """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
-        m, cfg = self.meta, self.cfg
-        return {
-            "architectures": ["Eagle3DraftModel"],
-            "speculators_model_type": "eagle3",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.num_speculative_tokens,
-                                                            m.name_or_path, m.architectures),
-            "transformer_layer_config": export.transformer_layer_config(self.layer_cfg),
-            "draft_vocab_size": int(self.d2t.numel()),
-            "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
-            "target_hidden_size": None,
-            "norm_before_residual": cfg.norm_before_residual,
-            "norm_before_fc": cfg.norm_before_fc,
-            # Eagle 3.1's feedback of the post-norm hidden state; written only when set (vLLM reads it with a
-            # False default), so a default export keeps FORMATS.md's key set
-            **({"norm_output": True} if cfg.norm_output else {}),
-            "embed_requires_grad": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }

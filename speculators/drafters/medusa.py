@@ -33,7 +33,7 @@ verifies against the adapted target.
 Formats. ``export: speculators`` (default) writes the vllm-project/speculators ``medusa`` config (which
 vLLM maps to its ``MedusaModel``) with ``lm_heads`` over the draft vocabulary, ``d2t``/``t2d`` and, for a
 truncated vocabulary, vLLM's ``token_map`` + ``truncated_vocab_size``. ``export: vllm-medusa`` writes
-vLLM's native Medusa config and full-vocabulary ``lm_heads`` (see :meth:`MedusaDrafter.export_state_dict`).
+vLLM's native Medusa config and full-vocabulary ``lm_heads`` (see :meth:`MedusaFormat.state_dict`).
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ from ..losses import (
     target_to_draft,
 )
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, register
+from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
+from .registry import register
+from .serving_format import ServingFormat
 from .joint import JointConfig
 from .layers import layer_config
 
@@ -100,6 +102,105 @@ class MedusaState:
     logits: torch.Tensor  # [K, N_draft] float32; row k-1 predicts x_{n+k}
 
 
+class MedusaFormat(ServingFormat):
+    """Medusa's serving formats (``drafter.export``): vllm-project/speculators' ``medusa`` config (default)
+    or vLLM's native Medusa config and weights (``vllm-medusa``, the one vLLM loads, ``method: medusa``)."""
+
+    algorithm = "medusa"
+
+    def vllm_serving(self, config: dict[str, Any]) -> tuple[str | None, str]:
+        """vLLM loads Medusa in its own layout (``export: vllm-medusa``, ``method: medusa``) only."""
+        method = "medusa" if config.get("model_type") == "medusa" else None
+        return export.vllm_serving(self.algorithm, method, "vLLM loads Medusa heads in its own layout: train with "
+                                                           "`drafter.export: vllm-medusa`")
+
+    def speculative_tokens(self, config: dict[str, Any]) -> int | None:
+        """vLLM's native Medusa config has no speculators block: K is its ``num_heads``."""
+        return super().speculative_tokens(config) or config.get("num_heads")
+
+    def config(self, drafter: MedusaDrafter) -> dict[str, Any]:
+        """``config.json``: vllm-project/speculators ``medusa`` (default) or vLLM's native Medusa config.
+
+        Both carry what vLLM's ``MedusaConfig``/``Medusa`` read: ``num_heads``, ``num_hidden_layers``
+        (residual blocks per head), hidden/vocab sizes, ``medusa_fc_bias: true`` (our blocks have a bias;
+        vLLM's default is no bias) and, for a draft vocabulary of N < V tokens, ``truncated_vocab_size: N``
+        (vLLM then reads the ``token_map`` weight and scatters each head's N logits into the full vocab,
+        -inf elsewhere).
+        """
+        m, cfg = drafter.meta, drafter.cfg
+        H, V, N = m.hidden_size, m.vocab_size, int(drafter.d2t.numel())
+        # vLLM builds its ResidualBlock linears with a bias only when medusa_fc_bias is true
+        heads = {"num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+                 "medusa_fc_bias": True, "original_lm_head": False}
+        if cfg.export == "vllm-medusa":
+            out = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": H,
+                   "vocab_size": V, **heads}
+            if N < V:
+                out["truncated_vocab_size"] = N
+            return out
+        layer = layer_config(m.target_config, num_hidden_layers=cfg.num_layers)
+        return {
+            "architectures": ["MedusaModel"],
+            "speculators_model_type": "medusa",
+            "speculators_config": export.speculators_config(drafter.algorithm, cfg.num_heads, m.name_or_path,
+                                                            m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(layer),
+            "draft_vocab_size": N,
+            "medusa_hidden_size": H,
+            "medusa_vocab_size": V,
+            **heads,
+            "truncated_vocab_size": N if N < V else 0,  # speculators' convention: 0 = full vocab
+            "head_weight_decay": cfg.head_decay,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+    def state_dict(self, drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+        """Weights of the configured layout.
+
+        speculators: ``blocks.{k}.layers.{j}.weight|bias``, ``lm_heads.{k}.weight [N, H]``, ``d2t [N]``,
+        ``t2d [V]`` and, when N < V, ``token_map [N]`` int64 (target ids; what vLLM reads).
+        vllm-medusa: ``blocks.*``, ``lm_heads.{k}.weight [V, H]`` over the full vocabulary (rows outside the
+        draft vocab are zero; vLLM keeps only the ``token_map`` rows when ``truncated_vocab_size < V``)
+        and ``token_map`` when N < V; no d2t/t2d.
+        """
+        sd = drafter.drafter_state_dict()
+        if not drafter.full_vocab:
+            sd["token_map"] = drafter.draft_ids.detach().clone()
+        if drafter.cfg.export == "vllm-medusa":
+            del sd["d2t"], sd["t2d"]
+            if not drafter.full_vocab:
+                V, ids = drafter.t2d.numel(), drafter.draft_ids
+                for i in range(drafter.num_heads):
+                    w = sd[f"lm_heads.{i}.weight"]
+                    full = torch.zeros(V, w.shape[1], dtype=w.dtype, device=w.device)
+                    full[ids] = w
+                    sd[f"lm_heads.{i}.weight"] = full
+        return sd
+
+    def load_state_dict(self, drafter: MedusaDrafter, sd: dict[str, torch.Tensor]) -> None:
+        """Load either layout (see :meth:`state_dict`) into the module.
+
+        Raises:
+            SpeculatorsError: the draft vocabulary or weight names/shapes do not match this module.
+        """
+        sd = dict(sd)
+        token_map = sd.pop("token_map", None)
+        if "d2t" not in sd:  # vLLM layout: rebuild d2t/t2d from token_map, gather the lm_head rows
+            V, N = drafter.t2d.numel(), drafter.d2t.numel()
+            ids = token_map.to(torch.int64) if token_map is not None else torch.arange(V)
+            if ids.numel() != N:
+                raise SpeculatorsError(f"medusa checkpoint: token_map has {ids.numel()} ids, expected {N}")
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[ids] = True
+            sd["d2t"], sd["t2d"] = ids - torch.arange(N), t2d
+            for i in range(drafter.num_heads):
+                w = sd.get(f"lm_heads.{i}.weight")
+                if w is not None and w.shape[0] == V and N < V:
+                    sd[f"lm_heads.{i}.weight"] = w[ids]
+        super().load_state_dict(drafter, sd)
+
+
 @register
 class MedusaDrafter(Drafter):
     """Medusa drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden,
@@ -107,18 +208,7 @@ class MedusaDrafter(Drafter):
 
     algorithm = "medusa"
     config_class = MedusaConfig
-
-    @classmethod
-    def vllm_serving(cls, config: dict[str, Any]) -> tuple[str | None, str]:
-        """vLLM loads Medusa in its own layout (``export: vllm-medusa``, ``method: medusa``) only."""
-        method = "medusa" if config.get("model_type") == "medusa" else None
-        return export.vllm_serving(cls.algorithm, method, "vLLM loads Medusa heads in its own layout: train with "
-                                                          "`drafter.export: vllm-medusa`")
-
-    @classmethod
-    def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
-        """vLLM's native Medusa config has no speculators block: K is its ``num_heads``."""
-        return super().speculative_tokens(config) or config.get("num_heads")
+    serving = MedusaFormat()
 
     def __init__(self, cfg: MedusaConfig, meta: TargetMeta, draft_vocab_size: int):
         super().__init__(cfg, meta)
@@ -310,86 +400,3 @@ class MedusaDrafter(Drafter):
             return Proposal(torch.empty(0, dtype=torch.int64))
         ids, probs = sample_draft(state.logits[:kk], sampling, generator, d2t=self.d2t, vocab_size=self.t2d.numel())
         return Proposal(ids, probs)
-
-    # ------------------------------------------------------------------ formats
-    def export_config(self) -> dict[str, Any]:
-        """``config.json``: vllm-project/speculators ``medusa`` (default) or vLLM's native Medusa config.
-
-        Both carry what vLLM's ``MedusaConfig``/``Medusa`` read: ``num_heads``, ``num_hidden_layers``
-        (residual blocks per head), hidden/vocab sizes, ``medusa_fc_bias: true`` (our blocks have a bias;
-        vLLM's default is no bias) and, for a draft vocabulary of N < V tokens, ``truncated_vocab_size: N``
-        (vLLM then reads the ``token_map`` weight and scatters each head's N logits into the full vocab,
-        -inf elsewhere).
-        """
-        m, cfg = self.meta, self.cfg
-        H, V, N = m.hidden_size, m.vocab_size, int(self.d2t.numel())
-        # vLLM builds its ResidualBlock linears with a bias only when medusa_fc_bias is true
-        heads = {"num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
-                 "medusa_fc_bias": True, "original_lm_head": False}
-        if cfg.export == "vllm-medusa":
-            out = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": H,
-                   "vocab_size": V, **heads}
-            if N < V:
-                out["truncated_vocab_size"] = N
-            return out
-        layer = layer_config(m.target_config, num_hidden_layers=cfg.num_layers)
-        return {
-            "architectures": ["MedusaModel"],
-            "speculators_model_type": "medusa",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.num_heads, m.name_or_path,
-                                                            m.architectures),
-            "transformer_layer_config": export.transformer_layer_config(layer),
-            "draft_vocab_size": N,
-            "medusa_hidden_size": H,
-            "medusa_vocab_size": V,
-            **heads,
-            "truncated_vocab_size": N if N < V else 0,  # speculators' convention: 0 = full vocab
-            "head_weight_decay": cfg.head_decay,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }
-
-    def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights of the configured layout.
-
-        speculators: ``blocks.{k}.layers.{j}.weight|bias``, ``lm_heads.{k}.weight [N, H]``, ``d2t [N]``,
-        ``t2d [V]`` and, when N < V, ``token_map [N]`` int64 (target ids; what vLLM reads).
-        vllm-medusa: ``blocks.*``, ``lm_heads.{k}.weight [V, H]`` over the full vocabulary (rows outside the
-        draft vocab are zero; vLLM keeps only the ``token_map`` rows when ``truncated_vocab_size < V``)
-        and ``token_map`` when N < V; no d2t/t2d.
-        """
-        sd = self.drafter_state_dict()
-        if not self.full_vocab:
-            sd["token_map"] = self.draft_ids.detach().clone()
-        if self.cfg.export == "vllm-medusa":
-            del sd["d2t"], sd["t2d"]
-            if not self.full_vocab:
-                V, ids = self.t2d.numel(), self.draft_ids
-                for i in range(self.num_heads):
-                    w = sd[f"lm_heads.{i}.weight"]
-                    full = torch.zeros(V, w.shape[1], dtype=w.dtype, device=w.device)
-                    full[ids] = w
-                    sd[f"lm_heads.{i}.weight"] = full
-        return sd
-
-    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load either layout (see :meth:`export_state_dict`) into the module.
-
-        Raises:
-            SpeculatorsError: the draft vocabulary or weight names/shapes do not match this module.
-        """
-        sd = dict(sd)
-        token_map = sd.pop("token_map", None)
-        if "d2t" not in sd:  # vLLM layout: rebuild d2t/t2d from token_map, gather the lm_head rows
-            V, N = self.t2d.numel(), self.d2t.numel()
-            ids = token_map.to(torch.int64) if token_map is not None else torch.arange(V)
-            if ids.numel() != N:
-                raise SpeculatorsError(f"medusa checkpoint: token_map has {ids.numel()} ids, expected {N}")
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[ids] = True
-            sd["d2t"], sd["t2d"] = ids - torch.arange(N), t2d
-            for i in range(self.num_heads):
-                w = sd.get(f"lm_heads.{i}.weight")
-                if w is not None and w.shape[0] == V and N < V:
-                    sd[f"lm_heads.{i}.weight"] = w[ids]
-        super().load_export_state_dict(sd)

@@ -72,8 +72,10 @@ from .. import export
 from ..data.vocab import DraftVocab
 from ..losses import chained_acceptance, hard_cross_entropy, sample_draft, soft_cross_entropy
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, register
+from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
+from .registry import register
+from .serving_format import ServingFormat
 from .joint import JointConfig
 from .layers import (
     DecoderLayer,
@@ -189,16 +191,43 @@ def committed(n: int, k: int) -> int:
     return max(0, n - k + 1)
 
 
+class MTPFormat(ServingFormat):
+    """MTP's serving format: a vllm-project/speculators-style ``mtp`` config over our Llama-block MTP modules;
+    vLLM has no loader for it as written (:attr:`vllm_note`)."""
+
+    algorithm = "mtp"
+    vllm_note = ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
+                 "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
+    # the target's embedding, like shared_head (= its norm and lm_head): a converter copies it (not in final/)
+    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
+
+    def config(self, drafter: MTPDrafter) -> dict[str, Any]:
+        """vllm-project/speculators-style ``mtp`` config (FORMATS.md)."""
+        m, cfg = drafter.meta, drafter.cfg
+        # the target's config with the RoPE the block was trained with (layer_config drops partial rotary)
+        tcfg = m.target_config
+        layer = layer_config(tcfg, num_hidden_layers=int(tcfg.get("num_hidden_layers", 1)))
+        return {
+            "architectures": ["MTPDraftModel"],
+            "speculators_model_type": "mtp",
+            "speculators_config": export.speculators_config(drafter.algorithm,
+                                                            cfg.num_speculative_tokens or cfg.num_modules,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(layer),
+            "num_nextn_predict_layers": cfg.num_modules,
+            "draft_vocab_size": m.vocab_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+
 @register
 class MTPDrafter(Drafter):
     """MTP drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden, ``V`` vocab."""
 
     algorithm = "mtp"
     config_class = MTPConfig
-    vllm_note = ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
-                 "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
-    # the target's embedding, like shared_head (= its norm and lm_head): a converter copies it (not in final/)
-    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
+    serving = MTPFormat()
 
     def __init__(self, cfg: MTPConfig, meta: TargetMeta):
         super().__init__(cfg, meta)
@@ -404,22 +433,3 @@ class MTPDrafter(Drafter):
         finally:
             self._rollback(state)
         return Proposal(torch.tensor(drafts, dtype=torch.int64), torch.stack(probs) if probs else None)
-
-    # ------------------------------------------------------------------ formats
-    def export_config(self) -> dict[str, Any]:
-        """vllm-project/speculators-style ``mtp`` config (FORMATS.md)."""
-        m, cfg = self.meta, self.cfg
-        # the target's config with the RoPE the block was trained with (layer_config drops partial rotary)
-        tcfg = m.target_config
-        layer = layer_config(tcfg, num_hidden_layers=int(tcfg.get("num_hidden_layers", 1)))
-        return {
-            "architectures": ["MTPDraftModel"],
-            "speculators_model_type": "mtp",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.num_speculative_tokens or cfg.num_modules,
-                                                            m.name_or_path, m.architectures),
-            "transformer_layer_config": export.transformer_layer_config(layer),
-            "num_nextn_predict_layers": cfg.num_modules,
-            "draft_vocab_size": m.vocab_size,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }

@@ -1,7 +1,8 @@
 """What a family's first drafting step hands the export gate (:mod:`speculators.export.parity`).
 
 A family that the reference implementation (vllm-project/speculators) also implements in our export
-layout overrides :meth:`speculators.drafters.base.Drafter.reference_parity_step`: it runs OUR drafter's
+layout overrides its serving format's
+:meth:`speculators.drafters.serving_format.ServingFormat.reference_parity_step`: it runs OUR drafter's
 first drafting step on one sequence and says how the reference must be driven to compute the same
 step, as a :class:`ParityStep`. The helpers here build the inputs the reference's training-style
 forward takes (its ``hidden_states`` / ``input_ids`` / ``loss_mask`` / ``document_ids`` /

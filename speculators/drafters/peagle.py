@@ -62,8 +62,10 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, sample_draft, soft_cross_entropy
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, register
+from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
+from .registry import register
+from .serving_format import ServingFormat
 from .layers import (
     DecoderLayer,
     FusedInputLayer,
@@ -138,6 +140,94 @@ def _resolve_mask_token_id(cfg: PEagleConfig, target) -> int:
     return int(mid)
 
 
+class PEagleFormat(ServingFormat):
+    """P-EAGLE's serving format: vllm-project/speculators' ``peagle`` config (EAGLE-3's keys and weight names
+    plus the mask token), which vLLM serves as ``method: eagle3`` with ``parallel_drafting``."""
+
+    algorithm = "peagle"
+    vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
+    serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
+    legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
+    aux_layer_count = (3, 3)
+    aux_layer_count_reason = "vLLM serves it as eagle3 and sizes fc as 3 x hidden"
+
+    def config(self, drafter: PEagleDrafter) -> dict[str, Any]:
+        """vllm-project/speculators ``peagle`` config (FORMATS.md): EAGLE-3's keys plus ``mask_token_id``
+        and ``embed_requires_grad: true``; ``speculative_tokens`` = ``num_depths``. vLLM maps it to
+        ``method: eagle3`` with ``parallel_drafting``."""
+        m, cfg = drafter.meta, drafter.cfg
+        return {
+            "architectures": ["PEagleSpeculator"],
+            "speculators_model_type": "peagle",
+            "speculators_config": export.speculators_config(drafter.algorithm, cfg.num_depths,
+                                                            m.name_or_path, m.architectures),
+            "transformer_layer_config": export.transformer_layer_config(drafter.layer_cfg),
+            "draft_vocab_size": int(drafter.d2t.numel()),
+            "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
+            "target_hidden_size": None,
+            "norm_before_residual": False,
+            "norm_before_fc": cfg.norm_before_fc,
+            "embed_requires_grad": True,
+            "mask_token_id": int(cfg.mask_token_id),
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+    def state_dict(self, drafter: PEagleDrafter) -> dict[str, torch.Tensor]:
+        """EAGLE-3's weight names plus ``mask_hidden [1, 1, n_aux*H]``; the learned mask embedding is the
+        row ``mask_token_id`` of ``embed_tokens.weight`` (no ``mask_embedding`` key)."""
+        sd = drafter.drafter_state_dict()
+        sd.pop("mask_embedding")
+        return sd
+
+    def load_state_dict(self, drafter: PEagleDrafter, sd: dict[str, torch.Tensor]) -> None:
+        """Load :meth:`state_dict` weights; ``mask_embedding`` is read from the row
+        ``mask_token_id`` of ``embed_tokens.weight``.
+
+        Raises:
+            SpeculatorsError: missing/unexpected names or shapes that do not match this config.
+        """
+        sd = dict(sd)
+        emb = sd.get("embed_tokens.weight")
+        if emb is not None and "mask_embedding" not in sd:
+            if emb.dim() != 2 or emb.shape[0] <= drafter.cfg.mask_token_id:
+                raise SpeculatorsError(f"checkpoint weights do not match peagle: embed_tokens.weight has shape "
+                                       f"{tuple(emb.shape)}, no row mask_token_id={drafter.cfg.mask_token_id}")
+            sd["mask_embedding"] = emb[drafter.cfg.mask_token_id].clone()
+        super().load_state_dict(drafter, sd)
+
+    def speculative_tokens(self, config: dict[str, Any]) -> int | None:
+        """K of a ``peagle`` config: ``speculative_tokens`` (= the number of trained depths)."""
+        return export.speculative_tokens(config)
+
+    def reference_parity_step(self, drafter: PEagleDrafter, config: dict[str, Any], ids: list[int], feats_ours,
+                              feats_ref):
+        """Every depth of one parallel step after the prefix ``ids`` (``n = T - 1`` real inputs; the export
+        gate, :meth:`ServingFormat.reference_parity_step`). Ours: ``start`` (whose forward drafts all depths,
+        :meth:`PEagleDrafter._advance_one`), ``[D, N]``. The reference: every real input at depth 0 plus depths
+        ``1..D-1`` at the last one, as vLLM's parallel drafting runs them; its logits rows
+        ``n-1 .. n+D-2`` are compared."""
+        from .parity_inputs import ParityStep, reference_batch
+
+        t = torch.tensor(ids, dtype=torch.long)
+        n = len(ids) - 1
+        logits = drafter.start(t, feats_ours.slice(0, n)).draft_logits.float()
+        D = logits.shape[0]
+        T = n + D - 1
+        aux = torch.zeros(1, T, feats_ref.aux.shape[-1])
+        aux[:, :n] = feats_ref.aux[:, :n]
+        inp = torch.zeros(1, T, dtype=torch.long)
+        inp[0, :n] = t[1:]
+        ref = reference_batch(aux, inp, feats_ref.top.shape[-1], loss_mask=torch.ones(1, T))
+        # the reference's COD sampling returns (anchor positions, depths): pinned to one parallel step
+        choice = [{"values": list(range(n)) + [n - 1] * (D - 1), "dtype": "int64"},
+                  {"values": [0] * n + list(range(1, D)), "dtype": "int64"}]
+        pin = {"metrics_module": "speculators.models.peagle.core", "logits_rows": [n - 1, n - 1 + D],
+               "patches": [{"module": "speculators.models.peagle.core", "attr": "generate_cod_sample_indices",
+                            "returns": choice}]}
+        return ParityStep(ref, {"num_depths": D}, pin, {"logits": logits})
+
+
 @register
 class PEagleDrafter(Drafter):
     """P-EAGLE drafter (see the module docstring). Shapes: ``B`` batch, ``T`` sequence, ``L`` elements of
@@ -145,11 +235,7 @@ class PEagleDrafter(Drafter):
 
     algorithm = "peagle"
     config_class = PEagleConfig
-    vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
-    serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
-    legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
-    aux_layer_count = (3, 3)
-    aux_layer_count_reason = "vLLM serves it as eagle3 and sizes fc as 3 x hidden"
+    serving = PEagleFormat()
 
     def __init__(self, cfg: PEagleConfig, meta: TargetMeta, draft_vocab_size: int):
         """Raises:
@@ -205,7 +291,7 @@ class PEagleDrafter(Drafter):
         Raises:
             SpeculatorsError: the checkpoint has no ``lm_head.weight``.
         """
-        return cls(cfg, meta, cls.draft_vocab_size_of(weights))
+        return cls(cfg, meta, cls.serving.draft_vocab_size_of(weights))
 
 
     max_speculative_tokens_source = "drafter.num_depths"
@@ -553,79 +639,3 @@ class PEagleDrafter(Drafter):
         emb[self.cfg.mask_token_id] = sd["mask_embedding"].to(emb.dtype)
         sd["embed_tokens.weight"] = emb
         return sd
-
-    def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """EAGLE-3's weight names plus ``mask_hidden [1, 1, n_aux*H]``; the learned mask embedding is the
-        row ``mask_token_id`` of ``embed_tokens.weight`` (no ``mask_embedding`` key)."""
-        sd = self.drafter_state_dict()
-        sd.pop("mask_embedding")
-        return sd
-
-    def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load :meth:`export_state_dict` weights; ``mask_embedding`` is read from the row
-        ``mask_token_id`` of ``embed_tokens.weight``.
-
-        Raises:
-            SpeculatorsError: missing/unexpected names or shapes that do not match this config.
-        """
-        sd = dict(sd)
-        emb = sd.get("embed_tokens.weight")
-        if emb is not None and "mask_embedding" not in sd:
-            if emb.dim() != 2 or emb.shape[0] <= self.cfg.mask_token_id:
-                raise SpeculatorsError(f"checkpoint weights do not match peagle: embed_tokens.weight has shape "
-                                       f"{tuple(emb.shape)}, no row mask_token_id={self.cfg.mask_token_id}")
-            sd["mask_embedding"] = emb[self.cfg.mask_token_id].clone()
-        super().load_export_state_dict(sd)
-
-    @classmethod
-    def speculative_tokens(cls, config: dict[str, Any]) -> int | None:
-        """K of a ``peagle`` config: ``speculative_tokens`` (= the number of trained depths)."""
-        return export.speculative_tokens(config)
-
-    def reference_parity_step(self, config: dict[str, Any], ids: list[int], feats_ours, feats_ref):
-        """Every depth of one parallel step after the prefix ``ids`` (``n = T - 1`` real inputs; the export
-        gate, :meth:`Drafter.reference_parity_step`). Ours: ``start`` (whose forward drafts all depths,
-        :meth:`_advance_one`), ``[D, N]``. The reference: every real input at depth 0 plus depths
-        ``1..D-1`` at the last one, as vLLM's parallel drafting runs them; its logits rows
-        ``n-1 .. n+D-2`` are compared."""
-        from .parity_inputs import ParityStep, reference_batch
-
-        t = torch.tensor(ids, dtype=torch.long)
-        n = len(ids) - 1
-        logits = self.start(t, feats_ours.slice(0, n)).draft_logits.float()
-        D = logits.shape[0]
-        T = n + D - 1
-        aux = torch.zeros(1, T, feats_ref.aux.shape[-1])
-        aux[:, :n] = feats_ref.aux[:, :n]
-        inp = torch.zeros(1, T, dtype=torch.long)
-        inp[0, :n] = t[1:]
-        ref = reference_batch(aux, inp, feats_ref.top.shape[-1], loss_mask=torch.ones(1, T))
-        # the reference's COD sampling returns (anchor positions, depths): pinned to one parallel step
-        choice = [{"values": list(range(n)) + [n - 1] * (D - 1), "dtype": "int64"},
-                  {"values": [0] * n + list(range(1, D)), "dtype": "int64"}]
-        pin = {"metrics_module": "speculators.models.peagle.core", "logits_rows": [n - 1, n - 1 + D],
-               "patches": [{"module": "speculators.models.peagle.core", "attr": "generate_cod_sample_indices",
-                            "returns": choice}]}
-        return ParityStep(ref, {"num_depths": D}, pin, {"logits": logits})
-
-    def export_config(self) -> dict[str, Any]:
-        """vllm-project/speculators ``peagle`` config (FORMATS.md): EAGLE-3's keys plus ``mask_token_id``
-        and ``embed_requires_grad: true``; ``speculative_tokens`` = ``num_depths``. vLLM maps it to
-        ``method: eagle3`` with ``parallel_drafting``."""
-        m, cfg = self.meta, self.cfg
-        return {
-            "architectures": ["PEagleSpeculator"],
-            "speculators_model_type": "peagle",
-            "speculators_config": export.speculators_config(self.algorithm, cfg.num_depths,
-                                                            m.name_or_path, m.architectures),
-            "transformer_layer_config": export.transformer_layer_config(self.layer_cfg),
-            "draft_vocab_size": int(self.d2t.numel()),
-            "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
-            "target_hidden_size": None,
-            "norm_before_residual": False,
-            "norm_before_fc": cfg.norm_before_fc,
-            "embed_requires_grad": True,
-            "mask_token_id": int(cfg.mask_token_id),
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }

@@ -1,6 +1,6 @@
 """Serving formats, written once: what vLLM and the vllm-project/speculators format expect.
 
-Every family's ``export_config`` builds its ``config.json`` from these helpers (FORMATS.md), so the
+Every family's serving format (``ServingFormat.config``) builds its ``config.json`` from these helpers (FORMATS.md), so the
 common blocks, the layer-id offset and the serving facts are defined in one place:
 
 * :func:`speculators_config`: the ``speculators_config`` block (algorithm, greedy proposal method with
@@ -16,7 +16,7 @@ common blocks, the layer-id offset and the serving facts are defined in one plac
 
 This module is a leaf: it imports nothing from speculators but the error type. The package's other
 modules check exported directories (imported by name, never from here): ``vllm_layout`` (every tensor's
-name and shape against vLLM's loaders), ``parity`` (the first drafting step, each family's own ``reference_parity_step``, against
+name and shape against vLLM's loaders), ``parity`` (the first drafting step, each family's own ``ServingFormat.reference_parity_step``, against
 the reference implementation), ``reference_env`` and ``reference_worker`` (its own venv and the script run
 there), ``gate`` (both, for ``speculators check`` and the end of ``speculators train``).
 """

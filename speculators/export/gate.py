@@ -83,7 +83,7 @@ def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_se
 
 
 def _serving(checkpoint) -> str:
-    """How vLLM serves the layout (``Drafter.vllm_serving``): its ``method``, or why it cannot as written."""
+    """How vLLM serves the layout (the family's ``ServingFormat.vllm_serving``): its ``method``, or why it cannot as written."""
     import json
 
     from ..drafters import registry
@@ -92,7 +92,7 @@ def _serving(checkpoint) -> str:
     algo = ((cfg.get("speculators_training") or {}).get("drafter") or {}).get("algorithm")
     if algo not in registry.names():
         return ""
-    method, note = registry.get(algo).vllm_serving(cfg)
+    method, note = registry.get(algo).serving.vllm_serving(cfg)
     return f"vLLM serves it with `--speculative-config` method `{method}`." if method else \
         f"vLLM cannot load this layout as written: {note}."
 

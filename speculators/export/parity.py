@@ -18,7 +18,7 @@ by one is caught. On a failure the first divergence is named: a config/aux-id mi
 weight that differs, else the first hooked module (in the reference's forward order) whose output
 differs beyond the tolerance.
 
-Each family's first step is the family's own (:meth:`speculators.drafters.base.Drafter.reference_parity_step`,
+Each family's first step is the family's own (:meth:`speculators.drafters.serving_format.ServingFormat.reference_parity_step`,
 in ``drafters/<family>.py``); this module holds the driver and the typed
 result.
 """
@@ -55,13 +55,13 @@ MIN_TOKENS = 4
 
 def reference_implements(family: str) -> bool:
     """Whether the reference implementation has a model for registered family ``family`` in our export
-    layout: the family overrides :meth:`speculators.drafters.base.Drafter.reference_parity_step`
-    (unregistered names: False)."""
-    from ..drafters import Drafter, registry
+    layout: the family's serving format overrides
+    :meth:`speculators.drafters.serving_format.ServingFormat.reference_parity_step` (unregistered names: False)."""
+    from ..drafters import ServingFormat, registry
 
     if family not in registry.names():
         return False
-    return registry.get(family).reference_parity_step is not Drafter.reference_parity_step
+    return type(registry.get(family).serving).reference_parity_step is not ServingFormat.reference_parity_step
 
 
 def _config_aux_ids(config: dict[str, Any], key: str | None) -> list[int]:
@@ -173,9 +173,9 @@ def _hook_modules(module: torch.nn.Module, store: dict[str, torch.Tensor], order
 
 
 def export_module_names(drafter) -> dict[str, str]:
-    """``{our module name: exported (reference) module name}`` from :meth:`export_state_dict`: a parameter
-    ``M.weight`` written as ``R.weight`` maps module ``M`` to ``R`` (matched by storage, else by name)."""
-    exported = drafter.export_state_dict()
+    """``{our module name: exported (reference) module name}`` from the serving format's ``state_dict``: a
+    parameter ``M.weight`` written as ``R.weight`` maps module ``M`` to ``R`` (matched by storage, else by name)."""
+    exported = drafter.serving.state_dict(drafter)
     by_ptr = {t.data_ptr(): n for n, t in exported.items() if isinstance(t, torch.Tensor) and t.numel()}
     out = {}
     for name, p in drafter.named_parameters():
@@ -318,7 +318,7 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
     drafter, target, synthetic = _our_side(checkpoint, drafter, target, problems, log)
     seqs, label = _sequences(target, sequences, num_sequences)
     result.inputs = inputs_label or (f"{synthetic}; {label}" if synthetic else label)
-    cfg_ids = _config_aux_ids(cfg, registry.get(family).serving_aux_ids_key)
+    cfg_ids = _config_aux_ids(cfg, registry.get(family).serving.serving_aux_ids_key)
     ours_ids = list(drafter.meta.aux_layer_ids)
     if cfg_ids != [i + 1 for i in ours_ids]:
         problems.append(f"config.json aux layer ids {cfg_ids} (vLLM convention) tap layers "
@@ -400,7 +400,7 @@ def _first_steps(drafter, target, cfg: dict[str, Any], cfg_ids: list[int], seqs:
         store, order = {}, []
         handles = _hook_modules(drafter, store, order)
         try:
-            step = drafter.reference_parity_step(cfg, ids, feats_ours, feats_ref)
+            step = drafter.serving.reference_parity_step(drafter, cfg, ids, feats_ours, feats_ref)
         finally:
             for h in handles:
                 h.remove()
@@ -449,10 +449,10 @@ _OWN_KEYS = ("speculators_training", "speculators_version", "torch_dtype", "dtyp
 
 def export_config_problems(config: dict[str, Any], drafter) -> list[str]:
     """Keys of ``config.json`` that differ from what ``drafter`` (read from the same directory's
-    ``speculators_training`` block) exports (:meth:`Drafter.export_config`): the serving engines read the
+    ``speculators_training`` block) exports (its serving format's ``config``): the serving engines read the
     former, our drafter was built from the latter, so a difference serves another model. Our own
     bookkeeping keys and ``speculators_config.verifier`` (a name) are not compared."""
-    mine = json.loads(json.dumps(drafter.export_config(), default=str))
+    mine = json.loads(json.dumps(drafter.serving.config(drafter), default=str))
     out = []
     for k in sorted(set(config) | set(mine)):
         if k in _OWN_KEYS:
@@ -477,7 +477,7 @@ def _file_vs_drafter(checkpoint: Path, drafter) -> list[str]:
     dtype; the frozen target copies a published checkpoint leaves out are skipped)."""
     file = load_file(str(checkpoint / "model.safetensors"))
     out = []
-    for name, t in drafter.export_state_dict().items():
+    for name, t in drafter.serving.state_dict(drafter).items():
         if name not in file:
             continue
         f = file[name]

@@ -15,7 +15,7 @@ imported package is checked to be the reference), runs the first drafting step o
 * ``OUTPUT.json``: reference version, missing / unexpected keys (against the file), weights that differ
   from the file, the loaded config (``to_dict``), and the order in which hooked modules ran.
 
-How each family's first step is driven is the family's to say (our ``Drafter.reference_parity_step``,
+How each family's first step is driven is the family's to say (our ``ServingFormat.reference_parity_step``,
 in the family's own file): the reference's forwards are training forwards, so each sequence's ``pin``
 names the reference module whose ``compute_metrics`` receives the logits (``metrics_module``, and
 ``confidence_arg``: the positional index of confidence logits), the random choices to pin so that the
