@@ -40,14 +40,14 @@ def parts_table(report: dict) -> list[str]:
         r = rows.get((p["method"], p["k"], p["batch_size"]))
         if r is None:
             continue
-        loop_fwd = 1000 * r["forward_seconds"] / r["batched_steps"] if r["batched_steps"] else None
+        loop_fwd = p["loop_forward_ms_per_step"]
         err = "n/a" if p["relative_error"] is None else f"{100 * p['relative_error']:+.1f}%"
         lines.append(f"| {p['method']} | {p['batch_size']} | {p['k']} | {ms(p['expected_tokens_per_step'])} | "
                      f"{r['tau']:.2f} | {ms(p['forward_ms_per_step'])} / {ms(loop_fwd)} | {ms(p['draft_ms_per_step'])} | "
                      f"{ms(p['sampling_ms_per_step'])} | {ms(p['overhead_ms_per_step'])} | "
                      f"{p['prefill_seconds']:.2f} / {r['prefill_seconds']:.2f} | {err} |")
     for p, r in zip(cm["plain"], report["plain_rows"]):
-        loop_fwd = 1000 * r["forward_seconds"] / r["batched_steps"] if r["batched_steps"] else None
+        loop_fwd = p["loop_forward_ms_per_step"]
         err = "n/a" if p["relative_error"] is None else f"{100 * p['relative_error']:+.1f}%"
         lines.append(f"| plain | {p['batch_size']} | 0 | 1.00 | 1.00 | {ms(p['forward_ms_per_step'])} / {ms(loop_fwd)} | "
                      f"0.00 | {ms(p['sampling_ms_per_step'])} | {ms(p['overhead_ms_per_step'])} | - | {err} |")

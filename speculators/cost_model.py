@@ -441,6 +441,13 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
             "tokens_per_s": tokens_per_s(sum(toks), seconds)}
 
 
+def _loop_forward_ms(row: dict) -> float | None:
+    """The pass's own target forwards per batched step (ms), beside the predicted ``forward_ms_per_step``
+    (what the separately measured forwards give over the predicted schedule): where they differ, the
+    forward measurement (context length, machine load) is the error's source."""
+    return 1000.0 * row.get("forward_seconds", 0.0) / row["batched_steps"] if row.get("batched_steps") else None
+
+
 def _speedup(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -478,8 +485,8 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
     Returns:
         ``{"costs", "overhead_ms_per_step", "plain", "predictions", "best_k", "break_even",
         "max_abs_relative_error", "within_15_percent"}``: ``predictions`` has one entry per method, K' = 1..K
-        and measured batch size (``measured: True`` and ``measured_tokens_per_s`` / ``relative_error`` on the
-        rows the eval ran); ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K');
+        and measured batch size (``measured: True`` and ``measured_tokens_per_s`` / ``relative_error`` /
+        ``loop_forward_ms_per_step`` (the pass's own forwards per batched step) on the rows the eval ran); ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K');
         ``break_even`` ``{method: {"batch_size" (None: never within the measured range), "best_speedup_by_batch",
         "note"}}``.
     Raises:
@@ -497,6 +504,7 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         meas = inp.plain[b]["tokens_per_s"]
         plain_out.append({"batch_size": b, "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": meas,
                           "relative_error": relative_error(p["tokens_per_s"], meas),
+                          "loop_forward_ms_per_step": _loop_forward_ms(inp.plain[b]),
                           **{f: p[f] for f in ("forward_ms_per_step", "sampling_ms_per_step", "overhead_ms_per_step")}})
     best_k: dict[str, dict[str, int]] = {}
     for b in inp.bs:
@@ -514,7 +522,8 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
                                                        "overhead_ms_per_step", "prefill_seconds")},
                               "predicted_tokens_per_s": p.get("tokens_per_s"), "predicted_speedup": sp,
                               "measured_tokens_per_s": meas,
-                              "relative_error": relative_error(p.get("tokens_per_s"), meas)})
+                              "relative_error": relative_error(p.get("tokens_per_s"), meas),
+                              "loop_forward_ms_per_step": _loop_forward_ms(row) if row else None})
             best_k.setdefault(str(b), {})[method] = -max(cands)[1]
     errs = [abs(e["relative_error"]) for e in preds + plain_out if e["relative_error"] is not None]
     return {"costs": costs,

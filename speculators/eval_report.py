@@ -110,7 +110,8 @@ class CostPrediction(TypedDict):
     per batched step) and
     ``prefill_seconds``, ``predicted_tokens_per_s``, ``predicted_speedup`` (over predicted plain decoding at
     that batch size), and on the rows the eval ran (``measured``) ``measured_tokens_per_s`` and
-    ``relative_error`` = (predicted - measured) / measured (None otherwise)."""
+    ``relative_error`` = (predicted - measured) / measured and ``loop_forward_ms_per_step`` (the pass's own
+    target forwards per batched step, to set beside ``forward_ms_per_step``) (None otherwise)."""
 
     method: str
     k: int
@@ -126,6 +127,7 @@ class CostPrediction(TypedDict):
     predicted_speedup: Optional[float]
     measured_tokens_per_s: Optional[float]
     relative_error: Optional[float]
+    loop_forward_ms_per_step: Optional[float]
 
 
 class PlainPrediction(TypedDict):
@@ -138,6 +140,7 @@ class PlainPrediction(TypedDict):
     forward_ms_per_step: Optional[float]
     sampling_ms_per_step: Optional[float]
     overhead_ms_per_step: Optional[float]
+    loop_forward_ms_per_step: Optional[float]
 
 
 class BreakEven(TypedDict):

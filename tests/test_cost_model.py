@@ -132,6 +132,7 @@ def test_cost_model_block_by_hand():
     assert pred["predicted_speedup"] == pytest.approx((10 / 6.8) / (10 / 8.0))
     assert pred["relative_error"] == pytest.approx((10 / 6.8 - 1.5) / 1.5)
     assert pred["sampling_ms_per_step"] == pytest.approx(100.0)
+    assert pred["loop_forward_ms_per_step"] == pytest.approx(750.0) and plain["loop_forward_ms_per_step"] == 750.0
     assert pred["draft_ms_per_step"] == pytest.approx(100.0) and pred["forward_ms_per_step"] == pytest.approx(1000.0)
     assert block["best_k"] == {"1": {"ngram": 1}}
     assert block["break_even"]["ngram"]["batch_size"] is None  # pays at batch 1, the only measured one
