@@ -59,9 +59,9 @@ Assumptions (each a source of error the report's per-row ``relative_error`` show
 did not run, acceptance at positions ``<= K'`` is that of the next larger measured K (a proposer that
 drafts more tokens per step may match at other positions); a speculative step's bookkeeping is a
 plain step's (the proposer's bookkeeping outside ``propose`` / ``advance``, e.g. slicing the target
-features it is advanced with, is not charged); step counts enter the schedule as expectations (``E[max]`` of the batch's
-requests is taken as the max of expectations); the forward is timed at one context length
-(:func:`measure_costs`' ``context``); at temperature > 0 outputs (and lengths) differ between passes.
+features it is advanced with, is not charged); step counts enter the schedule as expectations
+(``E[max]`` of the batch's requests is taken as the max of expectations); the forward is timed at one
+context length (:func:`measure_costs`' ``context``); at temperature > 0 outputs (and lengths) differ between passes.
 Batch sizes between the measured ones are predicted with costs interpolated in ``n``; nothing is
 extrapolated beyond the largest measured batch size.
 
@@ -486,9 +486,9 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         ``{"costs", "overhead_ms_per_step", "plain", "predictions", "best_k", "break_even",
         "max_abs_relative_error", "within_15_percent"}``: ``predictions`` has one entry per method, K' = 1..K
         and measured batch size (``measured: True`` and ``measured_tokens_per_s`` / ``relative_error`` /
-        ``loop_forward_ms_per_step`` (the pass's own forwards per batched step) on the rows the eval ran); ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K');
-        ``break_even`` ``{method: {"batch_size" (None: never within the measured range), "best_speedup_by_batch",
-        "note"}}``.
+        ``loop_forward_ms_per_step`` (the pass's own forwards per batched step) on the rows the eval ran);
+        ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K'); ``break_even``
+        ``{method: {"batch_size" (None: never within the measured range), "best_speedup_by_batch", "note"}}``.
     Raises:
         SpeculatorsError: ``costs`` misses a batch size of the report or measured fewer than K + 1 lengths.
     """
@@ -518,8 +518,9 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
                 cands.append((sp if sp is not None else -math.inf, -k))
                 preds.append({"method": method, "k": k, "batch_size": b, "measured": row is not None,
                               "expected_tokens_per_step": expected_tokens(prof["survival"], k) if prof else None,
-                              **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step", "sampling_ms_per_step",
-                                                       "overhead_ms_per_step", "prefill_seconds")},
+                              **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step",
+                                                       "sampling_ms_per_step", "overhead_ms_per_step",
+                                                       "prefill_seconds")},
                               "predicted_tokens_per_s": p.get("tokens_per_s"), "predicted_speedup": sp,
                               "measured_tokens_per_s": meas,
                               "relative_error": relative_error(p.get("tokens_per_s"), meas),

@@ -241,7 +241,8 @@ def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(
 
     calls = []
     real = gen.measure_verify_cost
-    monkeypatch.setattr(gen, "measure_verify_cost", lambda *a, **kw: calls.append(kw.get("batch_size")) or real(*a, **kw))
+    monkeypatch.setattr(gen, "measure_verify_cost",
+                        lambda *a, **kw: calls.append(kw.get("batch_size")) or real(*a, **kw))
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
     _, _, report = cli_train_then_eval(recipe, tiny_target_dir, tmp_path / "run", "train.steps=2",
                                        eval_args=("--temperature", "0", "--cost-aware", "-k", "2", "--batch-size", "2",
