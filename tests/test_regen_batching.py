@@ -124,3 +124,25 @@ def test_regenerate_returns_the_input_order_whatever_the_batch_size(smol_tokeniz
     assert [c.id for c in auto] == [c.id for c in convs]
     assert [c.input_ids for c in auto] == [c.input_ids for c in one]
     assert len({len(c.input_ids) for c in auto}) == len(convs)
+
+
+def test_rows_finished_but_not_yet_dropped_change_nothing():
+    """In a batch of 24, finished rows stay (computed, ignored) until an eighth of the batch has finished:
+    greedy and per-prompt-generator samples are still each prompt's own, as alone."""
+    from speculators.target.generation import COMPACT_DIVISOR
+
+    target = _varied_target(torch.float32)
+    prompts = _prompts(24, seed=1)
+    stops = {3, 50, 97}
+    assert len(prompts) // COMPACT_DIVISOR > 1  # one finished row alone does not compact
+    greedy = target.generate_batch(prompts, 20, stops)
+    assert greedy == [target.generate_batch([p], 20, stops)[0] for p in prompts]
+
+    def gens(seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    sampled = target.generate_batch(prompts, 12, stops, temperature=30.0, generator=gens(range(24)))
+    alone = [target.generate_batch([p], 12, stops, temperature=30.0, generator=gens([s]))[0]
+             for s, p in enumerate(prompts)]
+    assert sampled == alone
+    assert len({len(g.ids) for g in sampled}) > 2 and sum(g.stop is not None for g in sampled) > 3

@@ -2,9 +2,9 @@
 
 Prompts are left-padded and prefilled in one forward; then each step samples (greedy or vLLM-style
 temperature / top-p through :func:`speculators.verify.apply_sampling`), records the tokens, drops the
-rows that stopped from the batch and its KV cache (``DynamicCache.batch_select_indices``), and runs one
-forward over the rows still generating: the cost follows the generated tokens, not ``batch x longest
-response``. The KV cache of every layer is reserved at the prefill for the whole response
+rows that stopped from the batch and its KV cache (``batch_select_indices``; in groups of at least an
+eighth of the batch, :data:`COMPACT_DIVISOR`), and runs one forward over the rows left: the cost follows
+the generated tokens, not ``batch x longest response``. The KV cache of every layer is reserved at the prefill for the whole response
 (:class:`_ReservedLayer`): a step writes its position in place instead of copying the cache into a new
 tensor (``DynamicLayer``'s concatenation), so no per-step work but attention itself scales with the width.
 Callers bucket prompts by length first (:func:`speculators.data.batching.generation_batches`) so a batch
@@ -20,6 +20,12 @@ from transformers.cache_utils import DynamicLayer
 
 from ..errors import SpeculatorsError
 from .cache import _CACHE_KW
+
+
+# Finished rows leave the batch once they are 1/COMPACT_DIVISOR of it (at once in a batch under that many rows):
+# each compaction copies the kept rows' KV cache, so a large batch drops rows in groups rather than one copy
+# per finished row; until then a finished row is computed and its tokens ignored.
+COMPACT_DIVISOR = 8
 
 
 class Generation(NamedTuple):
@@ -82,20 +88,25 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
     if B == 0:
         return []
     cache, logits, att, last_pos = _prefill(target, prompts, pad_token_id, max_new_tokens)
-    rows = torch.arange(B, device=target.device)  # original index of each active row
+    rows = torch.arange(B, device=target.device)  # original index of each row of the batch
+    live = torch.ones(B, dtype=torch.bool, device=target.device)  # rows still generating
     results: list[list[int]] = [[] for _ in range(B)]
     stopped: list[int | None] = [None] * B
     for step in range(max_new_tokens):
-        nxt = _next_tokens(logits, temperature, top_p, generator, per_row, rows)
-        done = _record(nxt, rows, stops, results, stopped)
-        if step + 1 == max_new_tokens:
+        idx = live.nonzero()[:, 0]
+        every = idx.numel() == rows.numel()
+        tok = _next_tokens(logits if every else logits[idx], temperature, top_p, generator, per_row,
+                           rows if every else rows[idx])
+        done = _record(tok, rows if every else rows[idx], stops, results, stopped)
+        n_live = idx.numel() - int(done.sum())
+        if step + 1 == max_new_tokens or n_live == 0:
             break
-        keep = (~done).nonzero()[:, 0]
-        if keep.numel() == 0:
-            break
-        if keep.numel() < rows.numel():
+        live[idx[done]] = False
+        nxt = tok if every else torch.full_like(rows, pad_token_id).index_put_((idx,), tok)
+        if rows.numel() - n_live >= max(1, rows.numel() // COMPACT_DIVISOR):  # finished rows leave
+            keep = live.nonzero()[:, 0]
             cache.batch_select_indices(keep.cpu() if target.spread else keep)  # cpu: indexes every device
-            rows, nxt, att, last_pos = rows[keep], nxt[keep], att[keep], last_pos[keep]
+            rows, nxt, att, last_pos, live = rows[keep], nxt[keep], att[keep], last_pos[keep], live[keep]
         att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
         last_pos = last_pos + 1
         out = target.model(input_ids=nxt[:, None], attention_mask=att, position_ids=last_pos[:, None],
