@@ -25,7 +25,10 @@ steps the rest). Its expected number of steps is the first-passage expectation `
 ``f(r) = 1 + sum_x P(X = x) f(r - x)``, ``f(r <= 0) = 0`` (:func:`expected_steps`: the last step of a
 request is cut at its stop token or ``max_new_tokens``, as the loop cuts it). Requests join a batch of
 ``b`` slots in prompt order as slots free (continuous batching, :func:`batch_schedule`), which gives
-the number of live requests ``n`` over the run.
+the number of live requests ``n`` over the run. A batch lasts as long as its slowest request and
+``E[max] > max E``, so the schedule is not built from the expectations: each request's steps are drawn
+from the same distribution (:func:`sample_steps`, seeded, :data:`SCHEDULE_DRAWS` draws) and the
+predicted time is the mean over the draws' schedules (plain decoding's steps are known exactly).
 
 Step time with ``n`` live requests (summed over the schedule by :func:`predict_seconds`):
 
@@ -59,8 +62,8 @@ Assumptions (each a source of error the report's per-row ``relative_error`` show
 did not run, acceptance at positions ``<= K'`` is that of the next larger measured K (a proposer that
 drafts more tokens per step may match at other positions); a speculative step's bookkeeping is a
 plain step's (the proposer's bookkeeping outside ``propose`` / ``advance``, e.g. slicing the target
-features it is advanced with, is not charged); step counts enter the schedule as expectations
-(``E[max]`` of the batch's requests is taken as the max of expectations); the forward is timed at one
+features it is advanced with, is not charged); steps are i.i.d. per request (a proposer's acceptance
+varies with the text: the draws' spread is a lower bound of the real one); the forward is timed at one
 context length (:func:`measure_costs`' ``context``); at temperature > 0 outputs (and lengths) differ between passes.
 Batch sizes between the measured ones are predicted with costs interpolated in ``n``; nothing is
 extrapolated beyond the largest measured batch size.
@@ -226,6 +229,29 @@ def expected_steps(dist: list[float], n_max: int) -> list[float]:
     return f
 
 
+def sample_steps(dist: list[float], remaining: list[int], reps: int, seed: int = 0):
+    """``[reps, N]`` sampled step counts: request i emits ``remaining[i]`` tokens in steps that emit x
+    tokens with probability ``dist[x - 1]`` (i.i.d., the last step cut), drawn ``reps`` times from
+    ``numpy.random.default_rng(seed)``. Their mean is :func:`expected_steps`; the schedule of a batch
+    needs the draws themselves (a batch lasts as long as its slowest request: ``E[max] > max E``).
+
+    Raises:
+        SpeculatorsError: as :func:`expected_steps`, or ``reps`` < 1.
+    """
+    import numpy as np
+
+    expected_steps(dist, 0)
+    reps = _check_int("reps", reps, 1)
+    rng = np.random.default_rng(seed)
+    p = np.asarray(dist, dtype=np.float64) / sum(dist)
+    out = np.zeros((reps, len(remaining)), dtype=np.int64)
+    for i, r in enumerate(remaining):
+        if r > 0:
+            cum = np.cumsum(rng.choice(len(p), size=(reps, r), p=p) + 1, axis=1)
+            out[:, i] = np.argmax(cum >= r, axis=1) + 1
+    return out
+
+
 # ----------------------------------------------------------------------------- schedule and costs
 
 
@@ -339,6 +365,10 @@ def _occupancy(row: dict) -> float:
     return row["steps"] / row["batched_steps"] if row.get("batched_steps") else 1.0
 
 
+#: draws of the requests' step counts a prediction averages its schedule over (:func:`sample_steps`)
+SCHEDULE_DRAWS = 16
+
+
 class _Inputs:
     """What :func:`cost_model_block` reads from an eval, arranged per batch size: the forward costs, the
     plain passes' per-step sampling, overhead and prefills, the method passes' drafting and sampling time
@@ -386,17 +416,15 @@ class _Inputs:
             pts.append((_mean([_occupancy(r) for r in rs]), interpolate([(float(r["k"]), part(r)) for r in rs], k)))
         return interpolate(pts, live)
 
-    def step_counts(self, method: str, k: int, b_ref: int) -> list[float] | None:
-        """Expected steps of each request of batch size ``b_ref``'s plain pass under ``method`` at ``k``."""
+    def step_counts(self, method: str, k: int, b_ref: int):
+        """Sampled steps ``[SCHEDULE_DRAWS, N]`` of each request of batch size ``b_ref``'s plain pass under
+        ``method`` at ``k`` (:func:`sample_steps`, seed 0), or None without an acceptance profile."""
         key = (method, k, b_ref)
         if key not in self._steps:
             prof = self.profile(method, k, b_ref)
             toks = self.tokens.get(b_ref, [])
-            if prof is None:
-                self._steps[key] = None
-            else:
-                f = expected_steps(emitted_distribution(prof["survival"], k), max([t - 1 for t in toks], default=0))
-                self._steps[key] = [f[max(t - 1, 0)] for t in toks]
+            self._steps[key] = None if prof is None else sample_steps(
+                emitted_distribution(prof["survival"], k), [max(t - 1, 0) for t in toks], SCHEDULE_DRAWS)
         return self._steps[key]
 
 
@@ -416,12 +444,12 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
     b_ref = inp.nearest(b)
     toks = inp.tokens.get(b_ref, [])
     if method is None:
-        durations, at_least = [max(t - 1, 0) for t in toks], []
+        draws, at_least = [[max(t - 1, 0) for t in toks]], []
     else:
-        durations = inp.step_counts(method, k, b_ref)
-        if durations is None:
+        draws = inp.step_counts(method, k, b_ref)
+        if draws is None:
             return None
-        at_least = inp.profile(method, k, b_ref)["drafted_at_least"]
+        draws, at_least = draws.tolist(), inp.profile(method, k, b_ref)["drafted_at_least"]
 
     def step(live: int) -> tuple[float, float, float, float]:
         if method is None:
@@ -432,9 +460,17 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
                 expected_forward_seconds(inp.costs, at_least, k if method else 0, live), sampling,
                 interpolate(inp.overhead, live) if inp.overhead else 0.0)
 
-    prefill = inp.prefill(method, b)
-    seconds, steps, sums = predict_seconds(durations, b, prefill, step)
-    ms = [None if not steps else 1000.0 * s / steps for s in (sums or [0.0] * 4)]
+    prefill, cache = inp.prefill(method, b), {}
+
+    def cached(live: int):
+        if live not in cache:
+            cache[live] = step(live)
+        return cache[live]
+
+    runs = [predict_seconds(d, b, prefill, cached) for d in draws]  # the mean over the draws
+    seconds, steps = _mean([r[0] for r in runs]), _mean([r[1] for r in runs])
+    sums = [_mean([(r[2] or [0.0] * 4)[j] for r in runs]) for j in range(4)]
+    ms = [None if not steps else 1000.0 * x / steps for x in sums]
     return {"tokens": sum(toks), "seconds": seconds, "batched_steps": steps, "prefill_seconds": prefill,
             "draft_ms_per_step": ms[0], "forward_ms_per_step": ms[1], "sampling_ms_per_step": ms[2],
             "overhead_ms_per_step": ms[3],

@@ -251,3 +251,14 @@ def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(
     costs = report["cost_model"]["costs"]
     assert report["gating"]["verify_cost"] == costs["seconds"]["1"] and costs["batch_sizes"] == [1, 2]
     assert all(p["predicted_tokens_per_s"] > 0 for p in report["cost_model"]["predictions"])
+
+
+def test_sampled_steps_match_the_expected_steps_and_a_deterministic_case():
+    assert cm.sample_steps([0.0, 0.0, 1.0], [0, 1, 3, 7], 4).tolist() == [[0, 1, 1, 3]] * 4  # ceil(r / 3)
+    draws = cm.sample_steps([0.5, 0.5], [3, 20], 4000, seed=1)
+    f = cm.expected_steps([0.5, 0.5], 20)
+    assert draws.shape == (4000, 2)
+    assert draws[:, 0].mean() == pytest.approx(f[3], abs=0.05) and draws[:, 1].mean() == pytest.approx(f[20], abs=0.1)
+    assert cm.sample_steps([0.5, 0.5], [20], 8, seed=1).tolist() == cm.sample_steps([0.5, 0.5], [20], 8, seed=1).tolist()
+    with pytest.raises(SpeculatorsError, match="reps"):
+        cm.sample_steps([1.0], [3], 0)
