@@ -15,7 +15,9 @@ Three tables (``--threads`` CPU threads; nothing else should run on the machine)
 2. The memory-bandwidth bound of a 1-token step: the bytes of the weights one step reads (every
    decoder layer, the final norm and the output head; a tied input embedding counted once) over the
    read bandwidth measured here (a ``sum`` streaming a buffer larger than the caches), and each batch-1
-   1-token step's ratio to it.
+   1-token step's ratio to it; with the target's linear layers alone (``F.linear`` over one row, every
+   weight once in forward order, streamed from memory as in the step): step - linears = what attention,
+   norms, the cache and the framework add.
 3. EAGLE-3 drafting per decoding step (``advance`` of ``--accepted`` + 1 verified tokens, then
    ``propose`` of K drafts; batch 1, greedy): the eager path against the same drafter with its
    decoder-stack step (``_forward_ragged``) and head (``_head``) compiled, ms per step, compile seconds,
@@ -83,6 +85,21 @@ def step_weight_bytes(target) -> int:
     if emb.data_ptr() != target.lm_head_weight.data_ptr():
         total -= emb.numel() * emb.element_size()
     return total
+
+
+def linears_alone(target, m: int, reps: int) -> tuple[float, float]:
+    """``(median ms, min ms)`` of every linear layer of the target (and the output head), in forward order,
+    on an ``[m, in]`` input: the step's matrix products alone, their weights streamed from memory as in
+    the step (each weight once per pass), without attention, norms or framework code."""
+    model = target.model
+    ws = [mod.weight for mod in model.model.modules() if isinstance(mod, torch.nn.Linear)] + [target.lm_head_weight]
+    xs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in ws}
+
+    def run():
+        for w in ws:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    return timed(run, reps)
 
 
 def eager_target(target, batch: int, m: int, context: int, reps: int, gen: torch.Generator):
@@ -251,6 +268,7 @@ def target_table(args, target, gen: torch.Generator) -> None:
                 if args.compile:
                     plain["compiled"] = cmed
             print(f"| {B} | {m} | {med:.2f} ({best:.2f}) | " + " | ".join(cells) + " |")
+    lin, lin_best = linears_alone(target, 1, args.reps)
     nbytes = step_weight_bytes(target)
     bw = read_bandwidth()
     bound = 1e3 * nbytes / bw
@@ -258,7 +276,8 @@ def target_table(args, target, gen: torch.Generator) -> None:
           f"bound {bound:.2f} ms/token")
     print("| plain decoding, batch 1 | ms/token | / bound |\n|---|---|---|")
     for name, ms in plain.items():
-        print(f"| {name} | {ms:.2f} | {ms / bound:.2f} |")
+        print(f"| {name} step | {ms:.2f} | {ms / bound:.2f} |")
+    print(f"| its linear layers alone (1 row, min {lin_best:.2f}) | {lin:.2f} | {lin / bound:.2f} |")
 
 
 if __name__ == "__main__":
