@@ -33,7 +33,7 @@ def test_kv_bytes_per_token_follows_the_config(tiny):
 
 
 def test_batches_are_length_buckets_within_the_memory_budget(tiny):
-    lens = [len(p) for p in _prompts(60)]
+    lens = [100 + len(p) for p in _prompts(60)]  # 102..147 tokens: padding alone rarely cuts a batch
     budget_rows = 5  # the budget fits 5 rows of the longest prompt, more rows of shorter ones
     mem = int(budget_rows * row_bytes(tiny, max(lens), 16) / batching.MEMORY_FRACTION)
     batches = generation_batches(tiny, lens, 16, memory_bytes=mem)
@@ -41,16 +41,23 @@ def test_batches_are_length_buckets_within_the_memory_budget(tiny):
     assert sorted(flat) == list(range(len(lens)))  # every prompt once
     assert [lens[i] for i in flat] == sorted(lens)  # ascending lengths: a batch pads little
     for b in batches:
-        assert len(b) * row_bytes(tiny, max(lens[i] for i in b), 16) <= batching.MEMORY_FRACTION * mem
+        longest, real = max(lens[i] for i in b), sum(lens[i] for i in b)
+        assert len(b) * row_bytes(tiny, longest, 16) <= batching.MEMORY_FRACTION * mem
+        assert len(b) * longest <= (1 + batching.PAD_SLACK) * real  # little padding
     for b, nxt in zip(batches, batches[1:]):  # a batch ends only when the next prompt would not fit
-        assert (len(b) + 1) * row_bytes(tiny, lens[nxt[0]], 16) > batching.MEMORY_FRACTION * mem
+        L = lens[nxt[0]]
+        assert (len(b) + 1) * row_bytes(tiny, L, 16) > batching.MEMORY_FRACTION * mem or \
+            (len(b) + 1) * L > (1 + batching.PAD_SLACK) * (sum(lens[i] for i in b) + L)
+    # a short chat prompt is not padded to a long code prompt
+    mixed = generation_batches(tiny, [30] * 8 + [400] * 8, 16, memory_bytes=1 << 40)
+    assert mixed == [list(range(8)), list(range(8, 16))]
     assert len(batches[0]) > budget_rows >= len(batches[-1])  # short prompts share larger batches
     # a fixed batch_size (regeneration.batch_size) overrides the memory rule
     fixed = generation_batches(tiny, lens, 16, batch_size=7, memory_bytes=mem)
     assert [len(b) for b in fixed] == [7] * 8 + [4] and [i for b in fixed for i in b] == flat
     # plenty of memory: capped at MAX_AUTO_BATCH rows; none at all: one row per batch
-    assert max(len(b) for b in generation_batches(tiny, list(range(1, 300)), 16, memory_bytes=1 << 40)) \
-        == batching.MAX_AUTO_BATCH
+    assert [len(b) for b in generation_batches(tiny, [50] * 300, 16, memory_bytes=1 << 40)] \
+        == [batching.MAX_AUTO_BATCH, 300 - batching.MAX_AUTO_BATCH]
     assert {len(b) for b in generation_batches(tiny, lens, 16, memory_bytes=1)} == {1}
 
 

@@ -8,7 +8,8 @@ target is read duck-typed (``config``, ``model``, ``device``): this module impor
 The rule: a batch may take ``MEMORY_FRACTION`` of the free memory (:func:`available_memory_bytes`), and one
 row costs :func:`row_bytes` (its KV cache at full length, counted twice, plus the prefill's attention scores
 and two vocabulary rows), so ``rows = budget // row_bytes(longest prompt of the batch)``, capped at
-``MAX_AUTO_BATCH``. ``regeneration.batch_size`` in a recipe overrides it with a fixed size.
+``MAX_AUTO_BATCH`` and cut where padding would exceed ``PAD_SLACK`` of the prompt tokens.
+``regeneration.batch_size`` in a recipe overrides it with a fixed size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from ..errors import SpeculatorsError
 # tail of few rows).
 MEMORY_FRACTION = 0.25
 MAX_AUTO_BATCH = 256
+# A batch's padded prefill (rows x longest prompt) stays within (1 + PAD_SLACK) x its real prompt tokens: a
+# short chat prompt is not padded to a long code prompt (each pad position costs a prefill token).
+PAD_SLACK = 0.25
 
 
 def kv_bytes_per_token(target) -> int:
@@ -69,8 +73,9 @@ def generation_batches(target, prompt_lens: Sequence[int], max_new_tokens: int, 
     The size of a chunk is ``batch_size`` when given (the recipe's ``regeneration.batch_size``); otherwise
     it is chosen from memory: rows are added while ``rows x row_bytes(longest prompt of the chunk)``
     (:func:`row_bytes`) stays within ``MEMORY_FRACTION`` of ``memory_bytes`` (None:
-    :func:`available_memory_bytes` of the target's device), at most ``MAX_AUTO_BATCH`` rows, at least one.
-    Short prompts therefore share larger batches than long ones.
+    :func:`available_memory_bytes` of the target's device), at most ``MAX_AUTO_BATCH`` rows, at least one,
+    and while the padded prefill ``rows x longest`` stays within ``1 + PAD_SLACK`` times the chunk's real
+    prompt tokens. Short prompts therefore share larger batches than long ones, and never pad to them.
 
     Args:
         prompt_lens: tokens per prompt. max_new_tokens: the response cap (counted in every row's KV cache).
@@ -88,10 +93,14 @@ def generation_batches(target, prompt_lens: Sequence[int], max_new_tokens: int, 
         return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     budget = MEMORY_FRACTION * (memory_bytes if memory_bytes is not None else available_memory_bytes(target.device))
     batches: list[list[int]] = []
+    real = 0  # prompt tokens of the last chunk
     for i in order:  # ascending lengths: the newest row is the chunk's longest
-        if batches and len(batches[-1]) < MAX_AUTO_BATCH and \
-                (len(batches[-1]) + 1) * row_bytes(target, prompt_lens[i], max_new_tokens) <= budget:
+        n, L = (len(batches[-1]) + 1, prompt_lens[i]) if batches else (1, prompt_lens[i])
+        if batches and n <= MAX_AUTO_BATCH and n * row_bytes(target, L, max_new_tokens) <= budget \
+                and n * L <= (1 + PAD_SLACK) * (real + L):
             batches[-1].append(i)
+            real += L
         else:
             batches.append([i])
+            real = L
     return batches
