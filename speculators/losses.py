@@ -2,7 +2,7 @@
 
 Losses (each returns the SUM over its valid positions; the caller divides by its term's count, so the
 trainer can normalise every term by its count over a whole gradient-accumulation window, see
-:meth:`speculators.drafters.base.Drafter.loss` and ``Drafter._combine_terms``):
+:meth:`speculators.drafters.base.Drafter.loss` and :func:`combine_terms`):
 
 * :func:`soft_cross_entropy`: ``-sum_v p(v) log softmax(z)(v)`` to a teacher distribution ``p``
   (EAGLE-1/-3's token loss, Medusa / MTP self-distillation);
@@ -75,6 +75,42 @@ def _masked_sum(per_position: Tensor, valid: Tensor | None) -> Tensor:
         raise SpeculatorsError(f"valid mask: shape {tuple(valid.shape)} does not match the positions "
                                f"{tuple(per_position.shape)}")
     return torch.where(valid, per_position, per_position.new_zeros(())).sum()
+
+
+def combine_terms(sums: list[Tensor], weights: list[float], counts: Tensor, norm: Tensor | None,
+                  scale: float = 1.0, where: str = "loss") -> tuple[Tensor, float]:
+    """A family's training loss from its per-term sums: ``scale * sum_i weights[i] * sums[i] / max(den[i], 1)``
+    with ``den = norm`` (the counts of a whole gradient-accumulation window, all micro-batches and processes)
+    or ``counts`` (this batch's own, the default), so that summed micro-batch gradients equal the window's.
+
+    Args:
+        sums: ``n_terms`` scalar tensors, each a SUM over its term's valid positions (the losses above).
+        weights: ``n_terms`` floats (e.g. EAGLE-3's ``ttt_decay ** j``).
+        counts: ``[n_terms]`` int64, this batch's valid positions per term (``Drafter.loss_counts``).
+        norm: ``[n_terms]`` window counts, or None.
+        scale: a factor on the whole loss (MTP's ``lambda / D``).
+        where: who asks, for the error (the family's name).
+    Returns:
+        ``(loss, own)``: the scalar loss (differentiable) and the same value with every term divided by this
+        batch's OWN counts (a float; what a training unit reports as ``drafter_loss``).
+    Raises:
+        SpeculatorsError: ``norm`` does not have one entry per term.
+    """
+    own_den = counts.clamp(min=1)
+    if norm is None:
+        den = own_den
+    else:
+        norm = torch.as_tensor(norm).to(counts.device)
+        if norm.shape != counts.shape:
+            raise SpeculatorsError(f"{where} loss: norm has shape {tuple(norm.shape)}, expected "
+                                   f"{tuple(counts.shape)} (one count per loss term, see loss_counts)")
+        den = norm.clamp(min=1)
+    total = sums[0].new_zeros(())
+    own = 0.0
+    for i, (s, w) in enumerate(zip(sums, weights)):
+        total = total + w * (s / den[i])
+        own += w * float(s.detach()) / float(own_den[i])
+    return scale * total, scale * own
 
 
 def soft_cross_entropy(logits: Tensor, teacher_probs: Tensor, valid: Tensor | None = None) -> Tensor:

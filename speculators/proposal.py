@@ -223,14 +223,10 @@ def advance_each(one, states: list, new_ids: list, features: list | None) -> Non
 
 
 def max_speculative_tokens_of(proposer) -> int | None:
-    """The K bound of any proposer: its ``max_speculative_tokens`` where it has one (a :class:`Drafter`'s
-    property; :class:`speculators.proposers.HybridProposer`'s, None when ``drafter_k`` keeps its drafter
-    under the bound), else that of the drafter it wraps (``proposer.drafter``), else None (unbounded:
-    n-gram, suffix, plain)."""
-    if hasattr(proposer, "max_speculative_tokens"):
-        cap = proposer.max_speculative_tokens
-    else:
-        cap = getattr(getattr(proposer, "drafter", None), "max_speculative_tokens", None)
+    """The K bound of any proposer: the ``max_speculative_tokens`` it declares (a :class:`Drafter`'s, what it
+    was trained for; a wrapper such as :class:`speculators.proposers.HybridProposer` declares its own), or
+    None when it declares none or None (unbounded: n-gram, suffix, plain, autoregressive families)."""
+    cap = getattr(proposer, "max_speculative_tokens", None)
     return None if cap is None else int(cap)
 
 
@@ -251,9 +247,9 @@ def check_speculative_tokens(proposer, ks, name: str = "k") -> None:
     values = [ks] if isinstance(ks, int) else list(ks)
     bad = [k for k in values if isinstance(k, int) and k > cap]
     if bad:
-        d = getattr(proposer, "drafter", None) or proposer  # a wrapper (the hybrid) names its drafter
-        src = getattr(d, "max_speculative_tokens_source", "") or "its training"
+        src = getattr(proposer, "max_speculative_tokens_source", "") or "its training"
+        owner = getattr(proposer, "algorithm", "") or type(proposer).__name__  # wrappers name their drafter
         given = f"{name}{' ' if name.startswith('-') else '='}{','.join(map(str, bad))}"
-        raise SpeculatorsError(f"{given}: this {getattr(d, 'algorithm', '') or type(d).__name__} "
+        raise SpeculatorsError(f"{given}: this {owner} "
                                f"drafter drafts at most {cap} tokens per step ({src} = {cap}, what it was trained "
                                f"for); use {name} <= {cap}, or train a drafter for more")

@@ -291,6 +291,16 @@ class HybridProposer:
         cap = getattr(self.drafter, "max_speculative_tokens", None)
         return None if cap is None else int(cap)
 
+    @property
+    def max_speculative_tokens_source(self) -> str:
+        """What sets :attr:`max_speculative_tokens`: the drafter's declaration (e.g. ``drafter.num_depths``)."""
+        return getattr(self.drafter, "max_speculative_tokens_source", "")
+
+    @property
+    def algorithm(self) -> str:
+        """The drafter family whose drafts (and K cap) this hybrid uses where the suffix draft does not win."""
+        return getattr(self.drafter, "algorithm", "") or type(self.drafter).__name__
+
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The drafter's declared confidence calibration (temperatures ``[B]``, shifts ``[B]``), or None:
         the suffix drafts carry no confidences, the drafter's are calibrated as its own
@@ -370,6 +380,16 @@ class ArgmaxDrafts:
         """The wrapped proposer's K bound (None: unbounded)."""
         cap = getattr(self.inner, "max_speculative_tokens", None)
         return None if cap is None else int(cap)
+
+    @property
+    def max_speculative_tokens_source(self) -> str:
+        """What sets the wrapped proposer's K cap (its declaration, e.g. ``drafter.block_size - 1``)."""
+        return getattr(self.inner, "max_speculative_tokens_source", "")
+
+    @property
+    def algorithm(self) -> str:
+        """The wrapped proposer's family name (its class name when it has none)."""
+        return getattr(self.inner, "algorithm", "") or type(self.inner).__name__
 
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The wrapped proposer's declared confidence calibration (temperatures ``[B]``, shifts ``[B]``),

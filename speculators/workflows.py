@@ -135,6 +135,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
 
     from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
     from .drafters import registry
+    from .drafters.checkpoint import init_from_checkpoint
     from .target import Target, process_device_map
     from accelerate import PartialState
 
@@ -182,7 +183,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     torch.manual_seed(recipe.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(recipe.drafter, target, data.vocab)
     if recipe.train.init_from:
-        drafter.init_from_checkpoint(recipe.train.init_from)
+        init_from_checkpoint(drafter, recipe.train.init_from)
         log(f"drafter weights initialised from {recipe.train.init_from}")
     joint = bool(getattr(recipe.drafter, "joint", False))  # drafter.joint: the target is fine-tuned too
     if joint and (data.held_out is None or len(data.held_out) == 0):
@@ -325,6 +326,7 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
     the recipe's ``target.dtype``, else float32) is resolved by :func:`target_dtype`; when the checkpoint
     records another dtype than the one served, a warning is logged (:func:`dtype_warning`)."""
     from .drafters import Drafter
+    from .drafters.base import check_target
     from .target import Target
 
     drafter = Drafter.from_pretrained(ckpt)
@@ -337,7 +339,7 @@ def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, dev
     warning = dtype_warning(drafter.meta.dtype, served)
     if warning:
         log(f"warning: {warning}")
-    drafter.check_target(target, warn=log)
+    check_target(drafter, target, warn=log)
     if drafter.target_adapter_dir is not None:  # joint checkpoint: verify against the fine-tuned target
         target.merge_adapter(drafter.target_adapter_dir)
         log(f"target: merged the jointly trained LoRA adapter {drafter.target_adapter_dir} "

@@ -1,4 +1,4 @@
-"""Batched speculative decoding (issue 11): the ragged batch session, the continuous-batching loop, its
+"""Batched speculative decoding: the ragged batch session, the continuous-batching loop, its
 statistical losslessness under mixed per-request sampling settings, request isolation, and ``device``.
 
 Tiny random fp32 targets (seconds). The family-by-family B > 1 greedy contracts live in
@@ -313,7 +313,7 @@ def _exact_first_tokens(target, prompt, temperature, top_k, top_p):
 
 
 def test_batched_sampling_is_lossless_with_mixed_per_request_settings(target):
-    """Issue 11 (done-when 2): the batched path samples each request from the target's own distribution
+    """The batched path samples each request from the target's own distribution
     under ITS settings, whatever the others in the batch use. Three sampled kinds (top-k, top-p, plain
     temperature) with random drafts (point masses and full q rows), ragged K, and a greedy kind, shuffled
     into one continuous batch: the first two tokens (jointly) and the third token of every kind follow

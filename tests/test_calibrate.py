@@ -1,4 +1,4 @@
-"""Confidence calibration (issue 13): STS temperatures, ECE, the checkpoint rewrite, the report.
+"""Confidence calibration: STS temperatures, ECE, the checkpoint rewrite, the report.
 
 Known answers: a head whose raw logits are ``a_k`` times the true acceptance logits must get ``T_k ~ a_k``
 and a lower ECE, both from synthetic records and through the real decoding loop (an oracle proposer on a

@@ -432,7 +432,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
     assert (out / "checkpoints" / "step-000002" / "model.safetensors").is_file()
 
 
-# ----------------------------------------------------------------------------- issue 11: eval sweep / batch / compare
+# ----------------------------------------------------------------------------- eval sweep / batch / compare
 
 
 @pytest.mark.parametrize("args, needles", [

@@ -1,11 +1,11 @@
-"""Contracts every registered drafter family must meet (issue 10, item 8).
+"""Contracts every registered drafter family must meet.
 
 Parametrised over ``registry.names()`` (plus a ``+joint`` variant for every family whose config has a
 ``joint`` field), so a new family gets these tests for free:
 
 * greedy speculative decoding == plain greedy decoding, several prompt lengths, K in {1, 3, 5}, with a
   briefly trained drafter that has both accepted and rejected drafts;
-* batched (issue 11): B > 1 with prompts of different lengths, per-request K and continuous batching
+* batched: B > 1 with prompts of different lengths, per-request K and continuous batching
   (batch_size < number of prompts) gives every request its plain greedy output; the batched
   ``propose`` / ``advance`` equal the batch-of-one calls under mixed per-request sampling settings;
 * seeded sampling is reproducible (same seed -> same tokens, other seeds -> other tokens) and
@@ -224,7 +224,7 @@ def check_result_steps(r, k: int) -> None:
 
 @pytest.mark.parametrize("batch_size", [2, 5])
 def test_batched_greedy_equals_plain(family, batch_size):
-    """Issue 11: B > 1 with prompts of different lengths, per-request K (one of them 0) and continuous
+    """B > 1 with prompts of different lengths, per-request K (one of them 0) and continuous
     batching (batch_size < number of prompts: requests join as others finish): every request's greedy
     output equals its plain greedy output, and its steps are recorded as a batch-1 decode records them."""
     name, _, target, d = family
@@ -360,7 +360,7 @@ def test_save_load_round_trip(family, tmp_path):
     # typed target facts survive the round trip exactly (target_config is stored JSON-normalised)
     assert isinstance(loaded.meta, TargetMeta) and loaded.meta == d.meta
     assert loaded.meta.to_json() == json.loads(json.dumps(d.meta.to_json()))
-    mine, theirs = d.drafter_state_dict(), loaded.drafter_state_dict()
+    mine, theirs = d.serving.state_dict(d), loaded.serving.state_dict(loaded)  # every exported tensor
     assert mine.keys() == theirs.keys()
     for k, v in mine.items():
         assert v.dtype == theirs[k].dtype and torch.equal(v, theirs[k]), k

@@ -1,4 +1,4 @@
-"""Data-pipeline faults of issue 9 (items 1-4): empty answers, truncated regenerations, stop tokens
+"""Data-pipeline faults: empty answers, truncated regenerations, stop tokens
 that are not the tokenizer's EOS, and ``--resume`` / caches keyed by content rather than by names.
 
 Regeneration tests use a SCRIPTED target: a tiny Llama whose attention and MLP outputs are zeroed, so

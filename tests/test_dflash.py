@@ -305,8 +305,8 @@ def test_export_config_weights_and_round_trip(vocab, tmp_path):
     path = d.save_pretrained(tmp_path / "ckpt")
     loaded = Drafter.from_pretrained(path)
     assert isinstance(loaded, DFlashDrafter) and loaded.cfg == d.cfg and loaded.reduced_vocab == bool(vocab)
-    for k, v in d.drafter_state_dict().items():
-        assert torch.equal(v, loaded.drafter_state_dict()[k]), k
+    for k, v in d.serving.state_dict(d).items():
+        assert torch.equal(v, loaded.serving.state_dict(loaded)[k]), k
     loaded.attach_target(target)
     batch = make_batch(target)
     feats = TargetFeatures(batch.aux[:1], batch.top[:1])

@@ -1,4 +1,4 @@
-"""Multi-process training through ``accelerate launch`` (issue 14): two CPU processes joined over gloo.
+"""Multi-process training through ``accelerate launch``: two CPU processes joined over gloo.
 
 * A 2-process run with ``train.grad_accum=1`` consumes the same global batches as a 1-process run with
   ``train.grad_accum=2`` (the global batch plan is the same on every rank; rank r takes micro-batches

@@ -379,8 +379,8 @@ def test_export_config_weights_and_round_trip(vocab, with_markov, tmp_path):
     loaded = Drafter.from_pretrained(path)
     assert isinstance(loaded, DSparkDrafter) and loaded.cfg == d.cfg
     assert all(torch.equal(a, b) for a, b in zip(loaded.confidence_calibration(), d.confidence_calibration()))
-    for k, v in d.drafter_state_dict().items():
-        assert torch.equal(v, loaded.drafter_state_dict()[k]), k
+    for k, v in d.serving.state_dict(d).items():
+        assert torch.equal(v, loaded.serving.state_dict(loaded)[k]), k
     loaded.attach_target(target)
     batch = make_batch(target)
     sa, sb = state_at(d, batch, 0, 11), state_at(loaded, batch, 0, 11)

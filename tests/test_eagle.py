@@ -114,18 +114,18 @@ def test_training_steps_match_inference_chain(target):
     feats = target.features(seq[None])
     state = d.start(seq[:n + 1], feats.slice(0, n))
     logits = [state.last_logits]
-    orig = d.target_lm_head
+    orig = d.frozen_target.lm_head
 
     def spy(h):
         out = orig(h)
         logits.append(out.detach().float()[0, 0])
         return out
 
-    d.target_lm_head = spy
+    d.frozen_target.lm_head = spy
     try:
         prop = d._propose_one(state, 3)
     finally:
-        del d.target_lm_head
+        del d.frozen_target.lm_head
     batch, _ = batch_for(target, seq[None])
     T = seq.numel()
     steps = d._unroll(torch.cat([seq[1:], torch.zeros(1, dtype=torch.int64)])[None], batch.top,
@@ -206,8 +206,8 @@ def test_noise_follows_eagle_and_only_touches_inputs(target):
     valid = torch.zeros(2, 12, dtype=torch.bool)
     valid[:, :10] = True
     feat = F.smooth_l1_loss(f0[valid], tgt[valid], reduction="none").mean(-1).mean()
-    p = torch.softmax(d.target_lm_head(tgt[valid]), -1)
-    tok = -(p * torch.log_softmax(d.target_lm_head(f0[valid]), -1)).sum(-1).mean()
+    p = torch.softmax(d.frozen_target.lm_head(tgt[valid]), -1)
+    tok = -(p * torch.log_softmax(d.frozen_target.lm_head(f0[valid]), -1)).sum(-1).mean()
     assert float(noisy) == pytest.approx(float((feat + 0.1 * tok).detach()), rel=1e-5)
     off = make_drafter(target, noise=0.0).train()
     torch.manual_seed(5)

@@ -126,7 +126,7 @@ def dense_ttt_reference(d, batch) -> list[torch.Tensor]:
 @pytest.mark.parametrize("norm_output,num_layers,nbr", [(False, 1, False), (True, 1, False), (True, 2, False),
                                                          (False, 1, True), (True, 2, True)])
 def test_ttt_steps_equal_dense_reference(target, norm_output, num_layers, nbr):
-    """Issue 15: every TTT step's logits equal :func:`dense_ttt_reference` (explicit mask over all steps'
+    """Every TTT step's logits equal :func:`dense_ttt_reference` (explicit mask over all steps'
     keys, explicit hidden-state feed, explicit layer-0 residual), on right-padded rows. Fails if the fed
     hidden state is pre-norm while ``norm_output`` asks for ``norm(h)`` (the old code had no Eagle 3.1
     feed at all), if layer 0's residual is the raw hidden state while ``norm_before_residual`` asks for
@@ -169,7 +169,7 @@ def test_norm_before_residual_is_exported_and_loaded(target, tmp_path):
 
 @pytest.mark.parametrize("nbr", [False, True])
 def test_norm_before_residual_removes_the_feature_scale(target, nbr):
-    """Issue 15: SmolLM2's aux hidden states carry massive activations (fused g with rms ~50 against ~1
+    """SmolLM2's aux hidden states carry massive activations (fused g with rms ~50 against ~1
     for the layer's own attention/MLP output). With ``norm_before_residual`` layer 0's residual is
     ``hidden_norm(g)``, so every TTT step's logits are the same whatever the scale of the target's
     features (fc is linear, every later input is normalised); the raw-residual default is dominated by
@@ -264,7 +264,7 @@ def test_metrics_full_and_conditional_accuracy(target):
 
 
 def test_metrics_count_out_of_vocabulary_greedy_tokens_as_misses(target):
-    """Issue 10 item 4: full_acc_j's denominator is every labelled chain start, whatever the draft
+    """full_acc_j's denominator is every labelled chain start, whatever the draft
     vocabulary (a greedy token outside it is a miss, as greedy verification would see it); the LOSS
     still skips those positions. The old EAGLE-3 divided by the in-vocabulary positions only (here
     4/8 = 0.5 instead of 4/12)."""
@@ -359,7 +359,7 @@ def test_greedy_accepts_everything_when_drafter_is_the_target_chain(target):
     assert spec.accepted[0] == 4
 
 
-# ----------------------------------------------------------------------------- batched inference (issue 11)
+# ----------------------------------------------------------------------------- batched inference
 
 PROMPT_LENS = (5, 12, 3, 9)
 

@@ -1,4 +1,4 @@
-"""K larger than what a parallel drafter was trained for (issue 12): P-EAGLE drafts at most ``num_depths``
+"""K larger than what a parallel drafter was trained for: P-EAGLE drafts at most ``num_depths``
 tokens per step, DFlash at most ``block_size - 1``. Such a K is ONE clear error naming the setting
 (``k`` in Python, ``-k`` on the command line, ``eval.k`` / ``eval.k_sweep`` from a recipe) and the allowed
 maximum, raised before any decoding: by the generation loop (``speculative_generate`` /

@@ -163,7 +163,7 @@ def test_inconsistent_steps_are_refused(mutate, match):
 
 
 def test_run_eval_counts_what_was_emitted():
-    """Issue 9 item 9 through the report: an oracle drafter (the target's greedy continuation, past the stop
+    """The stop token through the report: an oracle drafter (the target's greedy continuation, past the stop
     token) with K=6; the report's tau is emitted tokens / steps."""
     V, K = 96, 6
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=2, seed=1)
@@ -196,7 +196,7 @@ def test_run_eval_counts_what_was_emitted():
     assert rep["ngram"]["emitted"] == j
 
 
-# ----------------------------------------------------------------------------- issue 11: the batched report
+# ----------------------------------------------------------------------------- the batched report
 
 
 def test_bootstrap_ci_is_the_documented_percentile_bootstrap():

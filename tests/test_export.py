@@ -1,4 +1,4 @@
-"""Issue 10 item 2: the serving-format helpers (speculators/export.py), the checkpoint module and its typed
+"""The serving-format helpers (speculators/export.py), the checkpoint module and its typed
 target facts (drafters/checkpoint.py: TargetMeta), and ``check_target`` that only checks.
 
 The fixtures in ``tests/fixtures/checkpoints_v0/`` are ``config.json`` files written by the code before
@@ -17,6 +17,7 @@ import torch
 
 from speculators import export
 from speculators.drafters import DraftVocab, registry
+from speculators.drafters.base import check_target
 from speculators.drafters.checkpoint import (
     CONFIG_NAME,
     TRAINING_KEY,
@@ -188,7 +189,7 @@ def _strip(cfg: dict) -> dict:
 
 # drafter-config fields added since v0, at the defaults that keep v0's behaviour (a v0 checkpoint, without
 # them, loads with these values: test_checkpoint_written_by_the_previous_version_loads)
-ADDED_SINCE_V0 = {"eagle3": {"norm_output": False, "train_lm_head": True,  # issue 15 (Eagle 3.1 feed, frozen head,
+ADDED_SINCE_V0 = {"eagle3": {"norm_output": False, "train_lm_head": True,  # (Eagle 3.1 feed, frozen head,
                               "norm_before_residual": False}}  # layer-0 residual from hidden_norm)
 
 
@@ -290,14 +291,14 @@ def test_check_target_never_changes_the_target(target):
     other = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)  # default taps [0, 1, 2]
     assert other.aux_layer_ids != AUX
     with pytest.raises(SpeculatorsError) as e:
-        d.check_target(other)
+        check_target(d, other)
     assert other.aux_layer_ids == [0, 1, 2]  # not rewritten behind the caller's back
     assert "target.aux_layer_ids" in str(e.value) and "[0, 2, 3]" in str(e.value) and "[0, 1, 2]" in str(e.value)
     # the eval path: load the target with the checkpoint's ids, then the check passes
     right = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=1)
     right.aux_layer_ids = list(d.meta.aux_layer_ids)
     warnings = []
-    d.check_target(right, warn=warnings.append)
+    check_target(d, right, warn=warnings.append)
     assert warnings == [] and right.aux_layer_ids == AUX
 
 
@@ -306,11 +307,11 @@ def test_check_target_sizes_and_fingerprint(target):
     small = build_tiny_target(vocab_size=V, hidden_size=32, num_layers=4, seed=1)
     small.aux_layer_ids = list(AUX)
     with pytest.raises(SpeculatorsError, match="hidden size 64 != target's 32"):
-        d.check_target(small)
+        check_target(d, small)
     fine_tuned = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=2)
     fine_tuned.aux_layer_ids = list(AUX)
     warnings = []
-    d.check_target(fine_tuned, warn=warnings.append)
+    check_target(d, fine_tuned, warn=warnings.append)
     assert len(warnings) == 1 and "fingerprint" in warnings[0]
 
 

@@ -1,4 +1,4 @@
-"""The offline feature store keeps activations of any magnitude (issue 14).
+"""The offline feature store keeps activations of any magnitude.
 
 * ``data.feature_dtype`` (bfloat16 default, float32, float16): a cache round trip (written, then read
   back by a second extraction that runs no forward) keeps a 1e6-magnitude activation: exactly 1e6 in

@@ -1,4 +1,4 @@
-"""Confidence-gated verification (issue 13): the gate's rule, its losslessness, and the eval's gated rows.
+"""Confidence-gated verification: the gate's rule, its losslessness, and the eval's gated rows.
 
 The gate (:class:`speculators.gating.ConfidenceGate`) cuts a proposal to the drafts before the first
 whose survival ``prod_{i<=k} sigmoid(z_i / T_i)`` falls below the threshold. It reads only the drafter's

@@ -79,7 +79,7 @@ def check_steps(r: GenerationResult):
 
 
 def test_tau_counts_only_tokens_emitted_before_an_accepted_stop_token(target):
-    """Issue 9 item 9: the stop token is accepted inside the 2nd draft block; the drafts after it are
+    """the stop token is accepted inside the 2nd draft block; the drafts after it are
     accepted by the verifier too, but not emitted and not counted in tau."""
     prompt, cont, j = greedy_with_fresh_token(target, 8, 12)
     stop = cont[j]
@@ -177,7 +177,7 @@ class FakeTarget:
 
 @pytest.mark.parametrize("kind", ["property", "method"])
 def test_decoding_stops_at_the_targets_stop_token_ids(target, kind):
-    """Issue 9 item 3 on the decode side: a stop id that is not the tokenizer's EOS ends plain and
+    """Stop ids on the decode side: a stop id that is not the tokenizer's EOS ends plain and
     speculative decoding; explicit eos_ids win."""
     prompt, cont, j = greedy_with_fresh_token(target, 8, 12)
     fake = FakeTarget(target, stop=[cont[j], V - 1 if cont[j] != V - 1 else 0], kind=kind, tokenizer_eos=None)
@@ -260,7 +260,7 @@ def _protocol_params(method) -> list[tuple[str, object]]:
 
 
 def test_every_family_and_the_ngram_proposer_implement_the_proposer_protocol():
-    """Issue 10 item 5 / issue 11: one BATCHED protocol, one sampling type. Every registered family and
+    """one BATCHED protocol, one sampling type. Every registered family and
     NGramProposer are Proposers (runtime isinstance) and their start / propose / advance have the
     protocol's parameters (names, order, defaults): propose(states, ks, sampling=None, generators=None)
     takes lists of per-request states and draft counts and the verifier's SamplingParams of the batch;
@@ -281,8 +281,9 @@ def test_every_family_and_the_ngram_proposer_implement_the_proposer_protocol():
         assert _protocol_params(cls._propose_one) == one, cls.__name__
         assert [n for n, _ in _protocol_params(cls._advance_one)] == ["state", "new_ids", "features"], cls.__name__
         if cls is not NGramProposer:
-            assert cls._propose_one is not Drafter._propose_one, cls.__name__
-            assert cls._advance_one is not Drafter._advance_one, cls.__name__
+            # the family's own (the base declares none: its default propose/advance loop over these)
+            assert cls._propose_one is not getattr(Drafter, "_propose_one", None), cls.__name__
+            assert cls._advance_one is not getattr(Drafter, "_advance_one", None), cls.__name__
         for name, params in want.items():
             got = _protocol_params(getattr(cls, name))
             # parameter names and order must match; start/advance may default ``features`` (model-free)

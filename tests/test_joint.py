@@ -26,6 +26,7 @@ import speculators.drafters.medusa  # noqa: F401  (registers the families)
 import speculators.drafters.mtp  # noqa: F401
 from speculators.cli import app
 from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters.checkpoint import init_from_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.target import Target, build_tiny_target
 from speculators.training_unit import TrainingUnit
@@ -325,12 +326,12 @@ def test_init_from_checks_the_family(tmp_path):
     t2 = fresh_target()
     d = joint_unit(t2, "mtp").drafter
     with pytest.raises(SpeculatorsError, match="'medusa' checkpoint; this recipe trains 'mtp'"):
-        d.init_from_checkpoint(tmp_path / "medusa")
+        init_from_checkpoint(d, tmp_path / "medusa")
     with pytest.raises(SpeculatorsError, match="train.init_from"):
-        d.init_from_checkpoint(tmp_path / "nowhere")
+        init_from_checkpoint(d, tmp_path / "nowhere")
     joint_unit(fresh_target(seed=7), "mtp").save(tmp_path / "other")  # same shapes, another target
     with pytest.raises(SpeculatorsError, match="trained for another target"):
-        d.init_from_checkpoint(tmp_path / "other")
+        init_from_checkpoint(d, tmp_path / "other")
     # a frozen-target MTP checkpoint initialises a joint one (the adapters stay fresh)
     frozen_cfg = registry.get("mtp").config_class(algorithm="mtp", num_modules=2)
     frozen = registry.get("mtp").from_target(frozen_cfg, fresh_target(), DraftVocab.full(V))
@@ -339,7 +340,7 @@ def test_init_from_checks_the_family(tmp_path):
             if p.requires_grad:
                 p.normal_(0, 0.1)
     frozen.save_pretrained(tmp_path / "frozen")
-    d.init_from_checkpoint(tmp_path / "frozen")
+    init_from_checkpoint(d, tmp_path / "frozen")
     ref = frozen.serving.state_dict(frozen)
     assert all(torch.equal(v, ref[k]) for k, v in d.serving.state_dict(d).items())
 
@@ -426,7 +427,7 @@ def _code_without_docstrings(path: Path) -> str:
 
 
 def test_only_target_py_touches_the_target_model_and_the_trainer_names_no_joint_metric():
-    """Issue 10 item 3: LoRA adaptation, the adapted forward, adapter save/load and merge live in
+    """LoRA adaptation, the adapted forward, adapter save/load and merge live in
     the target package; no other module reaches into a Target's model or private fields; the trainer steps a unit
     and names no joint-only metric nor writes joint-only text."""
     package = ROOT / "speculators"

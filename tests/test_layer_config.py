@@ -1,4 +1,4 @@
-"""Issue 9 item 6: the exported ``transformer_layer_config`` describes exactly the layer that was trained.
+"""the exported ``transformer_layer_config`` describes exactly the layer that was trained.
 
 A loader that honours EVERY RoPE field of the exported config (``head_dim``, ``rope_theta`` /
 ``rope_parameters`` / ``rope_scaling``, ``partial_rotary_factor`` wherever it is written), with vLLM's

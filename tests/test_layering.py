@@ -1,4 +1,4 @@
-"""The package's layering, read from the source with ``ast`` (issue 10, "Done when"; docs/ARCHITECTURE.md).
+"""The package's layering, read from the source with ``ast`` (docs/ARCHITECTURE.md).
 
 * Nothing below the CLI imports ``speculators.cli`` or ``speculators.workflows`` (any scope, type-only
   imports included): only ``cli.py`` imports the workflows.

@@ -1,4 +1,4 @@
-"""Online target features (``data.features: online``, issue 14).
+"""Online target features (``data.features: online``).
 
 * For every registered family, a batch of a tokens-only store gives the same loss counts and the same
   loss (atol 1e-5) through an online training unit (the frozen target runs in the step) as the same

@@ -16,6 +16,7 @@ import yaml
 
 from speculators.drafters import Drafter, DraftVocab, registry
 from speculators.errors import SpeculatorsError
+from speculators.proposal import check_speculative_tokens
 from speculators.recipe import recipe_from_dict
 from speculators.target import build_tiny_target
 from conftest import batch_for
@@ -191,7 +192,7 @@ def test_loss_counts_and_the_next_loss_draw_the_same_sample_then_a_new_one(targe
     assert torch.equal(counts, d.loss_counts(batch))
     plan = d.cod_plan(light)
     loss, metrics = d.loss(batch, norm=counts)
-    assert abs(float(loss.detach()) - d._last_own_loss) < 1e-4 * abs(float(loss.detach()))  # norm == this sample's counts
+    assert abs(float(loss.detach()) - d.last_own_loss) < 1e-4 * abs(float(loss.detach()))  # norm == this sample's counts
     assert [metrics[f"kept_{i}"] for i in range(4)] == [float(k.sum()) for k in plan.kept]
     before = [k.clone() for k in d.cod_plan(light).kept]  # what the NEXT loss will use
     d.loss(batch)
@@ -241,9 +242,9 @@ def test_propose_drafts_all_depths_from_one_state_and_refuses_deeper_k(target):
     p = d._propose_one(state, 4)
     assert p.probs is None and p.token_ids.tolist() == d.draft_ids[logits.argmax(-1)].tolist()
     assert d._propose_one(state, 2).token_ids.tolist() == p.token_ids[:2].tolist()  # prefix-consistent
-    with pytest.raises(SpeculatorsError, match=r"num_depths=4"):  # no silent cap at the trained depth
+    with pytest.raises(SpeculatorsError, match=r"num_depths = 4"):  # no silent cap at the trained depth
         d._propose_one(state, 5)
-    with pytest.raises(SpeculatorsError, match=r"num_depths=4"):  # the batched call too
+    with pytest.raises(SpeculatorsError, match=r"num_depths = 4"):  # the batched call too
         d.propose([state], [5])
     assert d._propose_one(state, 0).token_ids.numel() == 0
     assert state.cache.length == state.num_positions == 11  # mask slots are never cached
@@ -336,11 +337,12 @@ def test_k_deeper_than_the_trained_depth_is_refused(target):
     d = make_drafter(target, num_depths=3).eval()
     batch = make_batch(target, seed=8)
     state = d.start(batch.input_ids[0, :8], SimpleNamespace(aux=batch.aux[:1, :7]))
-    with pytest.raises(SpeculatorsError, match=r"k=4.*num_depths=3"):
+    with pytest.raises(SpeculatorsError, match=r"k=4.*num_depths = 3"):
         d.draft_logits(state, 4)
-    with pytest.raises(SpeculatorsError, match=r"num_depths=3"):
-        d.check_k(4)
-    assert d.check_k(3) == 3
+    with pytest.raises(SpeculatorsError, match=r"num_depths = 3"):
+        check_speculative_tokens(d, 4)
+    check_speculative_tokens(d, 3)  # the trained depth itself is allowed
+    assert d.draft_logits(state, 3).shape[0] == 3
 
 
 def test_a_mask_token_outside_the_vocabulary_is_refused(target):

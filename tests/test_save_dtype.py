@@ -1,4 +1,4 @@
-"""Checkpoints in the dtype people publish (``train.save_dtype``, issue 14).
+"""Checkpoints in the dtype people publish (``train.save_dtype``).
 
 * Every family: a checkpoint saved in bfloat16 / float16 holds its floating-point weights in that dtype
   (integer/bool buffers unchanged, ``torch_dtype`` says so) and loads back into float32 parameters equal

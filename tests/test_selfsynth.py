@@ -1,5 +1,5 @@
 """``source: self`` (Magpie-style self-synthesis, speculators.data.selfsynth), per-source mixing weights and
-the per-source data report (issue 15, data part).
+the per-source data report.
 
 The synthesis tests use a MARKOV target: a tiny random Llama whose attention and MLP outputs are zeroed,
 so the final hidden state depends only on the current token, and whose (untied) ``lm_head`` is solved so

@@ -1,4 +1,4 @@
-"""Large-target placement (issue 14): ``target.device_map`` / ``Target.load(device_map=...)``.
+"""Large-target placement: ``target.device_map`` / ``Target.load(device_map=...)``.
 
 * A tiny random target saved with ``save_pretrained`` loads with ``device_map="auto"`` in bfloat16: the
   device_map and dtype reach ``from_pretrained``, the weights are bf16, and its aux taps, final hidden

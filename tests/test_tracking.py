@@ -1,4 +1,4 @@
-"""Tracking (issue 14): ``train.report_to: [tensorboard, wandb]``.
+"""Tracking: ``train.report_to: [tensorboard, wandb]``.
 
 * With ``WANDB_MODE=offline`` the run directory holds the W&B run (``wandb/offline-run-*/run-<id>.wandb``)
   with the logged training and held-out scalars (their values), the resolved recipe and the target

@@ -1,4 +1,4 @@
-"""The trainer's normalisation and divergence handling (issue 9, items 7 and 8).
+"""The trainer's normalisation and divergence handling.
 
 * Gradient accumulation weights tokens, not micro-batches: one optimizer step over two conversations
   with 3 and 57 assistant tokens gives the same gradient with ``grad_accum: 1`` (both in one
@@ -7,7 +7,7 @@
 * A "last good checkpoint" is good: finite weights that gave a finite loss. A NaN loss at step s+1
   condemns checkpoint s (renamed ``diverged-step-N``, skipped by ``--resume`` and ``speculators eval``);
   non-finite weights are never written, never resumed from and refused by ``Drafter.from_pretrained``.
-* The trainer steps one training unit (issue 10 item 3): what it logs and writes about the target comes
+* The trainer steps one training unit: what it logs and writes about the target comes
   from the unit (held-out perplexity, model card lines, per-group learning rates).
 """
 
@@ -31,6 +31,7 @@ from speculators.cli import app
 from speculators.data.dataset import collate
 from speculators.data.features import FeatureStore
 from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters.checkpoint import init_from_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe
 from speculators.target import build_tiny_target
@@ -209,7 +210,7 @@ def test_held_out_loss_is_per_token_not_per_batch(tmp_path):
 
 
 def test_joint_held_out_perplexity_log_line_and_card_come_from_the_unit(tmp_path):
-    """Issue 10 item 3: the trainer steps a training unit and reports what the unit gives. For a joint
+    """the trainer steps a training unit and reports what the unit gives. For a joint
     unit ``held_out/ppl`` is the target's perplexity over ALL held-out assistant tokens (summed NLL /
     summed tokens, not a mean of per-batch perplexities), the summary line and the model card carry it;
     a frozen-target unit adds no target line."""
@@ -268,7 +269,7 @@ def test_from_pretrained_and_init_from_refuse_non_finite_weights(tmp_path):
     target = build_tiny_target(vocab_size=V, hidden_size=64, num_layers=3, seed=1)
     d = make_drafter(target, "eagle3", {}, False, torch.ones(V, dtype=torch.int64))
     with pytest.raises(SpeculatorsError, match=name):
-        d.drafter.init_from_checkpoint(path)
+        init_from_checkpoint(d.drafter, path)
 
 
 def _invoke(*args):

@@ -653,7 +653,7 @@ def test_validate_false_skips_value_checks():
 
 
 # --------------------------------------------------------------------------------------------------
-# Robustness: tiny temperatures, float64 logits, logits that require grad (issue 9 items 10-12)
+# Robustness: tiny temperatures, float64 logits, logits that require grad
 # --------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The orchestration layer and the layering rules (issue 10 items 1 and 6).
+"""The orchestration layer and the layering rules.
 
 * The data layer's imports, read from the source with ``ast`` (the reader of ``tests/test_layering.py``,
   which also holds the package-wide rules: only ``cli.py`` imports the workflows, no cycle, layer order):

@@ -99,9 +99,9 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
                        bias: torch.Tensor | None = None) -> Path:
     """Store a fitted calibration in checkpoint ``checkpoint_dir``: ``temperature`` and ``bias`` (None:
     zeros, a temperature-only calibration) become the drafter's ``confidence_calibration()``, written to
-    ``config.json`` as ``speculators_training.confidence_calibration`` (the drafter's
-    ``training_state()``; engines ignore it), never to ``model.safetensors`` (vLLM's loader cannot place
-    it). A checkpoint of an earlier version that holds the calibration tensors in its weights file gets
+    ``config.json`` as ``speculators_training.confidence_calibration``
+    (:func:`speculators.drafters.training_state.training_state`; engines ignore it), never to
+    ``model.safetensors`` (vLLM's loader cannot place it). A checkpoint of an earlier version that holds the calibration tensors in its weights file gets
     that file rewritten without them (every other tensor, its dtype and the metadata unchanged).
 
     The new calibration is checked first (the checkpoint's drafter must take it and give it back exactly),
@@ -121,6 +121,7 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
 
     from ..drafters import Drafter
     from ..drafters.checkpoint import CONFIG_NAME, TRAINING_KEY, WEIGHTS_NAME, load_weights, read_checkpoint_config
+    from ..drafters.training_state import training_state
     from ..utils import atomic_write_bytes, atomic_write_text
 
     path = Path(checkpoint_dir)
@@ -138,7 +139,7 @@ def store_temperatures(checkpoint_dir: str | Path, temperature: torch.Tensor,
     if not (torch.equal(got_t, t) and torch.equal(got_b, b)):
         raise SpeculatorsError(f"{path}: the drafter does not give the calibration back as it was set")
     raw = read_checkpoint_config(path)
-    raw[TRAINING_KEY].update(drafter.training_state())
+    raw[TRAINING_KEY].update(training_state(drafter))
     atomic_write_text(path / CONFIG_NAME, json.dumps(raw, indent=2, default=str))
     file = path / WEIGHTS_NAME
     declared = set(drafter.serving.training_state_tensors)

@@ -40,6 +40,11 @@ class DraftVocab:
         """``[N]`` int64 sorted target ids of the draft vocabulary."""
         return torch.arange(self.size, dtype=torch.int64) + self.d2t
 
+    def head_rows(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The target output head restricted to the draft vocabulary: ``lm_head_weight [V, H]`` ->
+        ``[N, H]`` float32 (detached), what a reduced-vocabulary drafter head starts from (EAGLE-3's recipe)."""
+        return lm_head_weight.detach().float()[self.target_ids]
+
     @classmethod
     def full(cls, vocab_size: int) -> "DraftVocab":
         """The identity mapping over all ``vocab_size`` target ids (no reduction)."""

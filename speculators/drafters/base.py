@@ -50,6 +50,7 @@ from ..data.vocab import DraftVocab  # noqa: F401  (moved to the data layer; re-
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
 from . import checkpoint
+from .layers import FrozenTarget
 from ..proposal import (  # noqa: F401  (the protocol pieces, speculators/proposal.py; their import paths from base keep working)
     Proposal,
     _empty_proposal,
@@ -104,7 +105,16 @@ class Drafter(nn.Module):
         self.cfg = cfg
         self.meta: TargetMeta = meta if isinstance(meta, TargetMeta) else TargetMeta.from_json(dict(meta), "meta")
         self.serving.check_aux_layer_ids(self.meta.aux_layer_ids, self.meta.target_num_layers)
-        self._teacher_head: torch.Tensor | None = None
+        #: the target's frozen head, final norm and embedding (:meth:`attach_target`); empty until then
+        self.frozen_target = FrozenTarget()
+        #: True when the config asks for joint training (``drafter.joint: true``, see ``joint.py``): the drafter is
+        #: trained together with a LoRA-adapted target (``Target.adapt_lora``, stepped by
+        #: :class:`speculators.training_unit.TrainingUnit`) and is only valid with that fine-tuned target.
+        self.trains_target: bool = bool(getattr(cfg, "joint", False))
+        #: the last :meth:`loss` with every term divided by that batch's OWN counts (a float, for metrics; the
+        #: loss itself when ``norm`` was None), set by :func:`speculators.losses.combine_terms`'s callers; None
+        #: before any call. A training unit reports it as ``drafter_loss`` under window normalisation.
+        self.last_own_loss: float | None = None
         # joint runs: directory of the target's LoRA adapter that came with a loaded checkpoint
         self.target_adapter_dir: Path | None = None
 
@@ -119,108 +129,16 @@ class Drafter(nn.Module):
         """
         raise NotImplementedError
 
-    @classmethod
-    def _from_target_full_vocab(cls, cfg: DrafterConfig, target, vocab: DraftVocab) -> "Drafter":
-        """``from_target`` of families that draft through the target's own head over the full
-        vocabulary: build, copy the (frozen) ``embed_tokens`` from the target, attach the target.
-
-        Raises:
-            SpeculatorsError: ``vocab`` is a reduced draft vocabulary.
-        """
-        if vocab.size != target.vocab_size:
-            raise SpeculatorsError(f"drafter.draft_vocab_size: {cls.algorithm} drafts over the full target "
-                                   f"vocabulary ({target.vocab_size}); got a draft vocabulary of {vocab.size}")
-        d = cls(cfg, TargetMeta.from_target(target))
-        with torch.no_grad():
-            d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-        d.attach_target(target)
-        return d
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """``[N]`` int64 sorted target ids of the draft vocabulary (families with a ``d2t`` buffer:
-        ``target_id = i + d2t[i]``, vLLM's convention).
-
-        Raises:
-            AttributeError: the family keeps no draft vocabulary.
-        """
-        from ..losses import draft_to_target
-
-        d2t = self.d2t
-        return draft_to_target(torch.arange(d2t.numel(), device=d2t.device), d2t)
-
-    def copy_draft_vocab(self, target, vocab: DraftVocab, heads: list[nn.Linear]) -> None:
-        """Initialise ``heads`` (each ``Linear(H -> N)``) with the target's lm_head rows of the draft
-        vocabulary and the ``d2t``/``t2d`` buffers with ``vocab`` (EAGLE-3, P-EAGLE, Medusa, DFlash's
-        reduced vocabulary), so that every head starts as the target's own head over that vocabulary."""
-        with torch.no_grad():
-            rows = target.lm_head_weight.detach().float()[vocab.target_ids]
-            for head in heads:
-                head.weight.copy_(rows)
-            self.d2t.copy_(vocab.d2t)
-            self.t2d.copy_(vocab.t2d)
-
     def attach_target(self, target) -> None:
-        """Give the drafter the frozen target pieces it may use: the output head (teacher
-        distributions in training; drafting through the target's head for EAGLE-1/MTP-style
-        families) and the final norm. Kept outside the module tree: never trained, never saved."""
-        self._teacher_head = target.lm_head_weight.detach()
-        object.__setattr__(self, "_target_norm", target.final_norm)
-        self._head_on_device: torch.Tensor | None = None
-        checkpoint.fill_frozen_copies(self, target)  # the frozen copies a published checkpoint left out
-
-    def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Frozen target output head: ``[..., H]`` post-norm hidden -> ``[..., V]`` logits.
-
-        Raises:
-            RuntimeError: ``attach_target`` was not called.
-        """
-        if self._teacher_head is None:
-            raise RuntimeError("attach_target(target) first: the target's output head is missing")
-        head = getattr(self, "_head_on_device", None)
-        if head is None or head.device != h.device or head.dtype != h.dtype:
-            head = self._teacher_head.to(device=h.device, dtype=h.dtype)  # copied once, not per call
-            self._head_on_device = head
-        return torch.nn.functional.linear(h, head)
-
-    def target_final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The target's frozen final RMSNorm (``[..., H]`` -> ``[..., H]``)."""
-        norm = getattr(self, "_target_norm", None)
-        if norm is None:
-            raise RuntimeError("attach_target(target) first: the target's final norm is missing")
-        return norm(h)
-
-    def check_target(self, target, warn=None) -> None:
-        """Check that ``target`` can serve this drafter; only checks, never changes ``target``.
-
-        The target must be loaded with the checkpoint's aux layer ids:
-        ``Target.load(ref, dtype, aux_layer_ids=drafter.meta.aux_layer_ids)``.
+        """Give the drafter the frozen target pieces it may use (:class:`.layers.FrozenTarget`: output head,
+        final norm, token embedding), kept outside the module tree, and restore the frozen copies a published
+        checkpoint left out (:func:`.checkpoint.fill_frozen_copies`).
 
         Args:
             target: a :class:`speculators.target.Target`.
-            warn: called with one message when the shapes fit but the weights differ from the training
-                target's (fingerprint); ``None`` = no warning.
-        Raises:
-            SpeculatorsError: the vocab or hidden size differs from the training target's, or the target
-                taps other aux layers than the drafter was trained on (naming both lists).
         """
-        m = self.meta
-        problems = []
-        if m.vocab_size != target.vocab_size:
-            problems.append(f"vocab size {m.vocab_size} != target's {target.vocab_size}")
-        if m.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {m.hidden_size} != target's {target.hidden_size}")
-        if problems:
-            raise SpeculatorsError(
-                f"checkpoint was trained for {m.name_or_path!r}, not {target.name_or_path!r}: " + "; ".join(problems))
-        if list(m.aux_layer_ids) != list(target.aux_layer_ids):
-            raise SpeculatorsError(
-                f"target.aux_layer_ids: the target taps layers {list(target.aux_layer_ids)} but this drafter was "
-                f"trained on layers {list(m.aux_layer_ids)}; load the target with "
-                f"aux_layer_ids={list(m.aux_layer_ids)} (the checkpoint's)")
-        if warn is not None and m.fingerprint not in (None, target.fingerprint):
-            warn(f"warning: {target.name_or_path!r} is not the target this drafter was trained for "
-                 f"({m.name_or_path!r}, fingerprint {m.fingerprint}); acceptance may suffer")
+        self.frozen_target = FrozenTarget(target)
+        checkpoint.fill_frozen_copies(self, target)  # the frozen copies a published checkpoint left out
 
     # ---------------------------------------------------------------- training
     def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -238,99 +156,40 @@ class Drafter(nn.Module):
         ``input_ids``, ``loss_mask``, ``attention_mask`` and ``argmax`` (``aux``/``top`` may be empty)."""
         raise NotImplementedError
 
-    @property
-    def counts_use_argmax(self) -> bool:
-        """True when :meth:`loss_counts` reads ``batch.argmax`` (a mask on the target's greedy token);
-        in joint training the counts then need the live target's argmax
-        (:meth:`speculators.training_unit.TrainingUnit.loss_counts`)."""
-        return False
-
-    def _combine_terms(self, sums: list[torch.Tensor], weights: list[float], counts: torch.Tensor,
-                       norm: torch.Tensor | None, scale: float = 1.0) -> tuple[torch.Tensor, float]:
-        """``scale * sum_i weights[i] * sums[i] / max(den[i], 1)`` with ``den = norm`` (window counts) or
-        ``counts`` (this batch's, the default); also returns the same value with this batch's own counts
-        (a float, for metrics).
-
-        Raises:
-            SpeculatorsError: ``norm`` does not have one entry per term.
-        """
-        own_den = counts.clamp(min=1)
-        if norm is None:
-            den = own_den
-        else:
-            norm = torch.as_tensor(norm).to(counts.device)
-            if norm.shape != counts.shape:
-                raise SpeculatorsError(f"{self.algorithm} loss: norm has shape {tuple(norm.shape)}, expected "
-                                       f"{tuple(counts.shape)} (one count per loss term, see loss_counts)")
-            den = norm.clamp(min=1)
-        total = sums[0].new_zeros(())
-        own = 0.0
-        for i, (s, w) in enumerate(zip(sums, weights)):
-            total = total + w * (s / den[i])
-            own += w * float(s.detach()) / float(own_den[i])
-        self._last_own_loss = scale * own  # see last_own_loss
-        return scale * total, scale * own
-
-    @property
-    def last_own_loss(self) -> float | None:
-        """The value of the last :meth:`loss` call with every term divided by that batch's OWN counts
-        (a float, for metrics; equal to the loss itself when ``norm`` was None); ``None`` before any call
-        or for a family that does not combine its terms with ``_combine_terms``. A training unit reports
-        it as ``drafter_loss`` when the loss was normalised by a whole window's counts."""
-        return getattr(self, "_last_own_loss", None)
-
-    @property
-    def trains_target(self) -> bool:
-        """True when the config asks for joint training (``drafter.joint: true``, see ``joint.py``): the
-        drafter is trained together with a LoRA-adapted target (``Target.adapt_lora``, stepped by
-        :class:`speculators.training_unit.TrainingUnit`) and is only valid with that fine-tuned target
-        (its checkpoint carries the adapter, see :attr:`target_adapter_dir`)."""
-        return bool(getattr(self.cfg, "joint", False))
-
-    @property
-    def joint_loss_weight(self) -> float:
-        """Weight of :meth:`loss` in the joint loss ``lm_weight * L_LM + w * loss`` (1.0; Medusa-2: 0.2)."""
-        return 1.0
-
-    def drafter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The drafter's own tensors (``state_dict``), detached and contiguous."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-
-    def init_from_checkpoint(self, path: str | Path) -> None:
-        """Initialise the drafter's weights from another checkpoint of the same family and shapes
-        (``train.init_from``: e.g. joint training started from a frozen-target run). The target
-        adapter, optimizer and schedule are not taken over. A relative path is relative to the
-        current working directory.
-
-        Raises:
-            SpeculatorsError: not a checkpoint, another family, another target (fingerprint), or
-                weights that do not fit or are not finite.
-        """
-        weights = checkpoint.read_init_weights(path, self.algorithm, self.meta.fingerprint)
-        self.serving.load_state_dict(self, checkpoint.complete_frozen_copies(self, weights))
+    #: True when :meth:`loss_counts` reads ``batch.argmax`` (a mask on the target's greedy token); in joint
+    #: training the counts then need the live target's argmax
+    #: (:meth:`speculators.training_unit.TrainingUnit.loss_counts`). A family whose answer depends on its
+    #: config overrides it with a property.
+    counts_use_argmax: ClassVar[bool] = False
+    #: weight of :meth:`loss` in the joint loss ``lm_weight * L_LM + w * loss`` (1.0; Medusa-2 reads its config)
+    joint_loss_weight: ClassVar[float] = 1.0
 
     # ---------------------------------------------------------------- inference
-    # what bounds a parallel family's K, named in the error of :func:`check_speculative_tokens`
+    #: THE K cap: the most drafts ONE step of this drafter can give (``num_speculative_tokens`` / eval ``K``),
+    #: or None when K is unbounded (autoregressive families: one more drafter step per draft). Parallel
+    #: families override it (a property) with what they were trained for (P-EAGLE: ``num_depths``; DFlash:
+    #: ``block_size - 1``); :func:`speculators.proposal.check_speculative_tokens` refuses a larger K, naming
+    #: :attr:`max_speculative_tokens_source` (what sets the cap, e.g. ``"drafter.num_depths"``).
+    max_speculative_tokens: ClassVar[int | None] = None
     max_speculative_tokens_source: ClassVar[str] = ""
 
-    @property
-    def max_speculative_tokens(self) -> int | None:
-        """The most drafts ONE step of this drafter can give (``num_speculative_tokens`` / eval ``K``),
-        or None when K is unbounded (autoregressive families: one more drafter step per draft).
-        Parallel families override it with what they were trained for (P-EAGLE: ``num_depths``;
-        DFlash: ``block_size - 1``); :func:`check_speculative_tokens` refuses a larger K."""
-        return None
-
     def start(self, input_ids: torch.Tensor, features) -> Any:
+        """The per-request drafting state after a prompt: ``input_ids [n+1]`` int64 (the prompt and the first
+        target token) and the target's :class:`speculators.target.TargetFeatures` of positions ``0..n-1``
+        (module docstring: features lag tokens by one)."""
         raise NotImplementedError
 
     def propose(self, states: list, ks: list[int], sampling: SamplingParams | None = None,
                 generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """Drafts for a batch of requests (:class:`speculators.proposal.Proposer`'s batched ``propose``).
 
-        Default: :func:`propose_each` over :meth:`_propose_one` (one request at a time, each drawing
-        only from its own generator); families override it with a truly batched implementation where
-        it pays (EAGLE-3). Batch 1 is ``propose([state], [k], sampling, [generator])[0]``.
+        Default: :func:`propose_each` over the family's ``_propose_one(state, k, sampling_1, generator)``
+        (one request at a time, each drawing only from its own generator; ``sampling_1`` is the request's
+        own :class:`~speculators.verify.SamplingParams`, None = greedy; it returns one :class:`Proposal`,
+        ``token_ids [k']`` int64 target ids with ``k' <= k`` and ``probs [k', V]`` float32 or None when
+        greedy, drawn with :func:`speculators.losses.sample_draft`); a family either defines
+        ``_propose_one`` or overrides this method with a truly batched one (EAGLE-3). Batch 1 is
+        ``propose([state], [k], sampling, [generator])[0]``.
 
         Args:
             states: ``B`` per-request states from :meth:`start` / :meth:`advance`; left as found.
@@ -348,7 +207,9 @@ class Drafter(nn.Module):
 
     def advance(self, states: list, new_ids: list[torch.Tensor], features: list) -> None:
         """Append each request's verified tokens (batched ``advance`` of the protocol). Default:
-        :func:`advance_each` over :meth:`_advance_one`.
+        :func:`advance_each` over the family's ``_advance_one(state, new_ids [m], features)`` (one request's
+        ``m`` verified tokens and the target features of its positions ``n..n+m-1``, updating ``state``);
+        a family either defines ``_advance_one`` or overrides this method.
 
         Args:
             states: ``B`` per-request states (updated in place).
@@ -359,47 +220,7 @@ class Drafter(nn.Module):
         """
         advance_each(self._advance_one, states, new_ids, features)
 
-    def _propose_one(self, state: Any, k: int, sampling: SamplingParams | None = None,
-                     generator: torch.Generator | None = None) -> Proposal:
-        """Up to ``k`` drafts for one request (what the batched :meth:`propose` loops over).
-
-        Args:
-            state: this drafter's per-request state from :meth:`start` / :meth:`advance`; left as found.
-            k: max drafts (>= 0).
-            sampling: the request's :class:`speculators.verify.SamplingParams` (batch of one); ``None`` =
-                greedy. Families draw each draft with :func:`speculators.losses.sample_draft`.
-            generator: torch generator of the draws; ``None`` = the request's own
-                (``sampling.generators[0]``), else torch's global RNG.
-        Returns:
-            :class:`Proposal`: ``token_ids [k']`` int64 target ids (``k' <= k``) and ``probs [k', V]``
-            float32 draft distributions, or ``None`` when greedy.
-        Raises:
-            SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``.
-        """
-        raise NotImplementedError
-
-    def _advance_one(self, state: Any, new_ids: torch.Tensor, features) -> None:
-        """Append one request's ``m`` verified tokens ``new_ids [m]`` and the target features of
-        positions ``n..n+m-1`` (what the batched :meth:`advance` loops over); updates ``state``."""
-        raise NotImplementedError
-
     # ---------------------------------------------------------------- training-side state
-    def training_state(self) -> dict[str, Any]:
-        """JSON entries of the drafter's training-side state for ``config.json``'s ``speculators_training``
-        block (engines ignore it); default none. DSpark: ``{"confidence_calibration": {"temperature": [B],
-        "bias": [B]}}``."""
-        return {}
-
-    def load_training_state(self, entries: Mapping[str, Any], legacy: Mapping[str, torch.Tensor] | None = None,
-                            where: str = "config.json") -> None:
-        """Read back :meth:`training_state`: ``entries`` is the checkpoint's ``speculators_training`` block,
-        ``legacy`` the training-side tensors an earlier version wrote to ``model.safetensors`` (used when
-        ``entries`` has no entry of its own). Default: nothing to read.
-
-        Raises:
-            SpeculatorsError: an entry of the wrong shape or value, naming ``where`` and the entry.
-        """
-
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-position calibration of the confidence head (:class:`Proposal` ``.confidence_logits``):
         ``(temperature [B] float32 > 0, bias [B] float32)`` (copies, CPU), with the calibrated confidence
@@ -407,11 +228,13 @@ class Drafter(nn.Module):
         confidence head (the default)."""
         return None
 
-    def set_confidence_calibration(self, temperature: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def set_confidence_calibration(self, temperature: torch.Tensor, bias: torch.Tensor | None = None,
+                                   where: str = "") -> None:
         """Set the calibration :meth:`confidence_calibration` returns.
 
         Args:
             temperature: ``[B]`` positive finite temperatures. bias: ``[B]`` finite shifts (None: zeros).
+            where: a prefix of the errors (the file an entry came from).
         Raises:
             SpeculatorsError: the drafter has no confidence head (the default), or values of another
                 length, a temperature <= 0 or a value that is not finite.
@@ -451,3 +274,54 @@ class Drafter(nn.Module):
                 target adapter), naming the file and the tensor.
         """
         return checkpoint.from_pretrained(path)
+
+
+def full_vocab_drafter(cls: type[Drafter], cfg: DrafterConfig, target, vocab: DraftVocab) -> Drafter:
+    """``from_target`` of families that draft through the target's own head over the full vocabulary
+    (EAGLE-1, MTP): build ``cls``, copy the (frozen) ``embed_tokens`` from the target, attach the target.
+
+    Raises:
+        SpeculatorsError: ``vocab`` is a reduced draft vocabulary (naming ``drafter.draft_vocab_size``).
+    """
+    if vocab.size != target.vocab_size:
+        raise SpeculatorsError(f"drafter.draft_vocab_size: {cls.algorithm} drafts over the full target "
+                               f"vocabulary ({target.vocab_size}); got a draft vocabulary of {vocab.size}")
+    d = cls(cfg, TargetMeta.from_target(target))
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+    d.attach_target(target)
+    return d
+
+
+def check_target(drafter: Drafter, target, warn=None) -> None:
+    """Check that ``target`` can serve ``drafter`` (the target facts its checkpoint recorded,
+    :class:`TargetMeta`); only checks, never changes ``target``.
+
+    The target must be loaded with the checkpoint's aux layer ids:
+    ``Target.load(ref, dtype, aux_layer_ids=drafter.meta.aux_layer_ids)``.
+
+    Args:
+        drafter: a :class:`Drafter`. target: a :class:`speculators.target.Target`.
+        warn: called with one message when the shapes fit but the weights differ from the training
+            target's (fingerprint); ``None`` = no warning.
+    Raises:
+        SpeculatorsError: the vocab or hidden size differs from the training target's, or the target
+            taps other aux layers than the drafter was trained on (naming both lists).
+    """
+    m = drafter.meta
+    problems = []
+    if m.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {m.vocab_size} != target's {target.vocab_size}")
+    if m.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {m.hidden_size} != target's {target.hidden_size}")
+    if problems:
+        raise SpeculatorsError(
+            f"checkpoint was trained for {m.name_or_path!r}, not {target.name_or_path!r}: " + "; ".join(problems))
+    if list(m.aux_layer_ids) != list(target.aux_layer_ids):
+        raise SpeculatorsError(
+            f"target.aux_layer_ids: the target taps layers {list(target.aux_layer_ids)} but this drafter was "
+            f"trained on layers {list(m.aux_layer_ids)}; load the target with "
+            f"aux_layer_ids={list(m.aux_layer_ids)} (the checkpoint's)")
+    if warn is not None and m.fingerprint not in (None, target.fingerprint):
+        warn(f"warning: {target.name_or_path!r} is not the target this drafter was trained for "
+             f"({m.name_or_path!r}, fingerprint {m.fingerprint}); acceptance may suffer")

@@ -10,8 +10,9 @@ A checkpoint is a Hugging Face-style directory (FORMATS.md) that vLLM loads as w
 * ``model.safetensors``: ``serving.state_dict(drafter)`` (the serving engine's weight names, and nothing
   else: a family's training-side state, ``ServingFormat.training_state_tensors`` such as DSpark's confidence
   calibration, is refused there (:func:`check_serving_weights`) and written to ``speculators_training``
-  instead (``Drafter.training_state``; read back by ``Drafter.load_training_state``, which also moves
-  it out of the weights of an earlier version's checkpoint)), in full
+  instead (:func:`.training_state.training_state`; read back by
+  :func:`.training_state.load_training_state`, which also moves it out of the weights of an earlier
+  version's checkpoint)), in full
   precision or, for a published checkpoint (``train.save_dtype``, the trainer's ``final/``), with every
   floating-point weight cast to bfloat16 / float16 (:data:`SAVE_DTYPES`; integer and bool buffers such
   as ``d2t``/``t2d`` keep their dtype) and ``torch_dtype`` in ``config.json`` saying so. Loading casts
@@ -47,6 +48,7 @@ from ..errors import SpeculatorsError
 from ..export import AUX_LAYER_IDS_CONVENTION, vllm_aux_layer_ids, with_lora_verifier
 from ..target import ADAPTER_WEIGHTS
 from ..utils import atomic_dir
+from .training_state import load_training_state, training_state
 
 if TYPE_CHECKING:
     from .base import Drafter
@@ -386,7 +388,7 @@ def check_serving_weights(drafter: "Drafter", weights: dict[str, torch.Tensor], 
     be one a serving engine places (vLLM's loader raises "There is no module or parameter named ..." for
     any other name). A family declares its training-side tensors (``ServingFormat.training_state_tensors``, e.g.
     DSpark's ``confidence_temperature`` / ``confidence_bias``); they belong in ``config.json``
-    (``Drafter.training_state``).
+    (:func:`.training_state.training_state`).
 
     Args:
         weights: ``{export name: tensor}`` about to be written. path: the checkpoint (named in the error).
@@ -411,7 +413,7 @@ def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> d
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg["speculators_version"] = __version__
     cfg[TRAINING_KEY] = {"drafter": drafter.cfg.model_dump(), "target": drafter.meta.to_json(),
-                         **drafter.training_state()}
+                         **training_state(drafter)}
     if drafter.trains_target:
         cfg[TRAINING_KEY]["target_adapter"] = ADAPTER_DIR
         with_lora_verifier(cfg, ADAPTER_DIR)  # the verifier is the base model with this adapter merged
@@ -518,7 +520,7 @@ def from_pretrained(path: str | Path) -> "Drafter":
                 (drafter.get_parameter(name) if name in dict(drafter.named_parameters())
                  else drafter.get_buffer(name)).fill_(float("nan"))
         drafter.__dict__["_frozen_from_target"] = set(omitted)
-    drafter.load_training_state(block, None, f"{cfg_file}: {TRAINING_KEY}")  # e.g. DSpark's calibration
+    load_training_state(drafter, block, None, f"{cfg_file}: {TRAINING_KEY}")  # e.g. DSpark's calibration
     adapter = block.get("target_adapter")
     if adapter is None and drafter.trains_target:
         raise SpeculatorsError(f"{cfg_file}: a joint checkpoint (drafter.joint: true) without its target adapter "
@@ -564,3 +566,16 @@ __all__ = ["ADAPTER_DIR", "CONFIG_NAME", "RECIPE_NAME", "SAVE_DTYPES", "TRAINING
            "adapter_weights_file", "cast_weights", "check_finite_weights", "check_serving_weights", "complete_frozen_copies", "fill_frozen_copies",
            "frozen_target_weights", "omittable_target_weights", "check_weights", "checkpoint_config", "from_pretrained",
            "load_weights", "read_checkpoint_config", "read_init_weights", "read_target_meta", "save_dtype", "save_pretrained"]
+
+
+def init_from_checkpoint(drafter: "Drafter", path: str | Path) -> None:
+    """Initialise ``drafter``'s weights from another checkpoint of the same family and shapes
+    (``train.init_from``: e.g. joint training started from a frozen-target run). The target adapter,
+    optimizer and schedule are not taken over. A relative path is relative to the current working directory.
+
+    Raises:
+        SpeculatorsError: not a checkpoint, another family, another target (fingerprint), or weights that do
+            not fit or are not finite.
+    """
+    weights = read_init_weights(path, drafter.algorithm, drafter.meta.fingerprint)
+    drafter.serving.load_state_dict(drafter, complete_frozen_copies(drafter, weights))

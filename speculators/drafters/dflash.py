@@ -66,14 +66,14 @@ from transformers.models.llama.modeling_llama import rotate_half
 from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
-from ..losses import chained_acceptance, draft_to_target, hard_cross_entropy, sample_draft, target_to_draft
+from ..losses import chained_acceptance, combine_terms, draft_to_target, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
 from .anchors import AnchorSeeds, sample_anchors, valid_anchor_positions
-from .layers import DecoderLayer, KVCache, RMSNorm, Rotary, head_dim, layer_config
+from .layers import DecoderLayer, DraftVocabBuffers, KVCache, RMSNorm, Rotary, head_dim, layer_config
 
 
 def default_gamma(block_size: int) -> float:
@@ -264,7 +264,7 @@ class DFlashFormat(ServingFormat):
 
 
 @register
-class DFlashDrafter(Drafter):
+class DFlashDrafter(DraftVocabBuffers, Drafter):
     """DFlash drafter (see the module docstring). Shapes: ``B`` batch, ``T`` sequence, ``A`` anchors per
     sequence, ``Bs`` block size, ``H`` hidden, ``V`` target vocab, ``N`` draft vocab."""
 
@@ -299,9 +299,7 @@ class DFlashDrafter(Drafter):
         if self.reduced_vocab:  # frozen rows of the target's head + vLLM's d2t/t2d
             self.lm_head = nn.Linear(H, N, bias=False)
             self.lm_head.weight.requires_grad_(False)
-            self.register_buffer("d2t", torch.zeros(N, dtype=torch.int64))
-            self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
-        self._target_embed: torch.Tensor | None = None
+            self.register_draft_vocab(N, V)
         self._anchor_seeds = AnchorSeeds()
 
     # ------------------------------------------------------------------ construction
@@ -327,7 +325,7 @@ class DFlashDrafter(Drafter):
             with torch.no_grad():
                 d.norm.weight.copy_(w.float())
         if d.reduced_vocab:
-            d.copy_draft_vocab(target, vocab, [d.lm_head])
+            d.init_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)
         return d
 
@@ -336,13 +334,6 @@ class DFlashDrafter(Drafter):
         """Empty module; a checkpoint with ``lm_head.weight`` has a draft vocabulary of its row count."""
         head = weights.get("lm_head.weight")
         return cls(cfg, meta, None if head is None else head.shape[0])
-
-    def attach_target(self, target) -> None:
-        """:meth:`Drafter.attach_target` plus the target's frozen token embedding (kept outside the
-        module tree: never trained, never saved)."""
-        super().attach_target(target)
-        self._target_embed = target.embed_tokens.weight.detach()
-        self._embed_on_device = None
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -363,18 +354,11 @@ class DFlashDrafter(Drafter):
         Raises:
             RuntimeError: ``attach_target`` was not called.
         """
-        if self._target_embed is None:
-            raise RuntimeError("attach_target(target) first: the target's token embedding is missing")
-        w = self.fc.weight
-        emb = getattr(self, "_embed_on_device", None)
-        if emb is None or emb.device != w.device or emb.dtype != w.dtype:
-            emb = self._target_embed.to(device=w.device, dtype=w.dtype)  # copied once, not per call
-            self._embed_on_device = emb
-        return F.embedding(ids.to(w.device), emb)
+        return self.frozen_target.embed(ids, self.fc.weight)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen output head: ``[..., H]`` normed hidden -> ``[..., N]`` logits (draft vocabulary)."""
-        return self.lm_head(h) if self.reduced_vocab else self.target_lm_head(h)
+        return self.lm_head(h) if self.reduced_vocab else self.frozen_target.lm_head(h)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target ids (identity for the full vocabulary)."""
@@ -581,7 +565,7 @@ class DFlashDrafter(Drafter):
             metrics.update(chained_acceptance([correct[..., j] for j in range(self.block_size - 1)],
                                               [labelled[..., j] for j in range(self.block_size - 1)]))
             metrics["num_anchors"] = float(ok.sum()) / max(1, ok.shape[0])
-        total, _ = self._combine_terms(sums, self.slot_weights(), counts, norm)
+        total, self.last_own_loss = combine_terms(sums, self.slot_weights(), counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

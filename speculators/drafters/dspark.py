@@ -89,7 +89,7 @@ from torch import nn
 
 from .. import export
 from ..errors import SpeculatorsError
-from ..losses import chained_acceptance, hard_cross_entropy, sample_draft, target_to_draft
+from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
 from .base import Proposal, calibrated_confidence_logits
 from .checkpoint import TargetMeta
@@ -97,7 +97,6 @@ from .registry import register
 from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashFormat, DFlashState
 
 MARKOV_HEAD_TYPES = ("vanilla",)  # implemented; the paper's "gated" and "rnn" variants are not
-CALIBRATION_KEY = "confidence_calibration"  # speculators_training entry of the confidence calibration
 
 
 def calibrated_confidences(logits: torch.Tensor, temperature: torch.Tensor,
@@ -358,40 +357,6 @@ class DSparkDrafter(DFlashDrafter):
             self.confidence_temperature.copy_(t)
             self.confidence_bias.copy_(b)
 
-    def training_state(self) -> dict[str, Any]:
-        """``{"confidence_calibration": {"temperature": [Bs], "bias": [Bs]}}`` (float32 values as JSON
-        numbers, exact) for ``config.json``'s ``speculators_training``; nothing without a confidence head."""
-        cal = self.confidence_calibration()
-        if cal is None:
-            return {}
-        return {CALIBRATION_KEY: {"temperature": cal[0].tolist(), "bias": cal[1].tolist()}}
-
-    def load_training_state(self, entries, legacy=None, where: str = "config.json") -> None:
-        """Read the calibration back (:meth:`Drafter.load_training_state`): the ``confidence_calibration``
-        entry, else the ``confidence_temperature`` / ``confidence_bias`` tensors an earlier version wrote to
-        ``model.safetensors`` (a checkpoint written before shifts existed: every shift 0), else unchanged.
-
-        Raises:
-            SpeculatorsError: an entry that is not ``{"temperature": [Bs], "bias": [Bs]}`` valid values.
-        """
-        if not self.cfg.enable_confidence_head:
-            return
-        entry = (entries or {}).get(CALIBRATION_KEY)
-        if entry is not None:
-            if not isinstance(entry, dict) or "temperature" not in entry:
-                raise SpeculatorsError(f"{where}.{CALIBRATION_KEY}: expected {{'temperature': [...], 'bias': [...]}}, "
-                                       f"got {entry!r}")
-            try:
-                t = torch.tensor(entry["temperature"], dtype=torch.float32)
-                b = None if entry.get("bias") is None else torch.tensor(entry["bias"], dtype=torch.float32)
-            except (TypeError, ValueError):
-                raise SpeculatorsError(f"{where}.{CALIBRATION_KEY}: temperature and bias must be lists of numbers, "
-                                       f"got {entry!r}") from None
-            self.set_confidence_calibration(t, b, where=f"{where}.{CALIBRATION_KEY}: ")
-        elif legacy and "confidence_temperature" in legacy:
-            self.set_confidence_calibration(legacy["confidence_temperature"], legacy.get("confidence_bias"),
-                                            where=f"{where} (model.safetensors of an earlier version): ")
-
     @property
     def max_speculative_tokens(self) -> int:
         """``block_size``: every slot of the block drafts (``sample_from_anchor``)."""
@@ -426,7 +391,7 @@ class DSparkDrafter(DFlashDrafter):
         Raises:
             RuntimeError: ``attach_target`` was not called (no teacher head).
         """
-        head = self._teacher_head
+        head = self.frozen_target.head_weight
         if head is None:
             raise RuntimeError("attach_target(target) before training: the teacher head is missing")
         with torch.no_grad():
@@ -536,7 +501,7 @@ class DSparkDrafter(DFlashDrafter):
             metrics.update(chained_acceptance([correct[..., j] for j in range(Bs)],
                                               [labelled[..., j] for j in range(Bs)]))
             metrics["num_anchors"] = float(ok.sum()) / max(1, ok.shape[0])
-        total, _ = self._combine_terms(sums, self.slot_weights(), counts, norm)
+        total, self.last_own_loss = combine_terms(sums, self.slot_weights(), counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

@@ -8,7 +8,7 @@ Architecture (SafeAILab/EAGLE ``eagle/model/cnets1.py``; weight names as vLLM's 
   the embedding, ``fc.weight[:, H:]`` the feature);
 * Llama decoder layers; layer 0 has NO ``input_layernorm`` (EAGLE's ``index != 0`` rule; vLLM replaces
   it with ``nn.Identity``); layers 1.. are plain Llama layers; no final norm;
-* the output feature ``f`` is read by the TARGET's frozen ``lm_head`` (``Drafter.target_lm_head``; the
+* the output feature ``f`` is read by the TARGET's frozen ``lm_head`` (``FrozenTarget.lm_head``; the
   target's ``h_top`` is post-norm, so no extra norm); ``embed_tokens`` is copied from the target, frozen.
 
 Indexing (the label shift). The drafter input at index t is ``(h_top[t], x_{t+1})`` at position id
@@ -34,9 +34,9 @@ from torch import nn
 
 from .. import export
 from ..data.vocab import DraftVocab
-from ..losses import chained_acceptance, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal
+from .base import Drafter, DrafterConfig, Proposal, full_vocab_drafter
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -148,7 +148,7 @@ class EagleDrafter(Drafter):
         Raises:
             SpeculatorsError: ``vocab`` is a reduced draft vocabulary (EAGLE-1 uses the full one).
         """
-        return cls._from_target_full_vocab(cfg, target, vocab)
+        return full_vocab_drafter(cls, cfg, target, vocab)
 
     @classmethod
     def _build(cls, cfg: EagleConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> EagleDrafter:
@@ -203,7 +203,7 @@ class EagleDrafter(Drafter):
                 pos = (torch.arange(T, device=tokens.device) + 1 + j).unsqueeze(0).expand(B, T)
                 cos, sin = self.rotary(hidden, pos)
                 hidden = self._run_layers(self.embed_tokens(tokens), hidden, cos, sin, attend)
-                logits = self.target_lm_head(hidden[rows]).float()
+                logits = self.frozen_target.lm_head(hidden[rows]).float()
             out.append((hidden, rows, logits))
             if j + 1 == steps:
                 break
@@ -263,7 +263,7 @@ class EagleDrafter(Drafter):
             labelled (the only ones the metric can count).
         """
         cfg: EagleConfig = self.cfg
-        w = self._teacher_head
+        w = self.frozen_target.head_weight
         if w is None:
             raise RuntimeError("attach_target(target) before training: the target's head is missing")
         valid = self._valid_masks(batch)
@@ -289,12 +289,13 @@ class EagleDrafter(Drafter):
         n_valid = counts[0].clamp(min=1)
         with torch.no_grad():
             target_feat = shift_left(batch.top, 1)[rows0]
-            teacher_p = torch.softmax(self.target_lm_head(target_feat).float(), dim=-1)
+            teacher_p = torch.softmax(self.frozen_target.lm_head(target_feat).float(), dim=-1)
         sum_feat = smooth_l1_feature_loss(f0[rows0], target_feat, beta=1.0)
         sum_tok = soft_cross_entropy(logits0, teacher_p)
         loss_feat, loss_tok = sum_feat.detach() / n_valid, sum_tok.detach() / n_valid
         # one count for both terms: (w_feat * S_feat + w_tok * S_tok) / norm[0]
-        total, _ = self._combine_terms([cfg.w_feat * sum_feat + cfg.w_tok * sum_tok], [1.0], counts, norm)
+        total, self.last_own_loss = combine_terms([cfg.w_feat * sum_feat + cfg.w_tok * sum_tok], [1.0],
+                                                  counts, norm, where=self.algorithm)
         with torch.no_grad():  # the last step's correctness (earlier ones were recorded by rows_fn)
             _, rows, logits = steps[-1]
             rows_fn(cfg.sim_steps, rows, logits.argmax(-1))
@@ -311,7 +312,7 @@ class EagleDrafter(Drafter):
         mask = causal_mask_with_cache(m, cache.length, device=emb.device)
         h = self._run_layers(emb, feat, cos, sin, lambda i, q, k, v: cached_attend(cache, i, q, k, v, mask))
         last = h[:, -1:]
-        return last, self.target_lm_head(last).float()[0, 0]
+        return last, self.frozen_target.lm_head(last).float()[0, 0]
 
     @torch.no_grad()
     def start(self, input_ids: torch.Tensor, features) -> EagleState:

@@ -25,11 +25,11 @@ since 0.7, vLLM's ``norm_before_fc`` / ``norm_output`` config fields): the fc in
 (SmolLM2's aux hidden states carry massive activations: position norms up to ~25000 against a median
 of ~150-500), and the next draft step takes ``norm(h)``. ``norm_before_residual`` (vLLM's field of that
 name, vllm-project/speculators' trainer default) starts layer 0's residual from ``hidden_norm(g)`` instead of
-``g``. The defaults stay off so that checkpoints written before these fields load unchanged (issue 15's
-50-step SmolLM2 runs: ``norm_output`` helps, ``norm_before_fc`` and ``norm_before_residual`` slow early
-learning; ALGORITHMS.md).
+``g``. The defaults stay off so that checkpoints written before these fields load unchanged (50-step
+SmolLM2 runs: ``norm_output`` helps, ``norm_before_fc`` and ``norm_before_residual`` slow early learning;
+ALGORITHMS.md).
 
-Inference is batched (issue 11): :meth:`Eagle3Drafter.propose` runs ONE drafter forward per chain step
+Inference is batched: :meth:`Eagle3Drafter.propose` runs ONE drafter forward per chain step
 for all requests still drafting and :meth:`Eagle3Drafter.advance` ONE forward for all requests' verified
 positions, over a padded :class:`~.layers.RaggedKV` gathered from the requests' own caches (each
 request's :class:`Eagle3State` stays the source of truth, so requests may join and leave between
@@ -51,6 +51,7 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import (
     chained_acceptance,
+    combine_terms,
     hard_cross_entropy,
     sample_draft,
     soft_cross_entropy,
@@ -64,6 +65,7 @@ from .registry import register
 from .serving_format import ServingFormat
 from .layers import (
     DecoderLayer,
+    DraftVocabBuffers,
     FusedInputLayer,
     KVCache,
     RaggedKV,
@@ -179,7 +181,7 @@ class Eagle3Format(ServingFormat):
 
 
 @register
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(DraftVocabBuffers, Drafter):
     """EAGLE-3 drafter (see module docstring). Tensor shapes: ``B`` batch, ``T`` sequence, ``H`` hidden."""
 
     algorithm = "eagle3"
@@ -202,8 +204,7 @@ class Eagle3Drafter(Drafter):
         self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(cfg.train_lm_head)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self.register_draft_vocab(draft_vocab_size, V)
         self.rotary = Rotary(self.layer_cfg)
 
     # ------------------------------------------------------------------ construction
@@ -213,7 +214,7 @@ class Eagle3Drafter(Drafter):
         d = cls(cfg, TargetMeta.from_target(target), vocab.size)
         with torch.no_grad():
             d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-        d.copy_draft_vocab(target, vocab, [d.lm_head])
+        d.init_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)
         return d
 
@@ -255,9 +256,7 @@ class Eagle3Drafter(Drafter):
         return h
 
     # ------------------------------------------------------------------ training
-    @property
-    def counts_use_argmax(self) -> bool:
-        return True  # a position counts only if the target's argmax is in the draft vocabulary
+    counts_use_argmax = True  # a position counts only if the target's argmax is in the draft vocabulary
 
     def _label_masks(self, batch) -> list[torch.Tensor]:
         """``[B, T]`` bool per TTT step j: token ``t + 2 + j`` (the one step j drafts) is a real assistant
@@ -295,7 +294,7 @@ class Eagle3Drafter(Drafter):
         dev = batch.input_ids.device
         draft_ids = self.draft_ids
         with torch.no_grad():
-            head = self._teacher_head
+            head = self.frozen_target.head_weight
             if head is None:
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
             teacher_logits = batch.top @ head.to(batch.top)[draft_ids].T  # [B, T, N]
@@ -337,7 +336,8 @@ class Eagle3Drafter(Drafter):
             else:
                 tokens = shift_left(batch.input_ids, 2 + j)
         metrics.update(chained_acceptance(corrects, self._label_masks(batch)))
-        total, _ = self._combine_terms(sums, [cfg.ttt_decay ** j for j in range(cfg.ttt_steps)], counts, norm)
+        total, self.last_own_loss = combine_terms(sums, [cfg.ttt_decay ** j for j in range(cfg.ttt_steps)],
+                                                  counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

@@ -27,6 +27,93 @@ RMSNorm = LlamaRMSNorm
 MLP = LlamaMLP
 
 
+class FrozenTarget:
+    """The frozen pieces of the target a drafter may use, kept OUTSIDE its module tree (never trained, never
+    saved, never in ``state_dict``): the output head (teacher distributions in training; drafting through the
+    target's head for EAGLE-1 / MTP), the final RMSNorm (MTP) and the token embedding (DFlash / DSpark).
+    Each is moved to the caller's device and dtype once, not per call. Empty (every use raises) until a
+    drafter's ``attach_target(target)``.
+
+    Args:
+        target: a :class:`speculators.target.Target`, or None (not attached yet).
+    """
+
+    def __init__(self, target=None):
+        self.head_weight: torch.Tensor | None = None if target is None else target.lm_head_weight.detach()
+        self._norm = None if target is None else target.final_norm
+        self._embed: torch.Tensor | None = None if target is None else target.embed_tokens.weight.detach()
+        self._on_device: dict[str, torch.Tensor] = {}
+
+    def _placed(self, name: str, w: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tensor:
+        if w is None:
+            raise RuntimeError(f"attach_target(target) first: the target's {what} is missing")
+        cur = self._on_device.get(name)
+        if cur is None or cur.device != like.device or cur.dtype != like.dtype:
+            cur = self._on_device[name] = w.to(device=like.device, dtype=like.dtype)
+        return cur
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen target output head: ``[..., H]`` post-norm hidden -> ``[..., V]`` logits (``h``'s dtype).
+
+        Raises:
+            RuntimeError: not attached.
+        """
+        return F.linear(h, self._placed("head", self.head_weight, h, "output head"))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's frozen final RMSNorm: ``[..., H]`` -> ``[..., H]``.
+
+        Raises:
+            RuntimeError: not attached.
+        """
+        if self._norm is None:
+            raise RuntimeError("attach_target(target) first: the target's final norm is missing")
+        return self._norm(h)
+
+    def embed(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The target's frozen token embedding: ``ids [...]`` int64 -> ``[..., H]`` on ``like``'s device and
+        in its dtype (e.g. a drafter weight).
+
+        Raises:
+            RuntimeError: not attached.
+        """
+        emb = self._placed("embed", self._embed, like, "token embedding")
+        return F.embedding(ids.to(like.device), emb)
+
+
+class DraftVocabBuffers:
+    """Mixin of the families that draft over a draft vocabulary kept as vLLM's ``d2t`` / ``t2d`` buffers
+    (EAGLE-3, P-EAGLE, Medusa, DFlash / DSpark with a reduced vocabulary; ALGORITHMS.md, "Draft vocabulary"):
+    ``d2t [N]`` int64 offsets (``target_id = i + d2t[i]``) and ``t2d [V]`` bool."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def register_draft_vocab(self, draft_vocab_size: int, vocab_size: int) -> None:
+        """Register the ``d2t [N]`` / ``t2d [V]`` buffers (identity placeholders, filled by
+        :meth:`init_draft_vocab` or a checkpoint)."""
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """``[N]`` int64 sorted target ids of the draft vocabulary (``i + d2t[i]``)."""
+        from ..losses import draft_to_target
+
+        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
+
+    def init_draft_vocab(self, target, vocab, heads: list[nn.Linear]) -> None:
+        """Fill ``d2t`` / ``t2d`` from ``vocab`` (a :class:`speculators.data.vocab.DraftVocab`) and start every
+        head of ``heads`` (``Linear(H -> N)``) as the target's own output head over that vocabulary
+        (:meth:`DraftVocab.head_rows` of ``target.lm_head_weight``)."""
+        with torch.no_grad():
+            rows = vocab.head_rows(target.lm_head_weight)
+            for head in heads:
+                head.weight.copy_(rows)
+            self.d2t.copy_(vocab.d2t)
+            self.t2d.copy_(vocab.t2d)
+
+
 # RoPE fields of other architectures that a Llama layer does not implement: a partial rotary factor
 # (Phi / StableLM / GLM ``partial_rotary_factor``, GPT-NeoX ``rotary_pct``, GPT-J ``rotary_dim``, ChatGLM
 # ``rope_ratio``) and NeoX's theta name. Our :class:`Attention` rotates the WHOLE head dim, as

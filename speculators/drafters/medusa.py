@@ -51,6 +51,7 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import (
     chained_acceptance,
+    combine_terms,
     hard_cross_entropy,
     sample_draft,
     soft_cross_entropy,
@@ -62,7 +63,7 @@ from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
 from .joint import JointConfig
-from .layers import layer_config
+from .layers import DraftVocabBuffers, layer_config
 
 
 class MedusaConfig(JointConfig, DrafterConfig):
@@ -164,7 +165,7 @@ class MedusaFormat(ServingFormat):
         draft vocab are zero; vLLM keeps only the ``token_map`` rows when ``truncated_vocab_size < V``)
         and ``token_map`` when N < V; no d2t/t2d.
         """
-        sd = drafter.drafter_state_dict()
+        sd = super().state_dict(drafter)
         if not drafter.full_vocab:
             sd["token_map"] = drafter.draft_ids.detach().clone()
         if drafter.cfg.export == "vllm-medusa":
@@ -202,7 +203,7 @@ class MedusaFormat(ServingFormat):
 
 
 @register
-class MedusaDrafter(Drafter):
+class MedusaDrafter(DraftVocabBuffers, Drafter):
     """Medusa drafter (see module docstring). Shapes: ``B`` batch, ``T`` sequence, ``H`` hidden,
     ``V`` target vocab, ``N`` draft vocab, ``K`` heads."""
 
@@ -215,8 +216,7 @@ class MedusaDrafter(Drafter):
         H, V = self.meta.hidden_size, self.meta.vocab_size
         self.blocks = nn.ModuleList([_ResBlocks(H, cfg.num_layers) for _ in range(cfg.num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(H, draft_vocab_size, bias=False) for _ in range(cfg.num_heads)])
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self.register_draft_vocab(draft_vocab_size, V)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -224,7 +224,7 @@ class MedusaDrafter(Drafter):
         """Fresh drafter: zero residual blocks (W and b), each head's lm_head = the target's rows of the
         draft vocabulary (so every head starts as the target's own next-token head)."""
         d = cls(cfg, TargetMeta.from_target(target), vocab.size)
-        d.copy_draft_vocab(target, vocab, list(d.lm_heads))
+        d.init_draft_vocab(target, vocab, list(d.lm_heads))
         with torch.no_grad():
             for block in d.blocks:
                 for layer in block.layers:
@@ -279,10 +279,10 @@ class MedusaDrafter(Drafter):
             RuntimeError: ``attach_target`` was not called.
         """
         if self.full_vocab:
-            return self.target_lm_head(top)
-        if self._teacher_head is None:
+            return self.frozen_target.lm_head(top)
+        if self.frozen_target.head_weight is None:
             raise RuntimeError("attach_target(target) first: the target's output head is missing")
-        head = self._teacher_head
+        head = self.frozen_target.head_weight
         rows = head[self.draft_ids.to(head.device)].to(device=top.device, dtype=top.dtype)  # [N, H]
         return F.linear(top, rows)
 
@@ -355,7 +355,8 @@ class MedusaDrafter(Drafter):
                 labels.append(assistant[:, k + 1:])  # [B, L]: x_{t+k+1} is an assistant token
                 metrics[f"loss_{k - 1}"] = float(sums[-1].detach() / counts[k - 1].clamp(min=1))
         metrics.update(chained_acceptance(corrects, labels))
-        total, _ = self._combine_terms(sums, [cfg.head_decay ** j for j in range(self.num_heads)], counts, norm)
+        total, self.last_own_loss = combine_terms(sums, [cfg.head_decay ** j for j in range(self.num_heads)],
+                                                  counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

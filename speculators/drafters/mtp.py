@@ -23,7 +23,7 @@ Architecture (ALGORITHMS.md "MTP"; module layout as vLLM's ``deepseek_mtp.py`` l
   stores the post-norm one (``hnorm`` re-normalises it either way).
 * Output head. DeepSeek's per-module ``shared_head`` has its OWN RMSNorm (``shared_head.norm``) in
   front of the shared ``shared_head.head`` (= the main model's lm_head). In both modes we share the
-  target's final norm AND lm_head (:meth:`Drafter.target_final_norm`, :meth:`Drafter.target_lm_head`):
+  target's final norm AND lm_head (:meth:`.layers.FrozenTarget.final_norm`, :meth:`.layers.FrozenTarget.lm_head`):
   both frozen, never saved. Drafts are always over the full target vocabulary (no d2t/t2d).
 * Token embedding: copied from the target, frozen (``embed_tokens``).
 
@@ -70,9 +70,9 @@ from torch import nn
 
 from .. import export
 from ..data.vocab import DraftVocab
-from ..losses import chained_acceptance, hard_cross_entropy, sample_draft, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, soft_cross_entropy
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal
+from .base import Drafter, DrafterConfig, Proposal, full_vocab_drafter
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -246,7 +246,7 @@ class MTPDrafter(Drafter):
         Raises:
             SpeculatorsError: ``vocab`` is not the full target vocabulary.
         """
-        return cls._from_target_full_vocab(cfg, target, vocab)
+        return full_vocab_drafter(cls, cfg, target, vocab)
 
     @classmethod
     def _build(cls, cfg: MTPConfig, meta: TargetMeta, weights: dict[str, torch.Tensor]) -> MTPDrafter:
@@ -263,7 +263,7 @@ class MTPDrafter(Drafter):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Shared output head: ``[..., H]`` module output -> ``[..., V]`` logits (target final norm + lm_head)."""
-        return self.target_lm_head(self.target_final_norm(h))
+        return self.frozen_target.lm_head(self.frozen_target.final_norm(h))
 
     # ------------------------------------------------------------------ training
     def module_hiddens(self, input_ids: torch.Tensor, top: torch.Tensor) -> list[torch.Tensor]:
@@ -332,7 +332,7 @@ class MTPDrafter(Drafter):
             logits = self.head(hs[i][sel]).float()  # [n_sel, V]
             if cfg.distill:
                 with torch.no_grad():
-                    teacher = torch.softmax(self.target_lm_head(shift_left(batch.top, k)[sel]).float(), dim=-1)
+                    teacher = torch.softmax(self.frozen_target.lm_head(shift_left(batch.top, k)[sel]).float(), dim=-1)
                 sums.append(soft_cross_entropy(logits, teacher))
             else:
                 sums.append(hard_cross_entropy(logits, shift_left(ids, k + 1)[sel]))
@@ -342,7 +342,8 @@ class MTPDrafter(Drafter):
                 corrects.append(correct)
                 metrics[f"loss_{i}"] = float(sums[-1].detach() / counts[i].clamp(min=1))
         metrics.update(chained_acceptance(corrects, valid))
-        total, _ = self._combine_terms(sums, list(self.module_weights), counts, norm, scale=cfg.loss_lambda / D)
+        total, self.last_own_loss = combine_terms(sums, list(self.module_weights),
+                                                  counts, norm, scale=cfg.loss_lambda / D, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

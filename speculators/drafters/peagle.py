@@ -60,7 +60,8 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
-from ..losses import chained_acceptance, sample_draft, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, sample_draft, soft_cross_entropy
+from ..proposal import check_int, check_speculative_tokens
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
@@ -68,6 +69,7 @@ from .registry import register
 from .serving_format import ServingFormat
 from .layers import (
     DecoderLayer,
+    DraftVocabBuffers,
     FusedInputLayer,
     KVCache,
     RMSNorm,
@@ -175,9 +177,12 @@ class PEagleFormat(ServingFormat):
 
     def state_dict(self, drafter: PEagleDrafter) -> dict[str, torch.Tensor]:
         """EAGLE-3's weight names plus ``mask_hidden [1, 1, n_aux*H]``; the learned mask embedding is the
-        row ``mask_token_id`` of ``embed_tokens.weight`` (no ``mask_embedding`` key)."""
-        sd = drafter.drafter_state_dict()
-        sd.pop("mask_embedding")
+        row ``mask_token_id`` of ``embed_tokens.weight`` (no ``mask_embedding`` key), so a saved-and-loaded
+        drafter exports the same tensors."""
+        sd = super().state_dict(drafter)
+        emb = sd["embed_tokens.weight"].clone()
+        emb[drafter.cfg.mask_token_id] = sd.pop("mask_embedding").to(emb.dtype)
+        sd["embed_tokens.weight"] = emb
         return sd
 
     def load_state_dict(self, drafter: PEagleDrafter, sd: dict[str, torch.Tensor]) -> None:
@@ -229,7 +234,7 @@ class PEagleFormat(ServingFormat):
 
 
 @register
-class PEagleDrafter(Drafter):
+class PEagleDrafter(DraftVocabBuffers, Drafter):
     """P-EAGLE drafter (see the module docstring). Shapes: ``B`` batch, ``T`` sequence, ``L`` elements of
     the training forward, ``H`` hidden, ``N`` draft vocabulary, ``V`` target vocabulary."""
 
@@ -260,8 +265,7 @@ class PEagleDrafter(Drafter):
                                     [DecoderLayer(self.layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, eps=self.layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self.register_draft_vocab(draft_vocab_size, V)
         self.rotary = Rotary(self.layer_cfg)
         self._cod_uses: dict[bytes, int] = {}
 
@@ -280,7 +284,7 @@ class PEagleDrafter(Drafter):
         with torch.no_grad():
             d.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
             d.mask_embedding.copy_(d.embed_tokens.weight[cfg.mask_token_id])
-        d.copy_draft_vocab(target, vocab, [d.lm_head])
+        d.init_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)
         return d
 
@@ -299,26 +303,9 @@ class PEagleDrafter(Drafter):
     @property
     def max_speculative_tokens(self) -> int:
         """The most drafts one step can give: the trained depth ``num_depths`` (mask slots deeper than
-        it were never trained); a larger K is refused (:meth:`check_k`), never silently capped."""
+        it were never trained); a larger K is refused
+        (:func:`speculators.proposal.check_speculative_tokens`), never silently capped."""
         return int(self.cfg.num_depths)
-
-    @property
-    def max_k(self) -> int:
-        """Alias of :attr:`max_speculative_tokens` (the trained depth ``num_depths``)."""
-        return self.max_speculative_tokens
-
-    def check_k(self, k: int) -> int:
-        """``k`` when this drafter can draft ``k`` tokens per step.
-
-        Raises:
-            SpeculatorsError: ``k`` is not an int in ``0..num_depths`` (mask slots deeper than the
-                trained depth were never trained).
-        """
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_k:
-            raise SpeculatorsError(f"k={k!r}: this peagle drafter was trained for drafter.num_depths="
-                                   f"{self.max_k} drafts per step; use k <= {self.max_k} (or train with "
-                                   f"num_depths >= {k})")
-        return k
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embedding as exported: ``ids [...]`` int64 -> ``[..., H]``, the row ``mask_token_id``
@@ -352,9 +339,7 @@ class PEagleDrafter(Drafter):
         return h
 
     # ------------------------------------------------------------------ training
-    @property
-    def counts_use_argmax(self) -> bool:
-        return True  # an element counts only if the target's argmax is in the draft vocabulary
+    counts_use_argmax = True  # an element counts only if the target's argmax is in the draft vocabulary
 
     def _cod_generator(self, batch) -> tuple[torch.Generator, bytes]:
         """CPU generator of this batch's COD sample and the batch's key (module docstring)."""
@@ -498,7 +483,7 @@ class PEagleDrafter(Drafter):
             self._cod_uses[key] = self._cod_uses.get(key, 0) + 1
         draft_ids = self.draft_ids
         with torch.no_grad():
-            head = self._teacher_head
+            head = self.frozen_target.head_weight
             if head is None:
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
             teacher_logits = batch.top @ head.to(batch.top)[draft_ids].T  # [B, T, N]
@@ -530,7 +515,7 @@ class PEagleDrafter(Drafter):
                 metrics[f"loss_{d}"] = float(sums[-1].detach() / counts[d].clamp(min=1))
                 metrics[f"kept_{d}"] = float(plan.kept[d].sum())
         metrics.update(chained_acceptance(corrects, labels))
-        total, _ = self._combine_terms(sums, [1.0] * cfg.num_depths, counts, norm)
+        total, self.last_own_loss = combine_terms(sums, [1.0] * cfg.num_depths, counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference
@@ -578,7 +563,7 @@ class PEagleDrafter(Drafter):
         ids, aux = self._check_advance_inputs(new_ids, features)
         dev, dt = self.fc.weight.device, self.fc.weight.dtype
         ids = ids.to(dev).unsqueeze(0)
-        m, slots = ids.shape[1], self.max_k - 1
+        m, slots = ids.shape[1], self.max_speculative_tokens - 1
         aux = aux.to(device=dev, dtype=dt).unsqueeze(0)
         emb = self.embed(ids)
         if slots > 0:  # mask_hidden replaces the aux features before fc: ONE fc over real + mask rows
@@ -601,9 +586,11 @@ class PEagleDrafter(Drafter):
         (one forward; see :meth:`_advance_one`). The state is not modified.
 
         Raises:
-            SpeculatorsError: ``k`` outside ``0..num_depths`` (:meth:`check_k`).
+            SpeculatorsError: ``k`` outside ``0..num_depths`` (:func:`speculators.proposal.check_speculative_tokens`).
         """
-        return state.draft_logits[:self.check_k(k)]
+        k = check_int("k", k, 0)
+        check_speculative_tokens(self, k)
+        return state.draft_logits[:k]
 
     @torch.no_grad()
     def _propose_one(self, state: PEagleState, k: int, sampling: SamplingParams | None = None,
@@ -616,26 +603,17 @@ class PEagleDrafter(Drafter):
         full-vocabulary distributions (zero outside the draft vocabulary). Mask slots carry no token, so
         the drafts are independent given the context. The state is not modified.
 
-        A ``k`` deeper than ``num_depths`` is refused (:meth:`check_k`), not capped: mask slots deeper
+        A ``k`` deeper than ``num_depths`` is refused (:func:`speculators.proposal.check_speculative_tokens`), not capped: mask slots deeper
         than the trained depth were never trained, and a silent cap would make an eval's "K" a lie.
 
         Raises:
             SpeculatorsError: ``k`` outside ``0..num_depths``, or ``sampling`` is not one request's valid
                 ``SamplingParams``.
         """
-        kk = self.check_k(int(k))
+        kk = check_int("k", k, 0)
+        check_speculative_tokens(self, kk)
         if kk == 0:
             return Proposal(torch.empty(0, dtype=torch.int64))
         ids, probs = sample_draft(self.draft_logits(state, kk), sampling, generator, d2t=self.d2t,
                                   vocab_size=self.t2d.numel())
         return Proposal(ids, probs)
-
-    # ------------------------------------------------------------------ formats
-    def drafter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's tensors with ``embed_tokens.weight[mask_token_id]`` = ``mask_embedding`` (the
-        row as exported), so a saved-and-loaded drafter has the same state dict."""
-        sd = super().drafter_state_dict()
-        emb = sd["embed_tokens.weight"].clone()
-        emb[self.cfg.mask_token_id] = sd["mask_embedding"].to(emb.dtype)
-        sd["embed_tokens.weight"] = emb
-        return sd

@@ -26,6 +26,7 @@ import torch
 
 from .. import export
 from ..errors import SpeculatorsError
+from .training_state import load_training_state
 
 if TYPE_CHECKING:
     from .base import Drafter, DrafterConfig
@@ -57,8 +58,8 @@ class ServingFormat:
     legacy_weight_names: ClassVar[dict[str, str]] = {}
     #: names of the drafter's training-side tensors (non-persistent buffers, e.g. DSpark's confidence
     #: calibration): never written to ``model.safetensors``, which holds only what a serving engine places
-    #: (vLLM refuses a name it cannot place); they go to ``config.json`` (``Drafter.training_state``) and the
-    #: checkpoint writer refuses them in the weights (:func:`.checkpoint.check_serving_weights`). Found in
+    #: (vLLM refuses a name it cannot place); they go to ``config.json``
+    #: (:func:`.training_state.training_state`) and the checkpoint writer refuses them in the weights (:func:`.checkpoint.check_serving_weights`). Found in
     #: the weights of an earlier version's checkpoint, they are read and moved (:meth:`load_state_dict`).
     training_state_tensors: ClassVar[tuple[str, ...]] = ()
     #: ``(min, max)`` number of aux layers the format allows (max None: any). Default: any (families that
@@ -182,7 +183,7 @@ class ServingFormat:
         """Load weights written by :meth:`state_dict` into ``drafter`` (or by an earlier version: names in
         :attr:`legacy_weight_names` are renamed first). Tensors the family declares as training-side
         state (:attr:`training_state_tensors`) are not expected here: they live in ``config.json``
-        (``Drafter.load_training_state``), and those an earlier version wrote here are moved there.
+        (:func:`.training_state.load_training_state`), and those an earlier version wrote here are moved there.
 
         Raises:
             SpeculatorsError: missing/unexpected names or shapes that do not match this config.
@@ -200,7 +201,7 @@ class ServingFormat:
             raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         if legacy:
-            drafter.load_training_state({}, legacy)
+            load_training_state(drafter, {}, legacy)
 
     def reference_parity_step(self, drafter: Drafter, config: dict[str, Any], ids: list[int], feats_ours,
                               feats_ref):
