@@ -217,3 +217,41 @@ def test_checkpoint_records_the_target_dtype_and_eval_warns_when_it_serves_anoth
     rep, _ = eval_run(out, eval_overrides=small, dtype="bfloat16", log=logs.append, output=tmp_path / "old")
     assert rep["target"]["trained_dtype"] is None and "dtype_warning" not in rep
     assert dtype_warning(None, "bfloat16") is None and dtype_warning("bfloat16", "bfloat16") is None
+
+
+def test_resume_refuses_a_run_whose_auto_dtype_resolves_otherwise(monkeypatch, tmp_path):
+    """``target.dtype: auto`` trains in what this machine resolves; ``--resume`` on a machine that resolves
+    another dtype is refused (a float32 run records no dtype entry, as before; a bfloat16 run does)."""
+    import speculators.data.pipeline as pipeline
+    from speculators import hardware, workflows
+    from speculators.data.pipeline import record_run_identity
+    from speculators.target import Target, build_tiny_target
+
+    base = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=4, seed=0)
+    with torch.no_grad():  # bf16-exact weights: one fingerprint in either dtype, so only the dtype differs
+        for p in base.model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+    class Stop(Exception):
+        pass
+
+    def load(cls, ref, dtype="float32", *a, **k):
+        base.model.to(getattr(torch, dtype))
+        base._fingerprint = None
+        return base
+
+    monkeypatch.setattr(Target, "load", classmethod(load))
+    monkeypatch.setattr(pipeline, "load_data", lambda spec, log: (None, {}))
+    monkeypatch.setattr(pipeline, "prepare_data", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    rec = recipe_from_dict(yaml.safe_load(TINY.read_text()) | {"target": {"model": "x"}})
+    assert rec.target.dtype == "auto"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(yaml.safe_dump(rec.model_dump(mode="json")))
+    record_run_identity(run, {"target (weights, config, chat template)": load(None, None).fingerprint})  # fp32
+    monkeypatch.setattr(hardware, "fast_bf16", lambda device=None: False)
+    with pytest.raises(Stop):  # float32 again: the identity matches, the run goes on to the data step
+        workflows.train_run(rec, run, resume=True, log=lambda *_: None)
+    monkeypatch.setattr(hardware, "fast_bf16", lambda device=None: True)
+    with pytest.raises(SpeculatorsError, match="target dtype: content added"):
+        workflows.train_run(rec, run, resume=True, log=lambda *_: None)
