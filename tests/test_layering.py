@@ -396,3 +396,24 @@ def test_every_family_file_is_registered_without_a_list_to_edit():
                    if p.stem not in drafters.INFRASTRUCTURE and not p.stem.startswith("_"))
     modules = sorted({registry.get(n).__module__.rsplit(".", 1)[-1] for n in registry.names()})
     assert modules == files and len(registry.names()) == len(files)
+
+
+# the model a family specialises, and nothing else (docs/ARCHITECTURE.md, "The Drafter interface"); what is not the
+# model lives beside it: the serving format (drafters/serving_format.py), checkpoint and training-state functions
+DRAFTER_METHODS = {"__init__", "from_target", "_build", "attach_target", "loss", "loss_counts", "start", "propose",
+                   "advance", "confidence_calibration", "set_confidence_calibration", "save_pretrained",
+                   "from_pretrained"}
+
+
+def test_the_drafter_base_class_stays_the_model_interface():
+    """``Drafter`` declares exactly the documented methods (functions, properties, class- and static methods
+    defined in its body); a new one is a design change that docs/ARCHITECTURE.md must describe first."""
+    import inspect
+
+    from speculators.drafters.base import Drafter
+
+    got = {name for name, v in vars(Drafter).items()
+           if inspect.isfunction(v) or isinstance(v, (property, classmethod, staticmethod))}
+    assert got == DRAFTER_METHODS, (f"added: {sorted(got - DRAFTER_METHODS)}, "
+                                    f"removed: {sorted(DRAFTER_METHODS - got)}")
+    assert len(got) <= 14
