@@ -1,6 +1,7 @@
 """The run directory of ``speculators train``: its rules and its checkpoints.
 
-``--resume`` / ``--overwrite`` (:func:`check_output_dir`, :func:`prepare_output_dir`), the resumable
+``--resume`` / ``--overwrite`` (:func:`check_output_dir`, :func:`prepare_output_dir`,
+:func:`check_resume_recipe`), the default location (:func:`default_output_dir`), the resumable
 checkpoints ``checkpoints/step-N/`` (:func:`checkpoints`, oldest first; :func:`checkpoint_weights_problem`),
 the run card ``final/README.md`` (:func:`model_card`) and the names inside checkpoints (``trainer_state.pt``, ``engine_state/``, ``diverged-`` for checkpoints set
 aside after a divergence). The layout itself is described in :mod:`speculators.train`.
@@ -14,10 +15,13 @@ from pathlib import Path
 
 from .drafters.checkpoint import RECIPE_NAME, check_weights
 from .errors import SpeculatorsError
+from .recipe import Recipe
 
 STATE_NAME = "trainer_state.pt"
 ENGINE_STATE_DIR = "engine_state"  # FSDP / DeepSpeed: accelerate's save_state (sharded optimizer, weights)
 CKPT_RE = re.compile(r"^step-(\d+)$")
+RUN_RECIPE = "recipe.yaml"
+RESUME_SECTIONS = ("target", "data", "drafter")
 DIVERGED_PREFIX = "diverged-"  # a checkpoint found not good after a divergence: step-N -> diverged-step-N
 
 
@@ -100,3 +104,52 @@ def model_card(unit, steps: int, tokens: int, seconds: float, before: dict[str, 
 
 __all__ = ["model_card", "CKPT_RE", "DIVERGED_PREFIX", "ENGINE_STATE_DIR", "STATE_NAME", "check_output_dir", "checkpoint_weights_problem",
            "checkpoints", "prepare_output_dir"]
+
+
+def default_output_dir(recipe: Recipe, recipe_file: str | Path | None = None) -> Path:
+    """The run directory when none is given: ``recipe.output_dir``, else ``outputs/<recipe file stem>``.
+
+    Raises:
+        SpeculatorsError: neither is known (a recipe built in Python without ``output_dir``).
+    """
+    if recipe.output_dir:
+        return Path(recipe.output_dir)
+    if recipe_file is not None:
+        return Path("outputs") / Path(recipe_file).stem
+    raise SpeculatorsError("no run directory: pass output_dir (or set output_dir in the recipe)")
+
+
+def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
+    """``--resume``: refuse a recipe whose target, data or drafter section differs from the run's
+    ``run_dir/recipe.yaml`` (both compared as resolved JSON, ``target.device_map`` excepted: a run may
+    resume on other hardware; nothing to check when the run has none).
+
+    Raises:
+        SpeculatorsError: naming the sections that differ and the recorded recipe file.
+    """
+    f = Path(run_dir) / RUN_RECIPE
+    if not f.is_file():
+        return
+    import yaml
+
+    try:
+        old = yaml.safe_load(f.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SpeculatorsError(f"--resume: {f} is not valid YAML ({str(e).splitlines()[0]}); use --overwrite") \
+            from None
+    if not isinstance(old, dict):
+        raise SpeculatorsError(f"--resume: {f} is not a recipe mapping; use --overwrite")
+    try:  # fields added since the run was started read as their defaults (e.g. data.features: offline)
+        from .recipe import recipe_from_dict
+
+        old = recipe_from_dict(old, str(f)).model_dump(mode="json")
+    except SpeculatorsError:
+        pass  # no longer a valid recipe: compared as written
+    new = recipe.model_dump(mode="json")
+    for d in (old, new):  # where the target sits (target.device_map) does not change what is trained
+        if isinstance(d.get("target"), dict):
+            d["target"] = {k: v for k, v in d["target"].items() if k != "device_map"}
+    changed = [k for k in RESUME_SECTIONS if old.get(k) != new.get(k)]
+    if changed:
+        raise SpeculatorsError(f"--resume: the recipe's {', '.join(changed)} section(s) differ from the run's "
+                               f"{f}; resume with the same recipe or use --overwrite")

@@ -29,63 +29,13 @@ from typing import Any
 
 from .errors import SpeculatorsError
 from .recipe import EvalSpec, Recipe, eval_spec_with, load_recipe
+from .run_dir import RESUME_SECTIONS, RUN_RECIPE, check_resume_recipe, default_output_dir  # noqa: F401
 
-RUN_RECIPE = "recipe.yaml"
 # the recipe sections that define what a run trains: --resume refuses a recipe that changed them
-RESUME_SECTIONS = ("target", "data", "drafter")
 
 
 def _progress_scope(progress):
     return progress() if progress is not None else contextlib.nullcontext(None)
-
-
-def default_output_dir(recipe: Recipe, recipe_file: str | Path | None = None) -> Path:
-    """The run directory when none is given: ``recipe.output_dir``, else ``outputs/<recipe file stem>``.
-
-    Raises:
-        SpeculatorsError: neither is known (a recipe built in Python without ``output_dir``).
-    """
-    if recipe.output_dir:
-        return Path(recipe.output_dir)
-    if recipe_file is not None:
-        return Path("outputs") / Path(recipe_file).stem
-    raise SpeculatorsError("no run directory: pass output_dir (or set output_dir in the recipe)")
-
-
-def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
-    """``--resume``: refuse a recipe whose target, data or drafter section differs from the run's
-    ``run_dir/recipe.yaml`` (both compared as resolved JSON, ``target.device_map`` excepted: a run may
-    resume on other hardware; nothing to check when the run has none).
-
-    Raises:
-        SpeculatorsError: naming the sections that differ and the recorded recipe file.
-    """
-    f = Path(run_dir) / RUN_RECIPE
-    if not f.is_file():
-        return
-    import yaml
-
-    try:
-        old = yaml.safe_load(f.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise SpeculatorsError(f"--resume: {f} is not valid YAML ({str(e).splitlines()[0]}); use --overwrite") \
-            from None
-    if not isinstance(old, dict):
-        raise SpeculatorsError(f"--resume: {f} is not a recipe mapping; use --overwrite")
-    try:  # fields added since the run was started read as their defaults (e.g. data.features: offline)
-        from .recipe import recipe_from_dict
-
-        old = recipe_from_dict(old, str(f)).model_dump(mode="json")
-    except SpeculatorsError:
-        pass  # no longer a valid recipe: compared as written
-    new = recipe.model_dump(mode="json")
-    for d in (old, new):  # where the target sits (target.device_map) does not change what is trained
-        if isinstance(d.get("target"), dict):
-            d["target"] = {k: v for k, v in d["target"].items() if k != "device_map"}
-    changed = [k for k in RESUME_SECTIONS if old.get(k) != new.get(k)]
-    if changed:
-        raise SpeculatorsError(f"--resume: the recipe's {', '.join(changed)} section(s) differ from the run's "
-                               f"{f}; resume with the same recipe or use --overwrite")
 
 
 def target_dtype(name: str, device=None, log: Callable[[str], None] | None = None) -> str:
