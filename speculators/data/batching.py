@@ -37,7 +37,7 @@ def kv_bytes_per_token(target) -> int:
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    itemsize = next(target.model.parameters()).element_size()
+    itemsize = torch.empty((), dtype=target.dtype).element_size()
     return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * itemsize
 
 

@@ -160,7 +160,7 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         dt = time.time() - t0
         sizes = sorted(len(b) for b in batches)
         log(f"regeneration: {n_new} tokens in {dt:.1f}s ({n_new / max(dt, 1e-9):.1f} tokens/s, "
-            f"{next(target.model.parameters()).dtype}, {len(batches)} batches of {sizes[0]}-{sizes[-1]} prompts); "
+            f"{target.dtype}, {len(batches)} batches of {sizes[0]}-{sizes[-1]} prompts); "
             f"{n_cut} of {len(order)} responses cut by max_new_tokens={max_new_tokens} (no end-of-turn trained)")
     out = []
     for c, pm, p, k in zip(convs, pms, prompts, keys):
