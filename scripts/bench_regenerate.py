@@ -20,8 +20,11 @@ compares them with the bucketed batches: greedy tokens must not depend on the ba
 printed with the first diverging step and the gap between the two best logits there (single-row forward):
 a gap of a few bfloat16 ulps is a near-tie that the rounding of a batched matmul may flip.
 
-    python scripts/bench_regenerate.py --n 64
-    python scripts/bench_regenerate.py --n 256 --max-new-tokens 160 --check-alone 8
+    python scripts/bench_regenerate.py                     # 256 prompts, 160 new tokens (the recipes')
+    python scripts/bench_regenerate.py --n 64 --max-new-tokens 128 --check-alone 2   # a quicker look
+
+Memory-chosen batches grow with the number of prompts (up to 256 rows of a length bucket), so a small
+``--n`` understates the new settings: the recipes regenerate 324 (demo) to ~2,000 prompts.
 """
 
 from __future__ import annotations
@@ -106,14 +109,15 @@ def check_alone(target, prompts, got, idx: list[int], max_new: int) -> int:
         top = logits.topk(2)
         print(f"  prompt {i}: alone and batched differ at step {j} ({a[j]} vs {b[j]}); top-2 logits "
               f"{top.values[0]:.4f} / {top.values[1]:.4f}, gap {top.values[0] - top.values[1]:.4f} "
-              f"(bf16 ulp at this size: {2.0 ** (torch.floor(torch.log2(top.values[0].abs())) - 7):.4f})")
+              f"(bf16 ulp at this size: {2.0 ** (torch.floor(torch.log2(top.values[0].abs())) - 7):.4f}; "
+              f"a gap of a few ulps is a near-tie)")
     return bad
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--n", type=int, default=64, help="prompts (half HumanEval, half chatterbot)")
+    ap.add_argument("--n", type=int, default=256, help="prompts (half HumanEval, half chatterbot)")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--old-dtype", default="float32")
     ap.add_argument("--old-batch", type=int, default=32)

@@ -92,8 +92,8 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         batch_size: prompts per ``generate_batch`` call; None = chosen from free memory per length bucket
             (:func:`speculators.data.batching.generation_batches`). Greedy responses do not depend on it (nor on
             the order): each row's logits are its own, up to the last-bit rounding of a batched matmul, which
-            can flip an exact near-tie of the two best logits (float32 on CPU: none seen; bfloat16: see
-            :func:`speculators.target.generation.generate_batch`).
+            can flip a near-tie of the two best logits (float32 on CPU: none seen; bfloat16: seen at gaps of
+            1-2 ulps, see :func:`speculators.target.generation.generate_batch`).
         seed: sampling seed (each prompt samples from its own generator, :func:`prompt_seed`).
         chat_template: the recipe's ``data.chat_template`` (None = the tokenizer's); also selects the
             end-of-turn stop token (:meth:`speculators.target.Target.stop_ids_for`).

@@ -71,10 +71,14 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
     its own tokens only (padding masked, positions from its own start). What can differ is the last bits of
     a batched matmul against a lone one (the kernels tile an ``[n, H]`` input by ``n``), so where the two
     best logits of a step are within that rounding the argmax can flip and the responses part there. In
-    float32 this has not been seen on CPU; in bfloat16 (8 mantissa bits: one ulp is 1/128 of the logit's
-    power of two) it is possible in principle at such an exact near-tie. ``tests/test_regen_batching.py``
-    checks token equality in both dtypes and ``scripts/bench_regenerate.py --check-alone K`` on the real
-    target prints every mismatch with its top-2 logit gap.
+    float32 this has not been seen on CPU. In bfloat16 (8 mantissa bits: one ulp is 1/128 of the logit's
+    power of two) it happens: SmolLM2-135M-Instruct on an AVX512-BF16 CPU, 4 prompts (2 HumanEval, 2
+    chatterbot) of a length-bucketed batch against each alone, 128 new tokens: 2 parted, at steps 35 and 70,
+    where the two best logits alone were 15.6875 / 15.5625 (gap 2 ulps) and 33.25 / 33.0 (gap 1 ulp). Both
+    responses are then the target's own greedy continuation of a tie it could break either way; the
+    regeneration cache stores whichever the batch produced. ``tests/test_regen_batching.py`` checks token
+    equality in both dtypes on a tiny target, and ``scripts/bench_regenerate.py --check-alone K`` on the
+    real target prints every mismatch with its top-2 logit gap in ulps.
     Returns:
         One :class:`Generation` per prompt: ``ids`` (without the prompt and the stop token) and
         ``stop`` (the stop id that ended it, or None when cut by ``max_new_tokens``).
