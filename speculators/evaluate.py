@@ -28,7 +28,8 @@ from pathlib import Path
 from .acceptance import AcceptanceStats, bootstrap_tau_ci  # noqa: F401  (their old import path)
 from .cost_model import cost_model_block, eval_context, measure_costs, step_times
 from .errors import SpeculatorsError
-from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown, write_plots
+from .eval_plots import write_plots
+from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown
 from .greedy_check import classify_mismatches, first_diff, greedy_summary
 from .utils import atomic_dir
 
