@@ -32,7 +32,8 @@ def test_kv_bytes_per_token_follows_the_config(tiny):
     assert kv_bytes_per_token(half) == kv_bytes_per_token(tiny) // 2
 
 
-def test_batches_are_length_buckets_within_the_memory_budget(tiny):
+def test_batches_are_length_buckets_within_the_memory_budget(tiny, monkeypatch):
+    monkeypatch.setattr(batching, "MIN_AUTO_BATCH", 1)  # no tail merging here (checked at the end)
     lens = [100 + len(p) for p in _prompts(60)]  # 102..147 tokens: padding alone rarely cuts a batch
     budget_rows = 5  # the budget fits 5 rows of the longest prompt, more rows of shorter ones
     mem = int(budget_rows * row_bytes(tiny, max(lens), 16) / batching.MEMORY_FRACTION)
@@ -48,9 +49,11 @@ def test_batches_are_length_buckets_within_the_memory_budget(tiny):
         L = lens[nxt[0]]
         assert (len(b) + 1) * row_bytes(tiny, L, 16) > batching.MEMORY_FRACTION * mem or \
             (len(b) + 1) * L > (1 + batching.PAD_SLACK) * (sum(lens[i] for i in b) + L)
-    # a short chat prompt is not padded to a long code prompt
+    # a short chat prompt is not padded to a long code prompt; a tail of 3 long prompts joins the batch before
+    monkeypatch.undo()
     mixed = generation_batches(tiny, [30] * 8 + [400] * 8, 16, memory_bytes=1 << 40)
     assert mixed == [list(range(8)), list(range(8, 16))]
+    assert generation_batches(tiny, [100] * 20 + [300] * 3, 16, memory_bytes=1 << 40) == [list(range(23))]
     assert len(batches[0]) > budget_rows >= len(batches[-1])  # short prompts share larger batches
     # a fixed batch_size (regeneration.batch_size) overrides the memory rule
     fixed = generation_batches(tiny, lens, 16, batch_size=7, memory_bytes=mem)
