@@ -191,6 +191,15 @@ class Gating(TypedDict):
     headline: dict[str, MethodRow]
 
 
+class PrecisionBaseline(TypedDict):
+    """Batch-1 rows against the faster plain decoding of the eval's dtype and float32
+    (:func:`speculators.evaluate.precision_block`; on a CPU, where bfloat16 is not always the faster)."""
+
+    plain_tokens_per_s: dict[str, Optional[float]]  # {dtype: plain tokens/s at batch 1}
+    fastest: str  # the dtype of the faster plain decoding
+    rows: list[dict[str, Any]]  # method, k, tokens_per_s, speedup_vs_fastest_plain
+
+
 class EvalReport(TypedDict, total=False):
     """What :func:`speculators.evaluate.run_eval` returns and ``report.json`` holds.
 
@@ -232,6 +241,7 @@ class EvalReport(TypedDict, total=False):
     best_k: dict[str, dict[str, int]]
     headline: dict[str, int]
     plain: PlainRow
+    precision_baseline: PrecisionBaseline  # eval_run adds it when the target is not float32 on a CPU
     greedy_mismatches: Optional[list[dict[str, Any]]]
     greedy_check: Optional[dict[str, Any]]
     dtype_warning: str
@@ -460,6 +470,20 @@ def _break_even_markdown(report: dict) -> list[str]:
     return lines
 
 
+def _precision_markdown(report: dict) -> list[str]:
+    """The batch-1 rows against the faster plain decoding of two precisions (absent: nothing)."""
+    pb = report.get("precision_baseline")
+    if not pb:
+        return []
+    plain = ", ".join(f"{d} {fmt(t, '.1f')} tok/s" for d, t in pb["plain_tokens_per_s"].items())
+    lines = ["## Against the fastest plain decoding (batch 1)", "",
+             f"Plain decoding: {plain}; the faster is {pb['fastest']}.", "",
+             "| method | K | tok/s | x fastest plain |", "|---|---|---|---|"]
+    lines += [f"| {METHOD_LABELS.get(r['method'], r['method'])} | {r['k']} | {fmt(r['tokens_per_s'], '.1f')} | "
+              f"{fmt(r['speedup_vs_fastest_plain'], '.2f', 'x')} |" for r in pb["rows"]]
+    return lines + [""]
+
+
 def render_markdown(report: EvalReport, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
     """The report of :func:`speculators.evaluate.run_eval` as Markdown (``report.md``).
 
@@ -516,6 +540,7 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     lines += _by_source_markdown(report)
     lines += _gating_markdown(report)
     lines += _break_even_markdown(report)
+    lines += _precision_markdown(report)
     kmax, b1 = max(ks), report["batch_sizes"][0]
     lines += ["", f"## Per-position acceptance (batch size {b1}, K={kmax})", "",
               "acc_k = P(draft k accepted | draft k proposed); cond acc_k = P(draft k accepted | drafts 1..k-1 "
@@ -555,7 +580,7 @@ def render_terminal(report: EvalReport, console) -> None:
     """Print the report on a ``rich`` console: one table per batch size (a row per method and K, ★ on
     each method's best K), per-position acceptance at batch 1 and the largest K, the serving-conventions
     table (temperature > 0), the compare table, the confidence-gating table, the cost model's break-even
-    table and the losslessness line."""
+    table, the batch-1 rows against the fastest plain decoding of two precisions and the losslessness line."""
     from rich.table import Table
 
     if report.get("dtype_warning"):
@@ -624,6 +649,16 @@ def render_terminal(report: EvalReport, console) -> None:
             t.add_column(col)
         for row in break_even_rows(report):
             t.add_row(*row)
+        console.print(t)
+    pb = report.get("precision_baseline")
+    if pb:
+        plain = ", ".join(f"{d} {fmt(v, '.1f')}" for d, v in pb["plain_tokens_per_s"].items())
+        t = Table(title=f"batch 1 against the fastest plain decoding (plain tok/s: {plain}; fastest {pb['fastest']})")
+        for col in ("method", "K", "tokens/s", "x fastest plain"):
+            t.add_column(col)
+        for r in pb["rows"]:
+            t.add_row(METHOD_LABELS.get(r["method"], r["method"]), str(r["k"]), fmt(r["tokens_per_s"], ".1f"),
+                      fmt(r["speedup_vs_fastest_plain"], ".2f", "x"))
         console.print(t)
     for line in greedy_lines(report):
         console.print(line, markup=False, highlight=False)

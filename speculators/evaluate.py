@@ -237,6 +237,53 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     return report
 
 
+def plain_baseline(target, prompts: list[dict], max_new_tokens: int, sampling=None, seed: int = 0,
+                   eos_ids: set[int] | None = None) -> dict:
+    """Plain decoding of ``prompts`` at batch 1 on ``target`` alone: the baseline of another precision beside
+    an eval (the same target in float32 next to a bfloat16 eval, :func:`speculators.workflows.eval_run`), timed
+    as :func:`run_eval` times its own plain rows (a discarded warm-up decode first).
+
+    Args:
+        target: a :class:`speculators.target.Target`. prompts, max_new_tokens, sampling, seed, eos_ids: as
+            :func:`run_eval`.
+    Returns:
+        A plain row (:class:`speculators.eval_report.PlainRow` keys: ``tokens``, ``seconds``,
+        ``tokens_per_s``, step times) with ``dtype``, the target's dtype name.
+    Raises:
+        SpeculatorsError: no prompts; ``sampling`` is not one request's valid ``SamplingParams``.
+    """
+    from .losses import sampling_values
+
+    if not prompts:
+        raise SpeculatorsError("plain_baseline: no prompts to decode")
+    ev = _EvalPasses(target, prompts, max_new_tokens, sampling_values(sampling), eos_ids, seed, 1, None, 1)
+    ev.warm_up([], 0)
+    return {**ev.plain_row(1), "dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def precision_block(report: dict, other: dict) -> dict:
+    """The eval's batch-1 rows against the FASTER plain decoding of two precisions: the eval's own plain row
+    (its dtype) and ``other`` (:func:`plain_baseline` in another dtype, e.g. float32 beside a bfloat16 eval on a
+    CPU, where either may be faster). A speedup over a baseline that took no time is None (n/a).
+
+    Args:
+        report: a :func:`run_eval` report with ``target.dtype`` set (:func:`speculators.workflows.eval_run`).
+        other: a :func:`plain_baseline` row.
+    Returns:
+        :class:`speculators.eval_report.PrecisionBaseline`: ``plain_tokens_per_s`` ``{dtype: tokens/s}``,
+        ``fastest`` (the dtype of the faster plain decoding), ``rows`` (every batch-1 row: ``method``, ``k``,
+        ``tokens_per_s``, ``speedup_vs_fastest_plain``).
+    """
+    own = next(p for p in report["plain_rows"] if p["batch_size"] == 1)
+    plain = {report["target"]["dtype"]: own["tokens_per_s"], other["dtype"]: other["tokens_per_s"]}
+    fastest = max(plain, key=lambda d: plain[d] or 0.0)
+    best = plain[fastest]
+    rows = [{"method": r["method"], "k": r["k"], "tokens_per_s": r["tokens_per_s"],
+             "speedup_vs_fastest_plain": r["tokens_per_s"] / best if best and r["tokens_per_s"] is not None
+             else None} for r in report["rows"] if r["batch_size"] == 1]
+    return {"plain_tokens_per_s": plain, "fastest": fastest, "rows": rows}
+
+
 def _num(x: float | None, spec: str) -> str:
     return "n/a" if x is None else f"{x:{spec}}"
 

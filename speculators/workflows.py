@@ -418,6 +418,22 @@ def _add_compare(report: dict, label: str, others: list[tuple[str, Path]], measu
     report["compare"] = {"checkpoints": [c for c, _ in reports], "rows": compare_rows(reports)}
 
 
+def _add_float32_baseline(report: dict, ckpt: Path, rec: Recipe | None, target_model: str | None,
+                          device: str | None, plist: list[dict], ev: EvalSpec, sampling, log) -> None:
+    """On a CPU, low precision is not always the faster plain decoding (a CPU without bf16 units, small products
+    at one row): time plain decoding of the same prompts with the target in float32 too, and put the batch-1 rows
+    against the faster of the two (``report["precision_baseline"]``, :func:`speculators.evaluate.precision_block`)."""
+    from .evaluate import plain_baseline, precision_block
+
+    log(f"eval: plain decoding in float32 as well (the eval runs the target in {report['target']['dtype']})")
+    _, t32, _ = _load_for_eval(ckpt, rec, target_model, device, lambda m: None, "float32")
+    base = plain_baseline(t32, plist, ev.max_new_tokens, sampling, seed=ev.seed)
+    report["precision_baseline"] = pb = precision_block(report, base)
+    log("eval: plain tokens/s at batch 1: " + ", ".join(f"{d} {v:.1f}" if v else f"{d} n/a"
+                                                       for d, v in pb["plain_tokens_per_s"].items())
+        + f"; the faster is {pb['fastest']}")
+
+
 def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
              prompts: str | list[str] | None = None, target_model: str | None = None,
              output: str | Path | None = None, log: Callable[[str], None] = print, progress=None,
@@ -535,6 +551,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
 
     report = describe(measure(target, drafter, tuple(m for m in METHODS if m in ev.methods), ""), ckpt, drafter,
                       target)
+    if report["target"]["dtype"] != "float32" and target.device.type == "cpu":
+        _add_float32_baseline(report, ckpt, rec, target_model, device, plist, ev, sampling, log)
     if others:
         del drafter, target
 

@@ -385,3 +385,22 @@ def test_compare_rows(tiny):
     c = run_eval(target, RandomDrafter(64), prompts[:2], 1, 4, eos_ids=set(), methods=("drafter",))
     with pytest.raises(SpeculatorsError, match="max_new_tokens"):
         compare_rows([("A", a), ("C", c)])
+
+
+def test_precision_block_puts_batch_1_rows_against_the_faster_plain_decoding():
+    """``precision_block``: the faster of two precisions' plain decoding is the baseline; batch-size-8 rows stay
+    out; a baseline that took no time gives n/a (None), never 0."""
+    from speculators.evaluate import precision_block
+
+    report = {"target": {"dtype": "bfloat16"},
+              "plain_rows": [{"batch_size": 1, "tokens_per_s": 20.0}, {"batch_size": 8, "tokens_per_s": 90.0}],
+              "rows": [{"method": "drafter", "k": 4, "batch_size": 1, "tokens_per_s": 30.0},
+                       {"method": "drafter", "k": 4, "batch_size": 8, "tokens_per_s": 120.0}]}
+    pb = precision_block(report, {"dtype": "float32", "tokens_per_s": 25.0})
+    assert pb["fastest"] == "float32" and pb["plain_tokens_per_s"] == {"bfloat16": 20.0, "float32": 25.0}
+    assert pb["rows"] == [{"method": "drafter", "k": 4, "tokens_per_s": 30.0, "speedup_vs_fastest_plain": 1.2}]
+    pb = precision_block(report, {"dtype": "float32", "tokens_per_s": 10.0})
+    assert pb["fastest"] == "bfloat16" and pb["rows"][0]["speedup_vs_fastest_plain"] == 1.5
+    report["plain_rows"][0]["tokens_per_s"] = None
+    pb = precision_block(report, {"dtype": "float32", "tokens_per_s": None})
+    assert pb["rows"][0]["speedup_vs_fastest_plain"] is None

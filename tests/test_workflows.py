@@ -210,6 +210,15 @@ def test_checkpoint_records_the_target_dtype_and_eval_warns_when_it_serves_anoth
     assert any(line.startswith("warning: ") and "bfloat16" in line for line in logs)
     assert "**Warning:**" in (tmp_path / "bf16" / "report.md").read_text()
     assert rep["greedy_check"]["dtype"] == "bfloat16"  # the greedy check runs in the served dtype
+    # on a CPU a bfloat16 eval also times plain decoding in float32; batch-1 rows are put against the faster
+    pb = rep["precision_baseline"]
+    assert set(pb["plain_tokens_per_s"]) == {"bfloat16", "float32"} and "precision_baseline" not in report
+    assert pb["fastest"] == max(pb["plain_tokens_per_s"], key=pb["plain_tokens_per_s"].get)
+    best = pb["plain_tokens_per_s"][pb["fastest"]]
+    assert {(r["method"], r["k"]) for r in pb["rows"]} == {(r["method"], r["k"]) for r in rep["rows"]
+                                                            if r["batch_size"] == 1}
+    assert all(abs(r["speedup_vs_fastest_plain"] - r["tokens_per_s"] / best) < 1e-9 for r in pb["rows"])
+    assert "## Against the fastest plain decoding (batch 1)" in (tmp_path / "bf16" / "report.md").read_text()
     f = out / "final" / "config.json"
     raw = json.loads(f.read_text())
     del raw["speculators_training"]["target"]["dtype"]
