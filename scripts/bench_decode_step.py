@@ -49,6 +49,8 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_verify_cost import read_bandwidth  # noqa: E402  (the read-bandwidth measurement, once)
 
 
 def timed(fn, reps: int, warmup: int = 2, setup=None) -> tuple[float, float]:
@@ -62,14 +64,6 @@ def timed(fn, reps: int, warmup: int = 2, setup=None) -> tuple[float, float]:
         if i >= warmup:
             ts.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(ts), 1e3 * min(ts)
-
-
-def read_bandwidth(mib: int = 1024, reps: int = 5) -> float:
-    """Read bandwidth in bytes/s: the fastest of ``reps`` ``sum`` passes over a ``mib`` MiB float32 buffer."""
-    x = torch.empty(mib * 2 ** 20 // 4).uniform_()
-    x.sum()
-    best = min(timed(x.sum, reps, warmup=1))  # min over the median/min pair: the min
-    return x.numel() * 4 / (best / 1e3)
 
 
 def step_weight_bytes(target) -> int:
@@ -270,7 +264,7 @@ def target_table(args, target, gen: torch.Generator) -> None:
             print(f"| {B} | {m} | {med:.2f} ({best:.2f}) | " + " | ".join(cells) + " |")
     lin, lin_best = linears_alone(target, 1, args.reps)
     nbytes = step_weight_bytes(target)
-    bw = read_bandwidth()
+    bw = read_bandwidth(1024, 5, torch.float32)  # the one rule of scripts/bench_verify_cost.py (median)
     bound = 1e3 * nbytes / bw
     print(f"\nweights read per 1-token step: {nbytes / 2 ** 20:.0f} MiB; read bandwidth {bw / 1e9:.1f} GB/s; "
           f"bound {bound:.2f} ms/token")

@@ -2,18 +2,18 @@
 # The GPU checks, prepared for one short run on a CUDA machine:
 #   1. the verifier: the Triton kernels on CUDA tensors against the torch implementation (identical
 #      tokens) and the statistical losslessness tests, on the GPU (no conftest: torch, triton, pytest);
-#   2. batched speculative decoding (issue 11): tests/test_batched.py on the GPU (the ragged batch
+#   2. batched speculative decoding: tests/test_batched.py on the GPU (the ragged batch
 #      session == the batch-1 session, losslessness under mixed per-request settings, request isolation,
 #      and the CUDA-only tests: batched greedy == plain greedy with fp32 and bf16 targets, Triton verifier);
 #   3. scripts/bench_verifier.py on CUDA: torch vs Triton vs the per-request loop, with bandwidth;
 #   4. scripts/bench_batched.py on CUDA: plain and n-gram decoding of 64 prompts at batch 1, 16 and 64
 #      with a random SmolLM2-sized bf16 target (tokens/s, speedup vs batch 1, greedy equal at every size).
-#   5. (separate device call: `--dist`; NOT yet run on a GPU) distributed training (issue 14):
+#   5. (separate device call: `--dist`; not run on a GPU so far) distributed training:
 #      scripts/dist_check.py launches a tiny EAGLE-3 run through `accelerate launch` with each config of
 #      recipes/accelerate/ (ddp with two GPUs only, fsdp, deepspeed_zero2/3 when deepspeed is installed),
 #      compares every step's loss with a 1-process run of the same global batch (1e-4) and kills +
 #      --resumes a copy. Its dry mode (in --dry-run) loads every config and trains the 1-process reference.
-#   6. (separate device call: `--placement`) large-target placement (issue 14): the CUDA tests of
+#   6. (separate device call: `--placement`) large-target placement: the CUDA tests of
 #      tests/test_target_placement.py (a target spread over cuda:0 + CPU by accelerate's dispatch_model
 #      returns every feature / session output on the embedding's device, equal to one device; cpu entries
 #      beside a GPU are offloaded and refused) and scripts/placement_check.py: a tiny target, then SmolLM2
@@ -76,13 +76,13 @@ if [ "$dry" -eq 1 ]; then
     exit $status
 fi
 
-if [ "$dist" -eq 1 ]; then  # step 5 (issue 14), NOT yet run on a GPU: FSDP / DeepSpeed / multi-GPU DDP
+if [ "$dist" -eq 1 ]; then  # step 5, not run on a GPU so far: FSDP / DeepSpeed / multi-GPU DDP
     nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
     step dist-check 470 "$py" scripts/dist_check.py --work "$out/dist-check"
     exit $status
 fi
 
-if [ "$placement" -eq 1 ]; then  # step 6 (issue 14): target.device_map on the GPU
+if [ "$placement" -eq 1 ]; then  # step 6: target.device_map on the GPU
     nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
     step placement-tests 120 "$py" -m pytest -q -p no:cacheprovider -rs tests/test_target_placement.py
     step placement 60 "$py" scripts/placement_check.py --target tiny --device-map auto --dtype bfloat16
