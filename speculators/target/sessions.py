@@ -21,17 +21,19 @@ import torch
 from ..errors import SpeculatorsError
 from .cache import _CACHE_KW, _CROP_TAKES_COUNT, _TAKES_CACHE_POSITION, _pad_slots
 from .features import TargetFeatures
+from .tree_session import BatchTreeMixin, DecodeTreeMixin, SingleTreeMixin
 
 if TYPE_CHECKING:
     from .model import Target
 
 
-class DecodeSession:
+class DecodeSession(DecodeTreeMixin):
     """Batch-1 incremental decoding with a KV cache that can be cropped (rolled back).
 
     ``forward(ids)`` appends ``ids`` at the end of the cached sequence and returns logits and features
     for those positions; ``crop(n)`` keeps the first ``n`` cached positions (after rejected drafts),
-    the way a serving engine frees the KV slots of rejected tokens.
+    the way a serving engine frees the KV slots of rejected tokens. ``forward_tree`` / ``keep_tree``
+    (:mod:`.tree_session`) verify a draft tree; while one is pending ``forward`` and ``crop`` are refused.
     """
 
     def __init__(self, target: Target):
@@ -40,6 +42,7 @@ class DecodeSession:
         self.target = target
         self.cache = DynamicCache(config=target.config)
         self.length = 0
+        self._tree: list[int] | None = None  # parents of the pending tree forward
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, TargetFeatures]:
@@ -48,6 +51,8 @@ class DecodeSession:
         Returns:
             logits ``[m, V]`` float32 and TargetFeatures with batch dimension 1 (``aux [1, m, nH]``).
         """
+        if self._tree is not None:
+            self._refuse_if_tree("forward")
         ids = ids.reshape(1, -1).to(self.target.device)
         m = ids.shape[1]
         pos = torch.arange(self.length, self.length + m, device=ids.device)
@@ -62,6 +67,8 @@ class DecodeSession:
 
     def crop(self, n: int) -> None:
         """Keep only the first ``n`` positions of the KV cache."""
+        if self._tree is not None:
+            self._refuse_if_tree("crop")
         if n < self.length:
             if _CROP_TAKES_COUNT:  # transformers >= 5.2x: crop(-tokens_to_remove)
                 self.cache.crop(n - self.length)
@@ -70,7 +77,7 @@ class DecodeSession:
             self.length = n
 
 
-class SingleRequestSession:
+class SingleRequestSession(SingleTreeMixin):
     """:class:`BatchDecodeSession`'s interface for ONE request at a time over the batch-1
     :class:`DecodeSession` (``crop`` for :meth:`keep`): what ``Target.batch_session(1)`` returns for
     models whose KV cache the batch session cannot gather (sliding-window layers), so batch-1 decoding
@@ -153,7 +160,7 @@ class SingleRequestSession:
     def compact(self, repack: bool = True) -> None:
         """Nothing to reclaim: the batch-1 cache is cropped in place."""
 
-class BatchDecodeSession:
+class BatchDecodeSession(BatchTreeMixin):
     """Ragged-batch incremental decoding over ONE transformers KV cache (continuous batching).
 
     The cache holds one row per request; its key/value tensors are ``[B, kv_heads, S, head_dim]`` per
@@ -172,6 +179,9 @@ class BatchDecodeSession:
       rows not listed take part with padding only;
     * :meth:`keep` rolls a request back to its first ``n_valid`` tokens (rejected drafts become invisible);
     * :meth:`remove` index-selects the other rows (the request leaves);
+    * :meth:`forward_tree` / :meth:`keep_tree` verify draft trees (:mod:`.tree_session`); while a request
+      has a tree pending, its ``forward`` / ``keep`` / ``forward_tree`` and :meth:`compact` are refused,
+      the automatic compaction waits, :meth:`remove` drops the tree;
     * :meth:`compact` drops slots no row uses and re-packs every row's valid slots to the front; it runs
       automatically before a forward once more than ``slack`` slots (or 1/8 of the longest row) would
       be wasted, so the cache does not grow without bound.
@@ -204,6 +214,7 @@ class BatchDecodeSession:
         self._lengths: list[int] = []  # valid tokens per row (= the next token's position)
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=target.device)
         self.compactions = 0  # automatic + explicit re-packs (for tests and diagnostics)
+        self._trees: dict = {}  # request id -> (first slot, parents) of its pending tree forward
 
     # ------------------------------------------------------------------ bookkeeping
     def _check_layers(self, cache) -> list:
@@ -376,6 +387,9 @@ class BatchDecodeSession:
         rows = [self._row(r) for r in request_ids]
         if len(set(rows)) != len(rows):
             raise SpeculatorsError(f"batch session forward: a request is listed twice in {list(request_ids)}")
+        if self._trees:
+            for r in request_ids:
+                self._refuse_if_tree(r, "forward")
         new = [self._ids(x, f"new tokens of request {r!r}") for r, x in zip(request_ids, ids_list)]
         B = len(self._rows)
         m = [0] * B
@@ -417,6 +431,8 @@ class BatchDecodeSession:
                 ``[1, length(request_id)]``.
         """
         row = self._row(request_id)
+        if self._trees:
+            self._refuse_if_tree(request_id, "keep")
         L = self._lengths[row]
         if isinstance(n_valid, bool) or not isinstance(n_valid, int) or not 1 <= n_valid <= L:
             raise SpeculatorsError(f"batch session keep: n_valid must be an integer in [1, {L}] for request "
@@ -433,6 +449,7 @@ class BatchDecodeSession:
             SpeculatorsError: the request is not in the batch.
         """
         row = self._row(request_id)
+        self._trees.pop(request_id, None)
         others = [i for i in range(len(self._rows)) if i != row]
         del self._rows[row], self._lengths[row]
         if not others:
@@ -446,7 +463,7 @@ class BatchDecodeSession:
         self.valid = self.valid.index_select(0, idx)
 
     def _maybe_compact(self) -> None:
-        if self.cache is not None:
+        if self.cache is not None and not self._trees:  # a pending tree's slots are invisible: keep them
             longest = max(self._lengths)
             if self.width - longest > max(self.slack, longest // 8):
                 self.compact()
@@ -455,7 +472,14 @@ class BatchDecodeSession:
     def compact(self, repack: bool = True) -> None:
         """Reclaim cache slots: drop the slots no row uses and, with ``repack`` (default), move every
         row's valid slots to the front in order (width = the longest row's valid tokens). Visible
-        tokens, their order and their positions are unchanged, so logits and features are too."""
+        tokens, their order and their positions are unchanged, so logits and features are too.
+
+        Raises:
+            SpeculatorsError: a request has a tree forward pending (its invisible slots would be lost).
+        """
+        if self._trees:
+            raise SpeculatorsError(f"batch session compact: requests {list(self._trees)} have a tree forward "
+                                   f"pending; call keep_tree first")
         if self.cache is None:
             return
         if repack:
