@@ -31,10 +31,14 @@ def parts_table(report: dict) -> list[str]:
     cm = report["cost_model"]
     rows = {(r["method"], r["k"], r["batch_size"]): r for r in report["rows"]}
     lines = ["| method | batch | K | E[tokens/step] | tau | forward ms (pred / in loop) | draft ms | sampling ms | "
-             "overhead ms | prefill s (pred / pass) | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "overhead ms | prefill s (pred / pass) | cache width charged | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(x):
         return "n/a" if x is None else f"{x:.2f}"
+
+    def width(p):  # absent (or None) on a report from before widths were recorded
+        return "n/a" if p.get("cache_width") is None else f"{p['cache_width']:.0f}"
 
     for p in cm["predictions"]:
         r = rows.get((p["method"], p["k"], p["batch_size"]))
@@ -45,12 +49,12 @@ def parts_table(report: dict) -> list[str]:
         lines.append(f"| {p['method']} | {p['batch_size']} | {p['k']} | {ms(p['expected_tokens_per_step'])} | "
                      f"{r['tau']:.2f} | {ms(p['forward_ms_per_step'])} / {ms(loop_fwd)} | {ms(p['draft_ms_per_step'])} | "
                      f"{ms(p['sampling_ms_per_step'])} | {ms(p['overhead_ms_per_step'])} | "
-                     f"{p['prefill_seconds']:.2f} / {r['prefill_seconds']:.2f} | {err} |")
+                     f"{p['prefill_seconds']:.2f} / {r['prefill_seconds']:.2f} | {width(p)} | {err} |")
     for p, r in zip(cm["plain"], report["plain_rows"]):
         loop_fwd = p["loop_forward_ms_per_step"]
         err = "n/a" if p["relative_error"] is None else f"{100 * p['relative_error']:+.1f}%"
         lines.append(f"| plain | {p['batch_size']} | 0 | 1.00 | 1.00 | {ms(p['forward_ms_per_step'])} / {ms(loop_fwd)} | "
-                     f"0.00 | {ms(p['sampling_ms_per_step'])} | {ms(p['overhead_ms_per_step'])} | - | {err} |")
+                     f"0.00 | {ms(p['sampling_ms_per_step'])} | {ms(p['overhead_ms_per_step'])} | - | {width(p)} | {err} |")
     return lines
 
 

@@ -32,13 +32,27 @@ predicted time is the mean over the draws' schedules (plain decoding's steps are
 
 Step time with ``n`` live requests (summed over the schedule by :func:`predict_seconds`):
 
-    step(K', n) = draft(K', n) + E[forward(1 + max_i d_i, n)] + sampling(K', n) + overhead(n)
+    step(K', n) = draft(K', n) + E[forward(1 + max_i d_i, n, W)] + sampling(K', n) + overhead(n)
 
-* ``forward(m, n)``: one target forward over ``m`` tokens per request for ``n`` requests, measured by
-  :func:`measure_costs` (:func:`speculators.generate.measure_verify_cost`, through the loop's batched
-  decode session) at every batch size of the eval, linear in ``n`` between them; ``d_i`` the drafts of
-  request i (``P(d >= j) = `` the measured share of steps that drafted >= j, capped at K'; the padded
-  forward is as long as the longest row's, the rows taken as independent).
+* ``forward(m, n, W)``: one target forward over ``m`` tokens per request for ``n`` requests over a KV
+  cache ``W`` slots wide, measured by :func:`measure_costs` (:func:`speculators.forward_cost.measure_forward_cost`,
+  through the loop's batched decode session) at every batch size of the eval and at TWO context lengths
+  (the eval's :func:`eval_context` and twice it), each with the cache width it was timed at; linear in
+  ``W`` through those two points (slope floored at 0), then linear in ``n`` between the batch sizes
+  (:func:`forward_seconds`). ``d_i`` the drafts of request i (``P(d >= j) = `` the measured share of steps
+  that drafted >= j, capped at K'; the padded forward is as long as the longest row's, the rows taken as
+  independent).
+* ``W``: the width the loop's forwards actually ran at, not the context it was measured at. The batch
+  session (:class:`speculators.target.BatchDecodeSession`) keeps ONE padded cache: its width is the
+  longest live row plus the padding of rows that joined shorter, the rolled-back drafts of every row and
+  the slack tolerated until its next automatic compaction, so at batch > 1 (ragged prompts, staggered
+  requests) and with speculation (rejected drafts) it exceeds any one request's context. Every pass
+  records its mean width per batched forward (``BatchResult.cache_width``, the row's ``cache_width``);
+  a method at K' is charged at its passes' mean width, linear in K' between the measured Ks and in the
+  batch size between the measured ones (:meth:`_Inputs.width`), plain decoding at its own pass's. The
+  charged width is the prediction's ``cache_width``. A report from before widths were recorded (no
+  ``cache_width`` in its rows, or costs measured at one context) is charged the forward at its measured
+  context, as it was.
 * ``draft(K', n)``: the method's measured drafting time per batched step (``propose`` + ``advance``,
   the eval's own ``draft_ms_per_step``), linear in K' between the measured Ks and constant outside them
   (one measured K: constant in K', exact for parallel drafters and the model-free proposers, an
@@ -55,7 +69,7 @@ Step time with ``n`` live requests (summed over the schedule by :func:`predict_s
 Predicted seconds = prefill (the method's measured prompt prefills and proposer ``start``, mean over its
 passes at that batch size) + the sum of ``step`` over the schedule; predicted tokens/s = the plain pass's
 tokens / predicted seconds; plain decoding is the same model with ``K' = 0`` and no drafting (its
-step: ``forward(1, n) + sampling + overhead(n)``, the forward the only part not read from its own pass).
+step: ``forward(1, n, W) + sampling + overhead(n)``, the forward the only part not read from its own pass).
 Speedup = predicted tokens/s over predicted plain tokens/s.
 
 Assumptions (each a source of error the report's per-row ``relative_error`` shows): for a K' the eval
@@ -63,8 +77,12 @@ did not run, acceptance at positions ``<= K'`` is that of the next larger measur
 drafts more tokens per step may match at other positions); a speculative step's bookkeeping is a
 plain step's (the proposer's bookkeeping outside ``propose`` / ``advance``, e.g. slicing the target
 features it is advanced with, is not charged); steps are i.i.d. per request (a proposer's acceptance
-varies with the text: the draws' spread is a lower bound of the real one); the forward is timed at one
-context length (:func:`measure_costs`' ``context``); at temperature > 0 outputs (and lengths) differ between passes.
+varies with the text: the draws' spread is a lower bound of the real one); the forward's cost is linear
+in the cache width and charged at a pass's MEAN width (exact for a linear cost at a fixed number of live
+requests; the width and the live requests vary together over a run); the forward costs are measured
+once, before the passes, so a machine whose speed drifts during the eval (load from other processes)
+shows up as the gap between ``forward_ms_per_step`` and the pass's own ``loop_forward_ms_per_step``; at
+temperature > 0 outputs (and lengths) differ between passes.
 Batch sizes between the measured ones are predicted with costs interpolated in ``n``; nothing is
 extrapolated beyond the largest measured batch size.
 
@@ -93,25 +111,37 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def measure_costs(target, k: int, batch_sizes: list[int], reps: int = 5, context: int = 32,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, long_context: int | None = None) -> dict:
     """The target-forward costs of an eval: at every batch size ``b`` of ``batch_sizes``, the ``[k + 1]``
     seconds of one forward over ``m = 1..k+1`` tokens per request for ``b`` requests after ``context``
-    tokens each (:func:`speculators.generate.measure_verify_cost`, median of ``reps``). The cost-aware
-    confidence gate reads the batch-1 list of the same measurement (:func:`gate_cost`).
+    tokens each, and again after ``long_context`` tokens each (:func:`speculators.forward_cost.measure_forward_cost`,
+    median of ``reps``), with the cache width (slots) each was timed at: two points of the forward's cost
+    as a linear function of the width, which :func:`forward_seconds` charges at the width the loop ran at.
+    The cost-aware confidence gate reads the batch-1 list at ``context`` (:func:`gate_cost`).
 
+    Args:
+        long_context: the second context length (tokens, > ``context``); None = ``2 * context``.
     Returns:
-        ``{"k", "context", "reps", "batch_sizes": sorted, "seconds": {str(b): [k + 1] floats}}`` (JSON-native).
+        ``{"k", "context", "reps", "batch_sizes": sorted, "seconds": {str(b): [k + 1] s}, "width": {str(b):
+        [k + 1] slots}, "long_context", "long_seconds", "long_width"}`` (JSON-native; ``long_*`` as
+        ``seconds`` / ``width`` at ``long_context``).
     Raises:
-        SpeculatorsError: ``k`` < 0, ``reps`` / ``context`` < 1, or a batch size that is not an integer >= 1.
+        SpeculatorsError: ``k`` < 0, ``reps`` / ``context`` < 1, ``long_context`` <= ``context``, or a batch
+            size that is not an integer >= 1.
     """
-    from .generate import measure_verify_cost
+    from .forward_cost import measure_forward_cost
 
     bs = sorted({_check_int("batch size", b, 1) for b in batch_sizes})
     if not bs:
         raise SpeculatorsError("cost model: measure_costs needs at least one batch size")
-    return {"k": _check_int("k", k, 0), "context": _check_int("context", context, 1), "reps": reps,
-            "batch_sizes": bs,
-            "seconds": {str(b): measure_verify_cost(target, k, reps, context, seed, batch_size=b) for b in bs}}
+    context = _check_int("context", context, 1)
+    long_context = 2 * context if long_context is None else _check_int("long_context", long_context, context + 1)
+    short = {b: measure_forward_cost(target, k, reps, context, seed, batch_size=b) for b in bs}
+    long = {b: measure_forward_cost(target, k, reps, long_context, seed, batch_size=b) for b in bs}
+    return {"k": _check_int("k", k, 0), "context": context, "reps": reps, "batch_sizes": bs,
+            "seconds": {str(b): short[b]["seconds"] for b in bs}, "width": {str(b): short[b]["width"] for b in bs},
+            "long_context": long_context, "long_seconds": {str(b): long[b]["seconds"] for b in bs},
+            "long_width": {str(b): long[b]["width"] for b in bs}}
 
 
 def gate_cost(costs: dict) -> list[float]:
@@ -123,14 +153,16 @@ def gate_cost(costs: dict) -> list[float]:
 def step_times(out) -> dict:
     """The time split of a decode pass (:class:`speculators.generate.BatchResult`), the report row fields
     this model reads: ``draft_seconds`` / ``verify_seconds`` / ``prefill_seconds`` / ``forward_seconds``
-    (s; the forward is part of verifying), ``batched_steps`` (batched target forwards) and
+    (s; the forward is part of verifying), ``batched_steps`` (batched target forwards),
     ``draft_ms_per_step`` / ``verify_ms_per_step`` (ms per batched step, a step being one batched target
-    forward = one request's step at batch 1; drafting is 0 for plain decoding)."""
+    forward = one request's step at batch 1; drafting is 0 for plain decoding) and ``cache_width`` (the
+    batch session's mean cache width per batched forward, slots; 0.0 when the loop read none)."""
     steps = max(int(out.target_forwards), 1)
     return {"draft_seconds": out.draft_seconds, "verify_seconds": out.verify_seconds,
             "prefill_seconds": out.prefill_seconds, "forward_seconds": out.forward_seconds,
             "batched_steps": int(out.target_forwards), "draft_ms_per_step": 1000.0 * out.draft_seconds / steps,
-            "verify_ms_per_step": 1000.0 * out.verify_seconds / steps}
+            "verify_ms_per_step": 1000.0 * out.verify_seconds / steps,
+            "cache_width": float(getattr(out, "cache_width", 0.0))}
 
 
 def eval_context(prompts: list[dict], max_new_tokens: int) -> int:
@@ -299,25 +331,36 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     return pts[-1][1]
 
 
-def forward_seconds(costs: dict, m: int, live: float) -> float:
-    """One target forward over ``m`` tokens per request for ``live`` requests: the measured
-    :func:`measure_costs` at each batch size (its last length beyond the measured ones), linear in ``live``
-    between the batch sizes."""
+def forward_seconds(costs: dict, m: int, live: float, width: float | None = None) -> float:
+    """One target forward (s) over ``m`` tokens per request for ``live`` requests over a cache ``width``
+    slots wide: at each measured batch size the :func:`measure_costs` seconds (its last length beyond the
+    measured ones), linear in ``live`` between the batch sizes. With ``width`` and costs measured at two
+    context lengths, each batch size's cost is first taken on the line through its two (width, seconds)
+    points at ``width`` (the slope floored at 0: attending over more slots never costs less; the result
+    floored at 0); without either (older reports), the cost at the measured ``context``."""
     pts = []
     for b in costs["batch_sizes"]:
         c = costs["seconds"][str(b)]
-        pts.append((float(b), c[min(m, len(c)) - 1]))
+        i = min(m, len(c)) - 1
+        s = c[i]
+        if width is not None and costs.get("long_seconds") and costs.get("width"):
+            w0, w1 = costs["width"][str(b)][i], costs["long_width"][str(b)][i]
+            slope = max((costs["long_seconds"][str(b)][i] - s) / (w1 - w0), 0.0) if w1 > w0 else 0.0
+            s = max(s + slope * (width - w0), 0.0)
+        pts.append((float(b), s))
     return interpolate(pts, live)
 
 
-def expected_forward_seconds(costs: dict, drafted_at_least: list[float], k: int, live: int) -> float:
-    """``E[forward(1 + max_i d_i, live)]`` with ``d_i`` i.i.d. per live request, ``P(d >= j) =
-    drafted_at_least[j - 1]`` for j <= k, 0 above k (the padded forward is as long as its longest row)."""
+def expected_forward_seconds(costs: dict, drafted_at_least: list[float], k: int, live: int,
+                             width: float | None = None) -> float:
+    """``E[forward(1 + max_i d_i, live, width)]`` (s) with ``d_i`` i.i.d. per live request, ``P(d >= j) =
+    drafted_at_least[j - 1]`` for j <= k, 0 above k (the padded forward is as long as its longest row);
+    ``width`` the cache width (slots) charged, as :func:`forward_seconds` takes it."""
     at_least = [1.0, *drafted_at_least[:k], 0.0]
     total, below = 0.0, 0.0
     for j in range(k + 1):  # max d = j
         cdf = (1.0 - at_least[j + 1]) ** live
-        total += (cdf - below) * forward_seconds(costs, j + 1, live)
+        total += (cdf - below) * forward_seconds(costs, j + 1, live, width)
         below = cdf
     return total
 
@@ -416,6 +459,19 @@ class _Inputs:
             pts.append((_mean([_occupancy(r) for r in rs]), interpolate([(float(r["k"]), part(r)) for r in rs], k)))
         return interpolate(pts, live)
 
+    def width(self, method: str | None, k: int, b: int) -> float | None:
+        """The cache width (slots) the forwards of ``method`` at K' = ``k`` (None: plain decoding) at batch
+        size ``b`` are charged at: its passes' mean ``cache_width``, linear in K between the measured Ks
+        (constant outside), then linear in the batch size between the measured ones; None when a pass
+        recorded none (a report from before widths were recorded: the forward at the measured context)."""
+        pts = []
+        for x in self.bs:
+            rs = [self.plain[x]] if method is None else [self.rows[(method, kk, x)] for kk in self.ks]
+            if not all(r.get("cache_width") for r in rs):
+                return None
+            pts.append((float(x), interpolate([(float(r.get("k", 0)), r["cache_width"]) for r in rs], k)))
+        return interpolate(pts, b)
+
     def step_counts(self, method: str, k: int, b_ref: int):
         """Sampled steps ``[SCHEDULE_DRAWS, N]`` of each request of batch size ``b_ref``'s plain pass under
         ``method`` at ``k`` (:func:`sample_steps`, seed 0), or None without an acceptance profile."""
@@ -457,10 +513,10 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
         else:
             sampling = inp.per_step(method, _sampling_per_step, k, live)
         return (0.0 if method is None else inp.per_step(method, _draft_per_step, k, live),
-                expected_forward_seconds(inp.costs, at_least, k if method else 0, live), sampling,
+                expected_forward_seconds(inp.costs, at_least, k if method else 0, live, width), sampling,
                 interpolate(inp.overhead, live) if inp.overhead else 0.0)
 
-    prefill, cache = inp.prefill(method, b), {}
+    prefill, cache, width = inp.prefill(method, b), {}, inp.width(method, k, b)
 
     def cached(live: int):
         if live not in cache:
@@ -473,7 +529,7 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
     ms = [None if not steps else 1000.0 * x / steps for x in sums]
     return {"tokens": sum(toks), "seconds": seconds, "batched_steps": steps, "prefill_seconds": prefill,
             "draft_ms_per_step": ms[0], "forward_ms_per_step": ms[1], "sampling_ms_per_step": ms[2],
-            "overhead_ms_per_step": ms[3],
+            "overhead_ms_per_step": ms[3], "cache_width": width,
             "tokens_per_s": tokens_per_s(sum(toks), seconds)}
 
 
@@ -522,7 +578,9 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         ``{"costs", "overhead_ms_per_step", "plain", "predictions", "best_k", "break_even",
         "max_abs_relative_error", "within_15_percent"}``: ``predictions`` has one entry per method, K' = 1..K
         and measured batch size (``measured: True`` and ``measured_tokens_per_s`` / ``relative_error`` /
-        ``loop_forward_ms_per_step`` (the pass's own forwards per batched step) on the rows the eval ran);
+        ``loop_forward_ms_per_step`` (the pass's own forwards per batched step) on the rows the eval ran;
+        ``cache_width`` the width (slots) its forwards were charged at, None on a report without widths);
+        ``plain`` the same per batch size;
         ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K'); ``break_even``
         ``{method: {"batch_size" (None: never within the measured range), "best_speedup_by_batch", "note"}}``.
     Raises:
@@ -541,7 +599,8 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         plain_out.append({"batch_size": b, "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": meas,
                           "relative_error": relative_error(p["tokens_per_s"], meas),
                           "loop_forward_ms_per_step": _loop_forward_ms(inp.plain[b]),
-                          **{f: p[f] for f in ("forward_ms_per_step", "sampling_ms_per_step", "overhead_ms_per_step")}})
+                          **{f: p[f] for f in ("forward_ms_per_step", "sampling_ms_per_step", "overhead_ms_per_step",
+                                               "cache_width")}})
     best_k: dict[str, dict[str, int]] = {}
     for b in inp.bs:
         for method in report["methods"]:
@@ -556,7 +615,7 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
                               "expected_tokens_per_step": expected_tokens(prof["survival"], k) if prof else None,
                               **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step",
                                                        "sampling_ms_per_step", "overhead_ms_per_step",
-                                                       "prefill_seconds")},
+                                                       "prefill_seconds", "cache_width")},
                               "predicted_tokens_per_s": p.get("tokens_per_s"), "predicted_speedup": sp,
                               "measured_tokens_per_s": meas,
                               "relative_error": relative_error(p.get("tokens_per_s"), meas),

@@ -69,6 +69,7 @@ class MethodRow(TypedDict, total=False):
     batched_steps: int
     draft_ms_per_step: float
     verify_ms_per_step: float
+    cache_width: float  # mean KV-cache width (slots) per batched forward; absent from older reports
     proposals: dict[str, int]
     gated: bool
 
@@ -89,18 +90,25 @@ class PlainRow(TypedDict):
     batched_steps: int
     draft_ms_per_step: float
     verify_ms_per_step: float
+    cache_width: float  # mean KV-cache width (slots) per batched forward; absent from older reports
 
 
-class ForwardCosts(TypedDict):
+class ForwardCosts(TypedDict, total=False):
     """Measured target forwards (:func:`speculators.cost_model.measure_costs`): ``seconds[str(b)][m - 1]`` =
     one forward over m = 1..k+1 tokens per request for b requests after ``context`` tokens each (median of
-    ``reps``)."""
+    ``reps``), ``width[str(b)][m - 1]`` the cache width (slots) it was timed at; ``long_seconds`` /
+    ``long_width`` the same after ``long_context`` tokens (the second point of the forward's cost, linear in
+    the width). ``width`` and the ``long_*`` keys are absent from older reports."""
 
     k: int
     context: int
     reps: int
     batch_sizes: list[int]
     seconds: dict[str, list[float]]
+    width: dict[str, list[float]]
+    long_context: int
+    long_seconds: dict[str, list[float]]
+    long_width: dict[str, list[float]]
 
 
 class CostPrediction(TypedDict):
@@ -128,6 +136,7 @@ class CostPrediction(TypedDict):
     measured_tokens_per_s: Optional[float]
     relative_error: Optional[float]
     loop_forward_ms_per_step: Optional[float]
+    cache_width: Optional[float]  # the width (slots) the forward was charged at; absent from older reports
 
 
 class PlainPrediction(TypedDict):
@@ -141,6 +150,7 @@ class PlainPrediction(TypedDict):
     sampling_ms_per_step: Optional[float]
     overhead_ms_per_step: Optional[float]
     loop_forward_ms_per_step: Optional[float]
+    cache_width: Optional[float]  # the width (slots) the forward was charged at; absent from older reports
 
 
 class BreakEven(TypedDict):
@@ -466,7 +476,28 @@ def _break_even_markdown(report: dict) -> list[str]:
               "|---" * (c["k"] + 2) + "|"]
     for b in c["batch_sizes"]:
         lines.append(f"| {b} | " + " | ".join(f"{1000 * x:.2f}" for x in c["seconds"][str(b)]) + " |")
+    lines += _long_context_lines(cm)
     lines += [""] + [f"- {METHOD_LABELS[m]}: {be['note']}" for m, be in cm["break_even"].items()]
+    return lines
+
+
+def _long_context_lines(cm: dict) -> list[str]:
+    """The forwards measured at the second context length and the cache widths charged (nothing on an
+    older report that measured one context and recorded no widths)."""
+    c = cm["costs"]
+    if not c.get("long_seconds"):
+        return []
+    lines = ["", f"The same after {c['long_context']} tokens of context (the forward is charged linear in the "
+                 "KV-cache width, at each pass's mean width):", "",
+             "| batch | " + " | ".join(f"m={m + 1}" for m in range(c["k"] + 1)) + " | cache width (slots), both contexts |",
+             "|---" * (c["k"] + 3) + "|"]
+    for b in c["batch_sizes"]:
+        w = c.get("width", {}).get(str(b)), c.get("long_width", {}).get(str(b))
+        widths = "n/a" if not all(w) else " / ".join(f"{sum(x) / len(x):.0f}" for x in w)
+        lines.append(f"| {b} | " + " | ".join(f"{1000 * x:.2f}" for x in c["long_seconds"][str(b)]) + f" | {widths} |")
+    charged = [f"{p['batch_size']}: {p['cache_width']:.0f}" for p in cm["plain"] if p.get("cache_width")]
+    if charged:
+        lines += ["", "Plain decoding's charged cache width (slots) per batch size: " + ", ".join(charged) + "."]
     return lines
 
 

@@ -55,6 +55,7 @@ import torch
 
 from .decode_args import batch_params, check_prompts, per_request, request_params, select_rows
 from .errors import SpeculatorsError
+from .forward_cost import measure_forward_cost, measure_verify_cost  # noqa: F401  (re-exported)
 from .gating import (  # noqa: F401  (re-exported: their import paths from generate keep working)
     ConfidenceGate,
     check_confidence_threshold,
@@ -144,6 +145,9 @@ class BatchResult:
         forward_seconds: the part of ``verify_seconds`` spent in the target forwards alone (the rest is
             rejection sampling): ``seconds - prefill_seconds - forward_seconds - draft_seconds`` is the
             loop's per-step overhead (sampling, bookkeeping) that :mod:`speculators.cost_model` measures.
+        cache_width: the mean over the decode steps' batched forwards of the batch session's cache width
+            (slots, read after each forward: the slots it attended over, padding of shorter rows and
+            rolled-back drafts included); 0.0 when none was read. The cost model charges the forward at it.
     """
 
     results: list[GenerationResult]
@@ -153,6 +157,7 @@ class BatchResult:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     forward_seconds: float = 0.0
+    cache_width: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -214,50 +219,6 @@ def _draft_probs(props: list, drafts: list[torch.Tensor], vocab: int, device) ->
                                        f"({n}, {vocab}) (one target-vocabulary distribution per draft)")
             rows.append(p.probs.to(device=device, dtype=torch.float32))
     return torch.cat(rows)
-
-
-@torch.no_grad()
-def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0,
-                        batch_size: int = 1) -> list[float]:
-    """The measured cost of a verification forward, on the machine at hand: ``[k + 1]`` seconds of ONE
-    target forward over ``m + 1`` new tokens per request (m = 0..k) for ``batch_size`` requests, each after
-    its own random ``prompt_len``-token prompt, through the decode session the loop uses
-    (:meth:`speculators.target.Target.batch_session`: the same padded forward, attention mask and output
-    head as a step of :func:`speculative_generate`), the median of ``reps`` timings each (one warm-up forward
-    first; a ``torch.cuda.synchronize`` around each timing on CUDA). Every request's cache is rolled back
-    after every forward, so every length is timed at the same context length. Only the forward (and its
-    output head) is timed, not the rejection sampling. At ``batch_size`` 1 it is the cost model of
-    :class:`ConfidenceGate`'s cost-aware mode; :mod:`speculators.cost_model` reads it at every batch size
-    of an eval.
-
-    Raises:
-        SpeculatorsError: ``k`` < 0, ``reps`` < 1, ``prompt_len`` < 1, ``batch_size`` < 1.
-    """
-    import statistics
-
-    k = check_int("k", k, 0)
-    reps = check_int("reps", reps, 1)
-    prompt_len = check_int("prompt_len", prompt_len, 1)
-    batch_size = check_int("batch_size", batch_size, 1)
-    device = getattr(target, "device", torch.device("cpu"))
-    vocab = int(getattr(target, "vocab_size", 2))
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch_size, prompt_len + k + 1), generator=g)
-    rows = list(range(batch_size))
-    sess = target.batch_session(batch_size)
-    sess.add_many(rows, [ids[i, :prompt_len].tolist() for i in rows])
-    base = sess.length(0)
-
-    def once(m: int) -> float:
-        t0 = _clock(device)
-        sess.forward(rows, [ids[i, prompt_len:prompt_len + m + 1] for i in rows])
-        dt = _clock(device) - t0
-        for i in rows:
-            sess.keep(i, base)
-        return dt
-
-    once(k)  # warm-up
-    return [statistics.median(once(m) for _ in range(reps)) for m in range(k + 1)]
 
 
 @torch.no_grad()
@@ -343,7 +304,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         _verify(run, step)
         _keep(run, step)
     return BatchResult(run.results, time.perf_counter() - t0, run.forwards, run.draft_s, run.verify_s, run.prefill_s,
-                       run.forward_s)
+                       run.forward_s, run.width_sum / run.widths_read if run.widths_read else 0.0)
 
 
 @dataclass
@@ -380,6 +341,8 @@ class _Run:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     forward_s: float = 0.0
+    width_sum: int = 0  # the session's cache width after each chain step's forward, summed
+    widths_read: int = 0
 
 
 @dataclass
@@ -513,6 +476,7 @@ def _verify(run: _Run, step: _Step) -> None:
                                                  for i, d in zip(live, step.drafts)])
     run.forward_s += _clock(run.device) - tf
     run.forwards += 1
+    run.width_sum, run.widths_read = run.width_sum + int(run.sess.width), run.widths_read + 1
     logits = torch.cat(logits)
     # draft distributions only matter to sampled requests (greedy ones compare with the argmax)
     sampled = not all(run.greedy[i] for i in live)

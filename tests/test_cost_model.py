@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -169,6 +170,87 @@ def test_cost_model_block_refuses_costs_that_miss_a_batch_size():
         cm.cost_model_block(report, {}, {}, {"k": 2, "batch_sizes": [1], "seconds": {"1": [1.0, 1.0, 1.0]}})
 
 
+def test_forward_cost_is_linear_in_the_cache_width():
+    # batch 1: 1.0 s at 10 slots, 2.0 s at 20 (m = 1); batch 3: 2.0 s at 10, 4.0 s at 20
+    costs = {"k": 0, "batch_sizes": [1, 3], "seconds": {"1": [1.0], "3": [2.0]}, "width": {"1": [10.0], "3": [10.0]},
+             "long_seconds": {"1": [2.0], "3": [4.0]}, "long_width": {"1": [20.0], "3": [20.0]}}
+    assert cm.forward_seconds(costs, 1, 1, 15.0) == pytest.approx(1.5)
+    assert cm.forward_seconds(costs, 1, 1, 40.0) == pytest.approx(4.0)  # extrapolated along the line
+    assert cm.forward_seconds(costs, 1, 2, 30.0) == pytest.approx((3.0 + 6.0) / 2)  # then linear in live
+    assert cm.forward_seconds(costs, 1, 1) == 1.0  # no width: the measured context, as before
+    old = {k: v for k, v in costs.items() if not k.startswith("long") and k != "width"}
+    assert cm.forward_seconds(old, 1, 1, 40.0) == 1.0  # one measured context: no slope to charge
+    # a shorter forward at the long context (noise) is not a negative slope
+    noisy = dict(costs, long_seconds={"1": [0.5], "3": [4.0]})
+    assert cm.forward_seconds(noisy, 1, 1, 40.0) == 1.0
+    assert cm.expected_forward_seconds(costs, [], 0, 1, 30.0) == pytest.approx(3.0)
+
+
+def _width_report(charge: bool):
+    """Batch 1, two requests of 5 tokens, the forward 0.5 s at 10 slots + 0.05 s per slot (m = 1; 1.0 s at
+    10 slots for m = 2). Plain ran at a mean width of 20 slots: 8 steps of (1.0 s forward + 0.125 s sampling
+    + 0.25 s overhead) + 1 s prefill = 12 s; n-gram K=1 (every draft accepted) at 21 slots: 4 steps of
+    (0.1 draft + 1.5 forward + 0.1 sampling + 0.25 overhead) + 1 s = 8.8 s. ``charge=False``: the rows
+    carry no width (a report from before widths were recorded)."""
+    w = (lambda x: {"cache_width": x}) if charge else (lambda x: {})
+    plain = {"batch_size": 1, "tau": 1.0, "steps": 8, "tokens": 10, "seconds": 12.0, "tokens_per_s": 10 / 12.0,
+             "draft_seconds": 0.0, "verify_seconds": 9.0, "prefill_seconds": 1.0, "forward_seconds": 8.0,
+             "batched_steps": 8, **w(20.0)}
+    row = {"method": "ngram", "k": 1, "batch_size": 1, "steps": 4, "tokens": 10, "seconds": 8.8,
+           "tokens_per_s": 10 / 8.8, "draft_seconds": 0.4, "prefill_seconds": 1.0, "verify_seconds": 6.4,
+           "forward_seconds": 6.0, "batched_steps": 4, **w(21.0)}
+    report = {"methods": ["ngram"], "ks": [1], "batch_sizes": [1], "rows": [row], "plain_rows": [plain]}
+    costs = {"k": 1, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, 1.0]},
+             "width": {"1": [10.0, 11.0]}, "long_context": 18, "long_seconds": {"1": [1.0, 1.5]},
+             "long_width": {"1": [20.0, 21.0]}}
+    return cm.cost_model_block(report, {("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}, {1: [5, 5]}, costs)
+
+
+def test_the_forward_is_charged_at_the_width_the_loop_ran_at():
+    block = _width_report(True)
+    (plain,), (pred,) = block["plain"], block["predictions"]
+    assert plain["cache_width"] == 20.0 and pred["cache_width"] == 21.0
+    assert plain["forward_ms_per_step"] == pytest.approx(1000.0) and pred["forward_ms_per_step"] == pytest.approx(1500.0)
+    assert plain["relative_error"] == pytest.approx(0.0, abs=1e-9) and pred["relative_error"] == pytest.approx(0.0, abs=1e-9)
+    # the same eval without widths charges the measured context's forwards: too fast by a third or more
+    old = _width_report(False)
+    assert old["plain"][0]["cache_width"] is None and old["predictions"][0]["cache_width"] is None
+    assert old["plain"][0]["relative_error"] == pytest.approx(12.0 / 8.0 - 1)
+    assert old["predictions"][0]["relative_error"] == pytest.approx(8.8 / 6.8 - 1)
+
+
+def test_the_loop_records_the_cache_width_it_ran_at(monkeypatch):
+    """Every batched forward's width is read: their mean is ``cache_width``, each >= the longest live row."""
+    from speculators.generate import speculative_generate
+    from speculators.proposers import NGramProposer
+
+    target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3)
+    real, seen = target.batch_session, []
+
+    def spying(max_batch):
+        sess = real(max_batch)
+        forward = sess.forward
+
+        def fwd(ids, tokens):
+            out = forward(ids, tokens)
+            seen.append((sess.width, max(sess.length(i) for i in sess.request_ids)))
+            return out
+
+        sess.forward = fwd
+        return sess
+
+    monkeypatch.setattr(target, "batch_session", spying)
+    prompts = [[1, 2, 3, 4] * 5, [5, 6, 7], [1, 2, 3, 4, 1, 2], [9, 8] * 7]
+    for proposer, k in ((None, 0), (NGramProposer(), 3)):
+        seen.clear()
+        out = speculative_generate(target, proposer, prompts, k, [12, 5, 9, 7], batch_size=2, eos_ids=set())
+        assert out.target_forwards == len(seen) > 0
+        assert all(width >= longest for width, longest in seen)
+        assert out.cache_width == pytest.approx(sum(w for w, _ in seen) / len(seen))
+        assert out.cache_width >= len(prompts[0])  # the longest prompt was live in the first forwards
+        assert cm.step_times(out)["cache_width"] == out.cache_width
+
+
 @pytest.fixture(scope="module")
 def tiny():
     target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3)
@@ -182,8 +264,15 @@ def test_measure_costs_at_every_batch_size(tiny):
     assert costs["batch_sizes"] == [1, 2] and set(costs["seconds"]) == {"1", "2"}
     assert all(len(v) == 3 and all(c > 0 and math.isfinite(c) for c in v) for v in costs["seconds"].values())
     assert cm.gate_cost(costs) == costs["seconds"]["1"]
+    assert costs["long_context"] == 12 and set(costs["long_seconds"]) == {"1", "2"}
+    for b in ("1", "2"):  # the width each was timed at: the context and the new tokens at least
+        assert all(w >= 6 + m + 1 for m, w in enumerate(costs["width"][b]))
+        assert all(w >= 12 + m + 1 for m, w in enumerate(costs["long_width"][b]))
+        assert all(c > 0 and math.isfinite(c) for c in costs["long_seconds"][b])
     with pytest.raises(SpeculatorsError, match="batch size"):
         cm.measure_costs(target, 2, [0])
+    with pytest.raises(SpeculatorsError, match="long_context"):
+        cm.measure_costs(target, 2, [1], context=6, long_context=6)
 
 
 def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
@@ -221,6 +310,18 @@ def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
     console = Console(record=True, width=200)
     render_terminal(rep, console)
     assert "break-even batch" in console.export_text()
+    # the widths: recorded per pass, charged per prediction, rendered; a report without them still renders
+    assert all(r["cache_width"] > 0 for r in rep["rows"] + rep["plain_rows"])
+    assert all(p["cache_width"] > 0 for p in block["predictions"] + block["plain"])
+    assert "tokens of context (the forward is charged linear in the KV-cache width" in md
+    old = json.loads(json.dumps(rep))
+    for r in old["rows"] + old["plain_rows"] + old["cost_model"]["predictions"] + old["cost_model"]["plain"]:
+        r.pop("cache_width")
+    old["cost_model"]["costs"] = {k: v for k, v in given.items() if k == "context" or k in
+                                  ("k", "reps", "batch_sizes", "seconds")}
+    old_md = render_markdown(old)
+    assert "## Cost model and break-even" in old_md and "KV-cache width" not in old_md
+    render_terminal(old, Console(record=True, width=200))
     # without given costs the eval measures them itself (once)
     calls = []
     monkeypatch.setattr(ev, "measure_costs", lambda *a, **kw: calls.append(kw) or given)
@@ -237,17 +338,17 @@ def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(
 
     from conftest import cli_train_then_eval
 
-    import speculators.generate as gen
+    import speculators.forward_cost as fc
 
     calls = []
-    real = gen.measure_verify_cost
-    monkeypatch.setattr(gen, "measure_verify_cost",
+    real = fc.measure_forward_cost
+    monkeypatch.setattr(fc, "measure_forward_cost",
                         lambda *a, **kw: calls.append(kw.get("batch_size")) or real(*a, **kw))
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
     _, _, report = cli_train_then_eval(recipe, tiny_target_dir, tmp_path / "run", "train.steps=2",
                                        eval_args=("--temperature", "0", "--cost-aware", "-k", "2", "--batch-size", "2",
                                                   "--num-prompts", "2", "--max-new-tokens", "6"))
-    assert sorted(calls) == [1, 2]
+    assert sorted(calls) == [1, 1, 2, 2]  # two context lengths
     costs = report["cost_model"]["costs"]
     assert report["gating"]["verify_cost"] == costs["seconds"]["1"] and costs["batch_sizes"] == [1, 2]
     assert all(p["predicted_tokens_per_s"] > 0 for p in report["cost_model"]["predictions"])
