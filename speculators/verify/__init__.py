@@ -8,6 +8,8 @@ Public API::
     rejection_sample_reference(...)           # per-request Python loop (tests, benchmark baseline)
     RejectionOutput, RejectionRandoms, draw_randoms
     VerifyInputError                          # bad input: a SpeculatorsError and a ValueError
+    DraftTree, TreeVerifyOutput, tree_rejection_sample   # draft trees (SpecInfer / EAGLE-2), .tree
+    parse_token_tree, tree_from_paths, tree_depths, ancestor_mask   # vLLM's speculative_token_tree
 
 Papers: Leviathan et al. arXiv 2211.17192; Chen et al. arXiv 2302.01318. Engine followed: vLLM
 ``vllm/v1/sample/rejection_sampler.py``. The Triton module is imported lazily (only for impl="triton").
@@ -23,17 +25,33 @@ from .rejection import (
     rejection_sample_reference,
 )
 from .sampling import MIN_TEMPERATURE, SamplingParams, apply_sampling, effective_temperature
+from .tree import (
+    DraftTree,
+    TreeVerifyOutput,
+    ancestor_mask,
+    parse_token_tree,
+    tree_depths,
+    tree_from_paths,
+    tree_rejection_sample,
+)
 
 __all__ = [
+    "DraftTree",
     "MIN_TEMPERATURE",
     "PLACEHOLDER_TOKEN_ID",
     "RejectionOutput",
     "RejectionRandoms",
     "SamplingParams",
+    "TreeVerifyOutput",
     "VerifyInputError",
+    "ancestor_mask",
     "apply_sampling",
     "draw_randoms",
     "effective_temperature",
+    "parse_token_tree",
     "rejection_sample",
     "rejection_sample_reference",
+    "tree_depths",
+    "tree_from_paths",
+    "tree_rejection_sample",
 ]
