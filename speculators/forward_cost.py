@@ -12,6 +12,7 @@ cost-aware confidence gate's cost model, :class:`speculators.gating.ConfidenceGa
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -19,6 +20,14 @@ from .proposal import check_int
 
 
 @torch.no_grad()
+def clock(device) -> float:
+    """``time.perf_counter()`` after the device's queued kernels finished (a CUDA synchronize only when
+    ``device`` is a CUDA device: elsewhere the work is already done when the call returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def measure_forward_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0,
                          batch_size: int = 1) -> dict:
     """The measured cost of a verification forward and the cache width it ran at.
@@ -36,8 +45,6 @@ def measure_forward_cost(target, k: int, reps: int = 5, prompt_len: int = 32, se
     Raises:
         SpeculatorsError: ``k`` < 0, ``reps`` < 1, ``prompt_len`` < 1, ``batch_size`` < 1.
     """
-    from .generate import _clock
-
     k = check_int("k", k, 0)
     reps = check_int("reps", reps, 1)
     prompt_len = check_int("prompt_len", prompt_len, 1)
@@ -52,9 +59,9 @@ def measure_forward_cost(target, k: int, reps: int = 5, prompt_len: int = 32, se
     base = sess.length(0)
 
     def once(m: int) -> tuple[float, int]:
-        t0 = _clock(device)
+        t0 = clock(device)
         sess.forward(rows, [ids[i, prompt_len:prompt_len + m + 1] for i in rows])
-        dt = _clock(device) - t0
+        dt = clock(device) - t0
         width = int(sess.width)
         for i in rows:
             sess.keep(i, base)

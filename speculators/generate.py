@@ -55,6 +55,7 @@ import torch
 
 from .decode_args import batch_params, check_prompts, per_request, request_params, select_rows
 from .errors import SpeculatorsError
+from .forward_cost import clock as _clock
 from .forward_cost import measure_forward_cost, measure_verify_cost  # noqa: F401  (re-exported)
 from .gating import (  # noqa: F401  (re-exported: their import paths from generate keep working)
     ConfidenceGate,
@@ -66,6 +67,7 @@ from .gating import (  # noqa: F401  (re-exported: their import paths from gener
     truncate_proposal,
 )
 from .proposal import Proposal, Proposer, check_int, check_speculative_tokens  # noqa: F401  (Proposer re-exported)
+from .tree_steps import tree_step
 from .verify import SamplingParams, rejection_sample
 
 _NO_DRAFTS = torch.empty(0, dtype=torch.int64)
@@ -93,6 +95,8 @@ class GenerationResult:
             also counts accepted drafts after a stop token inside the step, which were not emitted).
         seconds: wall time of prefill + decode (in a batch: from the request's join to its end).
         target_forwards: number of target forwards (prefill excluded) == number of steps.
+        tree_ranks: tree decoding only (``speculative_generate(tree=...)``), per step the rank of each
+            accepted node among its siblings (0 = the drafter's best child), root to leaf; empty for chains.
         proposed: per step, drafts the proposer returned BEFORE confidence gating (``speculative_generate``'s
             ``confidence_threshold`` / ``gate``); equal to ``drafted`` without a gate (an empty list for a
             result built by hand).
@@ -115,6 +119,7 @@ class GenerationResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     proposed: list[int] = field(default_factory=list)
+    tree_ranks: list[list[int]] = field(default_factory=list)
 
     def add_step(self, drafted: int, verifier_accepted: int, emitted: int) -> None:
         """Record one verification step (see the attributes for the definitions)."""
@@ -170,14 +175,6 @@ class BatchResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _clock(device) -> float:
-    """``time.perf_counter()`` after the device's queued kernels finished (a CUDA synchronize only when
-    ``device`` is a CUDA device: elsewhere the work is already done when the call returns)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _emit_until(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
     """Append ``new`` to ``out`` up to ``max_new`` tokens or the first stop token (included); True when
     finished. The caller measures what was appended as the change of ``len(out)``."""
@@ -228,7 +225,8 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
                          seeds: list[int | None] | None = None,
                          progress: Callable[[int, int], Any] | None = None,
                          confidence_threshold: float | None = None, gate: ConfidenceGate | None = None,
-                         on_step: Callable[[int, Proposal, int, list[int]], Any] | None = None) -> BatchResult:
+                         on_step: Callable[[int, Proposal, int, list[int]], Any] | None = None,
+                         tree=None) -> BatchResult:
     """Batched speculative (or plain) decoding of many prompts with continuous batching.
 
     At most ``batch_size`` requests are live; a finished request leaves the batch and the next waiting
@@ -278,7 +276,12 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             when nothing was drafted); ``num_accepted`` the drafts the rejection sampler accepted
             (``GenerationResult.verifier_accepted`` of the step); ``emitted`` the token ids the step
             appended to the request's output (a stop token or ``max_new_tokens`` may cut it). Its return
-            value is ignored. None = no hook.
+            value is ignored. None = no hook. With ``tree`` the proposal is the verified
+            :class:`speculators.verify.tree.DraftTree`.
+        tree: a :class:`speculators.tree_spec.TreeSpec`: draft TREES instead of chains
+            (:mod:`speculators.tree_steps`: EAGLE-2 dynamic or vLLM static trees, verified in one target forward
+            with a tree attention mask and multi-candidate rejection sampling); ``k`` is then unused (the
+            tree's ``depth`` bounds a step). None = chains.
     Returns:
         :class:`BatchResult` (results in prompt order, the run's wall time, batched forwards, and the
         wall time spent drafting and verifying).
@@ -291,7 +294,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
             asked for, draft ids outside the vocabulary, or ``probs`` of the wrong shape.
     """
     run = _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, eos_ids, seeds, progress,
-                 confidence_threshold, gate, on_step)
+                 confidence_threshold, gate, on_step, tree)
     t0 = time.perf_counter()
     if not run.results:
         return BatchResult(run.results, 0.0, 0)
@@ -299,6 +302,9 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
     while run.waiting or run.live:
         _join(run)
         if not run.live:
+            continue
+        if run.tree is not None:
+            tree_step(run, _clock, _emit_until, _retire)
             continue
         step = _draft(run)
         _verify(run, step)
@@ -343,6 +349,7 @@ class _Run:
     forward_s: float = 0.0
     width_sum: int = 0  # the session's cache width after each chain step's forward, summed
     widths_read: int = 0
+    tree: Any = None
 
 
 @dataclass
@@ -365,7 +372,7 @@ class _Step:
 
 
 def _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, eos_ids, seeds, progress,
-           confidence_threshold, gate, on_step) -> _Run:
+           confidence_threshold, gate, on_step, tree=None) -> _Run:
     """Check :func:`speculative_generate`'s arguments (see its Raises) and build the run's state."""
     vocab = getattr(target, "vocab_size", None)
     prompts = check_prompts(prompts, vocab)
@@ -385,8 +392,15 @@ def _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, e
         ks = [0] * B
     else:  # one clear error before decoding: K above what a parallel drafter was trained for
         check_speculative_tokens(proposer, sorted(set(ks)), "k")
+    if tree is not None:
+        from .tree_spec import TreeSpec
+
+        if not isinstance(tree, TreeSpec):
+            raise SpeculatorsError(f"tree: expected a speculators.tree_spec.TreeSpec or None, got {type(tree).__name__}")
+        if gate is not None:
+            raise SpeculatorsError("tree: confidence gating cuts chains; it cannot be combined with draft trees")
     return _Run(target, proposer, prompts, ks, max_new, batch_size, eos, device, vocab, params, gens, greedy, gate,
-                progress, on_step, [GenerationResult([]) for _ in range(B)], deque(range(B)))
+                progress, on_step, [GenerationResult([]) for _ in range(B)], deque(range(B)), tree=tree)
 
 
 def _retire(run: _Run, i: int) -> None:

@@ -12,7 +12,7 @@ from .serving_format import ServingFormat  # noqa: F401
 
 # shared infrastructure, not families
 INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "joint", "layers",
-                            "parity_inputs", "registry", "serving_format", "training_state"})
+                            "parity_inputs", "registry", "serving_format", "training_state", "tree_drafting"})
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in INFRASTRUCTURE and not _module.startswith("_"):

@@ -571,3 +571,64 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
                 logits = logits[:, 0]  # [f, N]
         return [Proposal(torch.tensor(toks[i], dtype=torch.int64), torch.stack(probs[i]) if probs[i] else None)
                 for i in range(B)]
+
+    drafts_trees = True  # declared capability: propose_tree (EAGLE-2 dynamic trees, vLLM static trees)
+
+    @torch.no_grad()
+    def propose_tree(self, states: list[Eagle3State], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Draft trees for B requests (:func:`speculators.drafters.tree_drafting.expand_tree`: EAGLE-2's
+        dynamic expansion or a static ``speculative_token_tree``), the requests' states left unchanged.
+
+        Each level is ONE drafter forward over every request's frontier nodes: a node's input is the
+        embedding of its token and its parent's output hidden state (the root's: ``last_hidden``) at
+        position id ``num_positions + depth``, as the chain's step at that depth; its keys go to the
+        appended region of a padded :class:`~.layers.RaggedKV` and its queries see the request's cached
+        keys and its ancestors' appended keys only (the tree mask). Children are top-k tokens (point
+        masses for the verifier), so ``sampling`` / ``generators`` are not drawn from.
+
+        Args:
+            states: B states from :meth:`start` / :meth:`advance`.
+            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            depth_caps: per request the deepest level kept (>= 0).
+        Returns:
+            B :class:`speculators.verify.tree.DraftTree` (target ids, CPU).
+        """
+        from .tree_drafting import expand_tree
+
+        check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        if not states:
+            return []
+        dev = self.fc.weight.device
+        root_logits = torch.stack([s.last_logits.to(dev) for s in states])
+        root_feed = torch.cat([s.last_hidden.to(dev) for s in states])  # [R, 1, H]
+        runs = max(0, min(spec.depth, max(depth_caps)) - 1)
+        extra = spec.total_tokens if spec.is_static else runs * spec.topk  # appended slots of all run nodes
+        kv = self._gather(states, extra) if runs else None
+        feeds: list[torch.Tensor] = []  # per run node, [R, H] its output feed
+
+        def forward(tokens, parents, visible, depth):
+            R, F = tokens.shape
+            n_run = visible.shape[2] - F
+            par = parents.to(dev)
+            hidden = root_feed.expand(R, F, -1).clone()
+            if n_run:
+                done = torch.stack(feeds, 1)  # [R, n_run, H]
+                hit = par >= 0
+                hidden[hit] = done[hit.nonzero(as_tuple=True)[0], par[hit]]
+            pos = kv.lengths[:, None] + depth  # [R, 1] -> broadcast over F
+            cos, sin = self.rotary(hidden, pos.expand(R, F))
+            S = kv.base + n_run + F
+            s = torch.arange(S, device=dev)
+            own = (s[None, :] < kv.lengths[:, None])[:, None, :].expand(R, F, S).clone()
+            own[:, :, kv.base:] = visible.to(dev)
+            mask = own.unsqueeze(1)
+
+            def attend(i, q, k, v):
+                return kv.attend(i, q, k, v, n_run, mask)
+
+            feed, logits = self._head(self._run_layers(self.embed_tokens(tokens.to(dev)), hidden, cos, sin, attend))
+            feeds.extend(feed.unbind(1))
+            return logits
+
+        return expand_tree(root_logits, forward, spec, self.d2t, [int(c) for c in depth_caps])
