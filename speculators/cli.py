@@ -116,7 +116,7 @@ def _resolve_checkpoint(path: Path, allow_hub: bool = True) -> Path:
 _EVAL_OPTIONS = {"k": "-k", "k_sweep": "-k", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
                  "max_new_tokens": "--max-new-tokens", "num_prompts": "--num-prompts", "batch_size": "--batch-size",
                  "methods": "--methods", "confidence_threshold": "--confidence-threshold",
-                 "confidence_cost_aware": "--cost-aware", "hybrid_drafter_k": "--hybrid-drafter-k"}
+                 "confidence_cost_aware": "--cost-aware", "hybrid_drafter_k": "--hybrid-drafter-k", "trees": "--tree"}
 
 
 def _parse_k(value: str | None) -> dict:
@@ -174,6 +174,10 @@ def eval_cmd(
     hybrid_drafter_k: Optional[int] = typer.Option(
         None, "--hybrid-drafter-k", help="hybrid proposer: most drafts the neural drafter proposes per step "
         "(default: K; suffix matches still draft K)"),
+    tree: Optional[list[str]] = typer.Option(
+        None, "--tree", help="also measure the drafter drafting a TREE per step, repeatable (one row each): "
+        "depth=D,topk=K,total_tokens=N (a dynamic tree: expand the top-k, keep the N best) or a vLLM speculative_token_tree such as "
+        "'[(0,), (1,), (0, 0)]' (or a file holding one); the report adds the best static tree for this machine"),
 ):
     """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
     real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
@@ -183,7 +187,7 @@ def eval_cmd(
              "num_prompts": num_prompts, "batch_size": batch_size, **_parse_k(k),
              "methods": None if methods is None else [m.strip() for m in methods.split(",") if m.strip()],
              "confidence_threshold": confidence_threshold, "confidence_cost_aware": cost_aware,
-             "hybrid_drafter_k": hybrid_drafter_k}
+             "hybrid_drafter_k": hybrid_drafter_k, "trees": tree or None}
     report, out = eval_run(checkpoint, eval_overrides={f: v for f, v in given.items() if v is not None},
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
                            progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or (),

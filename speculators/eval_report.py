@@ -585,6 +585,7 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     for key, alt in (("per_position", "per-position acceptance"), ("tau_vs_k", "tau and speedup vs K")):
         if plots and plots.get(key):
             lines += [f"![{alt}]({plots[key]})", ""]
+    lines += (report.get("trees") or {}).get("markdown", [])  # rendered by speculators.tree_eval (a data block)
     if report.get("compare"):
         lines += ["## Compare (same prompts and settings)", "", compare_markdown(report["compare"]["rows"])]
     greedy = greedy_lines(report)

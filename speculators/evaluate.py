@@ -68,14 +68,16 @@ def _as_k_list(k) -> list[int]:
 
 
 def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tokens: int, temperature: float,
-              top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None, gate=None):
+              top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None, gate=None,
+              tree=None):
     """One decode pass of every prompt through the batched loop: the
     :class:`speculators.generate.BatchResult` (results in prompt order, wall seconds, drafting and
     verifying seconds, batched steps).
 
     Prompt ``i`` draws from its own generator seeded with ``seed + i`` (so its output does not depend
     on the batch it ran in); ``proposer=None`` is plain decoding through the same loop; ``gate``: a
-    :class:`speculators.gating.ConfidenceGate` (confidence-gated verification) or None.
+    :class:`speculators.gating.ConfidenceGate` (confidence-gated verification) or None; ``tree``: a
+    :class:`speculators.tree_spec.TreeSpec` (draft trees instead of chains) or None.
     """
     from .generate import speculative_generate
     from .verify import SamplingParams
@@ -83,7 +85,7 @@ def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tok
     sampling = SamplingParams.uniform(len(prompt_ids), temperature, top_k, top_p)
     return speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling, batch_size,
                                 eos_ids=stop, seeds=[seed + i for i in range(len(prompt_ids))], progress=progress,
-                                gate=gate)
+                                gate=gate, tree=tree)
 
 
 def _source_blocks(prompts: list[dict], results: list, k: int, resamples: int, seed: int) -> dict[str, dict]:
@@ -111,7 +113,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
              methods=DEFAULT_METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
              hybrid_drafter_k: int | None = None,
              confidence_threshold: float | None = None, verify_cost: list[float] | None = None,
-             forward_costs: dict | None = None) -> dict:
+             forward_costs: dict | None = None, trees=()) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
@@ -188,6 +190,11 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     ``cost_model`` (:func:`speculators.cost_model.cost_model_block`): predicted vs measured tokens/s, best K'
     and break-even batch size from ``forward_costs`` (:func:`speculators.cost_model.measure_costs`; measured
     after the passes when None); rows carry ``prefill_seconds`` and ``forward_seconds`` for it.
+
+    Draft trees (``trees``: :class:`speculators.tree_spec.TreeSpec` s; the drafter drafts a tree per step,
+    :mod:`speculators.tree_steps`): ``report["trees"]`` (:func:`speculators.tree_eval.tree_block`) holds one row
+    per tree and batch size beside the drafter's chain rows, the measured acceptance per depth and sibling rank,
+    and the static tree (vLLM's ``speculative_token_tree``) with the best predicted tokens/s.
     """
     from .losses import sampling_values
 
@@ -233,6 +240,10 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         report["serving_conventions"] = serving_conventions(report)
     costs = forward_costs or measure_costs(target, max(ks), batch_sizes, context=eval_context(prompts, max_new_tokens))
     report["cost_model"] = cost_model_block(report, ev.stats_of, ev.plain_tokens, costs)
+    if trees:
+        from .tree_eval import tree_block
+
+        report["trees"] = tree_block(ev, proposers("drafter"), list(trees), batch_sizes, report, log)
     report["by_source"] = ev.by_source(methods, head)
     return report
 
@@ -403,12 +414,12 @@ class _EvalPasses:
         self.results_of: dict[tuple, list] = {}
         self.stats_of, self.plain_tokens = {}, {}  # the cost model's inputs: (method, K, b) -> stats; b -> tokens
 
-    def decode(self, proposer, k: int, b: int, gate=None):
+    def decode(self, proposer, k: int, b: int, gate=None, tree=None):
         """One pass of every prompt (:func:`_generate`), counted in ``progress``."""
         base = self.done
         prog = (lambda d, t: self.progress(base + d, self.total)) if self.progress else None
         out = _generate(self.target, proposer, self.ids, k, self.max_new_tokens, self.temperature, self.top_k,
-                        self.top_p, b, self.stop, self.seed, progress=prog, gate=gate)
+                        self.top_p, b, self.stop, self.seed, progress=prog, gate=gate, tree=tree)
         self.done += len(self.ids)
         if self.progress:
             self.progress(self.done, self.total)
@@ -450,12 +461,14 @@ class _EvalPasses:
         return {"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
                 "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **step_times(out)}
 
-    def method_row(self, method: str, proposer, k: int, b: int, plain_tps: float | None, gate=None) -> dict:
+    def method_row(self, method: str, proposer, k: int, b: int, plain_tps: float | None, gate=None,
+                   tree=None) -> dict:
         """One pass of ``method`` at K ``k`` and batch size ``b``: its report row (speedup over
-        ``plain_tps``; ``gated: True`` under a gate)."""
-        out = self.decode(proposer, k, b, gate)
+        ``plain_tps``; ``gated: True`` under a gate; with ``tree`` (a TreeSpec) draft trees of depth ``k``:
+        the row also has ``tree``, ``tree_label``, ``nodes_per_step`` and per-depth acceptance)."""
+        out = self.decode(proposer, k, b, gate, tree)
         res = out.results
-        st = AcceptanceStats(k)
+        st = AcceptanceStats(k if tree is None else max(k, tree.total_tokens))
         for r in res:
             st.add(r)
         st.seconds = out.seconds
@@ -467,6 +480,13 @@ class _EvalPasses:
                "best_k": False, **step_times(out)}
         if hasattr(proposer, "counts"):
             row["proposals"] = dict(proposer.counts)  # hybrid: how many steps each part drafted
+        if tree is not None:
+            row.update(tree=tree.as_dict(), tree_label=tree.label, per_position=row["per_position"][:k],
+                       conditional=row["conditional"][:k],
+                       nodes_per_step=st.drafted / st.steps if st.steps else None)
+            self.results_of[(f"{method} tree {tree.label}", k, b)] = res
+            self._check(f"{method} tree {tree.label}", k, b, res)
+            return row
         if gate is None:
             self.results_of[(method, k, b)], self.stats_of[(method, k, b)] = res, st
         self._check(f"{method} (gated)" if gate is not None else method, k, b, res)

@@ -220,6 +220,25 @@ class EvalSpec(Strict):
                                   "that drafts instead of the neural drafter")
     hybrid_drafter_k: int | None = Field(default=None, gt=0, le=64, description="hybrid proposer: most drafts the "
                                          "neural drafter proposes per step (None = K; the suffix draft keeps K)")
+    trees: list[str] | None = Field(
+        default=None, description="draft trees measured beside the drafter's chains (the drafter drafts one tree per "
+        "step): 'depth=D,topk=K,total_tokens=N' (a dynamic tree) or a vLLM speculative_token_tree such as "
+        "'[(0,), (1,), (0, 0)]', or a file holding one; see speculators.tree_spec.TreeSpec.parse")
+
+    @field_validator("trees")
+    @classmethod
+    def _trees_parse(cls, v):
+        from .tree_spec import TreeSpec
+
+        from .errors import SpeculatorsError
+
+        for t in v or []:
+            try:
+                TreeSpec.parse(t, what="eval.trees")
+            except SpeculatorsError as e:
+                raise ValueError(str(e)) from None
+        return v
+
     methods: list[Literal["drafter", "drafter_argmax", "ngram", "suffix", "hybrid"]] = Field(
         default_factory=lambda: ["drafter", "ngram", "suffix", "hybrid"], min_length=1,
         description="proposers measured beside plain decoding (drafter, ngram, suffix, hybrid; drafter_argmax = "

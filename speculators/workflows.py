@@ -521,6 +521,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
 
     from .cost_model import eval_context, gate_cost, measure_costs
+    from .tree_spec import TreeSpec
 
     # the target's forward costs, measured once per eval: the report's cost model and the cost-aware gate read them
     costs = measure_costs(target, max(ev.ks), sorted({1, batch}), context=eval_context(plist, ev.max_new_tokens))
@@ -534,7 +535,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
                             log=log, progress=make(f"speculative vs plain decoding{what}") if make else None,
                             batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match,
                             hybrid_drafter_k=ev.hybrid_drafter_k, confidence_threshold=ev.confidence_threshold if gated else None,
-                            verify_cost=verify_cost if gated else None, forward_costs=costs)
+                            verify_cost=verify_cost if gated else None, forward_costs=costs,
+                            trees=[TreeSpec.parse(t, "eval.trees") for t in ev.trees or []] if gated else ())
 
     def describe(rep, path, d, t):
         rep["checkpoint"] = str(path)

@@ -222,3 +222,54 @@ def test_tree_spec_parsing(tmp_path):
     for bad in ("depth=0", "width=3", "depth=x", "[(0, 0)]", ""):
         with pytest.raises(SpeculatorsError, match="tree"):
             TreeSpec.parse(bad)
+
+
+def test_eval_reports_trees_beside_chains_and_a_static_tree(target):
+    """run_eval with trees: a row per tree and batch size beside the drafter's chains (greedy outputs checked
+    against plain decoding), acceptance per depth and rank, and a best static tree in vLLM's syntax that parses."""
+    from speculators.eval_report import render_markdown
+    from speculators.evaluate import run_eval
+    from speculators.verify.tree import parse_token_tree
+
+    d = make_drafter(target)
+    prompts = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(3))]
+    trees = [TreeSpec(depth=2, topk=2, total_tokens=4), TreeSpec.static("[(0,), (1,), (0, 0)]")]
+    rep = run_eval(target, d, prompts, [2], 12, batch_size=2, methods=("drafter",), eos_ids=set(),
+                   bootstrap_resamples=50, log=lambda *_: None, trees=trees)
+    block = rep["trees"]
+    assert [(r["tree_label"], r["batch_size"]) for r in block["rows"]] == [
+        (t.label, b) for b in (1, 2) for t in trees]
+    for r in block["rows"]:
+        assert r["chain_tau"] == next(c["tau"] for c in rep["rows"] if c["k"] == 2 and c["batch_size"] == r["batch_size"])
+        assert 1.0 <= r["tau"] <= 3.0 and 0 < r["nodes_per_step"] <= r["tree"]["total_tokens"]
+        assert len(r["per_position"]) == r["tree"]["depth"]
+    assert rep["greedy_check"]["passed"] and not rep["greedy_mismatches"]
+    st = block["best_static_tree"]
+    if "speculative_token_tree" in st:
+        assert parse_token_tree(st["speculative_token_tree"]) == tuple(tuple(p) for p in st["paths"])
+    assert len(block["forward_ms"]) == 4 + 2
+    assert "## Draft trees" in render_markdown(rep)
+
+
+def test_cli_eval_takes_trees_and_refuses_bad_ones(tiny_target_dir, isolated_cache, tmp_path):
+    """``speculators eval RUN --tree ... --tree '[...]'``: tree rows and a static tree in report.json and
+    report.md; a malformed --tree is one clear error naming it."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from conftest import cli_train_then_eval
+    from speculators.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-eagle3.yaml"
+    _, _, rep = cli_train_then_eval(recipe, tiny_target_dir, tmp_path / "run", "train.steps=2",
+                                    eval_args=("--temperature", "0", "-k", "2", "--batch-size", "1",
+                                               "--methods", "drafter", "--tree", "depth=2,topk=2,total_tokens=4",
+                                               "--tree", "[(0,), (1,), (0, 0)]"))
+    labels = [r["tree_label"] for r in rep["trees"]["rows"]]
+    assert labels == ["dynamic d2 k2 n4", "static d2 n3"]
+    assert rep["greedy_mismatches"] == []
+    md = next((tmp_path / "run").glob("eval-*/report.md")).read_text()
+    assert "## Draft trees" in md and "static d2 n3" in md
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "run"), "--tree", "depth=2,width=3"])
+    assert r.exit_code != 0 and "width" in r.output and "tree" in r.output

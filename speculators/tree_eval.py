@@ -1,0 +1,96 @@
+"""The draft-tree part of an eval: tree rows beside the drafter's chains, acceptance per depth and sibling rank,
+and the static tree (vLLM's ``speculative_token_tree``) this machine should serve, from what was measured.
+
+:func:`tree_block` runs after the chain passes of :func:`speculators.evaluate.run_eval` (same prompts, seeds,
+stop ids and greedy check: every tree output at temperature 0 is compared with plain greedy decoding), one
+pass per tree and batch size. Then, from the batch-1 tree pass with the highest tau:
+
+* :func:`speculators.tree_report.rank_acceptance`: ``rate[d][r]``, the share of steps reaching depth
+  ``d - 1`` whose accepted path took the rank-r child at depth d;
+* the target's forward cost over ``m = 1 .. max_nodes + 1`` tokens at batch 1, measured here
+  (:func:`speculators.forward_cost.measure_verify_cost`, median of 3, at the eval's context length; a
+  tree forward reads the same weights and computes the same products as a chain forward of as many tokens,
+  only its attention mask differs);
+* :func:`speculators.tree_report.best_static_tree`: the static tree maximising expected emitted tokens per
+  millisecond of target forward plus drafting (``draft_ms_per_level`` = that pass's drafting ms per step
+  over its depth, one drafter forward per level), printed in vLLM's syntax.
+"""
+
+from __future__ import annotations
+
+from .cost_model import eval_context
+from .forward_cost import measure_verify_cost
+from .tree_report import best_static_tree, rank_acceptance, tree_table
+
+
+def _chain_rows(report: dict) -> dict:
+    return {(r["k"], r["batch_size"]): r for r in report["rows"] if r["method"] == "drafter"}
+
+
+def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, log=print) -> dict:
+    """Decode every prompt with the drafter drafting each tree of ``trees`` at every batch size and summarise.
+
+    Args:
+        ev: the eval's passes (``speculators.evaluate._EvalPasses``). proposer: the drafter.
+        trees: :class:`speculators.tree_spec.TreeSpec` s. batch_sizes: the eval's batch sizes.
+        report: the chain report so far (its ``plain_rows`` give each batch size's baseline, its drafter
+            rows the chain tau at the same depth).
+    Returns:
+        ``{"rows": [tree row per tree and batch size, each with chain_tau / tau_over_chain at K = depth],
+        "rank_acceptance": {...}, "forward_ms": [ms per m tokens, index m], "draft_ms_per_level",
+        "best_static_tree": {...}, "markdown": [report.md lines]}``.
+    """
+    plain = {p["batch_size"]: p["tokens_per_s"] for p in report["plain_rows"]}
+    chain = _chain_rows(report)
+    rows = []
+    for b in batch_sizes:
+        for spec in trees:
+            row = ev.method_row("drafter", proposer, spec.depth, b, plain[b], tree=spec)
+            c = chain.get((spec.depth, b))
+            row["chain_tau"] = None if c is None else c["tau"]
+            row["tau_over_chain"] = row["tau"] / c["tau"] if c is not None and c["tau"] else None
+            rows.append(row)
+            log(f"eval: batch {b}, drafter tree {spec.label}: tau {row['tau']:.3f}"
+                + (f" ({row['tau_over_chain']:.2f}x the chain's at K={spec.depth})" if row["tau_over_chain"] else "")
+                + f", {row['nodes_per_step']:.1f} nodes verified/step, {row['tokens_per_s']:.1f} tokens/s"
+                + (f" ({row['speedup']:.2f}x)" if row["speedup"] is not None else ""))
+    block = {"rows": rows}
+    best = max((r for r in rows if r["batch_size"] == 1), key=lambda r: r["tau"])
+    spec = next(t for t in trees if t.label == best["tree_label"])
+    results = ev.results_of[(f"drafter tree {spec.label}", spec.depth, 1)]
+    acc = rank_acceptance(results, spec.depth, spec.topk)
+    max_nodes = max(t.total_tokens for t in trees)
+    secs = measure_verify_cost(ev.target, max_nodes, reps=3, prompt_len=eval_context(ev.prompts, ev.max_new_tokens))
+    forward_ms = [0.0] + [1000.0 * s for s in secs]
+    per_level = best["draft_ms_per_step"] / spec.depth
+    block.update(rank_acceptance={"tree": spec.label, "batch_size": 1, **acc}, forward_ms=forward_ms,
+                 draft_ms_per_level=per_level)
+    try:
+        static = best_static_tree(acc, forward_ms, per_level, max_nodes, spec.depth)
+    except Exception as e:  # no measured acceptance to build from (e.g. nothing ever accepted)
+        static = {"error": str(e)}
+    block["best_static_tree"] = static
+    if "speculative_token_tree" in static:
+        log(f"eval: best static tree for this machine (measured acceptance of {spec.label}): "
+            f"{static['speculative_token_tree']} ({static['num_nodes']} nodes, expected "
+            f"{static['expected_tokens_per_step']:.2f} tokens/step, predicted {static['predicted_tokens_per_s']:.1f} "
+            f"tokens/s from forward + drafting time alone)")
+    block["markdown"] = _markdown(block, report)
+    return block
+
+
+def _markdown(block: dict, report: dict) -> list[str]:
+    chain = [dict(r, tree_label=f"chain K={r['k']}", nodes_per_step=r["drafted"] / r["steps"] if r["steps"] else None)
+             for r in report["rows"] if r["method"] == "drafter"]
+    lines = ["## Draft trees", "",
+             "The drafter drafting a tree per step (dynamic: depth d, top-k k, the n best nodes kept; or a static "
+             "vLLM `speculative_token_tree`), verified in one target forward; its chains at the same batch sizes "
+             "for comparison. acc dj = P(the accepted path reaches depth j).", ""]
+    lines += tree_table(chain + block["rows"]) + [""]
+    st = block.get("best_static_tree") or {}
+    if "speculative_token_tree" in st:
+        lines += [f"Best static tree for this machine, from the acceptance per depth and rank measured with "
+                  f"{block['rank_acceptance']['tree']} at batch 1 and the target's forward cost over 1..n+1 tokens "
+                  f"measured here: `{st['speculative_token_tree']}` ({st['num_nodes']} nodes, expected "
+                  f"{st['expected_tokens_per_step']:.2f} tokens per step).", ""]
+    return lines
