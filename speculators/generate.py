@@ -399,6 +399,8 @@ def _setup(target, proposer, prompts, k, max_new_tokens, sampling, batch_size, e
             raise SpeculatorsError(f"tree: expected a speculators.tree_spec.TreeSpec or None, got {type(tree).__name__}")
         if gate is not None:
             raise SpeculatorsError("tree: confidence gating cuts chains; it cannot be combined with draft trees")
+        if proposer is not None:  # a path is as long as a chain: the same K cap, named as the tree's depth
+            check_speculative_tokens(proposer, [tree.depth], "tree depth")
     return _Run(target, proposer, prompts, ks, max_new, batch_size, eos, device, vocab, params, gens, greedy, gate,
                 progress, on_step, [GenerationResult([]) for _ in range(B)], deque(range(B)), tree=tree)
 

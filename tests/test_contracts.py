@@ -40,6 +40,7 @@ from speculators.proposers import NGramProposer
 from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
 from speculators.training_unit import TrainingUnit
+from speculators.tree_spec import TreeSpec
 from conftest import batch_for, cli_train_then_eval
 
 V = 128            # tiny target: vocab 128, hidden 32, 2 layers (seconds for everything below)
@@ -446,3 +447,40 @@ def test_cli_train_then_eval_on_the_tiny_recipe(name, tiny_target_dir, shared_ca
     assert dr["tokens"] == rep["plain"]["tokens"] > 0
     assert dr["steps"] > 0 and 0 <= dr["accepted"] <= dr["drafted"] <= k * dr["steps"]
     assert 1.0 <= dr["tau"] <= k + 1
+
+
+# ----------------------------------------------------------------------------- draft trees
+TREES = [TreeSpec(depth=3, topk=2, total_tokens=6), TreeSpec.static("[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]")]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["dynamic", "static"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_tree_decoding_equals_plain(family, tree, batch_size):
+    """Every family decodes with draft trees (its own ``propose_tree`` where it declares ``drafts_trees``, else
+    its chain verified as a one-branch tree): greedy output equals plain greedy decoding at batch 1 and
+    batched, and the steps verify at most the tree's nodes and accept at most its depth."""
+    name, _, target, d = family
+    ps = batch_prompts()
+    plain = [plain_decode(target, p, GEN).tokens for p in ps]
+    out = speculative_generate(target, d, ps, 0, GEN, None, batch_size, tree=tree)
+    accepted = 0
+    for i, r in enumerate(out.results):
+        assert r.tokens == plain[i], (name, i, tree.label)
+        assert all(0 <= va <= min(n, tree.depth) and n <= tree.total_tokens
+                   for va, n in zip(r.verifier_accepted, r.drafted))
+        assert [len(x) for x in r.tree_ranks] == r.verifier_accepted
+        accepted += sum(r.verifier_accepted)
+    assert accepted > 0
+
+
+def test_tree_drafting_leaves_the_states_unchanged(family):
+    name, _, target, d = family
+    if not getattr(d, "drafts_trees", False):
+        pytest.skip(f"{name} drafts chains only (verified as one-branch trees)")
+    states = [started(target, d, p) for p in batch_prompts()[:3]]
+    before = copy.deepcopy(states)
+    trees = d.propose_tree(states, TREES[1], [3, 1, 0])  # the static tree: every node it names, up to the cap
+    assert [t.num_nodes for t in trees] == [5, 2, 0]
+    assert int(trees[0].depths().max()) == 3 and int(trees[1].depths().max()) == 1
+    for a, b in zip(states, before):
+        assert_same(a, b)
