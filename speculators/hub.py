@@ -149,6 +149,7 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
     if method is not None:
         spec = json.dumps({"model": repo_id, "num_speculative_tokens": k, "method": method})
         lines += ["With vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```", ""]
+        lines += _tree_serving_lines(ckpt, repo_id, verifier, method)
     else:
         lines += [f"Not loadable by vLLM as written: {why_not}.", ""]
     lines += ["## Checked", ""] + checked_lines(ckpt) + [""]
@@ -161,6 +162,31 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
     for report in sorted(ckpt.parent.glob("eval-*/report.md")):
         lines += [f"## Acceptance: `{report.parent.name}`", "", _demote(report.read_text()).strip(), ""]
     return "\n".join(lines)
+
+
+def _tree_serving_lines(ckpt: Path, repo_id: str, verifier: str, method: str) -> list[str]:
+    """The card's draft-tree serving lines: the static tree the newest eval with ``--tree`` found best on its
+    machine (``report.json`` ``trees.best_static_tree``, vLLM's ``speculative_token_tree`` syntax, with
+    ``num_speculative_tokens`` = its node count as vLLM's tree mode takes it), or nothing without one. vLLM's
+    drafter expands one child count per level, so a tree whose levels differ is given with that caveat."""
+    reports = sorted(ckpt.parent.glob("eval-*/report.json"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(reports):
+        try:
+            best = (json.loads(path.read_text()).get("trees") or {}).get("best_static_tree") or {}
+        except (OSError, ValueError):
+            continue
+        tree = best.get("speculative_token_tree")
+        if not tree:
+            continue
+        spec = json.dumps({"model": repo_id, "num_speculative_tokens": best["num_nodes"], "method": method,
+                           "speculative_token_tree": tree})
+        note = "" if best.get("level_uniform", True) else (
+            " Its levels give their nodes different numbers of children, which vLLM's tree drafting does not "
+            "expand as written; prefer a tree with one child count per level there.")
+        return [f"With the draft tree `{path.parent.name}` measured best on its machine ({best['num_nodes']} nodes, "
+                f"{best['expected_tokens_per_step']:.2f} expected tokens per step).{note}", "", "```bash",
+                f"vllm serve {verifier} --speculative-config '{spec}'", "```", ""]
+    return []
 
 
 def _demote(markdown: str) -> str:

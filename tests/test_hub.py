@@ -6,6 +6,8 @@ import hashlib
 from pathlib import Path
 
 import huggingface_hub
+import json
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -113,6 +115,21 @@ def test_card_header_serving_command_run_card_and_reports(run_dir):
             '"method": "eagle3"}\'') in card
     assert "### eagle3 drafter for tiny" in card  # the run card, nested under the card's sections
     assert "## Acceptance: `eval-k4-t0`" in card and "| drafter | 1.234 |" in card
+
+
+def test_card_carries_the_static_tree_an_eval_found_best(run_dir):
+    """An eval run with --tree leaves its best static tree in report.json: the card gives the serving command
+    with that speculative_token_tree (node count as num_speculative_tokens); without one, no tree line."""
+    assert "speculative_token_tree" not in hub_card(run_dir / "final", "me/tiny-eagle3")
+    rep_dir = run_dir / "eval-k4-t0-trees"
+    rep_dir.mkdir()
+    best = {"speculative_token_tree": "[(0,), (1,), (0, 0)]", "num_nodes": 3, "expected_tokens_per_step": 1.9,
+            "level_uniform": False}
+    (rep_dir / "report.json").write_text(json.dumps({"trees": {"best_static_tree": best}}))
+    card = hub_card(run_dir / "final", "me/tiny-eagle3")
+    assert ('"num_speculative_tokens": 3, "method": "eagle3", "speculative_token_tree": "[(0,), (1,), (0, 0)]"'
+            in card)
+    assert "`eval-k4-t0-trees` measured best" in card and "different numbers of children" in card
 
 
 def test_push_uploads_files_and_card_in_one_commit(run_dir, fake_hub):
