@@ -11,7 +11,7 @@ from .registry import registry  # noqa: F401
 from .serving_format import ServingFormat  # noqa: F401
 
 # shared infrastructure, not families
-INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "joint", "layers",
+INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "dflash_tree", "joint", "layers",
                             "parity_inputs", "registry", "serving_format", "training_state", "tree_drafting"})
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):

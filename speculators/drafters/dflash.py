@@ -671,3 +671,13 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
         ids, q = sample_draft(logits, sampling, generator, d2t=self.d2t if self.reduced_vocab else None,
                               vocab_size=self.meta.vocab_size)
         return Proposal(ids.to(torch.int64), q)
+
+    drafts_trees = True  # declared capability: propose_tree (block-slot trees, EAGLE-2 dynamic or static)
+
+    def propose_tree(self, states: list[DFlashState], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Draft trees from the block's slots, one block forward per request as the chain's
+        (:func:`speculators.drafters.dflash_tree.dflash_block_tree`: shapes, errors); states left as found."""
+        from .dflash_tree import dflash_block_tree
+
+        return dflash_block_tree(self, states, spec, depth_caps, sampling, generators)

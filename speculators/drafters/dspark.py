@@ -548,3 +548,12 @@ class DSparkDrafter(DFlashDrafter):
             prev = tok.reshape(1).to(device=h.device, dtype=torch.int64)
         return Proposal(torch.cat(ids).to(torch.int64), torch.cat(probs) if probs else None,
                         torch.cat(confs).float().cpu() if confs else None)
+
+    def propose_tree(self, states: list[DFlashState], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Draft trees whose children are conditioned on their parent's token through the Markov head, one
+        backbone forward per request as the chain's (:func:`speculators.drafters.dflash_tree.dspark_markov_tree`:
+        shapes, errors); states left as found."""
+        from .dflash_tree import dspark_markov_tree
+
+        return dspark_markov_tree(self, states, spec, depth_caps, sampling, generators)

@@ -57,6 +57,7 @@ from ..losses import (
     soft_cross_entropy,
     target_to_draft,
 )
+from ..proposal import check_batch
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
@@ -401,3 +402,34 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
             return Proposal(torch.empty(0, dtype=torch.int64))
         ids, probs = sample_draft(state.logits[:kk], sampling, generator, d2t=self.d2t, vocab_size=self.t2d.numel())
         return Proposal(ids, probs)
+
+    drafts_trees = True  # declared capability: propose_tree (Medusa trees: EAGLE-2 dynamic or static choices)
+
+    @torch.no_grad()
+    def propose_tree(self, states: list[MedusaState], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Medusa trees (Cai et al. arXiv 2401.10774, "tree attention"; Medusa choices = a static
+        ``speculative_token_tree``) for B requests, by :func:`speculators.drafters.tree_drafting.slot_tree`.
+
+        Head k sees only ``h_top[n-1]``, never a draft, so its distribution is the same under every parent:
+        a node at depth k takes one of head k's top-k tokens, scored by the sum of the heads' log-softmax
+        along its path. The heads' logits are the ones the last ``advance`` computed (``state.logits``, the
+        chain's); no forward runs. Depth is at most ``num_heads``. Children are top-k tokens (point masses
+        for the verifier), so ``sampling`` / ``generators`` are not drawn from; the states are not modified.
+
+        Args:
+            states: B states from :meth:`start` / :meth:`advance`.
+            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            depth_caps: per request the deepest level kept (>= 0).
+        Returns:
+            B :class:`speculators.verify.tree.DraftTree` (int64 target ids, CPU, ``probs`` None).
+        Raises:
+            SpeculatorsError: ``depth_caps`` not one non-negative integer per state.
+        """
+        from .tree_drafting import slot_tree
+
+        caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        if not states:
+            return []
+        logits = torch.stack([s.logits for s in states]).float().cpu()  # [B, K, N]
+        return slot_tree(logits, spec, self.d2t, caps)

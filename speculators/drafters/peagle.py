@@ -61,7 +61,7 @@ from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, combine_terms, sample_draft, soft_cross_entropy
-from ..proposal import check_int, check_speculative_tokens
+from ..proposal import check_batch, check_int, check_speculative_tokens
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal
 from .checkpoint import TargetMeta
@@ -617,3 +617,34 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
         ids, probs = sample_draft(self.draft_logits(state, kk), sampling, generator, d2t=self.d2t,
                                   vocab_size=self.t2d.numel())
         return Proposal(ids, probs)
+
+    drafts_trees = True  # declared capability: propose_tree (parallel-slot trees, EAGLE-2 dynamic or static)
+
+    @torch.no_grad()
+    def propose_tree(self, states: list[PEagleState], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Draft trees for B requests from the parallel depths (Medusa-style trees, Cai et al. arXiv
+        2401.10774, over P-EAGLE's slots), by :func:`speculators.drafters.tree_drafting.slot_tree`.
+
+        The mask slots carry no token, so depth d's distribution (``state.draft_logits[d-1]``, computed by
+        the last ``advance`` in the chain's one forward) is the same under every parent: a node at depth d
+        takes one of its top-k tokens, scored by the summed log-softmax along its path. No forward runs;
+        depth is at most ``num_depths``. Children are top-k tokens (point masses for the verifier), so
+        ``sampling`` / ``generators`` are not drawn from; the states are not modified.
+
+        Args:
+            states: B states from :meth:`start` / :meth:`advance`.
+            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            depth_caps: per request the deepest level kept (>= 0).
+        Returns:
+            B :class:`speculators.verify.tree.DraftTree` (int64 target ids, CPU, ``probs`` None).
+        Raises:
+            SpeculatorsError: ``depth_caps`` not one non-negative integer per state.
+        """
+        from .tree_drafting import slot_tree
+
+        caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        if not states:
+            return []
+        logits = torch.stack([s.draft_logits for s in states]).float().cpu()  # [B, num_depths, N]
+        return slot_tree(logits, spec, self.d2t, caps)

@@ -231,3 +231,49 @@ def _trees(nodes: _Nodes, keep: torch.Tensor, d2t, depth_caps: list[int]) -> lis
             par.append(-1 if pg < 0 else where[pg])
         out.append(DraftTree(tgt[r, kept].to(torch.int64).clone(), torch.tensor(par, dtype=torch.int64)))
     return out
+
+
+# child_logits(depth (int, the children's depth, >= 2), parent_tokens [R, F] int64 TARGET ids) -> [R, F, N] logits
+ChildLogits = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def slot_tree(slot_logits: torch.Tensor, spec: TreeSpec, d2t: torch.Tensor | None, depth_caps: list[int],
+              child_logits: ChildLogits | None = None) -> list[DraftTree]:
+    """Draft trees for R requests from a PARALLEL drafter's D per-slot distributions (Medusa trees, Cai et
+    al. arXiv 2401.10774; P-EAGLE's parallel depths; DFlash's block).
+
+    Slot ``d`` (0-based) drafts depth ``d + 1``; its distribution does not depend on the earlier drafts, so
+    a node at depth ``d + 1`` takes one of slot ``d``'s top-k tokens whatever its parent is, and a node's
+    score is the sum of the per-slot log-softmax along its path. The node choice is :func:`expand_tree`'s
+    (dynamic: EAGLE-2's frontier of ``topk`` per level, ``topk`` children each, the ``total_tokens`` best
+    of all levels kept by the same stable rerank; static: node ``(r_1..r_d)`` = slot d's rank-``r_d``
+    token), with a "level forward" that only looks the slot up: no drafter forward runs here, every slot
+    comes from the family's one parallel forward.
+
+    Args:
+        slot_logits: ``[R, D, N]`` float draft-vocabulary logits, slot ``d`` = depth ``d + 1``.
+        spec: the :class:`~speculators.tree_spec.TreeSpec`; levels deeper than ``D`` are not drafted.
+        d2t: ``[N]`` int64 draft->target offsets (None: full vocabulary).
+        depth_caps: per request the deepest level kept (0 = an empty tree); clipped to ``D``.
+        child_logits: optional, for a drafter whose slot distribution depends on the PREVIOUS token
+            (DSpark's Markov head): ``(depth, parent_tokens [R, F] int64 target ids) -> [R, F, N]`` logits of
+            the children at ``depth >= 2`` of each frontier node; depth 1 still reads ``slot_logits[:, 0]``
+            (the caller conditions it on the request's newest token).
+    Returns:
+        R :class:`~speculators.verify.tree.DraftTree` as :func:`expand_tree` returns them (``probs`` None).
+    Raises:
+        ValueError: ``slot_logits`` not 3-D, or ``depth_caps`` not one entry per request.
+    """
+    if slot_logits.dim() != 3:
+        raise ValueError(f"slot_tree: slot_logits must be [R, D, N], got shape {tuple(slot_logits.shape)}")
+    R, D, _ = slot_logits.shape
+    if len(depth_caps) != R:
+        raise ValueError(f"slot_tree: {len(depth_caps)} depth caps for {R} requests")
+    caps = [max(0, min(int(c), D)) for c in depth_caps]
+
+    def forward(tokens: torch.Tensor, parents: torch.Tensor, visible: torch.Tensor, depth: int) -> torch.Tensor:
+        if child_logits is not None:
+            return child_logits(depth + 1, tokens)
+        return slot_logits[:, depth].unsqueeze(1).expand(-1, tokens.shape[1], -1)
+
+    return expand_tree(slot_logits[:, 0] if D else slot_logits.new_zeros(R, 1), forward, spec, d2t, caps)
