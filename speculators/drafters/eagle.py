@@ -20,6 +20,11 @@ Inference: step 0 drafts from the feature predicted by the newest real input; dr
 ``(f, d)`` = its own previous predicted feature and the token it just drafted, at the next position,
 with its own KV cache (rolled back after ``propose``). ``advance`` runs the verified positions with the
 target's REAL features.
+
+Draft trees (:meth:`EagleDrafter.propose_tree`, EAGLE-2 dynamic or vLLM static through
+:func:`.tree_drafting.expand_tree`): one batched forward per level over every request's frontier, each node
+``(its token, its parent's predicted feature)`` at its depth's position under a tree mask over the
+request's cache and its ancestors, so a node's logits are the chain's after that node's path.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..losses import chained_acceptance, combine_terms, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
+from ..proposal import check_batch
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal, full_vocab_drafter
 from .checkpoint import TargetMeta
@@ -43,6 +49,7 @@ from .serving_format import ServingFormat
 from .layers import (
     DecoderLayer,
     KVCache,
+    RaggedKV,
     Rotary,
     cached_attend,
     causal_mask_with_cache,
@@ -361,3 +368,69 @@ class EagleDrafter(Drafter):
                 feat, logits = self._forward_cached(state.cache, emb, feat, start_pos=state.num_positions + 1 + i)
         state.cache.crop(state.num_positions)
         return Proposal(torch.tensor(toks, dtype=torch.int64), torch.stack(probs) if probs else None)
+
+    # ------------------------------------------------------------------ draft trees
+    drafts_trees = True  # declared capability: propose_tree (EAGLE-2 dynamic trees, vLLM static trees)
+
+    @torch.no_grad()
+    def propose_tree(self, states: list[EagleState], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Draft trees for B requests (:func:`speculators.drafters.tree_drafting.expand_tree`: EAGLE-2's
+        dynamic expansion, Li et al. arXiv 2406.16858, or a static vLLM ``speculative_token_tree``), batched
+        over the requests; their states are left unchanged.
+
+        Each level is ONE drafter forward over every request's frontier nodes: a node's input is
+        ``(embed(its token), its parent's predicted feature)`` (the root's: ``last_feature``) at position id
+        ``num_positions + depth``, exactly the chain's draft step at that depth (:meth:`_propose_one`); its
+        keys go to the appended region of a padded :class:`~.layers.RaggedKV` gathered from the requests'
+        caches and its query sees the request's cached keys and its ancestors' appended keys only (the tree
+        mask). Its children are the top-k of the target head's logits on its predicted feature (full
+        vocabulary, point masses for the verifier), so ``sampling`` / ``generators`` are not drawn from.
+
+        Args:
+            states: B states from :meth:`start` / :meth:`advance`.
+            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            depth_caps: B ints >= 0, per request the deepest level kept (0 = an empty tree).
+            sampling, generators: checked for B requests, otherwise unused (top-k children).
+        Returns:
+            B :class:`speculators.verify.tree.DraftTree` (int64 target ids and parents, CPU, ``probs`` None).
+        Raises:
+            SpeculatorsError: ``depth_caps`` / ``generators`` not one entry per state, a negative cap, or
+                ``sampling`` not valid for B requests.
+        """
+        from .tree_drafting import expand_tree
+
+        check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        if not states:
+            return []
+        dev, dt = self.fc.weight.device, self.fc.weight.dtype
+        root_logits = torch.stack([s.last_logits.to(dev) for s in states])  # [R, V]
+        root_feat = torch.cat([s.last_feature.to(device=dev, dtype=dt) for s in states])  # [R, 1, H]
+        runs = max(0, min(spec.depth, max(int(c) for c in depth_caps)) - 1)
+        extra = spec.total_tokens if spec.is_static else runs * spec.topk  # appended slots of all run nodes
+        attn = self.layers[0].self_attn
+        kv = RaggedKV.gather([s.cache for s in states], [s.num_positions for s in states], extra,
+                             num_layers=len(self.layers), num_kv_heads=attn.num_kv, head_dim=attn.head_dim,
+                             dtype=dt, device=dev) if runs else None
+        feats: list[torch.Tensor] = []  # per run node, [R, H] its predicted feature
+
+        def forward(tokens, parents, visible, depth):
+            R, F = tokens.shape
+            n_run = visible.shape[2] - F
+            par = parents.to(dev)
+            feat = root_feat.expand(R, F, -1).clone()
+            if n_run:
+                done = torch.stack(feats, 1)  # [R, n_run, H]
+                hit = par >= 0
+                feat[hit] = done[hit.nonzero(as_tuple=True)[0], par[hit]]
+            cos, sin = self.rotary(feat, (kv.lengths[:, None] + depth).expand(R, F))
+            S = kv.base + n_run + F
+            own = (torch.arange(S, device=dev)[None, :] < kv.lengths[:, None])[:, None, :].expand(R, F, S).clone()
+            own[:, :, kv.base:] = visible.to(dev)
+            mask = own.unsqueeze(1)  # [R, 1, F, S]: own cache + ancestors + itself
+            f = self._run_layers(self.embed_tokens(tokens.to(dev)), feat, cos, sin,
+                                 lambda i, q, k, v: kv.attend(i, q, k, v, n_run, mask))
+            feats.extend(f.unbind(1))
+            return self.frozen_target.lm_head(f).float()
+
+        return expand_tree(root_logits, forward, spec, None, [int(c) for c in depth_caps])

@@ -45,6 +45,11 @@ module j-1's outputs, then drafts ``x_{n+j}`` from index ``n-1``. Beyond D draft
 reused autoregressively (its own output hidden state and its last draft, next index and position);
 vLLM's DeepSeekMTP instead cycles ``spec_step_idx % num_nextn_predict_layers`` (the same when D = 1).
 Speculative cache entries are rolled back after every proposal.
+Draft trees (:meth:`MTPDrafter.propose_tree`, EAGLE-2 dynamic or vLLM static through
+:func:`.tree_drafting.expand_tree`): a node at depth d gets what the chain computes for draft d + 1 after its
+path: module d + 1's block over its missing indices (below D, on the path's tokens and the parent's block
+of module d), or the last module one index further on the parent's output under a tree mask (beyond D);
+batched over a request's frontier, request by request.
 
 Export (``speculators_model_type: mtp``): ``transformer_layer_config`` = the target's config,
 ``num_nextn_predict_layers`` = D; weights ``embed_tokens.weight`` and, per module i = 0..D-1 (module
@@ -71,6 +76,7 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, soft_cross_entropy
+from ..proposal import check_batch
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, Proposal, full_vocab_drafter
 from .checkpoint import TargetMeta
@@ -434,3 +440,156 @@ class MTPDrafter(Drafter):
         finally:
             self._rollback(state)
         return Proposal(torch.tensor(drafts, dtype=torch.int64), torch.stack(probs) if probs else None)
+
+    # ------------------------------------------------------------------ draft trees
+    drafts_trees = True  # declared capability: propose_tree (EAGLE-2 dynamic trees, vLLM static trees)
+
+    @torch.no_grad()
+    def propose_tree(self, states: list[MTPState], spec, depth_caps: list[int], sampling=None,
+                     generators=None) -> list:
+        """Draft trees for B requests (:func:`speculators.drafters.tree_drafting.expand_tree`: EAGLE-2's
+        dynamic expansion, Li et al. arXiv 2406.16858, or a static vLLM ``speculative_token_tree``); the
+        requests' states are left unchanged.
+
+        A node at depth d with path ``a_1..a_d`` gets exactly the logits :meth:`_propose_one` computes for
+        draft ``d + 1`` after drafting that path (DeepSeek-V3's chained modules, arXiv 2412.19437): for
+        ``d + 1 <= D`` module ``d + 1`` runs its missing indices ``committed(n, d+1)..n-1`` on the path's
+        tokens and module d's outputs there (the committed ones, then the parent's block), causal over
+        its own committed cache; beyond D the last module runs one index per level on the node's token
+        and its parent's output hidden state, attending to its committed cache and the keys of the node's
+        ancestors only (the tree mask, from ``expand_tree``'s visibility matrix). Children are the top-k
+        of the shared head's logits (full vocabulary, point masses for the verifier), so ``sampling`` /
+        ``generators`` are not drawn from. The levels are batched over a request's frontier nodes and run
+        request by request (MTP's chain, :meth:`propose`, is per request too; each request's modules hold
+        caches of different committed lengths).
+
+        Args:
+            states: B states from :meth:`start` / :meth:`advance`.
+            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            depth_caps: B ints >= 0, per request the deepest level kept (0 = an empty tree).
+            sampling, generators: checked for B requests, otherwise unused (top-k children).
+        Returns:
+            B :class:`speculators.verify.tree.DraftTree` (int64 target ids and parents, CPU, ``probs`` None).
+        Raises:
+            SpeculatorsError: ``depth_caps`` / ``generators`` not one entry per state, a negative cap, or
+                ``sampling`` not valid for B requests.
+        """
+        from .tree_drafting import expand_tree
+
+        check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        if not states:
+            return []
+        runs = [_TreeRun(self, s) for s in states]
+        root_logits = torch.cat([self.head(s.outs[0][:, s.n - 1]).float() for s in states])  # [R, V]
+
+        def forward(tokens, parents, visible, depth):
+            return torch.stack([run.level(tokens[r], parents[r], visible[r], depth) for r, run in enumerate(runs)])
+
+        return expand_tree(root_logits, forward, spec, None, [int(c) for c in depth_caps])
+
+
+class _TreeRun:
+    """One request's tree nodes run through the MTP modules without touching its state.
+
+    Per run node (in ``expand_tree``'s run order): ``paths`` its tokens from the root, ``outs`` its
+    module's output hidden states ``[1, m, H]`` (the block of indices ``committed(n, d+1)..n-1`` below
+    depth D, one index beyond). The last module's keys of every node that ran it are kept in ``k, v``
+    (``[1, n_kv, A, hd]``, slot owners in ``owner``) for the nodes below it."""
+
+    def __init__(self, drafter: MTPDrafter, state: MTPState):
+        self.d, self.s = drafter, state
+        self.paths: list[list[int]] = []
+        self.outs: list[torch.Tensor] = []
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.owner: list[int] = []
+
+    def level(self, tokens: torch.Tensor, parents: torch.Tensor, visible: torch.Tensor, depth: int) -> torch.Tensor:
+        """``tokens [F]`` int64 nodes of depth ``depth`` with ``parents [F]`` (run indices, -1 = root) and
+        ``visible [F, n_run + F]`` bool -> logits ``[F, V]`` float32 of their children."""
+        n_run = len(self.paths)
+        par = parents.tolist()
+        self.paths += [(self.paths[p] if p >= 0 else []) + [int(t)] for p, t in zip(par, tokens.tolist())]
+        D = self.d.num_modules
+        if depth + 1 <= D:
+            out, k, v = self._block(par, n_run, depth)
+        else:
+            out, k, v = self._step(par, n_run, visible, depth)
+        self.outs += [out[f:f + 1] for f in range(out.shape[0])]
+        if depth + 1 >= D:  # the last module ran: its keys serve the nodes below
+            self.owner += [n_run + f for f in range(k.shape[0]) for _ in range(k.shape[2])]
+            k = k.transpose(0, 1).reshape(1, k.shape[1], -1, k.shape[3])  # [1, n_kv, F*m, hd], node-major
+            v = v.transpose(0, 1).reshape(1, v.shape[1], -1, v.shape[3])
+            self.k = k if self.k is None else torch.cat([self.k, k], 2)
+            self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.d.head(out[:, -1]).float()
+
+    def _module(self, i: int, tokens: torch.Tensor, hidden: torch.Tensor, pos0: int, attend):
+        """Module ``i`` (0-based) on ``tokens [F, m]`` and ``hidden [F, m, H]`` at position ids
+        ``pos0..pos0+m-1``; returns ``(out [F, m, H], k, v [F, n_kv, m, hd])``."""
+        d = self.d
+        F_, m = tokens.shape
+        emb = d.embed_tokens(tokens.to(d.embed_tokens.weight.device))
+        pos = torch.arange(pos0, pos0 + m, device=emb.device).unsqueeze(0).expand(F_, m)
+        cos, sin = d.rotary(hidden, pos)
+        kv = []
+
+        def spy(q, k, v):
+            kv.append((k, v))
+            return attend(q, k, v)
+
+        return d.layers[i](emb, hidden, cos, sin, spy), kv[0][0], kv[0][1]
+
+    def _cached(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        cache = self.s.caches[i]
+        if cache.length == 0:
+            return None, None
+        return cache.k[0], cache.v[0]
+
+    def _block(self, par: list[int], n_run: int, depth: int):
+        """Module ``depth + 1`` over its missing indices ``lo..n-1`` for every node, as :meth:`MTPDrafter.
+        _propose_one` runs it for draft ``depth + 1``: causal over its committed cache and the block."""
+        s, i = self.s, depth
+        n = s.n
+        lo = committed(n, depth + 1)
+        toks, hid = [], []
+        for f, p in enumerate(par):
+            seq = torch.cat([s.ids, torch.tensor(self.paths[n_run + f], dtype=torch.int64)])
+            toks.append(seq[lo + depth + 1:n + depth + 1])
+            prev = ([] if s.outs[depth - 1] is None else [s.outs[depth - 1]]) + ([self.outs[p]] if p >= 0 else [])
+            hid.append(torch.cat(prev, 1)[:, lo:n])
+        ck, cv = self._cached(i)
+        m = n - lo
+        mask = causal_mask_with_cache(m, lo, device=hid[0].device)
+
+        def attend(q, k, v):
+            if ck is not None:
+                k = torch.cat([ck.expand(k.shape[0], -1, -1, -1), k], 2)
+                v = torch.cat([cv.expand(v.shape[0], -1, -1, -1), v], 2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+        return self._module(i, torch.stack(toks), torch.cat(hid), lo + i + 1, attend)
+
+    def _step(self, par: list[int], n_run: int, visible: torch.Tensor, depth: int):
+        """The last module one index further for every node (beyond D): its token, its parent's output
+        hidden state, keys = the committed cache + the ancestors' (``visible``) + its own."""
+        s, D = self.s, self.d.num_modules
+        n = s.n
+        toks = torch.tensor([[self.paths[n_run + f][-1]] for f in range(len(par))], dtype=torch.int64)
+        hid = torch.cat([self.outs[p][:, -1:] if p >= 0 else s.outs[0][:, n - 1:n] for p in par])  # [F, 1, H]
+        ck, cv = self._cached(D - 1)
+        Fn = len(par)
+        vis = visible.to(hid.device)
+        parts = [torch.ones(Fn, 0 if ck is None else ck.shape[2], dtype=torch.bool, device=hid.device)]
+        if self.owner:
+            parts.append(vis[:, self.owner])
+        mask = torch.cat(parts + [vis[:, n_run:]], 1)[:, None, None, :]  # [F, 1, 1, S]
+
+        def attend(q, k, v):
+            new_k = k.transpose(0, 1).reshape(1, k.shape[1], -1, k.shape[3])  # [1, n_kv, F, hd]
+            new_v = v.transpose(0, 1).reshape(1, v.shape[1], -1, v.shape[3])
+            kk = torch.cat([t for t in (ck, self.k, new_k) if t is not None], 2).expand(Fn, -1, -1, -1)
+            vv = torch.cat([t for t in (cv, self.v, new_v) if t is not None], 2).expand(Fn, -1, -1, -1)
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != q.shape[1])
+
+        return self._module(D - 1, toks, hid, n + depth, attend)
