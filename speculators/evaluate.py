@@ -234,16 +234,16 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
     if gate is not None:
         _add_gating(report, ev, drafter, gate, log)
+    if trees:  # before the greedy check: tree outputs are checked and classified with the chains'
+        from .tree_eval import tree_block
+
+        report["trees"] = tree_block(ev, proposers("drafter"), list(trees), batch_sizes, report, log)
     report["greedy_mismatches"] = ev.classified() if temperature == 0.0 else None
     report["greedy_check"] = greedy_summary(report["greedy_mismatches"], str(target.dtype).removeprefix("torch."))
     if temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(methods):
         report["serving_conventions"] = serving_conventions(report)
     costs = forward_costs or measure_costs(target, max(ks), batch_sizes, context=eval_context(prompts, max_new_tokens))
     report["cost_model"] = cost_model_block(report, ev.stats_of, ev.plain_tokens, costs)
-    if trees:
-        from .tree_eval import tree_block
-
-        report["trees"] = tree_block(ev, proposers("drafter"), list(trees), batch_sizes, report, log)
     report["by_source"] = ev.by_source(methods, head)
     return report
 
@@ -435,7 +435,10 @@ class _EvalPasses:
             _generate(self.target, proposer, self.ids[:1], 0 if proposer is None else k,
                       min(4, self.max_new_tokens), self.temperature, self.top_k, self.top_p, 1, self.stop, self.seed)
 
-    def _check(self, label: str, k: int, b: int, results: list) -> None:
+    def _check(self, label: str, k: int, b: int, results: list, forward_tokens: int | None = None) -> None:
+        """Compare a pass's outputs with plain greedy's (temperature 0); ``forward_tokens - 1`` (default
+        ``k``) is the draft count whose verify-forward shape the near-tie classification replays (a tree's
+        node count: its forwards hold them all)."""
         if self.reference is None:
             self.reference = [r.tokens for r in results]  # plain greedy at batch 1: what every output must equal
         elif self.temperature == 0.0:
@@ -443,7 +446,7 @@ class _EvalPasses:
                 if r.tokens != ref:
                     self.mismatches.append({"prompt": p["id"], "proposer": label, "k": k, "batch_size": b,
                                             "first_diff": first_diff(r.tokens, ref)})
-                    self._diverged.append((i, list(r.tokens), k))
+                    self._diverged.append((i, list(r.tokens), k if forward_tokens is None else forward_tokens - 1))
 
     def classified(self) -> list[dict]:
         """``mismatches``, each with its near-tie classification (run after every timed pass)."""
@@ -485,7 +488,7 @@ class _EvalPasses:
                        conditional=row["conditional"][:k],
                        nodes_per_step=st.drafted / st.steps if st.steps else None)
             self.results_of[(f"{method} tree {tree.label}", k, b)] = res
-            self._check(f"{method} tree {tree.label}", k, b, res)
+            self._check(f"{method} tree {tree.label}", k, b, res, forward_tokens=tree.total_tokens + 1)
             return row
         if gate is None:
             self.results_of[(method, k, b)], self.stats_of[(method, k, b)] = res, st

@@ -244,6 +244,7 @@ def test_eval_reports_trees_beside_chains_and_a_static_tree(target):
         assert 1.0 <= r["tau"] <= 3.0 and 0 < r["nodes_per_step"] <= r["tree"]["total_tokens"]
         assert len(r["per_position"]) == r["tree"]["depth"]
     assert rep["greedy_check"]["passed"] and not rep["greedy_mismatches"]
+    assert rep["greedy_check"]["mismatches"] == 0
     st = block["best_static_tree"]
     if "speculative_token_tree" in st:
         assert parse_token_tree(st["speculative_token_tree"]) == tuple(tuple(p) for p in st["paths"])
@@ -273,3 +274,33 @@ def test_cli_eval_takes_trees_and_refuses_bad_ones(tiny_target_dir, isolated_cac
     assert "## Draft trees" in md and "static d2 n3" in md
     r = CliRunner().invoke(app, ["eval", str(tmp_path / "run"), "--tree", "depth=2,width=3"])
     assert r.exit_code != 0 and "width" in r.output and "tree" in r.output
+
+
+def test_tree_outputs_join_the_greedy_check_and_its_classification(target, monkeypatch):
+    """A tree pass whose output differs from plain greedy decoding is in the report's greedy check, classified
+    like a chain's (in float32: a failure), with the tree's forward size as the verify shape it replays."""
+    from speculators import evaluate
+
+    real = evaluate._generate
+
+    def corrupt(*args, tree=None, **kw):
+        out = real(*args, tree=tree, **kw)
+        if tree is not None:
+            out.results[0].tokens[3] = (out.results[0].tokens[3] + 1) % V
+        return out
+
+    monkeypatch.setattr(evaluate, "_generate", corrupt)
+    seen = []
+    real_classify = evaluate.classify_mismatches
+    monkeypatch.setattr(evaluate, "classify_mismatches",
+                        lambda t, p, ref, ms, div: seen.extend(div) or real_classify(t, p, ref, ms, div))
+    d = make_drafter(target)
+    prompts = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(2))]
+    spec = TreeSpec(depth=2, topk=2, total_tokens=5)
+    rep = evaluate.run_eval(target, d, prompts, [2], 8, methods=("drafter",), eos_ids=set(),
+                            bootstrap_resamples=20, log=lambda *_: None, trees=[spec])
+    check = rep["greedy_check"]
+    assert check["by_proposer"][f"drafter tree {spec.label}"] == {"mismatches": 1, "near_tie": 0, "failures": 1}
+    m = next(x for x in rep["greedy_mismatches"] if x["proposer"].endswith(spec.label))
+    assert m["first_diff"] == 3 and "logit_gap" in m and m["near_tie"] is False
+    assert seen and seen[-1][2] == spec.total_tokens  # the verify shape replayed: root + 5 nodes = 6 tokens
