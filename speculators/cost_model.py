@@ -39,9 +39,10 @@ Step time with ``n`` live requests (summed over the schedule by :func:`predict_s
   through the loop's batched decode session) at every batch size of the eval and at TWO context lengths
   (the eval's :func:`eval_context` and twice it), each with the cache width it was timed at; linear in
   ``W`` through those two points (slope floored at 0), then linear in ``n`` between the batch sizes
-  (:func:`forward_seconds`). ``d_i`` the drafts of request i (``P(d >= j) = `` the measured share of steps
-  that drafted >= j, capped at K'; the padded forward is as long as the longest row's, the rows taken as
-  independent).
+  (:func:`forward_seconds`); a row the eval ran is charged the forwards measured right before its own
+  pass when it carries them ("Adjacent costs" below). ``d_i`` the drafts of request i (``P(d >= j) = ``
+  the measured share of steps that drafted >= j, capped at K'; the padded forward is as long as the
+  longest row's, the rows taken as independent).
 * ``W``: the width the loop's forwards actually ran at, not the context it was measured at. The batch
   session (:class:`speculators.target.BatchDecodeSession`) keeps ONE padded cache: its width is the
   longest live row plus the padding of rows that joined shorter, the rolled-back drafts of every row and
@@ -79,12 +80,30 @@ plain step's (the proposer's bookkeeping outside ``propose`` / ``advance``, e.g.
 features it is advanced with, is not charged); steps are i.i.d. per request (a proposer's acceptance
 varies with the text: the draws' spread is a lower bound of the real one); the forward's cost is linear
 in the cache width and charged at a pass's MEAN width (exact for a linear cost at a fixed number of live
-requests; the width and the live requests vary together over a run); the forward costs are measured
-once, before the passes, so a machine whose speed drifts during the eval (load from other processes)
-shows up as the gap between ``forward_ms_per_step`` and the pass's own ``loop_forward_ms_per_step``; at
-temperature > 0 outputs (and lengths) differ between passes.
+requests; the width and the live requests vary together over a run); the machine's speed is taken as
+constant over one pass and the forwards measured next to it (what drift remains shows up as the gap
+between ``forward_ms_per_step`` and the pass's own ``loop_forward_ms_per_step``); at temperature > 0
+outputs (and lengths) differ between passes.
 Batch sizes between the measured ones are predicted with costs interpolated in ``n``; nothing is
 extrapolated beyond the largest measured batch size.
+
+Adjacent costs
+--------------
+A machine's speed drifts over the minutes an eval takes (load from other processes, clocks, a shared
+VM): on a 2-core VM the same 1-token forward took 44.8 ms at the start of an eval and 27.0 ms nine
+minutes later, and rows decoded late were mispredicted by 20-60% from costs measured once at the start,
+while the pass's own forward time predicted them. What the model must get right is the RATIO of a pass's
+time to its forwards, and a ratio of two times measured next to each other beats two absolute times
+measured minutes apart. So :func:`speculators.evaluate.run_eval` (``adjacent_costs=True``) measures the
+forwards at a pass's batch size right before every decode pass (:func:`measure_pass_costs`, the row's
+``pass_costs``), and a row the eval ran (method rows and plain rows) is predicted from them
+(:func:`drifted_costs`: its own forwards at its batch size, the eval's costs at the other batch sizes
+(live requests below it, in the schedule's tail) scaled by the drift at its batch size); its prediction
+records ``costs_source: "adjacent"``. Everything else is predicted from the eval's costs (``costs``,
+``costs_source: "eval"``): rows without ``pass_costs`` (older reports, ``adjacent_costs=False``), the K'
+the eval did not run, and every COMPARISON: ``predicted_speedup``, ``best_k`` and ``break_even`` are
+computed from the eval's costs alone, so that methods are compared at one machine speed, not at whatever
+speed the machine had while each ran (``eval_costs_tokens_per_s`` is a measured row's prediction from them).
 
 A ratio with a zero denominator is None (``n/a``), never 0.
 """
@@ -95,59 +114,16 @@ import heapq
 import math
 
 from .errors import SpeculatorsError
-
-
-def _check_int(name: str, v, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise SpeculatorsError(f"cost model: {name} must be an integer >= {lo}, got {v!r}")
-    return v
+from .eval_costs import _check_int, expected_forward_seconds, interpolate
+from .eval_costs import (  # noqa: F401  (their old import path: the forward costs moved to eval_costs)
+    drifted_costs, eval_context, forward_seconds, gate_cost, measure_costs, measure_pass_costs)
 
 
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
-def measure_costs(target, k: int, batch_sizes: list[int], reps: int = 5, context: int = 32,
-                  seed: int = 0, long_context: int | None = None) -> dict:
-    """The target-forward costs of an eval: at every batch size ``b`` of ``batch_sizes``, the ``[k + 1]``
-    seconds of one forward over ``m = 1..k+1`` tokens per request for ``b`` requests after ``context``
-    tokens each, and again after ``long_context`` tokens each (:func:`speculators.forward_cost.measure_forward_cost`,
-    median of ``reps``), with the cache width (slots) each was timed at: two points of the forward's cost
-    as a linear function of the width, which :func:`forward_seconds` charges at the width the loop ran at.
-    The cost-aware confidence gate reads the batch-1 list at ``context`` (:func:`gate_cost`).
-
-    Args:
-        long_context: the second context length (tokens, > ``context``); None = ``2 * context``.
-    Returns:
-        ``{"k", "context", "reps", "batch_sizes": sorted, "seconds": {str(b): [k + 1] s}, "width": {str(b):
-        [k + 1] slots}, "long_context", "long_seconds", "long_width"}`` (JSON-native; ``long_*`` as
-        ``seconds`` / ``width`` at ``long_context``).
-    Raises:
-        SpeculatorsError: ``k`` < 0, ``reps`` / ``context`` < 1, ``long_context`` <= ``context``, or a batch
-            size that is not an integer >= 1.
-    """
-    from .forward_cost import measure_forward_cost
-
-    bs = sorted({_check_int("batch size", b, 1) for b in batch_sizes})
-    if not bs:
-        raise SpeculatorsError("cost model: measure_costs needs at least one batch size")
-    context = _check_int("context", context, 1)
-    long_context = 2 * context if long_context is None else _check_int("long_context", long_context, context + 1)
-    short = {b: measure_forward_cost(target, k, reps, context, seed, batch_size=b) for b in bs}
-    long = {b: measure_forward_cost(target, k, reps, long_context, seed, batch_size=b) for b in bs}
-    return {"k": _check_int("k", k, 0), "context": context, "reps": reps, "batch_sizes": bs,
-            "seconds": {str(b): short[b]["seconds"] for b in bs}, "width": {str(b): short[b]["width"] for b in bs},
-            "long_context": long_context, "long_seconds": {str(b): long[b]["seconds"] for b in bs},
-            "long_width": {str(b): long[b]["width"] for b in bs}}
-
-
-def gate_cost(costs: dict) -> list[float]:
-    """The batch-1 forward costs ``[k + 1]`` (s) of :func:`measure_costs`: the ``verify_cost`` of
-    :class:`speculators.gating.ConfidenceGate` (its smallest measured batch size when 1 was not measured)."""
-    return list(costs["seconds"][str(min(costs["batch_sizes"]))])
+# ----------------------------------------------------------------------------- a pass's time split
 
 
 def step_times(out) -> dict:
@@ -163,13 +139,6 @@ def step_times(out) -> dict:
             "batched_steps": int(out.target_forwards), "draft_ms_per_step": 1000.0 * out.draft_seconds / steps,
             "verify_ms_per_step": 1000.0 * out.verify_seconds / steps,
             "cache_width": float(getattr(out, "cache_width", 0.0))}
-
-
-def eval_context(prompts: list[dict], max_new_tokens: int) -> int:
-    """The context length the forward costs of an eval are measured at: the prompts' mean length plus
-    half of ``max_new_tokens`` (a request's mean context over its decode), at least 1."""
-    lens = [len(p["input_ids"]) for p in prompts]
-    return max(1, int(round(sum(lens) / max(len(lens), 1) + max_new_tokens / 2)))
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -284,7 +253,7 @@ def sample_steps(dist: list[float], remaining: list[int], reps: int, seed: int =
     return out
 
 
-# ----------------------------------------------------------------------------- schedule and costs
+# ----------------------------------------------------------------------------- schedule
 
 
 def batch_schedule(durations: list[float], batch_size: int) -> list[tuple[int, float]]:
@@ -312,57 +281,6 @@ def batch_schedule(durations: list[float], batch_size: int) -> list[tuple[int, f
             out.append((live, when - t))
         t, live = max(t, when), live + delta
     return out
-
-
-def interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear ``y(x)`` through ``points`` ``[(x, y)]`` (sorted here), constant outside them.
-
-    Raises:
-        SpeculatorsError: no points.
-    """
-    if not points:
-        raise SpeculatorsError("interpolate: no points")
-    pts = sorted(points)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return pts[-1][1]
-
-
-def forward_seconds(costs: dict, m: int, live: float, width: float | None = None) -> float:
-    """One target forward (s) over ``m`` tokens per request for ``live`` requests over a cache ``width``
-    slots wide: at each measured batch size the :func:`measure_costs` seconds (its last length beyond the
-    measured ones), linear in ``live`` between the batch sizes. With ``width`` and costs measured at two
-    context lengths, each batch size's cost is first taken on the line through its two (width, seconds)
-    points at ``width`` (the slope floored at 0: attending over more slots never costs less; the result
-    floored at 0); without either (older reports), the cost at the measured ``context``."""
-    pts = []
-    for b in costs["batch_sizes"]:
-        c = costs["seconds"][str(b)]
-        i = min(m, len(c)) - 1
-        s = c[i]
-        if width is not None and costs.get("long_seconds") and costs.get("width"):
-            w0, w1 = costs["width"][str(b)][i], costs["long_width"][str(b)][i]
-            slope = max((costs["long_seconds"][str(b)][i] - s) / (w1 - w0), 0.0) if w1 > w0 else 0.0
-            s = max(s + slope * (width - w0), 0.0)
-        pts.append((float(b), s))
-    return interpolate(pts, live)
-
-
-def expected_forward_seconds(costs: dict, drafted_at_least: list[float], k: int, live: int,
-                             width: float | None = None) -> float:
-    """``E[forward(1 + max_i d_i, live, width)]`` (s) with ``d_i`` i.i.d. per live request, ``P(d >= j) =
-    drafted_at_least[j - 1]`` for j <= k, 0 above k (the padded forward is as long as its longest row);
-    ``width`` the cache width (slots) charged, as :func:`forward_seconds` takes it."""
-    at_least = [1.0, *drafted_at_least[:k], 0.0]
-    total, below = 0.0, 0.0
-    for j in range(k + 1):  # max d = j
-        cdf = (1.0 - at_least[j + 1]) ** live
-        total += (cdf - below) * forward_seconds(costs, j + 1, live, width)
-        below = cdf
-    return total
 
 
 def predict_seconds(durations: list[float], batch_size: int, prefill: float, step) -> tuple[float, float, list[float]]:
@@ -495,8 +413,10 @@ def _sampling_per_step(row: dict) -> float:
     return max(row.get("verify_seconds", 0.0) - row.get("forward_seconds", 0.0), 0.0) / row["batched_steps"]
 
 
-def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | None:
-    """Predicted seconds (and their parts) of ``method`` at ``k`` (None: plain decoding) and batch size ``b``."""
+def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int, costs: dict | None = None) -> dict | None:
+    """Predicted seconds (and their parts) of ``method`` at ``k`` (None: plain decoding) and batch size ``b``,
+    its forwards from ``costs`` (None: the eval's)."""
+    costs = inp.costs if costs is None else costs
     b_ref = inp.nearest(b)
     toks = inp.tokens.get(b_ref, [])
     if method is None:
@@ -513,7 +433,7 @@ def _run_prediction(inp: _Inputs, method: str | None, k: int, b: int) -> dict | 
         else:
             sampling = inp.per_step(method, _sampling_per_step, k, live)
         return (0.0 if method is None else inp.per_step(method, _draft_per_step, k, live),
-                expected_forward_seconds(inp.costs, at_least, k if method else 0, live, width), sampling,
+                expected_forward_seconds(costs, at_least, k if method else 0, live, width), sampling,
                 interpolate(inp.overhead, live) if inp.overhead else 0.0)
 
     prefill, cache, width = inp.prefill(method, b), {}, inp.width(method, k, b)
@@ -562,6 +482,35 @@ def _break_even(inp: _Inputs, method: str, plain_by_b: dict) -> dict:
                     f"{inp.bs} (not extrapolated)"}
 
 
+def _own_prediction(inp: _Inputs, row: dict | None, method: str | None, k: int, b: int,
+                    p_eval: dict | None) -> tuple[dict | None, str]:
+    """A measured row's prediction from the forwards measured next to its pass (``row["pass_costs"]``,
+    :func:`drifted_costs`) and ``"adjacent"``; ``(p_eval, "eval")`` without them."""
+    own = drifted_costs(inp.costs, (row or {}).get("pass_costs"), b, k)
+    if own is None:
+        return p_eval, "eval"
+    return _run_prediction(inp, method, k, b, own), "adjacent"
+
+
+_PARTS = ("forward_ms_per_step", "sampling_ms_per_step", "overhead_ms_per_step", "cache_width")
+
+
+def _plain_predictions(inp: _Inputs) -> tuple[dict, list[dict]]:
+    """Plain decoding per batch size: ``({b: prediction from the eval's costs}, [the report's plain entries,
+    each predicted from its pass's adjacent costs when recorded])``."""
+    plain_by_b, out = {}, []
+    for b in inp.bs:
+        row = inp.plain[b]
+        p_eval = plain_by_b[b] = _run_prediction(inp, None, 0, b)
+        p, source = _own_prediction(inp, row, None, 0, b, p_eval)
+        meas = row["tokens_per_s"]
+        out.append({"batch_size": b, "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": meas,
+                    "relative_error": relative_error(p["tokens_per_s"], meas), "costs_source": source,
+                    "eval_costs_tokens_per_s": p_eval["tokens_per_s"],
+                    "loop_forward_ms_per_step": _loop_forward_ms(row), **{f: p[f] for f in _PARTS}})
+    return plain_by_b, out
+
+
 def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict) -> dict:
     """The report's ``cost_model`` block (:class:`speculators.eval_report.CostModel`; the model is this
     module's docstring).
@@ -579,7 +528,10 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         "max_abs_relative_error", "within_15_percent"}``: ``predictions`` has one entry per method, K' = 1..K
         and measured batch size (``measured: True`` and ``measured_tokens_per_s`` / ``relative_error`` /
         ``loop_forward_ms_per_step`` (the pass's own forwards per batched step) on the rows the eval ran;
-        ``cache_width`` the width (slots) its forwards were charged at, None on a report without widths);
+        ``cache_width`` the width (slots) its forwards were charged at, None on a report without widths;
+        ``costs_source`` ``"adjacent"`` where a measured row was predicted from its ``pass_costs``
+        (:func:`drifted_costs`), else ``"eval"`` (``costs``); ``eval_costs_tokens_per_s`` the prediction
+        from ``costs``, which ``predicted_speedup``, ``best_k`` and ``break_even`` are computed from);
         ``plain`` the same per batch size;
         ``best_k`` ``{batch: {method: K'}}`` by predicted speedup (ties: the smaller K'); ``break_even``
         ``{method: {"batch_size" (None: never within the measured range), "best_speedup_by_batch", "note"}}``.
@@ -592,32 +544,25 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
                                f"{report['batch_sizes']} and 1..{max(report['ks']) + 1} tokens; got batch sizes "
                                f"{sorted(costs.get('seconds', {}))} (missing {missing}), k={costs.get('k')}")
     inp = _Inputs(report, stats, plain_tokens, costs)
-    plain_by_b, plain_out, preds = {}, [], []
-    for b in inp.bs:
-        p = plain_by_b[b] = _run_prediction(inp, None, 0, b)
-        meas = inp.plain[b]["tokens_per_s"]
-        plain_out.append({"batch_size": b, "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": meas,
-                          "relative_error": relative_error(p["tokens_per_s"], meas),
-                          "loop_forward_ms_per_step": _loop_forward_ms(inp.plain[b]),
-                          **{f: p[f] for f in ("forward_ms_per_step", "sampling_ms_per_step", "overhead_ms_per_step",
-                                               "cache_width")}})
+    plain_by_b, plain_out = _plain_predictions(inp)
+    preds: list[dict] = []
     best_k: dict[str, dict[str, int]] = {}
     for b in inp.bs:
         for method in report["methods"]:
             cands = []
             for k in range(1, inp.kmax + 1):
-                prof, p = inp.profile(method, k, b), _run_prediction(inp, method, k, b) or {}
+                prof, p_eval = inp.profile(method, k, b), _run_prediction(inp, method, k, b) or {}
                 row = inp.rows.get((method, k, b))
-                meas = row["tokens_per_s"] if row else None
-                sp = _speedup(p.get("tokens_per_s"), plain_by_b[b]["tokens_per_s"])
+                p, source = _own_prediction(inp, row, method, k, b, p_eval) if row else (p_eval, "eval")
+                p, meas = p or {}, row["tokens_per_s"] if row else None
+                sp = _speedup(p_eval.get("tokens_per_s"), plain_by_b[b]["tokens_per_s"])
                 cands.append((sp if sp is not None else -math.inf, -k))
                 preds.append({"method": method, "k": k, "batch_size": b, "measured": row is not None,
                               "expected_tokens_per_step": expected_tokens(prof["survival"], k) if prof else None,
-                              **{f: p.get(f) for f in ("draft_ms_per_step", "forward_ms_per_step",
-                                                       "sampling_ms_per_step", "overhead_ms_per_step",
-                                                       "prefill_seconds", "cache_width")},
+                              **{f: p.get(f) for f in ("draft_ms_per_step", "prefill_seconds", *_PARTS)},
                               "predicted_tokens_per_s": p.get("tokens_per_s"), "predicted_speedup": sp,
-                              "measured_tokens_per_s": meas,
+                              "measured_tokens_per_s": meas, "costs_source": source,
+                              "eval_costs_tokens_per_s": p_eval.get("tokens_per_s"),
                               "relative_error": relative_error(p.get("tokens_per_s"), meas),
                               "loop_forward_ms_per_step": _loop_forward_ms(row) if row else None})
             best_k.setdefault(str(b), {})[method] = -max(cands)[1]

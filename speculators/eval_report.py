@@ -13,7 +13,8 @@ declared here with its meaning. Three renderers read it, and nothing else format
 A ratio whose denominator is zero (an acceptance rate with nothing drafted, tokens/s without time, a
 speedup over a baseline that took no time) is ``None`` in the report and ``n/a`` in every rendering.
 
-This module imports nothing from the rest of the package: the report is data.
+This module imports nothing from the rest of the package but the typed ``cost_model`` block
+(:mod:`speculators.eval_report_costs`): the report is data.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Optional, TypedDict
+
+from .eval_report_costs import (  # noqa: F401  (the cost model's block, part of the report)
+    BreakEven, CostModel, CostPrediction, ForwardCosts, PlainPrediction)
 
 
 class MethodRow(TypedDict, total=False):
@@ -70,6 +74,7 @@ class MethodRow(TypedDict, total=False):
     draft_ms_per_step: float
     verify_ms_per_step: float
     cache_width: float  # mean KV-cache width (slots) per batched forward; absent from older reports
+    pass_costs: ForwardCosts  # the forwards measured right before this pass, at its batch size; absent from older reports
     proposals: dict[str, int]
     gated: bool
 
@@ -91,92 +96,7 @@ class PlainRow(TypedDict):
     draft_ms_per_step: float
     verify_ms_per_step: float
     cache_width: float  # mean KV-cache width (slots) per batched forward; absent from older reports
-
-
-class ForwardCosts(TypedDict, total=False):
-    """Measured target forwards (:func:`speculators.cost_model.measure_costs`): ``seconds[str(b)][m - 1]`` =
-    one forward over m = 1..k+1 tokens per request for b requests after ``context`` tokens each (median of
-    ``reps``), ``width[str(b)][m - 1]`` the cache width (slots) it was timed at; ``long_seconds`` /
-    ``long_width`` the same after ``long_context`` tokens (the second point of the forward's cost, linear in
-    the width). ``width`` and the ``long_*`` keys are absent from older reports."""
-
-    k: int
-    context: int
-    reps: int
-    batch_sizes: list[int]
-    seconds: dict[str, list[float]]
-    width: dict[str, list[float]]
-    long_context: int
-    long_seconds: dict[str, list[float]]
-    long_width: dict[str, list[float]]
-
-
-class CostPrediction(TypedDict):
-    """One method at one K' <= K and batch size under the cost model: ``expected_tokens_per_step`` =
-    E[1 + accepted | K'] from the measured per-position acceptance, the predicted step's parts
-    (``draft_ms_per_step``, ``forward_ms_per_step``, ``sampling_ms_per_step``, ``overhead_ms_per_step``: means
-    per batched step) and
-    ``prefill_seconds``, ``predicted_tokens_per_s``, ``predicted_speedup`` (over predicted plain decoding at
-    that batch size), and on the rows the eval ran (``measured``) ``measured_tokens_per_s`` and
-    ``relative_error`` = (predicted - measured) / measured and ``loop_forward_ms_per_step`` (the pass's own
-    target forwards per batched step, to set beside ``forward_ms_per_step``) (None otherwise)."""
-
-    method: str
-    k: int
-    batch_size: int
-    measured: bool
-    expected_tokens_per_step: Optional[float]
-    draft_ms_per_step: Optional[float]
-    forward_ms_per_step: Optional[float]
-    sampling_ms_per_step: Optional[float]
-    overhead_ms_per_step: Optional[float]
-    prefill_seconds: Optional[float]
-    predicted_tokens_per_s: Optional[float]
-    predicted_speedup: Optional[float]
-    measured_tokens_per_s: Optional[float]
-    relative_error: Optional[float]
-    loop_forward_ms_per_step: Optional[float]
-    cache_width: Optional[float]  # the width (slots) the forward was charged at; absent from older reports
-
-
-class PlainPrediction(TypedDict):
-    """Plain decoding at one batch size under the cost model (1-token forwards + measured sampling and overhead)."""
-
-    batch_size: int
-    predicted_tokens_per_s: Optional[float]
-    measured_tokens_per_s: Optional[float]
-    relative_error: Optional[float]
-    forward_ms_per_step: Optional[float]
-    sampling_ms_per_step: Optional[float]
-    overhead_ms_per_step: Optional[float]
-    loop_forward_ms_per_step: Optional[float]
-    cache_width: Optional[float]  # the width (slots) the forward was charged at; absent from older reports
-
-
-class BreakEven(TypedDict):
-    """Per method: the smallest batch size (1 .. the largest measured) at which no K' <= K has a predicted
-    speedup >= 1 (None: it pays at every one), the best predicted speedup at each, and a sentence."""
-
-    batch_size: Optional[int]
-    best_speedup_by_batch: dict[str, Optional[float]]
-    note: str
-
-
-class CostModel(TypedDict):
-    """The cost model of an eval (:func:`speculators.cost_model.cost_model_block`; its module docstring
-    gives the formula and the assumptions): the measured ``costs``, plain decoding's measured per-step
-    overhead outside the forward and the sampler (``overhead_ms_per_step[str(b)]``, ms), ``plain`` and ``predictions`` checked against the
-    measured rows, ``best_k`` (``{batch: {method: K'}}`` by predicted speedup), ``break_even`` per method,
-    ``max_abs_relative_error`` over the measured rows and ``within_15_percent`` (None without any)."""
-
-    costs: ForwardCosts
-    overhead_ms_per_step: dict[str, float]
-    plain: list[PlainPrediction]
-    predictions: list[CostPrediction]
-    best_k: dict[str, dict[str, int]]
-    break_even: dict[str, BreakEven]
-    max_abs_relative_error: Optional[float]
-    within_15_percent: Optional[bool]
+    pass_costs: ForwardCosts  # the forwards measured right before this pass, at its batch size; absent from older reports
 
 
 class ServingConventions(TypedDict):
@@ -461,7 +381,9 @@ def _break_even_markdown(report: dict) -> list[str]:
              "requests) + sampling(K') + overhead), with E[tokens per step | K'] = 1 + sum_{j<=K'} prod_{i<=j} "
              "q_i c_i from the measured conditional acceptance c_j (Leviathan et al. 2023's (1 - a^{K'+1}) / "
              "(1 - a) when every c_j = a), the measured drafting and rejection-sampling time, the measured target "
-             "forwards and plain decoding's measured per-step overhead (speculators.cost_model). error = "
+             "forwards (for a row the eval ran, measured right before its pass when recorded: the machine's speed "
+             "drifts; comparisons from the forwards below) and plain decoding's measured per-step overhead "
+             "(speculators.cost_model). error = "
              "(predicted - measured) / measured; best K = the K' <= K with the best predicted speedup (its "
              "speedup); break-even batch = the smallest batch size at which no K' pays (- : it pays at every "
              "measured batch size).", "",

@@ -28,6 +28,7 @@ from pathlib import Path
 from .acceptance import AcceptanceStats, bootstrap_tau_ci  # noqa: F401  (their old import path)
 from .cost_model import cost_model_block, eval_context, measure_costs, step_times
 from .errors import SpeculatorsError
+from .eval_costs import measure_pass_costs
 from .eval_plots import write_plots
 from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown
 from .greedy_check import classify_mismatches, first_diff, greedy_summary
@@ -113,7 +114,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
              methods=DEFAULT_METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
              hybrid_drafter_k: int | None = None,
              confidence_threshold: float | None = None, verify_cost: list[float] | None = None,
-             forward_costs: dict | None = None, trees=()) -> dict:
+             forward_costs: dict | None = None, trees=(), adjacent_costs: bool = True) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
@@ -189,7 +190,14 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
 
     ``cost_model`` (:func:`speculators.cost_model.cost_model_block`): predicted vs measured tokens/s, best K'
     and break-even batch size from ``forward_costs`` (:func:`speculators.cost_model.measure_costs`; measured
-    after the passes when None); rows carry ``prefill_seconds`` and ``forward_seconds`` for it.
+    after the passes when None); rows carry ``prefill_seconds`` and ``forward_seconds`` for it. With
+    ``adjacent_costs`` (default) the target forwards are also measured right before EVERY decode pass (plain,
+    each method, K and batch size, gated and tree passes too) at that pass's batch size, over 1..max(K)+1
+    tokens at ``forward_costs``' contexts (the eval's :func:`speculators.cost_model.eval_context` when None),
+    median of 3 (:func:`speculators.eval_costs.measure_pass_costs`; a few seconds a pass on a CPU): the row's
+    ``pass_costs``, from which the cost model predicts that row (the machine's speed drifts over an eval; see
+    :mod:`speculators.cost_model`, "Adjacent costs"). False measures nothing per pass (the rows are then
+    predicted from ``forward_costs``).
 
     Draft trees (``trees``: :class:`speculators.tree_spec.TreeSpec` s; the drafter drafts a tree per step,
     :mod:`speculators.tree_steps`): ``report["trees"]`` (:func:`speculators.tree_eval.tree_block`) holds one row
@@ -203,7 +211,11 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     methods = _check_methods(methods, temperature, drafter, batch_size, prompts)
     gate = _make_gate(confidence_threshold, verify_cost, methods)
     ev = _EvalPasses(target, prompts, max_new_tokens, (temperature, top_k, top_p), eos_ids, seed, bootstrap_resamples,
-                     progress, total_passes=len({1, batch_size}) * (1 + len(ks) * (len(methods) + (gate is not None))))
+                     progress, total_passes=len({1, batch_size}) * (1 + len(ks) * (len(methods) + (gate is not None))
+                                                                  + len(trees)))
+    if adjacent_costs:
+        ctx = forward_costs["context"] if forward_costs else eval_context(prompts, max_new_tokens)
+        ev.cost_at = (max(ks), ctx, (forward_costs or {}).get("long_context"))
     proposers = _proposer_factory(drafter, ngram_max, hybrid_min_match, hybrid_drafter_k)
     ev.warm_up([proposers(m) for m in methods], max(ks))
     batch_sizes = sorted({1, batch_size})
@@ -396,7 +408,9 @@ class _EvalPasses:
     """The decode passes of one :func:`run_eval`: every pass decodes all prompts under the same sampling
     settings and stop ids; the first plain pass (batch 1) is the greedy reference every later output is
     compared with at temperature 0 (``mismatches``); the passes' results are kept per (method, K,
-    batch size) for the per-source table; ``progress(done, total)`` counts prompts over all passes."""
+    batch size) for the per-source table; ``progress(done, total)`` counts prompts over all passes. With
+    ``cost_at`` = ``(k, context, long_context)`` set, the target forwards are measured right before every
+    pass (:meth:`adjacent_costs`, the row's ``pass_costs``); None (default) measures nothing."""
 
     def __init__(self, target, prompts: list[dict], max_new_tokens: int, sampling: tuple, eos_ids, seed: int,
                  resamples: int, progress, total_passes: int):
@@ -413,6 +427,15 @@ class _EvalPasses:
         self._diverged: list[tuple[int, list[int], int]] = []  # per mismatch: (prompt index, output, K)
         self.results_of: dict[tuple, list] = {}
         self.stats_of, self.plain_tokens = {}, {}  # the cost model's inputs: (method, K, b) -> stats; b -> tokens
+        self.cost_at: tuple[int, int, int | None] | None = None
+
+    def adjacent_costs(self, b: int) -> dict:
+        """``{"pass_costs": the forward costs at batch size b}`` measured now, right before a pass
+        (:func:`speculators.eval_costs.measure_pass_costs` at ``cost_at``); ``{}`` when ``cost_at`` is None."""
+        if self.cost_at is None:
+            return {}
+        k, context, long_context = self.cost_at
+        return {"pass_costs": measure_pass_costs(self.target, k, b, context, long_context)}
 
     def decode(self, proposer, k: int, b: int, gate=None, tree=None):
         """One pass of every prompt (:func:`_generate`), counted in ``progress``."""
@@ -454,6 +477,7 @@ class _EvalPasses:
 
     def plain_row(self, b: int) -> dict:
         """Plain decoding at batch size ``b`` (the baseline of that batch size's speedups)."""
+        adjacent = self.adjacent_costs(b)
         out = self.decode(None, 0, b)
         plain = AcceptanceStats(1)
         for r in out.results:
@@ -462,13 +486,14 @@ class _EvalPasses:
         self.plain_tokens[b] = [len(r.tokens) for r in out.results]
         self._check("plain", 0, b, out.results)
         return {"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
-                "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **step_times(out)}
+                "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **step_times(out), **adjacent}
 
     def method_row(self, method: str, proposer, k: int, b: int, plain_tps: float | None, gate=None,
                    tree=None) -> dict:
         """One pass of ``method`` at K ``k`` and batch size ``b``: its report row (speedup over
         ``plain_tps``; ``gated: True`` under a gate; with ``tree`` (a TreeSpec) draft trees of depth ``k``:
         the row also has ``tree``, ``tree_label``, ``nodes_per_step`` and per-depth acceptance)."""
+        adjacent = self.adjacent_costs(b)
         out = self.decode(proposer, k, b, gate, tree)
         res = out.results
         st = AcceptanceStats(k if tree is None else max(k, tree.total_tokens))
@@ -480,7 +505,7 @@ class _EvalPasses:
                "tau_ci": list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
                                                self.resamples, self.seed)),
                "speedup": st.tokens_per_s / plain_tps if plain_tps and st.tokens_per_s is not None else None,
-               "best_k": False, **step_times(out)}
+               "best_k": False, **step_times(out), **adjacent}
         if hasattr(proposer, "counts"):
             row["proposals"] = dict(proposer.counts)  # hybrid: how many steps each part drafted
         if tree is not None:

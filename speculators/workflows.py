@@ -523,7 +523,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     from .cost_model import eval_context, gate_cost, measure_costs
     from .tree_spec import TreeSpec
 
-    # the target's forward costs, measured once per eval: the report's cost model and the cost-aware gate read them
+    # the target's forward costs, once per eval (run_eval measures them again next to each pass, for the
+    # predictions of its rows): the cost model's comparisons and the cost-aware gate read them
     costs = measure_costs(target, max(ev.ks), sorted({1, batch}), context=eval_context(plist, ev.max_new_tokens))
     log("eval: target forward (ms) over 1..K+1 tokens per request: " + "; ".join(
         f"batch {b}: " + ", ".join(f"{1000 * c:.2f}" for c in costs["seconds"][str(b)]) for b in costs["batch_sizes"]))

@@ -219,6 +219,70 @@ def test_the_forward_is_charged_at_the_width_the_loop_ran_at():
     assert old["predictions"][0]["relative_error"] == pytest.approx(8.8 / 6.8 - 1)
 
 
+def _drift_report(adjacent: bool):
+    """Batch 1, two requests of 5 tokens; every second of a pass is its target forwards. The plain pass ran
+    while a 1-token forward took 0.5 s (as the eval's costs measured it): 8 steps = 4.0 s. The n-gram pass
+    (K=1, every draft accepted: 4 steps of 2-token forwards) ran while the machine was 1.6x slower: 4 * 1.6
+    = 6.4 s. The suffix pass ran at the eval's speed (4 * 1.0 s) and recorded no adjacent costs.
+    ``adjacent=False``: no pass recorded its costs (an older report, or ``adjacent_costs=False``)."""
+    fast, slow = {"1": [0.5, 1.0]}, {"1": [0.8, 1.6]}
+    pc = (lambda sec: {"pass_costs": {"k": 1, "context": 8, "reps": 3, "batch_sizes": [1], "seconds": sec}}) \
+        if adjacent else (lambda sec: {})
+    plain = {"batch_size": 1, "tau": 1.0, "steps": 8, "tokens": 10, "seconds": 4.0, "tokens_per_s": 2.5,
+             "draft_seconds": 0.0, "verify_seconds": 4.0, "prefill_seconds": 0.0, "forward_seconds": 4.0,
+             "batched_steps": 8, **pc(fast)}
+    row = {"k": 1, "batch_size": 1, "steps": 4, "tokens": 10, "draft_seconds": 0.0, "prefill_seconds": 0.0,
+           "batched_steps": 4}
+    rows = [dict(row, method="ngram", seconds=6.4, tokens_per_s=10 / 6.4, verify_seconds=6.4, forward_seconds=6.4,
+                 **pc(slow)),
+            dict(row, method="suffix", seconds=4.0, tokens_per_s=2.5, verify_seconds=4.0, forward_seconds=4.0)]
+    report = {"methods": ["ngram", "suffix"], "ks": [1], "batch_sizes": [1], "rows": rows, "plain_rows": [plain]}
+    costs = {"k": 1, "context": 8, "reps": 5, "batch_sizes": [1], "seconds": fast}
+    stats = {(m, 1, 1): _stats(1, 4, [4], [4], [4]) for m in ("ngram", "suffix")}
+    block = cm.cost_model_block(report, stats, {1: [5, 5]}, costs)
+    return block["plain"][0], {p["method"]: p for p in block["predictions"]}, block
+
+
+def test_each_pass_is_predicted_from_the_forwards_measured_next_to_it():
+    plain, preds, block = _drift_report(True)
+    assert plain["costs_source"] == "adjacent" and plain["relative_error"] == pytest.approx(0.0, abs=1e-12)
+    ngram = preds["ngram"]
+    assert ngram["costs_source"] == "adjacent" and ngram["forward_ms_per_step"] == pytest.approx(1600.0)
+    assert ngram["predicted_tokens_per_s"] == pytest.approx(10 / 6.4)
+    assert ngram["relative_error"] == pytest.approx(0.0, abs=1e-12)
+    assert preds["suffix"]["costs_source"] == "eval" and preds["suffix"]["relative_error"] == pytest.approx(0.0)
+    # comparisons stay at one machine speed: the eval's costs say n-gram K=1 runs exactly as fast as plain
+    assert ngram["eval_costs_tokens_per_s"] == pytest.approx(2.5) and ngram["predicted_speedup"] == pytest.approx(1.0)
+    assert block["max_abs_relative_error"] == pytest.approx(0.0, abs=1e-12) and block["within_15_percent"]
+    # the same passes predicted from the one measurement: the slow pass is predicted 60% too fast
+    plain, preds, block = _drift_report(False)
+    assert {p["costs_source"] for p in [plain, *preds.values()]} == {"eval"}
+    assert preds["ngram"]["relative_error"] == pytest.approx(6.4 / 4.0 - 1) == pytest.approx(0.6)
+    assert preds["ngram"]["predicted_speedup"] == pytest.approx(1.0)
+    assert block["max_abs_relative_error"] == pytest.approx(0.6) and block["within_15_percent"] is False
+
+
+def test_drifted_costs_scale_the_other_batch_sizes_by_the_drift_at_the_pass():
+    costs = {"k": 1, "batch_sizes": [1, 4], "seconds": {"1": [1.0, 2.0], "4": [2.0, 4.0]},
+             "width": {"1": [10.0, 11.0], "4": [10.0, 11.0]}, "long_context": 20,
+             "long_seconds": {"1": [2.0, 3.0], "4": [4.0, 6.0]}, "long_width": {"1": [20.0, 21.0], "4": [20.0, 21.0]}}
+    adj = {"k": 1, "context": 10, "reps": 3, "batch_sizes": [4], "seconds": {"4": [3.0, 6.0]},
+           "width": {"4": [12.0, 13.0]}, "long_context": 20, "long_seconds": {"4": [6.0, 9.0]},
+           "long_width": {"4": [22.0, 23.0]}}
+    out = cm.drifted_costs(costs, adj, 4, 1)  # 24 s measured next to the pass where the eval measured 16: 1.5x
+    assert out["batch_sizes"] == [1, 4] and out["seconds"] == {"1": [1.5, 3.0], "4": [3.0, 6.0]}
+    assert out["long_seconds"] == {"1": [3.0, 4.5], "4": [6.0, 9.0]}
+    assert out["width"] == {"1": [10.0, 11.0], "4": [12.0, 13.0]} and out["long_width"]["4"] == [22.0, 23.0]
+    # the schedule's tail (fewer live requests) is charged the eval's costs at the pass's speed
+    assert cm.forward_seconds(out, 1, 1) == pytest.approx(1.5) and cm.forward_seconds(out, 1, 4) == 3.0
+    assert cm.drifted_costs(costs, None, 4, 1) is None
+    assert cm.drifted_costs(costs, adj, 1, 1) is None  # measured at another batch size
+    assert cm.drifted_costs(costs, adj, 4, 2) is None  # too few lengths for K=2
+    old = {k: costs[k] for k in ("k", "batch_sizes", "seconds")}  # one context: the drift over it alone
+    assert cm.drifted_costs(old, adj, 4, 1) == {"k": 1, "context": 10, "reps": 3, "batch_sizes": [1, 4],
+                                                "seconds": {"1": [1.5, 3.0], "4": [3.0, 6.0]}}
+
+
 def test_the_loop_records_the_cache_width_it_ran_at(monkeypatch):
     """Every batched forward's width is read: their mean is ``cache_width``, each >= the longest live row."""
     from speculators.generate import speculative_generate
@@ -314,9 +378,17 @@ def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
     assert all(r["cache_width"] > 0 for r in rep["rows"] + rep["plain_rows"])
     assert all(p["cache_width"] > 0 for p in block["predictions"] + block["plain"])
     assert "tokens of context (the forward is charged linear in the KV-cache width" in md
+    # the forwards measured right before every pass, at its batch size and the eval's contexts
+    for r in rep["rows"] + rep["plain_rows"]:
+        pc = r["pass_costs"]
+        assert pc["batch_sizes"] == [r["batch_size"]] and pc["k"] == 2 and pc["reps"] == 3
+        assert (pc["context"], pc["long_context"]) == (given["context"], given["long_context"])
+        assert len(pc["seconds"][str(r["batch_size"])]) == 3
+    assert {p["costs_source"] for p in block["predictions"] + block["plain"]} == {"adjacent"}
     old = json.loads(json.dumps(rep))
     for r in old["rows"] + old["plain_rows"] + old["cost_model"]["predictions"] + old["cost_model"]["plain"]:
-        r.pop("cache_width")
+        for key in ("cache_width", "pass_costs", "costs_source", "eval_costs_tokens_per_s"):
+            r.pop(key, None)
     old["cost_model"]["costs"] = {k: v for k, v in given.items() if k == "context" or k in
                                   ("k", "reps", "batch_sizes", "seconds")}
     old_md = render_markdown(old)
@@ -326,8 +398,12 @@ def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(ev, "measure_costs", lambda *a, **kw: calls.append(kw) or given)
     rep = run_eval(target, None, prompts[:1], [2], 4, eos_ids=set(), methods=("ngram",), log=lambda m: None,
-                   bootstrap_resamples=20)
+                   bootstrap_resamples=20, adjacent_costs=False)
     assert len(calls) == 1 and rep["cost_model"]["costs"] is given
+    # adjacent_costs=False: nothing measured per pass, every row predicted from the eval's costs
+    assert not any("pass_costs" in r for r in rep["rows"] + rep["plain_rows"])
+    cmb = rep["cost_model"]
+    assert {p["costs_source"] for p in cmb["predictions"] + cmb["plain"]} == {"eval"}
 
 
 def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(tmp_path, tiny_target_dir,
@@ -348,7 +424,11 @@ def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(
     _, _, report = cli_train_then_eval(recipe, tiny_target_dir, tmp_path / "run", "train.steps=2",
                                        eval_args=("--temperature", "0", "--cost-aware", "-k", "2", "--batch-size", "2",
                                                   "--num-prompts", "2", "--max-new-tokens", "6"))
-    assert sorted(calls) == [1, 1, 2, 2]  # two context lengths
+    assert sorted(calls[:4]) == [1, 1, 2, 2]  # once per eval: two context lengths
+    # then right before every pass, at its batch size (two context lengths)
+    passes = report["rows"] + report["plain_rows"] + report.get("gated_rows", [])
+    assert passes and sorted(calls[4:]) == sorted(r["batch_size"] for r in passes for _ in range(2))
+    assert all(r["pass_costs"]["batch_sizes"] == [r["batch_size"]] for r in passes)
     costs = report["cost_model"]["costs"]
     assert report["gating"]["verify_cost"] == costs["seconds"]["1"] and costs["batch_sizes"] == [1, 2]
     assert all(p["predicted_tokens_per_s"] > 0 for p in report["cost_model"]["predictions"])
