@@ -20,6 +20,8 @@ expected where a verify forward rounds differently from a 1-token forward, failu
     python scripts/check_greedy_precision.py                              # SmolLM2-135M, fp32 and bf16
     python scripts/check_greedy_precision.py --num-prompts 48 --k 2,4 --max-new-tokens 128
     python scripts/check_greedy_precision.py --checkpoint outputs/smollm2-eagle3 --dtype bfloat16
+    python scripts/check_greedy_precision.py --checkpoint outputs/smollm2-eagle3 --dtype float32 --methods "" \
+        --tree depth=4,topk=4,total_tokens=16 --tree depth=4,topk=8,total_tokens=32   # draft trees too
 
 Nothing is written; the counts do not depend on the machine's load (the tokens/s in the log do).
 """
@@ -52,6 +54,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tree", action="append", default=[], help="with --checkpoint: also decode with the drafter "
+                    "drafting this tree per step (repeatable; depth=D,topk=K,total_tokens=N or a vLLM "
+                    "speculative_token_tree literal)")
     args = ap.parse_args()
 
     import torch
@@ -59,11 +64,13 @@ def main() -> None:
     from speculators.evaluate import run_eval
     from speculators.hardware import resolve_target_dtype
     from speculators.target import Target
+    from speculators.tree_spec import TreeSpec
 
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [int(x) for x in args.k.split(",")]
     methods = tuple(m for m in args.methods.split(",") if m)
+    trees = [TreeSpec.parse(t) for t in args.tree]
     summary, details = [], []
     for name in args.dtype.split(","):
         dtype = resolve_target_dtype(name)
@@ -79,7 +86,8 @@ def main() -> None:
             target = Target.load(ref, dtype)
         prompts = _prompts(target, args.num_prompts)
         rep = run_eval(target, drafter, prompts, ks, args.max_new_tokens, eos_ids=None, batch_size=args.batch_size,
-                       methods=(("drafter",) if drafter is not None else ()) + methods, log=print)
+                       methods=(("drafter",) if drafter is not None else ()) + methods, log=print,
+                       trees=trees if drafter is not None else ())
         mm = rep["greedy_mismatches"]
         for b in rep["batch_sizes"]:
             for m in ["plain"] + list(rep["methods"]):
@@ -89,13 +97,17 @@ def main() -> None:
                     rows = [x for x in mm if x["proposer"] == m and x["k"] == k and x["batch_size"] == b]
                     nt = sum(bool(x["near_tie"]) for x in rows)
                     summary.append((dtype, m, k, b, len(prompts), len(rows), nt, len(rows) - nt))
+            for t in trees if drafter is not None else ():
+                rows = [x for x in mm if x["proposer"] == f"drafter tree {t.label}" and x["batch_size"] == b]
+                nt = sum(bool(x["near_tie"]) for x in rows)
+                summary.append((dtype, f"tree {t.label}", t.depth, b, len(prompts), len(rows), nt, len(rows) - nt))
         details += [(dtype, x) for x in mm]
         del target, drafter
 
     print("\nGreedy check per dtype, method, K and batch size (outputs compared with plain greedy at batch 1)")
-    print(f"{'dtype':<9} {'method':<8} {'K':>2} {'batch':>5} {'outputs':>7} {'mismatch':>8} {'near-tie':>8} {'failures':>8}")
+    print(f"{'dtype':<9} {'method':<26} {'K':>2} {'batch':>5} {'outputs':>7} {'mismatch':>8} {'near-tie':>8} {'failures':>8}")
     for row in summary:
-        print(f"{row[0]:<9} {row[1]:<8} {row[2]:>2} {row[3]:>5} {row[4]:>7} {row[5]:>8} {row[6]:>8} {row[7]:>8}")
+        print(f"{row[0]:<9} {row[1]:<26} {row[2]:>2} {row[3]:>5} {row[4]:>7} {row[5]:>8} {row[6]:>8} {row[7]:>8}")
     if details:
         print("\nMismatches (logits at the first diverging token; gaps in logit units)")
         print(f"{'dtype':<9} {'prompt':<14} {'method':<8} {'K':>2} {'b':>2} {'pos':>4} {'plain':>6} {'other':>6} "
