@@ -398,7 +398,7 @@ class EagleDrafter(Drafter):
             SpeculatorsError: ``depth_caps`` / ``generators`` not one entry per state, a negative cap, or
                 ``sampling`` not valid for B requests.
         """
-        from .tree_drafting import expand_tree
+        from .tree_drafting import expand_tree, level_inputs, level_mask, tree_extra_slots
 
         check_batch(states, depth_caps, sampling, generators, who="propose_tree")
         if not states:
@@ -406,28 +406,19 @@ class EagleDrafter(Drafter):
         dev, dt = self.fc.weight.device, self.fc.weight.dtype
         root_logits = torch.stack([s.last_logits.to(dev) for s in states])  # [R, V]
         root_feat = torch.cat([s.last_feature.to(device=dev, dtype=dt) for s in states])  # [R, 1, H]
-        runs = max(0, min(spec.depth, max(int(c) for c in depth_caps)) - 1)
-        extra = spec.total_tokens if spec.is_static else runs * spec.topk  # appended slots of all run nodes
+        extra = tree_extra_slots(spec, depth_caps)
         attn = self.layers[0].self_attn
         kv = RaggedKV.gather([s.cache for s in states], [s.num_positions for s in states], extra,
                              num_layers=len(self.layers), num_kv_heads=attn.num_kv, head_dim=attn.head_dim,
-                             dtype=dt, device=dev) if runs else None
+                             dtype=dt, device=dev) if extra else None
         feats: list[torch.Tensor] = []  # per run node, [R, H] its predicted feature
 
         def forward(tokens, parents, visible, depth):
             R, F = tokens.shape
             n_run = visible.shape[2] - F
-            par = parents.to(dev)
-            feat = root_feat.expand(R, F, -1).clone()
-            if n_run:
-                done = torch.stack(feats, 1)  # [R, n_run, H]
-                hit = par >= 0
-                feat[hit] = done[hit.nonzero(as_tuple=True)[0], par[hit]]
+            feat = level_inputs(root_feat, feats, parents)
             cos, sin = self.rotary(feat, (kv.lengths[:, None] + depth).expand(R, F))
-            S = kv.base + n_run + F
-            own = (torch.arange(S, device=dev)[None, :] < kv.lengths[:, None])[:, None, :].expand(R, F, S).clone()
-            own[:, :, kv.base:] = visible.to(dev)
-            mask = own.unsqueeze(1)  # [R, 1, F, S]: own cache + ancestors + itself
+            mask = level_mask(kv, visible)  # [R, 1, F, S]: own cache + ancestors + itself
             f = self._run_layers(self.embed_tokens(tokens.to(dev)), feat, cos, sin,
                                  lambda i, q, k, v: kv.attend(i, q, k, v, n_run, mask))
             feats.extend(f.unbind(1))

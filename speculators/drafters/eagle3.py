@@ -594,7 +594,7 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         Returns:
             B :class:`speculators.verify.tree.DraftTree` (target ids, CPU).
         """
-        from .tree_drafting import expand_tree
+        from .tree_drafting import expand_tree, level_inputs, level_mask, tree_extra_slots
 
         check_batch(states, depth_caps, sampling, generators, who="propose_tree")
         if not states:
@@ -602,27 +602,16 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         dev = self.fc.weight.device
         root_logits = torch.stack([s.last_logits.to(dev) for s in states])
         root_feed = torch.cat([s.last_hidden.to(dev) for s in states])  # [R, 1, H]
-        runs = max(0, min(spec.depth, max(depth_caps)) - 1)
-        extra = spec.total_tokens if spec.is_static else runs * spec.topk  # appended slots of all run nodes
-        kv = self._gather(states, extra) if runs else None
+        extra = tree_extra_slots(spec, depth_caps)
+        kv = self._gather(states, extra) if extra else None
         feeds: list[torch.Tensor] = []  # per run node, [R, H] its output feed
 
         def forward(tokens, parents, visible, depth):
             R, F = tokens.shape
             n_run = visible.shape[2] - F
-            par = parents.to(dev)
-            hidden = root_feed.expand(R, F, -1).clone()
-            if n_run:
-                done = torch.stack(feeds, 1)  # [R, n_run, H]
-                hit = par >= 0
-                hidden[hit] = done[hit.nonzero(as_tuple=True)[0], par[hit]]
-            pos = kv.lengths[:, None] + depth  # [R, 1] -> broadcast over F
-            cos, sin = self.rotary(hidden, pos.expand(R, F))
-            S = kv.base + n_run + F
-            s = torch.arange(S, device=dev)
-            own = (s[None, :] < kv.lengths[:, None])[:, None, :].expand(R, F, S).clone()
-            own[:, :, kv.base:] = visible.to(dev)
-            mask = own.unsqueeze(1)
+            hidden = level_inputs(root_feed, feeds, parents)
+            cos, sin = self.rotary(hidden, (kv.lengths[:, None] + depth).expand(R, F))
+            mask = level_mask(kv, visible)
 
             def attend(i, q, k, v):
                 return kv.attend(i, q, k, v, n_run, mask)

@@ -117,6 +117,41 @@ class _Run:
         return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(global_idx, -1))
 
 
+def tree_extra_slots(spec: TreeSpec, depth_caps: list[int]) -> int:
+    """Appended KV slots a level-by-level expansion needs for all the nodes it runs through the drafter:
+    a static tree's node count, or ``topk`` per level but the deepest (0 when no level runs)."""
+    runs = max(0, min(spec.depth, max((int(c) for c in depth_caps), default=0)) - 1)
+    if runs == 0:
+        return 0
+    return spec.total_tokens if spec.is_static else runs * spec.topk
+
+
+def level_inputs(root: torch.Tensor, outs: list[torch.Tensor], parents: torch.Tensor) -> torch.Tensor:
+    """The hidden input of each node of a level: its parent's output (``outs[parent]``, ``[R, H]`` each, in
+    run order) or, for the root's children (parent -1), the request's own ``root [R, 1, H]``.
+    Returns ``[R, F, H]`` for ``parents [R, F]`` (on ``root``'s device)."""
+    R, F = parents.shape
+    par = parents.to(root.device)
+    x = root.expand(R, F, -1).clone()
+    if outs:
+        done = torch.stack(outs, 1)  # [R, n_run, H]
+        hit = par >= 0
+        x[hit] = done[hit.nonzero(as_tuple=True)[0], par[hit]]
+    return x
+
+
+def level_mask(kv, visible: torch.Tensor) -> torch.Tensor:
+    """The tree mask of a level over a padded :class:`~.layers.RaggedKV`: ``[R, 1, F, base + n_run + F]`` bool
+    (True = attend): each node sees its request's own cached keys and, in the appended region, exactly the
+    nodes ``visible [R, F, n_run + F]`` marks (its ancestors and itself)."""
+    R, F, width = visible.shape
+    dev = kv.lengths.device
+    S = kv.base + width
+    own = (torch.arange(S, device=dev)[None, :] < kv.lengths[:, None])[:, None, :].expand(R, F, S).clone()
+    own[:, :, kv.base:] = visible.to(dev)
+    return own.unsqueeze(1)
+
+
 def expand_tree(root_logits: torch.Tensor, forward: LevelForward, spec: TreeSpec, d2t: torch.Tensor | None,
                 depth_caps: list[int]) -> list[DraftTree]:
     """Draft trees for R requests from an autoregressive drafter (EAGLE-2 dynamic or vLLM static).
