@@ -138,7 +138,7 @@ def step_times(out) -> dict:
             "prefill_seconds": out.prefill_seconds, "forward_seconds": out.forward_seconds,
             "batched_steps": int(out.target_forwards), "draft_ms_per_step": 1000.0 * out.draft_seconds / steps,
             "verify_ms_per_step": 1000.0 * out.verify_seconds / steps,
-            "cache_width": float(getattr(out, "cache_width", 0.0))}
+            "cache_width": getattr(out, "cache_width", None)}
 
 
 # ----------------------------------------------------------------------------- acceptance

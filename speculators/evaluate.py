@@ -249,7 +249,8 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     if trees:  # before the greedy check: tree outputs are checked and classified with the chains'
         from .tree_eval import tree_block
 
-        report["trees"] = tree_block(ev, proposers("drafter"), list(trees), batch_sizes, report, log)
+        # one pass per distinct tree (two spellings of one spec, e.g. depth=4 and depth=4,topk=4, are one tree)
+        report["trees"] = tree_block(ev, proposers("drafter"), list(dict.fromkeys(trees)), batch_sizes, report, log)
     report["greedy_mismatches"] = ev.classified() if temperature == 0.0 else None
     report["greedy_check"] = greedy_summary(report["greedy_mismatches"], str(target.dtype).removeprefix("torch."))
     if temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(methods):
@@ -493,7 +494,7 @@ class _EvalPasses:
         """One pass of ``method`` at K ``k`` and batch size ``b``: its report row (speedup over
         ``plain_tps``; ``gated: True`` under a gate; with ``tree`` (a TreeSpec) draft trees of depth ``k``:
         the row also has ``tree``, ``tree_label``, ``nodes_per_step`` and per-depth acceptance)."""
-        adjacent = self.adjacent_costs(b)
+        adjacent = self.adjacent_costs(b) if tree is None else {}  # the cost model predicts chain rows only
         out = self.decode(proposer, k, b, gate, tree)
         res = out.results
         st = AcceptanceStats(k if tree is None else max(k, tree.total_tokens))

@@ -152,7 +152,7 @@ class BatchResult:
             loop's per-step overhead (sampling, bookkeeping) that :mod:`speculators.cost_model` measures.
         cache_width: the mean over the decode steps' batched forwards of the batch session's cache width
             (slots, read after each forward: the slots it attended over, padding of shorter rows and
-            rolled-back drafts included); 0.0 when none was read. The cost model charges the forward at it.
+            rolled-back drafts included); None when none was read. The cost model charges the forward at it.
     """
 
     results: list[GenerationResult]
@@ -162,7 +162,7 @@ class BatchResult:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     forward_seconds: float = 0.0
-    cache_width: float = 0.0
+    cache_width: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -225,7 +225,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
                          seeds: list[int | None] | None = None,
                          progress: Callable[[int, int], Any] | None = None,
                          confidence_threshold: float | None = None, gate: ConfidenceGate | None = None,
-                         on_step: Callable[[int, Proposal, int, list[int]], Any] | None = None,
+                         on_step: Callable[[int, Any, int, list[int]], Any] | None = None,
                          tree=None) -> BatchResult:
     """Batched speculative (or plain) decoding of many prompts with continuous batching.
 
@@ -310,7 +310,7 @@ def speculative_generate(target, proposer, prompts: list[list[int]], k: int | li
         _verify(run, step)
         _keep(run, step)
     return BatchResult(run.results, time.perf_counter() - t0, run.forwards, run.draft_s, run.verify_s, run.prefill_s,
-                       run.forward_s, run.width_sum / run.widths_read if run.widths_read else 0.0)
+                       run.forward_s, run.width_sum / run.widths_read if run.widths_read else None)
 
 
 @dataclass
@@ -347,7 +347,7 @@ class _Run:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     forward_s: float = 0.0
-    width_sum: int = 0  # the session's cache width after each chain step's forward, summed
+    width_sum: int = 0  # the session's cache width after each step's forward (chain or tree), summed
     widths_read: int = 0
     tree: Any = None
 

@@ -149,7 +149,8 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
     if method is not None:
         spec = json.dumps({"model": repo_id, "num_speculative_tokens": k, "method": method})
         lines += ["With vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```", ""]
-        lines += _tree_serving_lines(ckpt, repo_id, verifier, method)
+        if family.serving.vllm_tree:
+            lines += _tree_serving_lines(ckpt, repo_id, verifier, method)
     else:
         lines += [f"Not loadable by vLLM as written: {why_not}.", ""]
     lines += ["## Checked", ""] + checked_lines(ckpt) + [""]
@@ -167,14 +168,19 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
 def _tree_serving_lines(ckpt: Path, repo_id: str, verifier: str, method: str) -> list[str]:
     """The card's draft-tree serving lines: the static tree the newest eval with ``--tree`` found best on its
     machine (``report.json`` ``trees.best_static_tree``, vLLM's ``speculative_token_tree`` syntax, with
-    ``num_speculative_tokens`` = its node count as vLLM's tree mode takes it), or nothing without one. vLLM's
+    ``num_speculative_tokens`` = its node count as vLLM's tree mode takes it), or nothing without one; only
+    reports of this checkpoint count, and only formats vLLM drafts trees for (``ServingFormat.vllm_tree``). vLLM's
     drafter expands one child count per level, so a tree whose levels differ is given with that caveat."""
     reports = sorted(ckpt.parent.glob("eval-*/report.json"), key=lambda p: p.stat().st_mtime)
     for path in reversed(reports):
         try:
-            best = (json.loads(path.read_text()).get("trees") or {}).get("best_static_tree") or {}
+            report = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        measured = report.get("checkpoint")
+        if measured and Path(measured).resolve() != ckpt.resolve():
+            continue  # an eval of another checkpoint of the run (a step checkpoint): not this drafter's tree
+        best = (report.get("trees") or {}).get("best_static_tree") or {}
         tree = best.get("speculative_token_tree")
         if not tree:
             continue

@@ -151,10 +151,11 @@ def request_sampling(sampling: SamplingParams | None, i: int,
                           top_p=row(sampling.top_p), generators=None if generator is None else [generator])
 
 
-def check_batch(states, ks, sampling=None, generators=None, who: str = "propose") -> list[int]:
+def check_batch(states, ks, sampling=None, generators=None, who: str = "propose", ks_name: str = "ks") -> list[int]:
     """Check the arguments of a batched ``propose`` call (the protocol of :class:`Proposer`): one state list,
     one draft count per state (integers >= 0), the batch's ``SamplingParams`` or None, one generator (or
-    None) per request. Returns ``ks`` as ints (``B = len``).
+    None) per request. Returns ``ks`` as ints (``B = len``); ``ks_name`` is how errors name it
+    (``depth_caps`` for ``propose_tree``).
 
     Raises:
         SpeculatorsError: naming ``who`` and the argument that is wrong.
@@ -164,8 +165,8 @@ def check_batch(states, ks, sampling=None, generators=None, who: str = "propose"
                                f"{type(states).__name__}; for one request call propose([state], [k], ...)")
     B = len(states)
     if not isinstance(ks, (list, tuple)) or len(ks) != B:
-        raise SpeculatorsError(f"{who}: ks must be a list of {B} draft counts (one per state), got {ks!r}")
-    out = [check_int(f"{who}: ks[{i}]", k, 0) for i, k in enumerate(ks)]
+        raise SpeculatorsError(f"{who}: {ks_name} must be a list of {B} counts (one per state), got {ks!r}")
+    out = [check_int(f"{who}: {ks_name}[{i}]", k, 0) for i, k in enumerate(ks)]
     if sampling is not None:
         if not isinstance(sampling, SamplingParams):
             raise SpeculatorsError(f"{who}: sampling must be speculators.verify.SamplingParams for the {B} "

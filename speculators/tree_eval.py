@@ -19,6 +19,7 @@ pass per tree and batch size. Then, from the batch-1 tree pass with the highest 
 from __future__ import annotations
 
 from .cost_model import eval_context
+from .errors import SpeculatorsError
 from .forward_cost import measure_verify_cost
 from .tree_report import best_static_tree, rank_acceptance, tree_table
 
@@ -62,12 +63,12 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
     max_nodes = max(t.total_tokens for t in trees)
     secs = measure_verify_cost(ev.target, max_nodes, reps=3, prompt_len=eval_context(ev.prompts, ev.max_new_tokens))
     forward_ms = [0.0] + [1000.0 * s for s in secs]
-    per_level = best["draft_ms_per_step"] / spec.depth
+    fixed, per_level = _draft_costs(report, best, spec.depth)
     block.update(rank_acceptance={"tree": spec.label, "batch_size": 1, **acc}, forward_ms=forward_ms,
-                 draft_ms_per_level=per_level)
+                 draft_ms_fixed=fixed, draft_ms_per_level=per_level)
     try:
-        static = best_static_tree(acc, forward_ms, per_level, max_nodes, spec.depth)
-    except Exception as e:  # no measured acceptance to build from (e.g. nothing ever accepted)
+        static = best_static_tree(acc, forward_ms, per_level, max_nodes, spec.depth, draft_ms_fixed=fixed)
+    except SpeculatorsError as e:  # no measured acceptance to build from (e.g. nothing ever accepted)
         static = {"error": str(e)}
     block["best_static_tree"] = static
     if "speculative_token_tree" in static:
@@ -77,6 +78,26 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
             f"tokens/s from forward + drafting time alone)")
     block["markdown"] = _markdown(block, report)
     return block
+
+
+def _draft_costs(report: dict, tree_row: dict, depth: int) -> tuple[float, float]:
+    """``(fixed, per_level)`` drafting ms of a tree step: ``fixed`` is what a step pays whatever it drafts
+    (the drafter's ``advance``), read as the intercept at K = 1 of the drafter's batch-1 chain rows (drafting
+    ms per step against K, least squares; one row: that row's time); ``per_level`` is the rest of the tree
+    row's drafting time over its ``depth - 1`` levels (all of it over one level for a depth-1 tree)."""
+    pts = [(r["k"], r["draft_ms_per_step"]) for r in report["rows"]
+           if r["method"] == "drafter" and r["batch_size"] == 1 and r.get("draft_ms_per_step") is not None]
+    total = float(tree_row["draft_ms_per_step"])
+    if len(pts) >= 2:
+        mk = sum(k for k, _ in pts) / len(pts)
+        mm = sum(m for _, m in pts) / len(pts)
+        den = sum((k - mk) ** 2 for k, _ in pts)
+        slope = sum((k - mk) * (m - mm) for k, m in pts) / den if den else 0.0
+        fixed = mm + slope * (1 - mk)
+    else:
+        fixed = pts[0][1] if pts else 0.0
+    fixed = min(max(fixed, 0.0), total)
+    return fixed, (total - fixed) / max(1, depth - 1)
 
 
 def _markdown(block: dict, report: dict) -> list[str]:

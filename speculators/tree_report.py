@@ -60,6 +60,9 @@ def rank_acceptance(results: list, max_depth: int, max_rank: int) -> dict:
     positions in the tree's node order (:class:`~speculators.verify.tree.TreeVerifyOutput`), which
     equal the drafter's ranks for trees without rank gaps. Accepted nodes deeper than ``max_depth``
     or of rank ``>= max_rank`` are not in ``hits`` (their counts are in ``deeper`` / ``beyond_rank``).
+    ``reached[d]`` also counts steps whose path stopped at a node with no children offered (a leaf of a
+    shallow branch, a tree cut near ``max_new_tokens``), which lowers every rate at depth d further; and
+    the verifier's view is counted, so a node accepted after a stop token (not emitted) is a hit.
 
     Args:
         results: ``GenerationResult`` s of a ``speculative_generate(tree=...)`` pass (any object with
@@ -253,7 +256,7 @@ def _check_costs(forward_ms: object, draft_ms_per_level: object, max_nodes: obje
 
 
 def best_static_tree(rate, forward_ms: list[float], draft_ms_per_level: float, max_nodes: int,
-                     max_depth: int) -> dict:
+                     max_depth: int, draft_ms_fixed: float = 0.0) -> dict:
     """The static draft tree with the most predicted tokens per ms (Sequoia / Medusa construction).
 
     For each node budget ``n = 1 .. min(max_nodes, len(forward_ms) - 2)``:
@@ -268,9 +271,10 @@ def best_static_tree(rate, forward_ms: list[float], draft_ms_per_level: float, m
       Medusa, Cai et al. arXiv 2401.10774, sparse tree from top-k accuracies). Only paths of positive
       value are candidates, so sizes past their number are not built.
     * cost (ms per step) = ``forward_ms[n + 1]`` (the target forward over the root + ``n`` nodes) +
-      ``draft_ms_per_level * (depth - 1)``: the drafter runs one batched forward per level whose nodes
-      get children; the root's children come from logits the previous step already produced (charged
-      0 here), the deepest level gets no children, so a tree of depth ``D`` costs ``D - 1`` levels.
+      ``draft_ms_fixed + draft_ms_per_level * (depth - 1)``: the drafter's per-step work whatever the tree
+      (``advance`` over the accepted tokens, which produces the root's logits) plus one batched forward per
+      level whose nodes get children; the deepest level gets no children, so a tree of depth ``D`` costs
+      ``D - 1`` levels.
     * predicted tokens/s = ``1000 * (1 + E[accepted]) / cost``.
 
     The best size is the one with the most tokens/s (the smallest on ties). vLLM's EAGLE drafter only
@@ -282,6 +286,7 @@ def best_static_tree(rate, forward_ms: list[float], draft_ms_per_level: float, m
         forward_ms: ``forward_ms[m]`` = measured target forward time (ms) over ``m`` tokens
             (``m = n + 1``); index 0 is unused; at least 3 entries.
         draft_ms_per_level: drafter time (ms) of one tree level (one batched forward), >= 0.
+        draft_ms_fixed: drafter time (ms) every step pays whatever the tree (its ``advance``), >= 0.
         max_nodes: largest tree (nodes, root excluded) to consider, >= 1.
         max_depth: longest path to consider, >= 1.
 
@@ -298,6 +303,8 @@ def best_static_tree(rate, forward_ms: list[float], draft_ms_per_level: float, m
             (bad table; no positive rate at depth 1).
     """
     _check_costs(forward_ms, draft_ms_per_level, max_nodes, max_depth)
+    if not draft_ms_fixed >= 0.0:
+        raise SpeculatorsError(f"draft_ms_fixed: expected a time >= 0 (ms), got {draft_ms_fixed!r}")
     rows = _rate_rows(rate)
     limit = min(max_nodes, len(forward_ms) - 2)
     order = _greedy_order(rows, max_depth, limit)
@@ -308,7 +315,7 @@ def best_static_tree(rate, forward_ms: list[float], draft_ms_per_level: float, m
     for n, (path, value) in enumerate(order, start=1):
         expected += value
         depth = max(depth, len(path))
-        ms = float(forward_ms[n + 1]) + draft_ms_per_level * (depth - 1)
+        ms = float(forward_ms[n + 1]) + draft_ms_fixed + draft_ms_per_level * (depth - 1)
         row = {"num_nodes": n, "depth": depth, "expected_tokens_per_step": 1.0 + expected,
                "predicted_ms_per_step": ms, "predicted_tokens_per_s": 1000.0 * (1.0 + expected) / ms}
         by_size.append(row)

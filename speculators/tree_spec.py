@@ -74,9 +74,10 @@ class TreeSpec:
 
     @property
     def label(self) -> str:
-        """Short name for reports: ``dynamic d4 k4 n16`` or ``static d3 n7``."""
+        """Short, unique name for reports: ``dynamic d4 k4 n16``, or ``static d3 n7`` followed by the tree's
+        paths (``[(0,), (1,), (0, 0)]``) so that two static trees of the same size never share a label."""
         if self.is_static:
-            return f"static d{self.depth} n{self.total_tokens}"
+            return f"static d{self.depth} n{self.total_tokens} {str(list(self.paths))}"
         return f"dynamic d{self.depth} k{self.topk} n{self.total_tokens}"
 
     def as_dict(self) -> dict:

@@ -50,11 +50,15 @@ def cut_tree(tree: DraftTree, max_depth: int) -> DraftTree:
     return DraftTree(tree.token_ids[keep], par, None if tree.probs is None else tree.probs[keep])
 
 
-def draft_trees(proposer, states: list, spec, caps: list[int], sampling, gens: list) -> list[DraftTree]:
-    """One tree per request (see the module docstring); request i's nodes reach depth ``caps[i]`` at most.
+def draft_trees(proposer, states: list, spec, caps: list[int], sampling, gens: list,
+                vocab: int | None = None) -> list[DraftTree]:
+    """One tree per request (see the module docstring); request i's nodes reach depth ``caps[i]`` at most
+    (deeper nodes a proposer returns are cut off: :func:`cut_tree`).
 
     Raises:
-        SpeculatorsError: the proposer returned not one tree per request, or a tree deeper than asked for.
+        SpeculatorsError: the proposer returned not one tree per request, or a tree that is not a valid
+            :class:`DraftTree` over ``vocab`` target ids (:meth:`DraftTree.validate`: parents, token ids,
+            draft distributions of shape ``[N, vocab]`` summing to 1), naming the proposer.
     """
     if getattr(proposer, "drafts_trees", False):
         trees = proposer.propose_tree(states, spec, caps, sampling, gens)
@@ -69,6 +73,11 @@ def draft_trees(proposer, states: list, spec, caps: list[int], sampling, gens: l
         if not isinstance(t, DraftTree):
             raise SpeculatorsError(f"proposer {type(proposer).__name__}: propose_tree returned a "
                                    f"{type(t).__name__}, expected speculators.verify.tree.DraftTree")
+        if vocab is not None:
+            try:
+                t.validate(vocab)
+            except SpeculatorsError as e:
+                raise SpeculatorsError(f"proposer {type(proposer).__name__}: {e}") from None
         if t.token_ids.numel() and int(t.depths().max()) > cap:
             t = cut_tree(t, cap)
         out.append(t)
@@ -129,13 +138,14 @@ def tree_step(run, clock, emit_until, retire) -> None:
     tp = _clock(run.device)
     if run.proposer is not None and any(caps):
         trees = draft_trees(run.proposer, [run.states[i] for i in live], run.tree, caps, sp,
-                            [run.gens[i] for i in live])
+                            [run.gens[i] for i in live], run.vocab)
     else:
         trees = [chain_tree(torch.empty(0, dtype=torch.int64)) for _ in live]
     tv = _clock(run.device)
     out, feats, fs = verify_trees(run.sess, live, run.last, trees, sp, run.vocab, lambda: _clock(run.device))
     run.forwards += 1
     run.forward_s += fs
+    run.width_sum, run.widths_read = run.width_sum + int(run.sess.width), run.widths_read + 1
     te = _clock(run.device)
     run.draft_s, run.verify_s = run.draft_s + (tv - tp), run.verify_s + (te - tv)
     still, adv = [], ([], [], [])

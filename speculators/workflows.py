@@ -382,6 +382,11 @@ def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Ma
             check_speculative_tokens(drafter, ev.ks, setting("k_sweep" if ev.k_sweep else "k"))
         if capped_hybrid:
             check_speculative_tokens(drafter, [ev.hybrid_drafter_k], setting("hybrid_drafter_k"))
+        if ev.trees:  # a tree's path is as long as a chain: the same cap, before any decoding
+            from .tree_spec import TreeSpec
+
+            check_speculative_tokens(drafter, [TreeSpec.parse(t, "eval.trees").depth for t in ev.trees],
+                                     setting("trees") + " depth")
     except SpeculatorsError as e:
         raise SpeculatorsError(f"{what}: {e}") from None
 

@@ -165,3 +165,15 @@ def test_cli_eval_k_sweep_above_the_bound_is_one_error_line(target, tmp_path):
     assert "error:" in out and "-k 8: this dflash drafter drafts at most 3 tokens per step" in out, out
     assert "drafter.block_size - 1 = 3" in out and "use -k <= 3" in out
     assert "Traceback" not in r.output
+
+
+def test_eval_run_checks_tree_depths_before_decoding(target, tmp_path, monkeypatch):
+    """A draft tree's path is as long as a chain: ``--tree depth=5`` for a drafter of at most 3 drafts per step
+    is the same one error, before any target loads (not after the chain passes)."""
+    import speculators.workflows as wf
+
+    ckpt = make(target, "peagle").save_pretrained(tmp_path / "ckpt")  # drafts at most 3
+    monkeypatch.setattr(wf, "_load_for_eval", lambda *a, **kw: pytest.fail("loaded a target before the depth check"))
+    with pytest.raises(SpeculatorsError, match=r"--tree depth 5: this peagle drafter drafts at most 3"):
+        wf.eval_run(ckpt, eval_overrides={"k": 2, "trees": ["depth=3,topk=2", "depth=5,topk=2"]},
+                    override_names=_EVAL_OPTIONS, target_model="none", prompts=str(write_prompts(tmp_path / "p.jsonl")))

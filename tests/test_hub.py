@@ -130,6 +130,10 @@ def test_card_carries_the_static_tree_an_eval_found_best(run_dir):
     assert ('"num_speculative_tokens": 3, "method": "eagle3", "speculative_token_tree": "[(0,), (1,), (0, 0)]"'
             in card)
     assert "`eval-k4-t0-trees` measured best" in card and "different numbers of children" in card
+    # an eval of another checkpoint (a step checkpoint of the run) does not speak for this one
+    (rep_dir / "report.json").write_text(json.dumps({"checkpoint": str(run_dir / "checkpoints" / "step-000003"),
+                                                     "trees": {"best_static_tree": best}}))
+    assert "speculative_token_tree" not in hub_card(run_dir / "final", "me/tiny-eagle3")
 
 
 def test_push_uploads_files_and_card_in_one_commit(run_dir, fake_hub):
@@ -269,7 +273,11 @@ def test_card_serving_line_per_family(algo, run_dir, tmp_path):
         cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 3
         del cfg["speculators_config"]["verifier"]  # the verifier then comes from the training block
     (ckpt / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "eval-trees").mkdir()  # a tree eval beside it: only a format vLLM drafts trees for gets the line
+    (tmp_path / "eval-trees" / "report.json").write_text(json.dumps({"trees": {"best_static_tree": {
+        "speculative_token_tree": "[(0,), (1,)]", "num_nodes": 2, "expected_tokens_per_step": 1.5}}}))
     card = hub_card(ckpt, "me/x")
+    assert ("speculative_token_tree" in card) == (algo == "eagle3")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card.split("---")[1]
     if algo in ("eagle3", "medusa"):
         assert ("vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config "

@@ -211,6 +211,14 @@ def test_sampled_tree_decoding_is_reproducible_per_request(target):
     assert all(len(r.tokens) == 16 for r in a.results)
 
 
+def test_tree_labels_are_unique_and_equal_specs_are_one_tree():
+    a, b = TreeSpec.static("[(0,), (1,), (0, 0)]"), TreeSpec.static("[(0,), (1,), (1, 0)]")
+    assert a.label != b.label
+    assert TreeSpec.parse("depth=4") == TreeSpec.parse("depth=4,topk=4,total_tokens=16")
+    assert list(dict.fromkeys([TreeSpec.parse("depth=4"), TreeSpec.parse("total_tokens=16"), a])) == [
+        TreeSpec.parse("depth=4"), a]
+
+
 def test_tree_spec_parsing(tmp_path):
     assert TreeSpec.parse("depth=5,topk=3") == TreeSpec(depth=5, topk=3, total_tokens=16)
     st = TreeSpec.parse("[(0,), (1,), (0, 0)]")
@@ -268,10 +276,10 @@ def test_cli_eval_takes_trees_and_refuses_bad_ones(tiny_target_dir, isolated_cac
                                                "--methods", "drafter", "--tree", "depth=2,topk=2,total_tokens=4",
                                                "--tree", "[(0,), (1,), (0, 0)]"))
     labels = [r["tree_label"] for r in rep["trees"]["rows"]]
-    assert labels == ["dynamic d2 k2 n4", "static d2 n3"]
+    assert labels == ["dynamic d2 k2 n4", "static d2 n3 [(0,), (1,), (0, 0)]"]
     assert rep["greedy_mismatches"] == []
     md = next((tmp_path / "run").glob("eval-*/report.md")).read_text()
-    assert "## Draft trees" in md and "static d2 n3" in md
+    assert "## Draft trees" in md and "static d2 n3 [(0,), (1,), (0, 0)]" in md
     r = CliRunner().invoke(app, ["eval", str(tmp_path / "run"), "--tree", "depth=2,width=3"])
     assert r.exit_code != 0 and "width" in r.output and "tree" in r.output
 

@@ -234,3 +234,17 @@ def test_tree_table_rows_and_na():
     assert cells[1][0] == "chain K=2" and cells[1][2] == "n/a" and cells[1][6] == "n/a"
     assert cells[1][head.index("draft ms/step")] == "n/a" and cells[1][-1] == "1.25x"
     assert tree_table([])[2:] == []
+
+
+def test_the_fixed_drafting_time_is_charged_to_every_size():
+    """``draft_ms_fixed`` (the drafter's advance, paid whatever the tree) adds to every size's cost, so a
+    larger fixed time can only favour bigger trees (more tokens per paid step), never smaller ones."""
+    rate = {1: [0.5, 0.3, 0.1], 2: [0.4, 0.2]}
+    fwd = [0.0] + [10.0 + 2.0 * m for m in range(1, 12)]
+    a = best_static_tree(rate, fwd, 1.0, 8, 3)
+    b = best_static_tree(rate, fwd, 1.0, 8, 3, draft_ms_fixed=5.0)
+    for x, y in zip(a["by_size"], b["by_size"]):
+        assert y["predicted_ms_per_step"] == pytest.approx(x["predicted_ms_per_step"] + 5.0)
+    assert b["num_nodes"] >= a["num_nodes"]
+    with pytest.raises(SpeculatorsError, match="draft_ms_fixed"):
+        best_static_tree(rate, fwd, 1.0, 8, 3, draft_ms_fixed=-1.0)

@@ -69,7 +69,7 @@ def dflash_block_tree(drafter, states: list, spec, depth_caps: list[int], sampli
     Raises:
         SpeculatorsError: ``depth_caps`` not one non-negative integer per state (naming ``propose_tree``).
     """
-    caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+    caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
 
     def slots(group: list, D: int):
         logits = [drafter.head(drafter.block_hidden(s, D + 1)[1:]).float() for s in group]  # [D, N] each
@@ -97,7 +97,7 @@ def dspark_markov_tree(drafter, states: list, spec, depth_caps: list[int], sampl
     Raises:
         SpeculatorsError: ``depth_caps`` not one non-negative integer per state (naming ``propose_tree``).
     """
-    caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+    caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
 
     def markov(prev: torch.Tensor) -> torch.Tensor:
         return drafter.markov_head(prev.to(dtype=torch.int64))[0].float()  # [..., N]

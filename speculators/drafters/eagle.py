@@ -400,7 +400,7 @@ class EagleDrafter(Drafter):
         """
         from .tree_drafting import expand_tree, level_inputs, level_mask, tree_extra_slots
 
-        check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
         if not states:
             return []
         dev, dt = self.fc.weight.device, self.fc.weight.dtype

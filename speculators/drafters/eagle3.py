@@ -125,6 +125,7 @@ class Eagle3Format(ServingFormat):
 
     algorithm = "eagle3"
     vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
+    vllm_tree = True  # vLLM's EAGLE proposer drafts static speculative_token_tree trees for it
     serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
     aux_layer_count = (3, 3)
@@ -590,13 +591,17 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         Args:
             states: B states from :meth:`start` / :meth:`advance`.
             spec: a :class:`speculators.tree_spec.TreeSpec`.
-            depth_caps: per request the deepest level kept (>= 0).
+            depth_caps: per request the deepest level kept (>= 0; 0 = an empty tree).
+            sampling, generators: checked for B requests, otherwise unused (top-k children).
         Returns:
-            B :class:`speculators.verify.tree.DraftTree` (target ids, CPU).
+            B :class:`speculators.verify.tree.DraftTree` (int64 target ids and parents, CPU, ``probs`` None).
+        Raises:
+            SpeculatorsError: ``depth_caps`` / ``generators`` not one entry per state, a negative cap, or
+                ``sampling`` not valid for B requests.
         """
         from .tree_drafting import expand_tree, level_inputs, level_mask, tree_extra_slots
 
-        check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
         if not states:
             return []
         dev = self.fc.weight.device

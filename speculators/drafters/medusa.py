@@ -428,7 +428,7 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
         """
         from .tree_drafting import slot_tree
 
-        caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
         if not states:
             return []
         logits = torch.stack([s.logits for s in states]).float().cpu()  # [B, K, N]

@@ -476,7 +476,7 @@ class MTPDrafter(Drafter):
         """
         from .tree_drafting import expand_tree
 
-        check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
         if not states:
             return []
         runs = [_TreeRun(self, s) for s in states]

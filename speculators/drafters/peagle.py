@@ -643,7 +643,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
         """
         from .tree_drafting import slot_tree
 
-        caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree")
+        caps = check_batch(states, depth_caps, sampling, generators, who="propose_tree", ks_name="depth_caps")
         if not states:
             return []
         logits = torch.stack([s.draft_logits for s in states]).float().cpu()  # [B, num_depths, N]

@@ -40,6 +40,8 @@ class ServingFormat:
     algorithm: ClassVar[str] = ""
     vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
     vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
+    # whether vLLM drafts trees (speculative_token_tree) for this format: its EAGLE proposer's tree drafting
+    vllm_tree: ClassVar[bool] = False
     #: the ``config.json`` key of the aux layer ids in vLLM's convention (None: the format has none)
     serving_aux_ids_key: ClassVar[str | None] = None
     #: ``{export weight name: Target attribute}``: frozen, unchanged copies of target tensors that the serving
