@@ -12,8 +12,10 @@ pass per tree and batch size. Then, from the batch-1 tree pass with the highest 
   tree forward reads the same weights and computes the same products as a chain forward of as many tokens,
   only its attention mask differs);
 * :func:`speculators.tree_report.best_static_tree`: the static tree maximising expected emitted tokens per
-  millisecond of target forward plus drafting (``draft_ms_per_level`` = that pass's drafting ms per step
-  over its depth, one drafter forward per level), printed in vLLM's syntax.
+  millisecond of target forward plus drafting (:func:`_draft_costs`: the drafter's fixed per-step time,
+  the intercept of its chain rows' drafting ms against K, plus the rest of that tree pass's drafting time
+  per level), printed in vLLM's syntax. The forward cost is timed on chain-shaped forwards: on this CPU the
+  tree's 4-D mask changes little, on a GPU it can keep SDPA off its causal kernel (not measured here).
 """
 
 from __future__ import annotations
