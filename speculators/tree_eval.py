@@ -12,7 +12,8 @@ pass per tree and batch size. Then, from the batch-1 tree pass with the highest 
   tree forward reads the same weights and computes the same products as a chain forward of as many tokens,
   only its attention mask differs);
 * :func:`speculators.tree_report.best_static_tree`: the static tree maximising expected emitted tokens per
-  millisecond of target forward plus drafting (:func:`_draft_costs`: the drafter's fixed per-step time,
+  millisecond of target forward (the least-squares non-decreasing fit of the measured times, :func:`_monotone_fit`)
+  plus drafting (:func:`_draft_costs`: the drafter's fixed per-step time,
   the intercept of its chain rows' drafting ms against K, plus the rest of that tree pass's drafting time
   per level), printed in vLLM's syntax. The forward cost is timed on chain-shaped forwards: on this CPU the
   tree's 4-D mask changes little, on a GPU it can keep SDPA off its causal kernel (not measured here).
@@ -65,11 +66,12 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
     max_nodes = max(t.total_tokens for t in trees)
     secs = measure_verify_cost(ev.target, max_nodes, reps=3, prompt_len=eval_context(ev.prompts, ev.max_new_tokens))
     forward_ms = [0.0] + [1000.0 * s for s in secs]
+    fitted = _monotone_fit(forward_ms)
     fixed, per_level = _draft_costs(report, best, spec.depth)
     block.update(rank_acceptance={"tree": spec.label, "batch_size": 1, **acc}, forward_ms=forward_ms,
-                 draft_ms_fixed=fixed, draft_ms_per_level=per_level)
+                 forward_ms_fitted=fitted, draft_ms_fixed=fixed, draft_ms_per_level=per_level)
     try:
-        static = best_static_tree(acc, forward_ms, per_level, max_nodes, spec.depth, draft_ms_fixed=fixed)
+        static = best_static_tree(acc, fitted, per_level, max_nodes, spec.depth, draft_ms_fixed=fixed)
     except SpeculatorsError as e:  # no measured acceptance to build from (e.g. nothing ever accepted)
         static = {"error": str(e)}
     block["best_static_tree"] = static
@@ -80,6 +82,23 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
             f"tokens/s from forward + drafting time alone)")
     block["markdown"] = _markdown(block, report)
     return block
+
+
+def _monotone_fit(forward_ms: list[float]) -> list[float]:
+    """The least-squares NON-DECREASING fit of the measured forward times ``forward_ms[m]`` (m >= 1; index 0
+    stays 0.0; pool-adjacent-violators): a forward over more tokens never costs less, while one timing per
+    size on a shared CPU is noisy (sizes 7 and 8 measured 47.5 and 39.7 ms in one run), and the static-tree
+    choice must not follow the noise of one size."""
+    blocks: list[list[float]] = []  # [mean, count] per pooled block
+    for t in forward_ms[1:]:
+        blocks.append([float(t), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    out = [0.0]
+    for mean, n in blocks:
+        out += [mean] * int(n)
+    return out
 
 
 def _draft_costs(report: dict, tree_row: dict, depth: int) -> tuple[float, float]:

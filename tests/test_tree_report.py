@@ -248,3 +248,17 @@ def test_the_fixed_drafting_time_is_charged_to_every_size():
     assert b["num_nodes"] >= a["num_nodes"]
     with pytest.raises(SpeculatorsError, match="draft_ms_fixed"):
         best_static_tree(rate, fwd, 1.0, 8, 3, draft_ms_fixed=-1.0)
+
+
+def test_the_static_tree_reads_a_non_decreasing_fit_of_the_forward_times():
+    """One timing per size is noisy; the eval fits the smallest-squares non-decreasing curve through them
+    (pool-adjacent-violators) before choosing the static tree: already monotone times are kept, a dip is
+    pooled with its neighbours, and the result never decreases."""
+    from speculators.tree_eval import _monotone_fit
+
+    assert _monotone_fit([0.0, 1.0, 2.0, 3.0]) == [0.0, 1.0, 2.0, 3.0]
+    assert _monotone_fit([0.0, 5.0, 3.0, 4.0, 10.0]) == [0.0, 4.0, 4.0, 4.0, 10.0]
+    noisy = [0.0] + [30.0 + m + (7.0 if m % 5 == 0 else 0.0) for m in range(1, 30)]
+    fit = _monotone_fit(noisy)
+    assert len(fit) == len(noisy) and all(a <= b for a, b in zip(fit[1:], fit[2:]))
+    assert abs(sum(fit[1:]) - sum(noisy[1:])) < 1e-9  # pooling keeps each block's mean
