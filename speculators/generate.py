@@ -67,7 +67,7 @@ from .gating import (  # noqa: F401  (re-exported: their import paths from gener
     truncate_proposal,
 )
 from .proposal import Proposal, Proposer, check_int, check_speculative_tokens  # noqa: F401  (Proposer re-exported)
-from .tree_steps import tree_step
+from .tree_steps import advance_timed, tree_step
 from .verify import SamplingParams, rejection_sample
 
 _NO_DRAFTS = torch.empty(0, dtype=torch.int64)
@@ -533,14 +533,7 @@ def _keep(run: _Run, step: _Step) -> None:
             adv[2].append(step.feats[j].slice(0, a + 1))
         run.last[i] = new[-1]
         still.append(i)
-    if adv[0]:
-        ta = _clock(run.device)
-        run.proposer.advance(*adv)
-        dt = _clock(run.device) - ta
-        run.draft_s += dt
-        for i in still:
-            run.results[i].draft_seconds += dt
-    run.live = still
+    advance_timed(run, adv, still, _clock)
 
 
 @torch.no_grad()

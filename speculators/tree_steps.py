@@ -174,10 +174,17 @@ def tree_step(run, clock, emit_until, retire) -> None:
             adv[2].append(path_features(feats[j], rows))
         run.last[i] = new[-1]
         still.append(i)
+    advance_timed(run, adv, still, _clock)
+
+
+def advance_timed(run, adv: tuple[list, list, list], still: list[int], clock) -> None:
+    """The end of a loop step, chain or tree: ONE batched ``advance`` of the proposer with the kept requests'
+    states, new ids and target features (``adv``; nothing when empty), its wall time charged to the run's and
+    each kept request's drafting time (``clock(device)``), and ``still`` becomes the live requests."""
     if adv[0]:
-        ta = _clock(run.device)
+        ta = clock(run.device)
         run.proposer.advance(*adv)
-        dt = _clock(run.device) - ta
+        dt = clock(run.device) - ta
         run.draft_s += dt
         for i in still:
             run.results[i].draft_seconds += dt

@@ -62,7 +62,7 @@ def restore_plain_modes(path: str | Path) -> None:
 
     Only entries left private by a temp-file writer are changed: files of mode exactly ``0o600``
     (Python's ``mkstemp``, safetensors >= 0.8's ``save_file``, which writes through Rust's
-    ``tempfile::NamedTempFile`` and renames: safetensors issue #782) become ``0o666 & ~umask``,
+    ``tempfile::NamedTempFile`` and renames) become ``0o666 & ~umask``,
     directories of mode exactly ``0o700`` (``mkdtemp``) become ``0o777 & ~umask``. Other modes (set
     on purpose) are kept; symlinks are not followed.
     """
