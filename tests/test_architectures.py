@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from speculators.drafters import DraftVocab, registry
-from speculators.drafters.layers import layer_config
+from speculators.drafters.layers import FrozenTarget, layer_config
 from speculators.errors import SpeculatorsError
 from speculators.generate import plain_decode, speculative_generate
 from speculators.target import Target
@@ -72,7 +72,13 @@ def test_logits_equal_the_models_own_forward(arch):
     name, target = arch
     ids = prompts()[0]
     f = target.features(torch.tensor([ids]), with_logits=True)
-    torch.testing.assert_close(f.logits[0].float(), full_logits(target, ids), atol=2e-5, rtol=1e-5)
+    want = full_logits(target, ids)
+    torch.testing.assert_close(f.logits[0].float(), want, atol=2e-5, rtol=1e-5)
+    # the drafters' teacher (and EAGLE-1 / MTP's drafting head), over the full vocabulary and a draft vocabulary
+    frozen = FrozenTarget(target)
+    torch.testing.assert_close(frozen.lm_head(f.top[0]), want, atol=2e-5, rtol=1e-5)
+    rows = torch.arange(0, V, 3)
+    torch.testing.assert_close(frozen.lm_head(f.top[0], rows), want[:, rows], atol=2e-5, rtol=1e-5)
 
 
 def test_plain_decoding_equals_the_forward_of_the_sequence_alone(arch):

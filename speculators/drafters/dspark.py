@@ -395,10 +395,8 @@ class DSparkDrafter(DFlashDrafter):
         if head is None:
             raise RuntimeError("attach_target(target) before training: the teacher head is missing")
         with torch.no_grad():
-            w = head.to(top.device)
-            if self.reduced_vocab:
-                w = w[self.draft_ids.to(top.device)]
-            return torch.softmax(top.float() @ w.float().T, dim=-1)
+            rows = self.draft_ids if self.reduced_vocab else None
+            return torch.softmax(self.frozen_target.lm_head(top.float(), rows), dim=-1)
 
     def teacher_forced_prev(self, batch, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The training path's Markov inputs: slot k of the block anchored at a gets the data token at

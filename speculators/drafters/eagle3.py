@@ -295,10 +295,9 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         dev = batch.input_ids.device
         draft_ids = self.draft_ids
         with torch.no_grad():
-            head = self.frozen_target.head_weight
-            if head is None:
+            if self.frozen_target.head_weight is None:
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
-            teacher_logits = batch.top @ head.to(batch.top)[draft_ids].T  # [B, T, N]
+            teacher_logits = self.frozen_target.lm_head(batch.top, draft_ids)  # [B, T, N]
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
         valids = self._valid_masks(batch)
         counts = torch.stack([v.sum() for v in valids])

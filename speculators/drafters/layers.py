@@ -16,6 +16,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from ..errors import SpeculatorsError
+from ..target.architecture import LogitsRule, apply_logits_rule
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -32,7 +33,10 @@ class FrozenTarget:
     saved, never in ``state_dict``): the output head (teacher distributions in training; drafting through the
     target's head for EAGLE-1 / MTP), the final RMSNorm (MTP) and the token embedding (DFlash / DSpark).
     Each is moved to the caller's device and dtype once, not per call. Empty (every use raises) until a
-    drafter's ``attach_target(target)``.
+    drafter's ``attach_target(target)``. The head's logits follow the target's architecture rule
+    (:attr:`speculators.target.Target.logits_rule`: Gemma's soft-capping, Granite's / Cohere's scaling), so
+    teacher distributions are the target's own; the embedding is the raw table (no architecture
+    multiplier), as vLLM's drafters share the target's ``embed_tokens`` (docs/FORMATS.md, "Targets").
 
     Args:
         target: a :class:`speculators.target.Target`, or None (not attached yet).
@@ -42,6 +46,7 @@ class FrozenTarget:
         self.head_weight: torch.Tensor | None = None if target is None else target.lm_head_weight.detach()
         self._norm = None if target is None else target.final_norm
         self._embed: torch.Tensor | None = None if target is None else target.embed_tokens.weight.detach()
+        self.rule: LogitsRule = LogitsRule() if target is None else target.logits_rule
         self._on_device: dict[str, torch.Tensor] = {}
 
     def _placed(self, name: str, w: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -52,13 +57,18 @@ class FrozenTarget:
             cur = self._on_device[name] = w.to(device=like.device, dtype=like.dtype)
         return cur
 
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Frozen target output head: ``[..., H]`` post-norm hidden -> ``[..., V]`` logits (``h``'s dtype).
+    def lm_head(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Frozen target output head after the target's logits rule: ``[..., H]`` post-norm hidden ->
+        ``[..., V]`` logits in ``h``'s dtype, or ``[..., N]`` over the target ids ``rows [N]`` (a draft
+        vocabulary) only.
 
         Raises:
             RuntimeError: not attached.
         """
-        return F.linear(h, self._placed("head", self.head_weight, h, "output head"))
+        w = self._placed("head", self.head_weight, h, "output head")
+        if rows is not None:
+            w = w[rows.to(w.device)]
+        return apply_logits_rule(F.linear(h, w), self.rule)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The target's frozen final RMSNorm: ``[..., H]`` -> ``[..., H]``.

@@ -283,9 +283,7 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
             return self.frozen_target.lm_head(top)
         if self.frozen_target.head_weight is None:
             raise RuntimeError("attach_target(target) first: the target's output head is missing")
-        head = self.frozen_target.head_weight
-        rows = head[self.draft_ids.to(head.device)].to(device=top.device, dtype=top.dtype)  # [N, H]
-        return F.linear(top, rows)
+        return self.frozen_target.lm_head(top, self.draft_ids)
 
     # ------------------------------------------------------------------ training
     @property

@@ -483,10 +483,9 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
             self._cod_uses[key] = self._cod_uses.get(key, 0) + 1
         draft_ids = self.draft_ids
         with torch.no_grad():
-            head = self.frozen_target.head_weight
-            if head is None:
+            if self.frozen_target.head_weight is None:
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
-            teacher_logits = batch.top @ head.to(batch.top)[draft_ids].T  # [B, T, N]
+            teacher_logits = self.frozen_target.lm_head(batch.top, draft_ids)  # [B, T, N]
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
             teacher_p = torch.cat([teacher_p, teacher_p.new_zeros(B, 1, teacher_p.shape[-1])], 1)  # T: padding
             goal_all = torch.cat([batch.argmax, batch.argmax.new_full((B, 1), -1)], 1)  # [B, T+1]
