@@ -85,8 +85,7 @@ def linears_alone(target, m: int, reps: int) -> tuple[float, float]:
     """``(median ms, min ms)`` of every linear layer of the target (and the output head), in forward order,
     on an ``[m, in]`` input: the step's matrix products alone, their weights streamed from memory as in
     the step (each weight once per pass), without attention, norms or framework code."""
-    model = target.model
-    ws = [mod.weight for mod in model.model.modules() if isinstance(mod, torch.nn.Linear)] + [target.lm_head_weight]
+    ws = [mod.weight for mod in target.decoder.modules() if isinstance(mod, torch.nn.Linear)] + [target.lm_head_weight]
     xs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in ws}
 
     def run():
@@ -125,13 +124,13 @@ def compiled_target(target, ctx: torch.Tensor, new: torch.Tensor, reps: int):
     m = new.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=context + m)
     with torch.no_grad():
-        model.model(input_ids=ctx, position_ids=torch.arange(context).expand(batch, context), cache=cache,
-                    use_cache=True)
+        target.decoder(input_ids=ctx, position_ids=torch.arange(context).expand(batch, context), cache=cache,
+                       use_cache=True)
 
     def step(ids, pos):
-        out = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, output_hidden_states=True)
+        out = target.decoder(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i + 1] for i in ids_aux], dim=-1)
-        return model.lm_head(out.last_hidden_state).float(), aux
+        return target.lm_head(out.last_hidden_state).float(), aux
 
     fn = torch.compile(step, dynamic=False)
     pos = (context + torch.arange(m)).expand(batch, m)

@@ -19,6 +19,8 @@ The matrix stays cheap: vocab 128, hidden 32, 3 layers, shared per architecture.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -266,3 +268,26 @@ def test_export_passes_the_gate(arch, family, tmp_path, reference_python):
     if parity:
         assert res.parity.passed, (name, family, res.parity.to_markdown())
         assert res.parity.max_abs_delta <= 1e-4 and res.parity.argmax_agreement == 1.0
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("config_name", ["MambaConfig", "T5Config", "Qwen3NextConfig", "LlavaConfig"])
+def test_an_unsupported_architecture_is_refused_from_its_config(config_name, tmp_path, tiny_target_dir):
+    """A directory holding only the config (no weights, no tokenizer): the refusal names the architecture and
+    what is supported, before anything is read; ``speculators train`` stops there (a user error: exit status 2)."""
+    import transformers
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    cfg = getattr(transformers, config_name)()
+    cfg.save_pretrained(tmp_path / "model")
+    with pytest.raises(SpeculatorsError, match=r"is not supported: .*Supported: decoder-only"):
+        Target.load(str(tmp_path / "model"))
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
+    r = CliRunner().invoke(app, ["train", str(recipe), f"target.model={tmp_path / 'model'}", "-o",
+                                 str(tmp_path / "run")])
+    assert r.exit_code == 2 and "is not supported" in r.output, r.output
+    assert not (tmp_path / "run" / "final").exists()

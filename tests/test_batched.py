@@ -238,31 +238,34 @@ def test_batch_session_refuses_bad_use(target):
         target.batch_session(0)
 
 
-def test_a_sliding_window_model_decodes_one_request_at_a_time_and_refuses_batches():
-    """A KV cache the batch session cannot gather (sliding-window layers): batch 1 still works through
-    the batch-1 session (plain and speculative decoding as before batching); a batch > 1 is refused with
-    an error naming the cache layers."""
+def test_a_sliding_window_model_decodes_in_batches():
+    """Sliding-window layers (a window of 3 positions, shorter than the prompts): the batch session keeps
+    every key and masks by position, so plain and speculative decoding at batch 2 give each request the
+    tokens of greedy decoding by hand with the batch-1 session."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=64)
+                        num_attention_heads=2, num_key_value_heads=1, sliding_window=3)
     t = Target(MistralForCausalLM(cfg))
-    with pytest.raises(SpeculatorsError, match="DynamicSlidingWindowLayer"):
-        t.batch_session(2)
-    with pytest.raises(SpeculatorsError, match="DynamicSlidingWindowLayer"):
-        speculative_generate(t, None, [[1, 2], [3]], 0, 4, None, batch_size=2, eos_ids=set())
-    prompt = [1, 2, 3, 1, 2]
-    ref = t.session()
-    toks = []
-    logits, _ = ref.forward(torch.tensor(prompt))
-    for _ in range(8):  # greedy by hand with the batch-1 session
-        toks.append(int(logits[-1].argmax()))
-        logits, _ = ref.forward(torch.tensor(toks[-1:]))
-    assert plain_decode(t, prompt, 8, eos_ids=set()).tokens == toks
-    assert speculative_decode(t, NGramProposer(), prompt, 3, 8, eos_ids=set()).tokens == toks
-    out = speculative_generate(t, NGramProposer(), [prompt, prompt[:3]], 2, 8, None, batch_size=1, eos_ids=set())
-    assert out.results[0].tokens == toks
+    assert t.attention.windows == [3]
+
+    def by_hand(prompt):
+        ref = t.session()
+        toks = []
+        logits, _ = ref.forward(torch.tensor(prompt))
+        for _ in range(8):
+            toks.append(int(logits[-1].argmax()))
+            logits, _ = ref.forward(torch.tensor(toks[-1:]))
+        return toks
+
+    prompts = [[1, 2, 3, 1, 2], [3, 4, 1]]
+    want = [by_hand(p) for p in prompts]
+    assert plain_decode(t, prompts[0], 8, eos_ids=set()).tokens == want[0]
+    assert speculative_decode(t, NGramProposer(), prompts[0], 3, 8, eos_ids=set()).tokens == want[0]
+    for proposer, k in ((None, 0), (NGramProposer(), 2)):
+        out = speculative_generate(t, proposer, prompts, k, 8, None, batch_size=2, eos_ids=set())
+        assert [r.tokens for r in out.results] == want
 
 
 # ----------------------------------------------------------------------------- the loop

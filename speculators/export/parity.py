@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpeculatorsError
+from ..target.architecture import LogitsRule
 from . import reference_env
 from .reference_env import REFERENCE_VERSION, ReferenceUnavailable
 
@@ -498,6 +499,9 @@ class _TargetPieces:
         self.embed_tokens = copy.deepcopy(target.embed_tokens).float().cpu()
         self.lm_head_weight = target.lm_head_weight.detach().float().cpu().clone()
         self.final_norm = copy.deepcopy(target.final_norm).float().cpu()
+        # vLLM's drafters compute logits with their own logits processor, without the verifier's soft-cap or
+        # logit scaling (docs/FORMATS.md, "Targets"): parity compares those raw drafter logits
+        self.logits_rule = LogitsRule()
 
 
 def synthetic_target(meta, seed: int = 0):
