@@ -291,3 +291,39 @@ def test_an_unsupported_architecture_is_refused_from_its_config(config_name, tmp
                                  str(tmp_path / "run")])
     assert r.exit_code == 2 and "is not supported" in r.output, r.output
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_padded_features_equal_each_row_alone(arch):
+    """Feature extraction's right-padded batches (transformers' own masks, windows included) give each row
+    the aux taps and top hidden state of its sequence alone."""
+    name, target = arch
+    p0, p1 = prompts()
+    ids = torch.zeros(2, len(p0), dtype=torch.int64)
+    ids[0], ids[1, :len(p1)] = torch.tensor(p0), torch.tensor(p1)
+    att = torch.zeros_like(ids)
+    att[0], att[1, :len(p1)] = 1, 1
+    f = target.features(ids, att)
+    for i, p in enumerate((p0, p1)):
+        alone = target.features(torch.tensor([p]))
+        torch.testing.assert_close(f.aux[i, :len(p)], alone.aux[0], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(f.top[i, :len(p)], alone.top[0], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_cli_train_eval_on_each_architecture(name, smol_tokenizer, tmp_path, monkeypatch):
+    """What a user runs first: ``speculators train recipes/tiny-eagle3.yaml target.model=DIR`` on a model
+    directory of the architecture (SmolLM2's tokenizer, its 49,152-token vocabulary), then ``speculators
+    eval`` at batch 1 and 2 with a draft tree: every output lossless."""
+    from conftest import cli_train_then_eval
+
+    monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path / "cache"))
+    model = build_tiny_architecture(name, len(smol_tokenizer), HIDDEN, LAYERS).model
+    model.config.eos_token_id = smol_tokenizer.eos_token_id
+    model.save_pretrained(tmp_path / "target")
+    smol_tokenizer.save_pretrained(tmp_path / "target")
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml"
+    cfg, _, rep = cli_train_then_eval(recipe, tmp_path / "target", tmp_path / "run", "train.steps=2",
+                                      eval_args=("--temperature", "0", "-b", "2", "--tree", "[(0,), (1,), (0, 0)]"))
+    assert cfg["speculators_config"]["verifier"]["architectures"] == [type(model).__name__]
+    assert rep["greedy_mismatches"] == []
+    assert rep["drafter"]["tokens"] == rep["plain"]["tokens"] > 0

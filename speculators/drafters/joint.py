@@ -43,8 +43,7 @@ class JointTargetConfig(BaseModel):
     Keys:
         lora_r, lora_alpha, lora_dropout: LoRA rank, scale numerator (scale = alpha / r) and dropout.
         lora_modules: names of the target's linear layers that get adapters; None (the default) = every
-            linear layer of the decoder layers of whatever architecture the target is (peft's
-            ``all-linear``: for Llama the seven projections of :data:`LLAMA_LORA_MODULES`, for GPT-NeoX
+            plain ``nn.Linear`` of the decoder stack of whatever architecture the target is (for Llama the seven projections of :data:`LLAMA_LORA_MODULES`, for GPT-NeoX
             ``query_key_value`` / ``dense*``, for DeepSeek-V3's MLA its ``q_a_proj`` / ``kv_b_proj`` / ...).
             The embedding, final norm and lm_head stay frozen, so drafters that share them stay exact.
         lr: learning rate of the LoRA parameters; ``None`` = ``0.1 * train.lr`` (the drafter's own
@@ -79,7 +78,11 @@ class JointConfig(BaseModel):
 
     @model_validator(mode="after")
     def _joint_keys_need_joint(self):
-        # a non-default joint_target without joint is a mistake; the default (written by every dump) is not
-        if not self.joint and self.joint_target != JointTargetConfig():
+        # a non-default joint_target without joint is a mistake; the default (written by every dump) is not, nor
+        # the default of checkpoints written before lora_modules defaulted to every decoder linear (the Llama list)
+        jt = self.joint_target
+        if jt.lora_modules == LLAMA_LORA_MODULES:
+            jt = jt.model_copy(update={"lora_modules": None})
+        if not self.joint and jt != JointTargetConfig():
             raise ValueError("drafter.joint_target is only read with drafter.joint: true")
         return self

@@ -127,6 +127,9 @@ class DraftVocabBuffers:
 # RoPE types transformers' Llama (and vLLM's Llama draft layer) implement; anything else (Qwen2-VL's mrope, ...)
 # is trained and exported as plain RoPE with the target's theta.
 LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+_CONFIG_ALIASES = {"hidden_size": ("n_embd", "d_model"), "num_attention_heads": ("n_head", "num_heads"),
+                   "intermediate_size": ("n_inner", "ffn_dim", "d_ff"),
+                   "max_position_embeddings": ("n_positions", "max_seq_len", "seq_length")}
 _EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 
 
@@ -185,6 +188,9 @@ def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -
     t = dict(target_config)
     if isinstance(t.get("text_config"), dict):
         t = {**t, **t["text_config"]}
+    for name, aliases in _CONFIG_ALIASES.items():  # GPT-2 / GPT-J / T5-style names of the same fields
+        if t.get(name) is None:
+            t[name] = next((t[a] for a in aliases if t.get(a) is not None), None)
     missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if t.get(k) is None]
     if missing:
         raise SpeculatorsError(f"drafter layer config: the target config has no {missing}")

@@ -12,7 +12,7 @@ pieces a drafter reuses:
   masks the sessions build from it (:mod:`speculators.target.masks`);
 * :func:`check_supported`: one clear refusal, before any weight is read, for what the project cannot
   verify with (encoder-decoder models, vision-language configs without a text decoder, state-space and
-  linear-attention or chunked-attention layers).
+  linear-attention or compressed-attention layers).
 
 The rules per architecture are written in docs/FORMATS.md ("Targets").
 """
@@ -27,7 +27,7 @@ from ..errors import SpeculatorsError
 
 _LAYER_LISTS = ("layers", "h", "blocks")
 _FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm", "final_norm")
-SUPPORTED_ATTENTION = ("full_attention", "sliding_attention")
+SUPPORTED_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def decoder(model) -> torch.nn.Module:
@@ -40,6 +40,12 @@ def decoder(model) -> torch.nn.Module:
     """
     get = getattr(model, "get_decoder", None)
     dec = get() if callable(get) else None
+    if not isinstance(dec, torch.nn.Module) or dec is model:  # transformers' lookup missed (e.g. Llama 4 text)
+        for name in (getattr(model, "base_model_prefix", None), "model", "transformer"):
+            cand = getattr(model, name, None) if name else None
+            if isinstance(cand, torch.nn.Module) and cand is not model:
+                dec = cand
+                break
     if not isinstance(dec, torch.nn.Module) or dec is model:
         raise SpeculatorsError(f"target: {type(model).__name__} exposes no decoder stack (get_decoder()); a "
                                f"decoder-only *ForCausalLM is needed")
@@ -116,15 +122,17 @@ def apply_logits_rule(logits: torch.Tensor, rule: LogitsRule) -> torch.Tensor:
     return logits
 
 
-def attention_kinds(config) -> list[int | None]:
-    """Per decoder layer, the attention it runs: None = full causal attention, ``W`` = a sliding window
-    (a query at position p sees keys at positions ``p - W < q <= p``, transformers' and vLLM's rule).
+def attention_kinds(config) -> list[tuple[str, int | None]]:
+    """Per decoder layer, ``(layer_type, size)``: ``("full_attention", None)`` = full causal attention,
+    ``("sliding_attention", W)`` = a sliding window (a query at position p sees keys at positions
+    ``p - W < q <= p``, transformers' and vLLM's rule), ``("chunked_attention", C)`` = Llama 4's chunked
+    attention (a query sees the keys of its own chunk of C positions, ``q // C == p // C``).
 
     Read through transformers' own ``get_layer_types_and_kwargs`` (``layer_types`` when the config has it,
     else ``sliding_window`` per layer).
 
     Raises:
-        SpeculatorsError: a layer of another kind (chunked, linear, state-space, compressed attention).
+        SpeculatorsError: a layer of another kind (linear, state-space, compressed attention).
     """
     from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -133,18 +141,18 @@ def attention_kinds(config) -> list[int | None]:
         types, kwargs = get_layer_types_and_kwargs(cfg)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot describe per layer
         raise SpeculatorsError(f"target: the layer types of {type(cfg).__name__} cannot be read ({e})") from None
-    out: list[int | None] = []
+    out: list[tuple[str, int | None]] = []
     for t, kw in zip(types, kwargs):
         if t not in SUPPORTED_ATTENTION:
             raise SpeculatorsError(_unsupported(cfg, f"its decoder has {t!r} layers"))
-        out.append(int(kw["sliding_window"]) if t == "sliding_attention" else None)
+        out.append((t, None if t == "full_attention" else int(kw["sliding_window"])))
     return out
 
 
 def _unsupported(cfg, why: str) -> str:
     arch = ", ".join(getattr(cfg, "architectures", None) or []) or type(cfg).__name__
     return (f"target architecture {arch} (model_type {getattr(cfg, 'model_type', '?')!r}) is not supported: {why}. "
-            f"Supported: decoder-only causal LMs whose layers are full or sliding-window attention "
+            f"Supported: decoder-only causal LMs whose layers are full, sliding-window or chunked attention "
             f"(Llama, Qwen2/2.5/3, Qwen3-MoE, Mistral, Mixtral, Gemma 2/3, Phi-3, gpt-oss, DeepSeek-V3, "
             f"Granite, OLMo-2, GPT-NeoX and the like; README 'Targets')")
 
@@ -156,7 +164,7 @@ def check_supported(config) -> None:
     Raises:
         SpeculatorsError: naming the architecture and what is supported: an encoder-decoder model; a
             multimodal config without a text decoder ``transformers`` can load as a causal LM; state-space,
-            linear-attention, chunked or compressed attention layers (:func:`attention_kinds`).
+            linear-attention or compressed attention layers (:func:`attention_kinds`); ALiBi attention.
     """
     if getattr(config, "is_encoder_decoder", False):
         raise SpeculatorsError(_unsupported(config, "it is an encoder-decoder model (speculative decoding here "
@@ -168,6 +176,9 @@ def check_supported(config) -> None:
                                                     "vision-language or encoder-only model without a text-only "
                                                     "decoder path)"))
     attention_kinds(config)
+    if getattr(config, "alibi", False) or getattr(config, "model_type", "") in ("bloom", "mpt"):
+        raise SpeculatorsError(_unsupported(config, "its attention adds ALiBi biases built from a 2-D padding "
+                                                    "mask and takes no 4-D draft-tree mask"))
     from transformers import AutoModelForCausalLM
 
     try:

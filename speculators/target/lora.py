@@ -59,7 +59,7 @@ class LoraTarget:
         Args:
             cfg: the LoRA settings, read as attributes: ``lora_r`` (rank), ``lora_alpha`` (scale =
                 alpha / r), ``lora_dropout`` (probability), ``lora_modules`` (names of linear layers, e.g.
-                ``["q_proj", "v_proj"]``; None = every linear layer of the decoder, peft's ``all-linear``); e.g. a :class:`speculators.drafters.joint.JointTargetConfig`.
+                ``["q_proj", "v_proj"]``; None = the names of every plain ``nn.Linear`` of the decoder stack); e.g. a :class:`speculators.drafters.joint.JointTargetConfig`.
             where: the recipe path of ``cfg``, named in errors.
         Raises:
             SpeculatorsError: the target is already adapted; a name of ``lora_modules`` does not exist in
@@ -71,7 +71,10 @@ class LoraTarget:
             raise SpeculatorsError(f"{where}: the target already has LoRA adapters (adapt_lora is called once)")
         _ = self.fingerprint  # the base model's identity, fixed before the adapters join the state dict
         names = {n.rsplit(".", 1)[-1] for n, _m in self.model.named_modules()}
-        modules = list(cfg.lora_modules) if cfg.lora_modules else "all-linear"  # None: every decoder linear
+        # None: every plain nn.Linear of the decoder stack (not the head, which drafters share; not nn.Linear
+        # subclasses that return tuples, such as Llama 4's MoE router)
+        modules = list(cfg.lora_modules) if cfg.lora_modules else \
+            sorted({n.rsplit(".", 1)[-1] for n, m in self.decoder.named_modules() if type(m) is torch.nn.Linear})
         missing = [m for m in cfg.lora_modules or () if m not in names]
         if missing:
             raise SpeculatorsError(f"{where}.lora_modules: {missing} not found in the target "

@@ -1,4 +1,4 @@
-"""Attention masks that respect each decoder layer's kind: full causal, or a sliding window.
+"""Attention masks that respect each decoder layer's kind: full causal, a sliding window, or chunks.
 
 The decode and tree sessions keep a ragged cache (rejected drafts and other requests' padding stay in it,
 invisible; a pending tree's nodes sit at ``length + depth``), so a slot's index is not its position. For a
@@ -6,7 +6,8 @@ target whose layers are all full attention the sessions pass transformers a 2-D 
 let it build the causal part. A target with sliding-window layers (Mistral, Qwen2 with
 ``use_sliding_window``, Gemma 2 / 3, gpt-oss) needs the window measured in POSITIONS: here every forward
 gets, per layer kind, a 4-D mask ``visible & (q_pos - k_pos < W)`` (transformers' and vLLM's window: a
-query at position ``p`` sees keys at ``p - W < q <= p``). Mixed models (full and sliding layers) get
+query at position ``p`` sees keys at ``p - W < q <= p``; Llama 4's chunked layers: keys of the same chunk
+of C positions). Mixed models (full and sliding layers) get
 them as the ``{layer_type: mask}`` dict their forward accepts (Gemma 2 / 3, gpt-oss, Qwen2); a model
 whose layers are all of one kind gets the one mask. Their KV caches are plain ``DynamicLayer`` s (every
 position kept, so a rolled-back or re-packed cache still holds each key a window may need).
@@ -26,24 +27,29 @@ class AttentionLayout:
     Args:
         model: a transformers ``*ForCausalLM``.
     Attributes:
-        windows: sorted distinct sliding windows (positions) of its layers; empty for full attention only.
-        kinds: ``{layer_type: window or None}`` of the kinds present (``full_attention``, ``sliding_attention``).
+        kinds: ``{layer_type: size or None}`` of the kinds present (``full_attention``: None,
+            ``sliding_attention``: the window W, ``chunked_attention``: the chunk C).
     Raises:
-        SpeculatorsError: a layer kind other than full or sliding attention, or two different windows.
+        SpeculatorsError: a layer kind other than full, sliding or chunked attention, or two sizes of one kind.
     """
 
     def __init__(self, model):
         self.model = model
-        per_layer = attention_kinds(model.config)
-        self.windows = sorted({w for w in per_layer if w is not None})
-        if len(self.windows) > 1:
-            raise SpeculatorsError(f"target: sliding windows {self.windows} in one model are not supported")
-        self.kinds = {("full_attention" if w is None else "sliding_attention"): w for w in per_layer}
+        self.kinds: dict[str, int | None] = {}
+        for kind, size in attention_kinds(model.config):
+            if self.kinds.setdefault(kind, size) != size:
+                raise SpeculatorsError(f"target: {kind} layers of sizes {self.kinds[kind]} and {size} in one "
+                                       f"model are not supported")
+
+    @property
+    def windows(self) -> list[int]:
+        """The sliding window of the sliding-window layers (``[]`` without such layers)."""
+        return [w for k, w in self.kinds.items() if k == "sliding_attention"]
 
     @property
     def windowed(self) -> bool:
-        """True when some layer attends over a sliding window (the sessions then build every mask here)."""
-        return bool(self.windows)
+        """True when some layer is not full attention (the sessions then build every mask here)."""
+        return any(size is not None for size in self.kinds.values())
 
     def new_cache(self):
         """A fresh KV cache: transformers' ``DynamicCache(config=...)`` for full attention; for a windowed
@@ -66,10 +72,12 @@ class AttentionLayout:
             the form the model's attention implementation takes (:func:`as_attention_mask`).
         """
         out = {}
-        for kind, w in self.kinds.items():
+        for kind, size in self.kinds.items():
             m = visible
-            if w is not None:
-                m = visible & ((q_pos[:, :, None] - k_pos[:, None, :]) < w)
+            if kind == "sliding_attention":
+                m = visible & ((q_pos[:, :, None] - k_pos[:, None, :]) < size)
+            elif kind == "chunked_attention":
+                m = visible & ((q_pos[:, :, None] // size) == (k_pos[:, None, :] // size))
             out[kind] = as_attention_mask(self.model, m.unsqueeze(1), dtype)
         return next(iter(out.values())) if len(out) == 1 else out
 

@@ -2,11 +2,12 @@
 
 :func:`build_tiny_target` is the tiny Llama most tests use. :data:`TINY_ARCHITECTURES` holds one small
 config per decoder-only architecture the project trains drafters for (the verifiers vllm-project/speculators
-and SpecForge list: Llama, Qwen2 / 2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2, Gemma 3, Phi-3,
-gpt-oss, DeepSeek-V3, Granite, OLMo-2, GPT-NeoX), each with what makes that architecture differ from
+and SpecForge list: Llama, Llama 4 (text), Qwen2 / 2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2,
+Gemma 3, Phi-3, gpt-oss, DeepSeek-V3, Granite, OLMo-2, GPT-NeoX), each with what makes that architecture differ from
 Llama switched on at a size that a few-token test exercises: sliding windows SHORTER than the test
 contexts (Mistral, Qwen2, Gemma 2 / 3, gpt-oss), mixed full / sliding layers, logit soft-capping
 (Gemma 2), embedding / logit multipliers (Granite), MLA and MoE (DeepSeek-V3), attention sinks (gpt-oss),
+chunked attention with NoPE layers (Llama 4),
 partial rotary and a LayerNorm stack without ``.model`` (GPT-NeoX). :func:`build_tiny_architecture`
 builds one as a :class:`Target`.
 """
@@ -115,6 +116,13 @@ def _gpt_oss(v, h, n):
                         sliding_window=TINY_WINDOW, layer_types=_mixed(n))
 
 
+def _llama4(v, h, n):
+    from transformers import Llama4TextConfig
+    # chunked attention (chunks of 4 positions) on RoPE layers, a NoPE full-attention layer last
+    return Llama4TextConfig(**_common(v, h, n), head_dim=8, num_local_experts=2, intermediate_size_mlp=2 * h,
+                            attention_chunk_size=4, no_rope_layers=[1] * (n - 1) + [0])
+
+
 def _deepseek_v3(v, h, n):
     from transformers import DeepseekV3Config
     c = _common(v, h, n)
@@ -145,7 +153,7 @@ def _gpt_neox(v, h, n):
 TINY_ARCHITECTURES: dict[str, Callable] = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mistral": _mistral,
     "mixtral": _mixtral, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "gpt_oss": _gpt_oss,
-    "deepseek_v3": _deepseek_v3, "granite": _granite, "olmo2": _olmo2, "gpt_neox": _gpt_neox,
+    "llama4_text": _llama4, "deepseek_v3": _deepseek_v3, "granite": _granite, "olmo2": _olmo2, "gpt_neox": _gpt_neox,
 }
 
 
