@@ -327,3 +327,78 @@ def test_cli_train_eval_on_each_architecture(name, smol_tokenizer, tmp_path, mon
     assert cfg["speculators_config"]["verifier"]["architectures"] == [type(model).__name__]
     assert rep["greedy_mismatches"] == []
     assert rep["drafter"]["tokens"] == rep["plain"]["tokens"] > 0
+
+
+# ----------------------------------------------------------------------------- more architectures, lighter
+
+
+def _extra_configs():
+    """More decoder-only architectures, checked on the target side and with two families (a chain drafter
+    reading aux hidden states, a parallel block drafter): Gemma, Cohere (logit scale), Cohere 2 (sliding
+    and full), StableLM, Starcoder2 (sliding), GPT-2 and GPT-J (their own config names), Falcon, OPT, Phi,
+    OLMo, Qwen2-MoE, SmolLM3, GLM, GraniteMoE, EXAONE 4."""
+    import transformers as T
+
+    def c(**kw):
+        d = dict(vocab_size=V, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                 num_attention_heads=4, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=None)
+        d.update(kw)
+        return d
+
+    mixed = ["sliding_attention", "sliding_attention", "full_attention"]
+    return {
+        "gemma": lambda: T.GemmaConfig(**c(num_key_value_heads=2, head_dim=8)),
+        "cohere": lambda: T.CohereConfig(**c(num_key_value_heads=2, logit_scale=0.5)),
+        "cohere2": lambda: T.Cohere2Config(**c(num_key_value_heads=2, sliding_window=TINY_WINDOW, layer_types=mixed)),
+        "stablelm": lambda: T.StableLmConfig(**c(num_key_value_heads=2)),
+        "starcoder2": lambda: T.Starcoder2Config(**c(num_key_value_heads=2, sliding_window=TINY_WINDOW)),
+        "gpt2": lambda: T.GPT2Config(vocab_size=V, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=512,
+                                     tie_word_embeddings=False),
+        "gptj": lambda: T.GPTJConfig(vocab_size=V, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, rotary_dim=4,
+                                     n_positions=512, tie_word_embeddings=False),
+        "falcon": lambda: T.FalconConfig(vocab_size=V, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                         num_attention_heads=4, tie_word_embeddings=False),
+        "opt": lambda: T.OPTConfig(vocab_size=V, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                   ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, max_position_embeddings=512,
+                                   tie_word_embeddings=False, pad_token_id=None),
+        "phi": lambda: T.PhiConfig(**c(num_key_value_heads=4, partial_rotary_factor=0.5)),
+        "olmo": lambda: T.OlmoConfig(**c(num_key_value_heads=2)),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**c(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=HIDDEN, shared_expert_intermediate_size=HIDDEN)),
+        "smollm3": lambda: T.SmolLM3Config(**c(num_key_value_heads=2)),
+        "glm": lambda: T.GlmConfig(**c(num_key_value_heads=2, head_dim=8)),
+        "granitemoe": lambda: T.GraniteMoeConfig(**c(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+                                                     logits_scaling=2.0)),
+        "exaone4": lambda: T.Exaone4Config(**c(num_key_value_heads=2, sliding_window=TINY_WINDOW, layer_types=mixed)),
+    }
+
+
+EXTRA = _extra_configs()
+
+
+@pytest.mark.parametrize("name", list(EXTRA))
+def test_more_architectures_decode_losslessly(name):
+    from transformers import AutoModelForCausalLM
+
+    cfg = EXTRA[name]()
+    check_supported(cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(torch.randn(V, HIDDEN, generator=g))
+        model.get_output_embeddings().weight.copy_(torch.randn(V, HIDDEN, generator=g))
+    arch = (name, Target(model, None, name_or_path=f"tiny-random-{name}"))
+    test_logits_equal_the_models_own_forward(arch)
+    test_plain_decoding_equals_the_forward_of_the_sequence_alone(arch)
+    test_ragged_batch_tree_forward_equals_each_path_alone(arch)
+    test_generate_batch_equals_plain_decoding(arch)
+    for family in ("eagle3", "dflash"):
+        test_every_family_trains_and_decodes_losslessly(arch, family)
+
+
+def test_alibi_attention_is_refused():
+    from transformers import BloomConfig
+
+    with pytest.raises(SpeculatorsError, match="ALiBi"):
+        check_supported(BloomConfig(vocab_size=V, hidden_size=HIDDEN, n_layer=LAYERS, n_head=4))
