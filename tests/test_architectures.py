@@ -119,6 +119,16 @@ def test_ragged_batch_tree_forward_equals_each_path_alone(arch):
                 k = parents[k]
             want = full_logits(target, seqs[r] + path)[-1]
             torch.testing.assert_close(lg[j], want, atol=1e-4, rtol=1e-4, msg=f"{name} request {r} node {j}")
+    # keep a path of each tree, re-pack the cache, and go on: still the sequence alone
+    for r, path in (("a", [0, 1, 3]), ("b", [0, 2])):
+        sess.keep_tree(r, path)
+        seqs[r] += [trees[r][j] for j in path]
+    sess.compact()
+    new = {r: torch.randint(0, V, (3,), generator=g).tolist() for r in seqs}
+    logits, _ = sess.forward(list(new), list(new.values()))
+    for (r, toks), lg in zip(new.items(), logits):
+        want = full_logits(target, seqs[r] + toks)[-3:]
+        torch.testing.assert_close(lg, want, atol=1e-4, rtol=1e-4, msg=f"{name} request {r} after compaction")
 
 
 def test_a_mask_without_the_window_is_caught(monkeypatch):
@@ -126,14 +136,12 @@ def test_a_mask_without_the_window_is_caught(monkeypatch):
     transformers' own forward once the context is longer than the window."""
     from speculators.target import masks
 
-    real = masks.AttentionLayout.__init__
+    def no_window(self, visible, q_pos, k_pos, dtype):  # every layer's mask without its window
+        return masks.as_attention_mask(self.model, visible.unsqueeze(1), dtype)
 
-    def no_window(self, model):
-        real(self, model)
-        self.kinds = {k: None for k in self.kinds}
-
-    monkeypatch.setattr(masks.AttentionLayout, "__init__", no_window)
+    monkeypatch.setattr(masks.AttentionLayout, "mask", no_window)
     target = build_tiny_architecture("mistral", V, HIDDEN, LAYERS)
+    assert target.attention.windowed  # the plain cache and the sessions' own masks, minus the window
     ids = prompts()[0] + prompts()[1]
     logits, _ = target.session().forward(torch.tensor(ids))
     err = float((logits - full_logits(target, ids)).abs().max())
@@ -154,6 +162,16 @@ def test_drafter_layer_config_is_built_not_copied(arch):
     cfg = layer_config(target.layer_config_dict(), num_hidden_layers=1)
     assert cfg.num_hidden_layers == 1 and cfg.hidden_act == "silu" and not cfg.tie_word_embeddings
     assert cfg.hidden_size == HIDDEN and cfg.vocab_size == V
+    t = target.config
+    mla = getattr(t, "kv_lora_rank", None) is not None
+    want_hd = HIDDEN // 4 if mla or getattr(t, "head_dim", None) is None else t.head_dim
+    assert cfg.head_dim == want_hd and cfg.num_attention_heads == t.num_attention_heads
+    assert cfg.num_key_value_heads == (t.num_attention_heads if mla else getattr(t, "num_key_value_heads", None)
+                                       or t.num_attention_heads)
+    rp = getattr(t, "rope_parameters", None) or {}
+    rp = rp.get("full_attention", rp) if all(isinstance(v, dict) for v in rp.values()) and rp else rp
+    theta = rp.get("rope_theta", getattr(t, "rope_theta", None) or getattr(t, "rotary_emb_base", None))
+    assert cfg.rope_parameters["rope_theta"] == float(theta), (name, cfg.rope_parameters, rp)
     for leaked in ("layer_types", "sliding_window", "kv_lora_rank", "num_local_experts", "final_logit_softcapping",
                    "logits_scaling", "embedding_multiplier", "rotary_pct", "partial_rotary_factor"):
         assert getattr(cfg, leaked, None) in (None, 1.0), (name, leaked)
@@ -273,7 +291,7 @@ def test_export_passes_the_gate(arch, family, tmp_path, reference_python):
 # ----------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("config_name", ["MambaConfig", "T5Config", "Qwen3NextConfig", "LlavaConfig"])
+@pytest.mark.parametrize("config_name", ["MambaConfig", "T5Config", "Qwen3NextConfig", "LlavaConfig", "Gemma3Config"])
 def test_an_unsupported_architecture_is_refused_from_its_config(config_name, tmp_path, tiny_target_dir):
     """A directory holding only the config (no weights, no tokenizer): the refusal names the architecture and
     what is supported, before anything is read; ``speculators train`` stops there (a user error: exit status 2)."""
@@ -402,3 +420,14 @@ def test_alibi_attention_is_refused():
 
     with pytest.raises(SpeculatorsError, match="ALiBi"):
         check_supported(BloomConfig(vocab_size=V, hidden_size=HIDDEN, n_layer=LAYERS, n_head=4))
+
+
+def test_an_unknown_logits_transform_is_refused(monkeypatch):
+    """The load-time check catches a logits rule that is not what the model's forward does."""
+    from speculators.target.architecture import LogitsRule
+
+    target = build_tiny_architecture("granite", V, HIDDEN, LAYERS)
+    target.check_logits_rule()  # the known rule: passes
+    target.logits_rule = LogitsRule(scale=4.0)  # a model that multiplies where Granite divides
+    with pytest.raises(SpeculatorsError, match="transforms the output head's logits"):
+        target.check_logits_rule()

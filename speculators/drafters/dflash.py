@@ -73,7 +73,8 @@ from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
 from .anchors import AnchorSeeds, sample_anchors, valid_anchor_positions
-from .layers import DecoderLayer, DraftVocabBuffers, KVCache, RMSNorm, Rotary, head_dim, layer_config
+from .layers import (DecoderLayer, DraftVocabBuffers, KVCache, RMSNorm, Rotary, effective_rms_scale, head_dim,
+                     layer_config)
 
 
 def default_gamma(block_size: int) -> float:
@@ -320,10 +321,10 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
             raise SpeculatorsError(f"drafter.draft_vocab_size: this {cls.algorithm} config {what} ({want} tokens), "
                                    f"but a draft vocabulary of {vocab.size} was given")
         d = cls(cfg, TargetMeta.from_target(target), None if vocab.size == target.vocab_size else vocab.size)
-        w = getattr(target.final_norm, "weight", None)
-        if w is not None and w.shape == d.norm.weight.shape:  # start where the frozen head expects its input
+        scale = effective_rms_scale(target.final_norm, d.norm.weight.shape[0])
+        if scale is not None:  # start where the frozen head expects its input
             with torch.no_grad():
-                d.norm.weight.copy_(w.float())
+                d.norm.weight.copy_(scale)
         if d.reduced_vocab:
             d.init_draft_vocab(target, vocab, [d.lm_head])
         d.attach_target(target)

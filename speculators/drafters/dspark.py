@@ -396,7 +396,7 @@ class DSparkDrafter(DFlashDrafter):
             raise RuntimeError("attach_target(target) before training: the teacher head is missing")
         with torch.no_grad():
             rows = self.draft_ids if self.reduced_vocab else None
-            return torch.softmax(self.frozen_target.lm_head(top.float(), rows), dim=-1)
+            return torch.softmax(self.frozen_target.teacher_logits(top.float(), rows), dim=-1)
 
     def teacher_forced_prev(self, batch, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The training path's Markov inputs: slot k of the block anchored at a gets the data token at

@@ -296,7 +296,7 @@ class EagleDrafter(Drafter):
         n_valid = counts[0].clamp(min=1)
         with torch.no_grad():
             target_feat = shift_left(batch.top, 1)[rows0]
-            teacher_p = torch.softmax(self.frozen_target.lm_head(target_feat).float(), dim=-1)
+            teacher_p = torch.softmax(self.frozen_target.teacher_logits(target_feat).float(), dim=-1)
         sum_feat = smooth_l1_feature_loss(f0[rows0], target_feat, beta=1.0)
         sum_tok = soft_cross_entropy(logits0, teacher_p)
         loss_feat, loss_tok = sum_feat.detach() / n_valid, sum_tok.detach() / n_valid

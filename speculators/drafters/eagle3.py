@@ -297,7 +297,7 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         with torch.no_grad():
             if self.frozen_target.head_weight is None:
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
-            teacher_logits = self.frozen_target.lm_head(batch.top, draft_ids)  # [B, T, N]
+            teacher_logits = self.frozen_target.teacher_logits(batch.top, draft_ids)  # [B, T, N]
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
         valids = self._valid_masks(batch)
         counts = torch.stack([v.sum() for v in valids])

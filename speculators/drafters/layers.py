@@ -33,9 +33,11 @@ class FrozenTarget:
     saved, never in ``state_dict``): the output head (teacher distributions in training; drafting through the
     target's head for EAGLE-1 / MTP), the final RMSNorm (MTP) and the token embedding (DFlash / DSpark).
     Each is moved to the caller's device and dtype once, not per call. Empty (every use raises) until a
-    drafter's ``attach_target(target)``. The head's logits follow the target's architecture rule
-    (:attr:`speculators.target.Target.logits_rule`: Gemma's soft-capping, Granite's / Cohere's scaling), so
-    teacher distributions are the target's own; the embedding is the raw table (no architecture
+    drafter's ``attach_target(target)``. Two views of the head: :meth:`teacher_logits` follows the target's
+    architecture rule (:attr:`speculators.target.Target.logits_rule`: Gemma's soft-capping, Granite's /
+    Cohere's scaling), so teacher distributions are the target's own; :meth:`lm_head` (a drafter drafting
+    through the target's head: EAGLE-1, MTP, full-vocabulary DFlash / DSpark) does not, as vLLM's drafters
+    compute their logits with their own logits processor. The embedding is the raw table (no architecture
     multiplier), as vLLM's drafters share the target's ``embed_tokens`` (docs/FORMATS.md, "Targets").
 
     Args:
@@ -52,23 +54,33 @@ class FrozenTarget:
     def _placed(self, name: str, w: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tensor:
         if w is None:
             raise RuntimeError(f"attach_target(target) first: the target's {what} is missing")
-        cur = self._on_device.get(name)
-        if cur is None or cur.device != like.device or cur.dtype != like.dtype:
-            cur = self._on_device[name] = w.to(device=like.device, dtype=like.dtype)
+        key = f"{name}:{like.device}:{like.dtype}"  # one copy per device and dtype (a float32 teacher beside
+        cur = self._on_device.get(key)  # bf16 drafting never re-copies the head)
+        if cur is None:
+            cur = self._on_device[key] = w.to(device=like.device, dtype=like.dtype)
         return cur
 
     def lm_head(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Frozen target output head after the target's logits rule: ``[..., H]`` post-norm hidden ->
-        ``[..., V]`` logits in ``h``'s dtype, or ``[..., N]`` over the target ids ``rows [N]`` (a draft
-        vocabulary) only.
+        """Frozen target output head, as a drafter drafts through it (no architecture rule, as vLLM):
+        ``[..., H]`` post-norm hidden -> ``[..., V]`` logits in ``h``'s dtype, or ``[..., N]`` over the target
+        ids ``rows [N]`` (a draft vocabulary) only.
 
         Raises:
             RuntimeError: not attached.
         """
         w = self._placed("head", self.head_weight, h, "output head")
-        if rows is not None:
-            w = w[rows.to(w.device)]
-        return apply_logits_rule(F.linear(h, w), self.rule)
+        return F.linear(h, w if rows is None else w[rows.to(w.device)])
+
+    def teacher_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's own logits on post-norm hidden states (:meth:`lm_head` after the target's logits
+        rule: Gemma's soft-capping, Granite's / Cohere's scaling), the teacher of every distillation loss:
+        ``[..., V]``, or ``[..., N]`` over ``rows [N]`` (softmax over them = the target's distribution
+        renormalised on the draft vocabulary), in ``h``'s dtype.
+
+        Raises:
+            RuntimeError: not attached.
+        """
+        return apply_logits_rule(self.lm_head(h, rows), self.rule)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The target's frozen final RMSNorm: ``[..., H]`` -> ``[..., H]``.
@@ -211,6 +223,21 @@ def layer_config(target_config: dict, num_hidden_layers: int = 1, **overrides) -
         raise SpeculatorsError("partial_rotary_factor: the draft layer rotates the whole head dim; only 1.0 is allowed")
     d.update(overrides)
     return LlamaConfig(**d)
+
+
+def effective_rms_scale(norm: nn.Module, hidden_size: int) -> torch.Tensor | None:
+    """The per-channel scale an RMS norm of the target applies, as a float32 ``[H]`` tensor a Llama RMSNorm's
+    ``weight`` can start from: the norm's output on a vector of ones (RMS 1), so Gemma's ``1 + w`` norm gives
+    ``1 + w`` and Llama's gives ``w``. None for a norm that is not an RMS norm (a LayerNorm subtracts the
+    mean: its output on ones is its bias) or of another width.
+    """
+    if "rmsnorm" not in type(norm).__name__.lower():
+        return None
+    w = getattr(norm, "weight", None)
+    like = w if isinstance(w, torch.Tensor) else torch.empty(0)
+    with torch.no_grad():
+        out = norm(torch.ones(1, hidden_size, dtype=like.dtype, device=like.device))
+    return out[0].float().cpu() if out.shape[-1] == hidden_size else None
 
 
 def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:

@@ -279,11 +279,9 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
         Raises:
             RuntimeError: ``attach_target`` was not called.
         """
-        if self.full_vocab:
-            return self.frozen_target.lm_head(top)
         if self.frozen_target.head_weight is None:
             raise RuntimeError("attach_target(target) first: the target's output head is missing")
-        return self.frozen_target.lm_head(top, self.draft_ids)
+        return self.frozen_target.teacher_logits(top, None if self.full_vocab else self.draft_ids)
 
     # ------------------------------------------------------------------ training
     @property

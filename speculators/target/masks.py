@@ -95,8 +95,9 @@ def as_attention_mask(model, mask: torch.Tensor, dtype: torch.dtype) -> torch.Te
         return mask
     if impl == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    raise SpeculatorsError(f"tree verification: attention implementation {impl!r} takes no 4-D tree mask; load "
-                           f"the target with attn_implementation 'sdpa' or 'eager'")
+    raise SpeculatorsError(f"target: attention implementation {impl!r} takes no 4-D mask (draft trees, sliding "
+                           f"windows or chunks in a ragged batch); load the target with attn_implementation 'sdpa' "
+                           f"or 'eager'")
 
 
 def slot_positions(valid: torch.Tensor) -> torch.Tensor:
@@ -106,6 +107,16 @@ def slot_positions(valid: torch.Tensor) -> torch.Tensor:
 
 
 def causal_by_slot(B: int, Q: int, S: int, device) -> torch.Tensor:
-    """``[B, Q, S + Q]`` bool: query q (written at slot ``S + q``) sees every slot up to its own."""
+    """``[B, Q, S + Q]`` bool: query q (written at slot ``S + q``) sees every slot up to its own (callers AND
+    it with the rows' valid slots and then :func:`with_self` so that padded queries still see one key)."""
     s = torch.arange(S + Q, device=device)
     return (s[None, :] <= (torch.arange(Q, device=device)[:, None] + S)).unsqueeze(0).expand(B, Q, S + Q)
+
+
+def with_self(visible: torch.Tensor, S: int) -> torch.Tensor:
+    """``visible [B, Q, S + Q]`` with every query's own slot ``S + q`` made visible (a padding query whose
+    valid keys all fall outside a window would otherwise see none: NaN rows in eager attention)."""
+    Q = visible.shape[1]
+    eye = torch.zeros_like(visible)
+    eye[:, torch.arange(Q), S + torch.arange(Q)] = True
+    return visible | eye

@@ -60,7 +60,7 @@ class Target(LoraTarget):
 
     Args:
         model: a decoder-only transformers ``*ForCausalLM`` (any architecture whose layers are full or
-            sliding-window attention: :func:`speculators.target.architecture.check_supported`); its decoder
+            sliding-window or chunked attention: :func:`speculators.target.architecture.check_supported`); its decoder
             stack, layers, final norm, embedding and head are read through its own accessors
             (:mod:`speculators.target.architecture`).
         tokenizer: its tokenizer (may be None for tokenizer-free tests).
@@ -280,6 +280,26 @@ class Target(LoraTarget):
         else:
             logits = torch.nn.functional.linear(top, w.to(top.dtype))
         return apply_logits_rule(logits, self.logits_rule)
+
+    @torch.no_grad()
+    def check_logits_rule(self, tokens: int = 8) -> None:
+        """Check that :meth:`lm_head` on the decoder's output reproduces the model's own forward (the
+        architecture's :attr:`logits_rule` is the transform its forward applies), on the first ``tokens``
+        token ids; :meth:`load` runs it once.
+
+        Raises:
+            SpeculatorsError: the logits differ by more than 1% of their largest magnitude (an architecture
+                that transforms its logits in a way :func:`~speculators.target.architecture.logits_rule`
+                does not know; naming it).
+        """
+        ids = torch.arange(min(tokens, self.vocab_size)).unsqueeze(0).to(self.device)
+        ours = self.features(ids, with_logits=True).logits.float()
+        want = self.model(input_ids=ids).logits.to(ours.device).float()
+        err = float((ours - want).abs().max())
+        if err > 1e-2 * max(1.0, float(want.abs().max())):
+            raise SpeculatorsError(f"target {self.name_or_path!r} ({self.architecture}): its forward transforms the "
+                                   f"output head's logits in a way this project does not apply ({self.logits_rule}; "
+                                   f"max difference {err:.3g}); this architecture is not supported yet")
 
     def new_cache(self):
         """A fresh KV cache for a decoder forward (:meth:`AttentionLayout.new_cache`)."""

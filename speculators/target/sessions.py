@@ -21,7 +21,7 @@ import torch
 from ..errors import SpeculatorsError
 from .cache import _CACHE_KW, _CROP_TAKES_COUNT, _TAKES_CACHE_POSITION, _pad_slots
 from .features import TargetFeatures
-from .masks import causal_by_slot, slot_positions
+from .masks import causal_by_slot, slot_positions, with_self
 from .tree_session import BatchTreeMixin, DecodeTreeMixin, SingleTreeMixin
 
 if TYPE_CHECKING:
@@ -350,7 +350,7 @@ class BatchDecodeSession(BatchTreeMixin):
         cache = self.target.new_cache()
         top, aux = self._run(inp.to(dev), cache, steps.unsqueeze(0).expand(J, T),
                              attention_mask=None if min(n) == T else valid,
-                             visible=causal_by_slot(J, T, 0, dev) & valid.unsqueeze(1))
+                             visible=with_self(causal_by_slot(J, T, 0, dev) & valid.unsqueeze(1), 0))
         last = top[torch.arange(J, device=dev), torch.tensor(n, device=dev) - 1]  # [J, H]
         logits = self.target.lm_head(last).float()
         self._join(cache, valid)
@@ -422,7 +422,7 @@ class BatchDecodeSession(BatchTreeMixin):
         pos = torch.tensor(self._lengths, device=dev).unsqueeze(1) + steps.unsqueeze(0)
         mask = torch.cat([self.valid, new_valid], dim=1)
         top, aux = self._run(inp, self.cache, pos, attention_mask=mask, start_slot=self.width,
-                             visible=causal_by_slot(B, M, self.width, dev) & mask.unsqueeze(1),
+                             visible=with_self(causal_by_slot(B, M, self.width, dev) & mask.unsqueeze(1), self.width),
                              old_valid=self.valid)
         self.valid = mask
         for row in range(B):
