@@ -145,3 +145,12 @@ def test_model_reference_errors(tmp_path):
     assert resolve_model_ref("HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", None)
     with pytest.raises(SpeculatorsError, match="aux_layer_ids"):
         Target(build_tiny_target(num_layers=2).model, aux_layer_ids=[5])
+
+
+def test_load_resolves_dtype_auto(tiny_target_dir):
+    """``Target.load(ref, "auto")`` takes the one dtype rule (bf16 where this CPU is fast in it, else float32),
+    so scripts that pass a recipe's ``target.dtype`` as it is load the target."""
+    from speculators.hardware import resolve_target_dtype
+
+    t = Target.load(str(tiny_target_dir), "auto", log=lambda *_: None)
+    assert str(t.dtype) == f"torch.{resolve_target_dtype('auto', 'cpu')}"

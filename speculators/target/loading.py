@@ -403,6 +403,10 @@ def load_target(cls, ref: str, dtype: str = "float32", aux_layer_ids: list[int] 
                 resolve_device(str(_placement_device(d)))
             except SpeculatorsError as e:
                 raise SpeculatorsError(f"target.device_map[{name!r}]: {e}") from None
+    if dtype == "auto":  # the one rule (hardware.resolve_target_dtype): bf16 where this device is fast in it
+        from ..hardware import resolve_target_dtype
+
+        dtype = resolve_target_dtype(dtype, dev if device_map is None else None)
     directory, gguf = resolve_model_ref(ref)
     check_target_config(directory, gguf, ref)
     t0 = time.time()

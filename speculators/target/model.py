@@ -106,7 +106,8 @@ class Target(LoraTarget):
 
         Args:
             ref: the model reference (:func:`resolve_model_ref`).
-            dtype: weight dtype name (:func:`torch_dtype`); ``bfloat16`` is the usual choice on a GPU.
+            dtype: weight dtype name (:func:`torch_dtype`), or ``auto`` (:func:`speculators.hardware.resolve_target_dtype`:
+                bfloat16 where this device is fast in it, else float32).
             aux_layer_ids: 0-based decoder layers whose outputs are tapped (default per ALGORITHMS.md).
             log: called with one line describing the loaded model.
             device: where the model lives when ``device_map`` is None (:func:`resolve_device`): ``None`` =
