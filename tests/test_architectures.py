@@ -76,11 +76,13 @@ def test_logits_equal_the_models_own_forward(arch):
     f = target.features(torch.tensor([ids]), with_logits=True)
     want = full_logits(target, ids)
     torch.testing.assert_close(f.logits[0].float(), want, atol=2e-5, rtol=1e-5)
-    # the drafters' teacher (and EAGLE-1 / MTP's drafting head), over the full vocabulary and a draft vocabulary
+    # the drafters' teacher over the full vocabulary and a draft vocabulary; drafting through the head is raw
     frozen = FrozenTarget(target)
-    torch.testing.assert_close(frozen.lm_head(f.top[0]), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(frozen.teacher_logits(f.top[0]), want, atol=2e-5, rtol=1e-5)
     rows = torch.arange(0, V, 3)
-    torch.testing.assert_close(frozen.lm_head(f.top[0], rows), want[:, rows], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(frozen.teacher_logits(f.top[0], rows), want[:, rows], atol=2e-5, rtol=1e-5)
+    raw = f.top[0] @ target.lm_head_weight.T
+    torch.testing.assert_close(frozen.lm_head(f.top[0]), raw, atol=2e-5, rtol=1e-5)
 
 
 def test_plain_decoding_equals_the_forward_of_the_sequence_alone(arch):

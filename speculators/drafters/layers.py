@@ -69,7 +69,9 @@ class FrozenTarget:
             RuntimeError: not attached.
         """
         w = self._placed("head", self.head_weight, h, "output head")
-        return F.linear(h, w if rows is None else w[rows.to(w.device)])
+        w = w if rows is None else w[rows.to(w.device)]
+        flat = h.reshape(-1, h.shape[-1]).contiguous()  # a 2-D product (see Target.lm_head)
+        return F.linear(flat, w).view(*h.shape[:-1], w.shape[0])
 
     def teacher_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target's own logits on post-norm hidden states (:meth:`lm_head` after the target's logits

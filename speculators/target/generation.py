@@ -113,9 +113,9 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
             rows, nxt, att, last_pos, live = rows[keep], nxt[keep], att[keep], last_pos[keep], live[keep]
         att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
         last_pos = last_pos + 1
-        out = target.model(input_ids=nxt[:, None], attention_mask=att, position_ids=last_pos[:, None],
-                           use_cache=True, **{_CACHE_KW: cache})
-        logits = out.logits[:, -1].float()
+        out = target.decoder(input_ids=nxt[:, None], attention_mask=att, position_ids=last_pos[:, None],
+                             use_cache=True, **{_CACHE_KW: cache})
+        logits = target.lm_head(out.last_hidden_state[:, -1]).float()
     return [Generation(r, s_) for r, s_ in zip(results, stopped)]
 
 
@@ -164,9 +164,9 @@ def _prefill(target, prompts: list[list[int]], pad_token_id: int, max_new_tokens
     ids, att = ids.to(dev), att.to(dev)
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     cache = _reserved_cache(DynamicCache(config=target.config), T + max_new_tokens)
-    out = target.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True,
-                       logits_to_keep=1, **{_CACHE_KW: cache})
-    return cache, out.logits[:, -1].float(), att, pos[:, -1]
+    out = target.decoder(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, **{_CACHE_KW: cache})
+    # the output head on the last position only, a [B, H] matrix (Target.lm_head: the model's own logits)
+    return cache, target.lm_head(out.last_hidden_state[:, -1]).float(), att, pos[:, -1]
 
 
 class _ReservedLayer(DynamicLayer):

@@ -276,11 +276,15 @@ class Target(LoraTarget):
         after the architecture's :attr:`logits_rule` (Gemma's soft-capping, Granite's / Cohere's scaling),
         so they equal the logits of the model's own forward."""
         w = self.lm_head_weight
+        # one [N, H] x [H, V] product: a 3-D or strided input can make oneDNN expand the head per row (25 GB
+        # for Gemma 3's 262k x 640 head at 77 rows), and once that allocation fails torch takes its ~10x slower
+        # bf16 matmul for the rest of the process
+        flat = top.reshape(-1, top.shape[-1]).contiguous()
         if w.device != top.device:
-            logits = torch.nn.functional.linear(top.to(w.device), w.to(top.dtype)).to(top.device)
+            logits = torch.nn.functional.linear(flat.to(w.device), w.to(top.dtype)).to(top.device)
         else:
-            logits = torch.nn.functional.linear(top, w.to(top.dtype))
-        return apply_logits_rule(logits, self.logits_rule)
+            logits = torch.nn.functional.linear(flat, w.to(top.dtype))
+        return apply_logits_rule(logits.view(*top.shape[:-1], -1), self.logits_rule)
 
     @torch.no_grad()
     def check_logits_rule(self, tokens: int = 8) -> None:
