@@ -166,34 +166,20 @@ def test_keep_tree_then_decode_equals_a_fresh_run(target, compact):
         torch.testing.assert_close(f.aux[0, 0], aux, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("single", [False, True])
-def test_batch1_sessions_verify_trees(target, single):
-    """DecodeSession and SingleRequestSession: the same dense comparison, then keep_tree crops the
-    cache to context + path and decoding continues exactly."""
+def test_batch1_session_verifies_trees(target):
+    """DecodeSession: the same dense comparison, then keep_tree crops the cache to context + path and
+    decoding continues exactly."""
     ctx = rand_prompt(6, 7)
     parents = TREES["wide"]
     ids = tree_ids(parents, 8, ctx[-1])
-    if single:
-        from speculators.target.sessions import SingleRequestSession
-
-        sess = SingleRequestSession(target)
-        sess.add("r", ctx[:-1])
-        logits, feats = sess.forward_tree(["r"], [ids], [parents])
-        logits, feats = logits[0], feats[0]
-    else:
-        sess = target.session()
-        sess.forward(torch.tensor(ctx[:-1]))
-        logits, feats = sess.forward_tree(torch.tensor(ids), torch.tensor(parents))
+    sess = target.session()
+    sess.forward(torch.tensor(ctx[:-1]))
+    logits, feats = sess.forward_tree(torch.tensor(ids), torch.tensor(parents))
     assert max(node_errors(target, ctx[:-1], ids, parents, logits, feats)) < ATOL
     path = [0, 2, 6, 9]
-    if single:
-        sess.keep_tree("r", path)
-        assert sess.length("r") == len(ctx) - 1 + len(path)
-        lg = sess.forward(["r"], [[3]])[0][0]
-    else:
-        sess.keep_tree(path)
-        assert sess.length == len(ctx) - 1 + len(path)
-        lg = sess.forward(torch.tensor([3]))[0]
+    sess.keep_tree(path)
+    assert sess.length == len(ctx) - 1 + len(path)
+    lg = sess.forward(torch.tensor([3]))[0]
     want = reference(target, ctx[:-1], [ids[k] for k in path] + [3])[0]
     torch.testing.assert_close(lg[-1], want, atol=ATOL, rtol=0)
 

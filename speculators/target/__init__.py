@@ -13,7 +13,7 @@ decoding loop need. One concern per module:
   (:func:`default_aux_layer_ids`, :func:`distinct_layer_ids`);
 * ``sessions`` (and ``cache``, the KV-cache API of the installed transformers): :class:`DecodeSession`
   (batch 1, croppable after rejected drafts), :class:`BatchDecodeSession` (continuous batching over one
-  ragged cache), :class:`SingleRequestSession`;
+  ragged cache; sliding-window and chunked targets too);
 * ``generation``: ``Target.generate_batch`` (batched generation that drops finished rows);
 * ``lora``: LoRA adaptation for joint training (peft): ``adapt_lora``, ``train_forward``, adapters saved,
   loaded and merged;
@@ -36,11 +36,11 @@ from .loading import (DEVICE_MAP_STRATEGIES, GEMMA3_ALIAS, GEMMA3_GGUF, GEMMA3_H
                       gguf_cache_dir, process_device_map, resolve_device, resolve_model_ref, torch_dtype)
 from .lora import ADAPTER_WEIGHTS, LoraForward
 from .model import Target
-from .sessions import BatchDecodeSession, DecodeSession, SingleRequestSession
+from .sessions import BatchDecodeSession, DecodeSession
 from .tiny import build_tiny_target
 
 __all__ = ["Target", "TargetFeatures", "Generation", "LoraForward", "DecodeSession", "BatchDecodeSession",
-           "SingleRequestSession", "resolve_device", "default_aux_layer_ids", "distinct_layer_ids",
+           "resolve_device", "default_aux_layer_ids", "distinct_layer_ids",
            "resolve_model_ref", "build_tiny_target", "torch_dtype", "check_device_map", "process_device_map",
            "gguf_cache_dir", "DEVICE_MAP_STRATEGIES", "GEMMA3_ALIAS", "GEMMA3_GGUF", "GEMMA3_HUB_ID", "SMOLLM2_ALIAS", "SMOLLM2_GGUF", "SMOLLM2_HUB_ID",
            "ADAPTER_WEIGHTS"]

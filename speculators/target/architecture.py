@@ -1,6 +1,6 @@
 """What differs between decoder-only architectures, read through the model's own accessors.
 
-The rest of the project never reaches into ``model.model``: the decoder stack, its layers and its final
+The rest of the project never reaches past the model's own accessors: the decoder stack, its layers and its final
 norm come from here (``get_decoder()``, then the stack's ``layers`` / ``h`` and its final norm by the names
 transformers' decoder-only models use), and so do the rules an architecture applies around the shared
 pieces a drafter reuses:

@@ -35,7 +35,7 @@ from .generation import generate_batch as _generate_batch
 from .loading import ALIAS_HUB_IDS, _placement, load_target
 from .lora import LoraTarget
 from .masks import AttentionLayout
-from .sessions import BatchDecodeSession, DecodeSession, SingleRequestSession
+from .sessions import BatchDecodeSession, DecodeSession
 
 
 class _ReturnToInputDevice(torch.nn.Module):
@@ -374,20 +374,13 @@ class Target(LoraTarget):
         """A fresh ragged-batch decoding session (:class:`BatchDecodeSession`) for at most ``max_batch``
         requests at a time (continuous batching: requests join and leave between forwards).
 
-        A model whose KV cache the batch session cannot gather and pad (sliding-window or
-        linear-attention layers) still decodes one request at a time: with ``max_batch == 1`` it gets
-        the same interface over the batch-1 :class:`DecodeSession`.
+        Every supported target batches: sliding-window and chunked layers keep plain ``DynamicLayer`` caches
+        and get their masks by position (:class:`~speculators.target.masks.AttentionLayout`).
 
         Raises:
-            SpeculatorsError: ``max_batch`` is not an integer >= 1, or ``max_batch > 1`` for a model whose
-                KV cache is not the plain full-attention kind (e.g. sliding-window layers).
+            SpeculatorsError: ``max_batch`` is not an integer >= 1.
         """
-        try:
-            return BatchDecodeSession(self, max_batch)
-        except SpeculatorsError as e:
-            if max_batch == 1 and "DynamicLayer" in str(e):
-                return SingleRequestSession(self)
-            raise
+        return BatchDecodeSession(self, max_batch)
 
 
 def _template_end_of_turn_id(tokenizer, chat_template: str | None) -> int | None:

@@ -5,8 +5,6 @@
 * :class:`BatchDecodeSession` (``Target.batch_session(max_batch)``): a ragged batch of requests over
   ONE cache, requests joining and leaving between forwards (continuous batching, as vLLM's / TGI's
   ragged batches, on a padded cache instead of paged blocks);
-* :class:`SingleRequestSession`: the batch interface over a :class:`DecodeSession`, for a model whose
-  cache cannot be gathered and padded per slot (sliding-window or linear-attention layers).
 
 Every forward returns the logits and the :class:`~speculators.target.features.TargetFeatures` (aux taps,
 post-norm top hidden state) of the new positions, on the target's device.
@@ -22,7 +20,7 @@ from ..errors import SpeculatorsError
 from .cache import _CACHE_KW, _CROP_TAKES_COUNT, _TAKES_CACHE_POSITION, _pad_slots
 from .features import TargetFeatures
 from .masks import causal_by_slot, slot_positions, with_self
-from .tree_session import BatchTreeMixin, DecodeTreeMixin, SingleTreeMixin
+from .tree_session import BatchTreeMixin, DecodeTreeMixin
 
 if TYPE_CHECKING:
     from .model import Target
@@ -81,89 +79,6 @@ class DecodeSession(DecodeTreeMixin):
             self.length = n
 
 
-class SingleRequestSession(SingleTreeMixin):
-    """:class:`BatchDecodeSession`'s interface for ONE request at a time over the batch-1
-    :class:`DecodeSession` (``crop`` for :meth:`keep`): what ``Target.batch_session(1)`` returns for
-    models whose KV cache the batch session cannot gather (sliding-window layers), so batch-1 decoding
-    works for every model it worked for before batching."""
-
-    max_batch = 1
-
-    def __init__(self, target: Target):
-        self.target = target
-        self._rid = None
-        self._sess: DecodeSession | None = None
-
-    @property
-    def request_ids(self) -> list:
-        return [] if self._sess is None else [self._rid]
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    def __contains__(self, request_id) -> bool:
-        return self._sess is not None and request_id == self._rid
-
-    @property
-    def width(self) -> int:
-        return 0 if self._sess is None else self._sess.length
-
-    def length(self, request_id) -> int:
-        """Visible tokens of the request. Raises SpeculatorsError: not the request in the session."""
-        self._check(request_id)
-        return self._sess.length
-
-    def _check(self, request_id) -> None:
-        if request_id not in self:
-            raise SpeculatorsError(f"batch session: request {request_id!r} is not in the batch "
-                                   f"(in the batch: {self.request_ids})")
-
-    def add(self, request_id, prompt_ids) -> tuple[torch.Tensor, TargetFeatures]:
-        """Prefill ONE request (see :meth:`BatchDecodeSession.add`). Raises SpeculatorsError: the
-        session already holds a request, or an empty prompt."""
-        if self._sess is not None:
-            raise SpeculatorsError(f"batch session: the batch is full (max_batch=1); remove a request before "
-                                   f"adding {request_id!r}")
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
-        if ids.numel() == 0:
-            raise SpeculatorsError(f"batch session: the prompt of request {request_id!r} is empty")
-        sess = DecodeSession(self.target)
-        logits, feats = sess.forward(ids)
-        self._rid, self._sess = request_id, sess
-        return logits[-1], feats
-
-    def add_many(self, request_ids: list, prompts: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
-        """:meth:`add` for a list of at most one request."""
-        if len(request_ids) != len(prompts):
-            raise SpeculatorsError(f"batch session add: {len(request_ids)} request ids but {len(prompts)} prompts")
-        out = [self.add(r, p) for r, p in zip(request_ids, prompts)]
-        return [o[0] for o in out], [o[1] for o in out]
-
-    def forward(self, request_ids: list, ids_list: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
-        """See :meth:`BatchDecodeSession.forward` (at most the one request)."""
-        if len(request_ids) != len(ids_list):
-            raise SpeculatorsError(f"batch session forward: {len(request_ids)} request ids but {len(ids_list)} "
-                                   f"token lists")
-        for r in request_ids:
-            self._check(r)
-        out = [self._sess.forward(torch.as_tensor(x, dtype=torch.int64)) for x in ids_list]
-        return [o[0] for o in out], [o[1] for o in out]
-
-    def keep(self, request_id, n_valid: int) -> None:
-        """Crop the request's KV cache to its first ``n_valid`` tokens."""
-        self._check(request_id)
-        if isinstance(n_valid, bool) or not isinstance(n_valid, int) or not 1 <= n_valid <= self._sess.length:
-            raise SpeculatorsError(f"batch session keep: n_valid must be an integer in [1, {self._sess.length}] "
-                                   f"for request {request_id!r}, got {n_valid!r}")
-        self._sess.crop(n_valid)
-
-    def remove(self, request_id) -> None:
-        self._check(request_id)
-        self._rid, self._sess = None, None
-
-    def compact(self, repack: bool = True) -> None:
-        """Nothing to reclaim: the batch-1 cache is cropped in place."""
-
 class BatchDecodeSession(BatchTreeMixin):
     """Ragged-batch incremental decoding over ONE transformers KV cache (continuous batching).
 
@@ -199,8 +114,8 @@ class BatchDecodeSession(BatchTreeMixin):
         slack: wasted slots tolerated before an automatic :meth:`compact` (>= 0).
     Raises:
         SpeculatorsError: ``max_batch`` / ``slack`` out of range, or a model whose KV cache is not made of
-            plain full-attention ``DynamicLayer`` s (sliding-window or linear-attention layers cannot be
-            gathered and padded per slot).
+            plain ``DynamicLayer`` s (:meth:`Target.new_cache` gives every supported target such a
+            cache; another cache cannot be gathered and padded per slot).
     """
 
     def __init__(self, target: Target, max_batch: int, slack: int = 16):

@@ -10,7 +10,6 @@ path visible; a path's slots increase with depth, so slot order is position orde
   (a 4-D mask ``[B, 1, M, S + M]`` over the ragged batch cache);
 * :class:`DecodeTreeMixin`: the same for the batch-1 :class:`~.sessions.DecodeSession` (``keep_tree``
   index-selects the kept slots out of the appended tail);
-* :class:`SingleTreeMixin`: the batch interface over the batch-1 session.
 
 While a request has a tree forward pending, ``forward``, ``keep``, ``forward_tree`` for THAT request and
 ``compact`` are refused (SpeculatorsError); the automatic compaction waits; ``add`` of other requests,
@@ -278,25 +277,3 @@ class DecodeTreeMixin:
             layer.values = layer.values.index_select(2, idx)
         self.length += len(path)
         self._tree = None
-
-
-class SingleTreeMixin:
-    """``forward_tree`` / ``keep_tree`` of :class:`~.sessions.SingleRequestSession` over its batch-1
-    :class:`~.sessions.DecodeSession` (``_check``, ``_sess``)."""
-
-    def forward_tree(self, request_ids: list, ids_list: list,
-                     parents_list: list) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
-        """See :meth:`BatchTreeMixin.forward_tree` (at most the one request; its cache must be plain
-        full attention, else SpeculatorsError)."""
-        if not len(request_ids) == len(ids_list) == len(parents_list):
-            raise SpeculatorsError(f"batch session forward_tree: {len(request_ids)} request ids, {len(ids_list)} "
-                                   f"token lists and {len(parents_list)} parent lists")
-        for r in request_ids:
-            self._check(r)
-        out = [self._sess.forward_tree(x, p) for x, p in zip(ids_list, parents_list)]
-        return [o[0] for o in out], [o[1] for o in out]
-
-    def keep_tree(self, request_id, nodes: list) -> None:
-        """See :meth:`BatchTreeMixin.keep_tree`."""
-        self._check(request_id)
-        self._sess.keep_tree(nodes)
