@@ -1,6 +1,6 @@
 """Batched decoding throughput: the same prompts decoded at several batch sizes.
 
-Runs :func:`speculators.generate.speculative_generate` (continuous batching) over ``--prompts`` prompts
+Runs :func:`speculators.decode.loop.speculative_generate` (continuous batching) over ``--prompts`` prompts
 at each ``--batch`` size, plain decoding (``--proposer none``) and/or prompt-lookup speculative decoding
 (``--proposer ngram``), greedy, and prints wall time, tokens/s, batched target forwards and the speedup
 over the first batch size. Greedy outputs must be identical at every batch size and for every proposer
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    from speculators.generate import speculative_generate
-    from speculators.proposers import NGramProposer
+    from speculators.decode.loop import speculative_generate
+    from speculators.decode.proposers import NGramProposer
     from speculators.target import resolve_device
 
     device = str(resolve_device(a.device))

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """How well the eval's cost model predicts tokens/s: predicted vs measured per row, and where the time goes.
 
-Runs :func:`speculators.evaluate.run_eval` with the model-free proposers (n-gram, suffix: no trained
+Runs :func:`speculators.evaluation.runner.run_eval` with the model-free proposers (n-gram, suffix: no trained
 drafter needed) on a target and prints two tables:
 
-1. the break-even table every eval report has (``report["cost_model"]``, :mod:`speculators.cost_model`):
+1. the break-even table every eval report has (``report["cost_model"]``, :mod:`speculators.evaluation.cost_model`):
    per method, K and batch size the predicted and measured tokens/s, the relative error, the predicted
    speedup, the best K' and the break-even batch size;
 2. the step's parts, predicted against measured in the same pass (ms per batched step): E[tokens per
@@ -75,8 +75,8 @@ def main() -> None:
 
     from speculators.data.pipeline import unique_prompts
     from speculators.data.sources import load_source
-    from speculators.eval_report import BREAK_EVEN_COLUMNS, break_even_rows
-    from speculators.evaluate import run_eval
+    from speculators.evaluation.report import BREAK_EVEN_COLUMNS, break_even_rows
+    from speculators.evaluation.runner import run_eval
     from speculators.target import Target
     from speculators.verify import SamplingParams
 

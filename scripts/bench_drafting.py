@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from speculators.drafters import DraftVocab, registry  # noqa: E402
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.target import Target, TargetFeatures, build_tiny_target  # noqa: E402
 from speculators.verify import SamplingParams  # noqa: E402
 

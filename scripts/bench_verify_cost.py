@@ -9,7 +9,7 @@ memory-bound and the ratio is near 1; on a CPU core it is not, and this script m
 Three tables, one thread (``--threads``), nothing else should run on the machine:
 
 1. Target forward over m = 1..K+1 new tokens after a ``--context``-token prompt, batch 1, through
-   the same decode session speculative decoding uses (:func:`speculators.generate.measure_verify_cost`:
+   the same decode session speculative decoding uses (:func:`speculators.evaluation.forward_cost.measure_verify_cost`:
    median of ``--reps`` timings, the cache rolled back after each), in ms and as a ratio to m = 1;
    with the break-even tau ``cost(m) / cost(1)`` for verifying m - 1 drafts (drafting time excluded).
 2. The target's own matrix shapes (attention q/o, MLP up/down, lm_head) as ``F.linear`` over an
@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from speculators.generate import measure_verify_cost
+    from speculators.evaluation.forward_cost import measure_verify_cost
     from speculators.target import Target
 
     target = Target.load(args.model, dtype=args.dtype)

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Greedy losslessness per target dtype: how many speculative outputs leave plain greedy decoding, and
-whether each one sits on a near-tie of the target's logits (:mod:`speculators.greedy_check`) or is a
+whether each one sits on a near-tie of the target's logits (:mod:`speculators.evaluation.greedy_check`) or is a
 verifier failure.
 
 For every dtype of ``--dtype`` the target is loaded, ``--num-prompts`` prompts (HumanEval, then
 chatterbot; rendered with the target's chat template) are decoded plainly and with the model-free
-proposers (``--methods``: n-gram, suffix) for every K of ``--k`` through :func:`speculators.evaluate.run_eval`,
+proposers (``--methods``: n-gram, suffix) for every K of ``--k`` through :func:`speculators.evaluation.runner.run_eval`,
 at batch 1 and ``--batch-size``; with ``--checkpoint`` the checkpoint's drafter is decoded too (its recipe's
 target is the one loaded, unless ``--target`` says otherwise). Two tables are printed:
 
@@ -61,10 +61,10 @@ def main() -> None:
 
     import torch
 
-    from speculators.evaluate import run_eval
+    from speculators.evaluation.runner import run_eval
     from speculators.hardware import resolve_target_dtype
     from speculators.target import Target
-    from speculators.tree_spec import TreeSpec
+    from speculators.decode.tree_spec import TreeSpec
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from speculators.eval_report import fmt
+from speculators.evaluation.report import fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ deepspeed_zero3), train a tiny EAGLE-3 drafter through ``accelerate launch`` wit
 micro-batches (``P`` processes x ``grad_accum = 2 / P``) and compare every step's ``train/loss`` with a
 1-process run of the same global batch (fp32, 1e-4 relative); then kill a copy after its step-2
 checkpoint (``SPECULATORS_TEST_CRASH_AT_STEP``), ``--resume`` it and compare again. ``P`` is 2 where
-there are two GPUs or none (CPU processes over gloo: DDP, FSDP2 through ``speculators.fsdp``, DeepSpeed
+there are two GPUs or none (CPU processes over gloo: DDP, FSDP2 through ``speculators.train.fsdp``, DeepSpeed
 on its CPU accelerator), else 1 (FSDP and DeepSpeed still wrap the unit with world size 1; DDP needs 2
 GPUs and is skipped with one). The test suite runs the CPU cases in tests/test_distributed.py,
 tests/test_fsdp.py and tests/test_deepspeed.py. Self-contained, no download: a tiny random Llama target with a small

@@ -94,7 +94,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" \
     2>&1 | tee -a "$out/gpu.txt"
 step verifier-tests 200 "$py" -m pytest -q --noconftest -p no:cacheprovider tests/test_verify_triton.py tests/test_verify.py
-if "$py" -c "import speculators.generate" 2>"$out/import.log"; then
+if "$py" -c "import speculators.decode.loop" 2>"$out/import.log"; then
     step batched-tests 150 "$py" -m pytest -q -p no:cacheprovider tests/test_batched.py
 else
     echo "== batched-tests SKIPPED: speculators does not import here (see import.log); carry the missing wheels" \
@@ -105,7 +105,7 @@ fi
 step bench-acceptance 60 "$py" scripts/bench_verifier.py --device cuda --batch 64 --k 8 --vocab 49152 --temperature 0 1
 step bench-grid 90 "$py" scripts/bench_verifier.py --device cuda --batch 1 8 64 256 --k 1 4 8 16 \
     --vocab 32000 49152 152064 --temperature 0 1 --loop-repeats 2 --repeats 5
-if "$py" -c "import speculators.generate" 2>/dev/null; then
+if "$py" -c "import speculators.decode.loop" 2>/dev/null; then
     step bench-batched 60 "$py" scripts/bench_batched.py --target smollm2-sized --device cuda --dtype bfloat16 \
         --prompts 64 --batch 1 16 64 --max-new 32
 fi

@@ -192,11 +192,11 @@ def eval_cmd(
                            prompts=prompts or None, target_model=target_model, output=output, log=log,
                            progress=_progress, override_names=_EVAL_OPTIONS, device=device, compare=compare or (),
                            dtype=dtype)
-    from .eval_report import render_terminal
+    from .evaluation.report import render_terminal
 
     render_terminal(report, console)
     log(f"report written to {out}/report.json, report.md and the plots")
-    # only a mismatch that is not a near-tie of the target's logits (speculators.greedy_check) fails: in
+    # only a mismatch that is not a near-tie of the target's logits (speculators.evaluation.greedy_check) fails: in
     # float32 that is every mismatch
     failures = [m for m in report.get("greedy_mismatches") or [] if not m.get("near_tie")]
     if failures:

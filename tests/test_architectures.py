@@ -25,15 +25,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.drafters.layers import FrozenTarget, layer_config
 from speculators.errors import SpeculatorsError
-from speculators.generate import plain_decode, speculative_generate
+from speculators.decode.loop import plain_decode, speculative_generate
 from speculators.target import Target
 from speculators.target.architecture import check_supported
 from speculators.target.tiny import TINY_ARCHITECTURES, TINY_WINDOW, build_tiny_architecture
-from speculators.training_unit import TrainingUnit
-from speculators.tree_spec import TreeSpec
+from speculators.train.unit import TrainingUnit
+from speculators.decode.tree_spec import TreeSpec
 from conftest import batch_for
 
 V, HIDDEN, LAYERS = 128, 32, 3

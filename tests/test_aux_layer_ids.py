@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import speculators.drafters  # noqa: F401  (registers the families)
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe
 from speculators.target import build_tiny_target, default_aux_layer_ids, distinct_layer_ids

@@ -14,16 +14,12 @@ import random
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
+from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.generate import (
-    BatchResult,
-    plain_decode,
-    speculative_decode,
-    speculative_generate,
-)
-from speculators.proposal import advance_each, propose_each
-from speculators.proposers import NGramProposer
+from speculators.decode.state import BatchResult
+from speculators.decode.loop import plain_decode, speculative_decode, speculative_generate
+from speculators.decode.proposal import advance_each, propose_each
+from speculators.decode.proposers import NGramProposer
 from speculators.target import Target, build_tiny_target, resolve_device
 from speculators.verify import SamplingParams, apply_sampling
 from speculators.verify.testing import assert_distribution, chi2_check

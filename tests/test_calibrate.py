@@ -31,8 +31,9 @@ from speculators.calibration import (
     threshold_sweep,
     write_calibration_report,
 )
-from speculators.drafters import DraftVocab, registry
-from speculators.drafters.base import Proposal
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.proposal import Proposal
 from speculators.drafters.checkpoint import WEIGHTS_NAME
 from speculators.errors import SpeculatorsError
 from test_batched import rand_prompt, untied_target

@@ -226,7 +226,7 @@ def test_eval_default_prompts_are_the_data_layers_held_out_prompts(trained, tmp_
     """eval decodes ``held_out_prompts`` of the recipe's data (the list ``prepare_data`` gives training),
     cut to ``--num-prompts``."""
     import speculators.data.pipeline as pipeline
-    import speculators.evaluate as evaluate
+    import speculators.evaluation.runner as evaluate
 
     calls, seen = [], []
     real_held, real_eval = pipeline.held_out_prompts, evaluate.run_eval
@@ -256,7 +256,7 @@ def test_eval_default_prompts_are_the_data_layers_held_out_prompts(trained, tmp_
 
 
 def test_eval_prompts_from_a_source_are_deduplicated(trained, tmp_path, monkeypatch):
-    import speculators.evaluate as evaluate
+    import speculators.evaluation.runner as evaluate
 
     rows = [{"id": i, "messages": [{"role": "user", "content": f"Say {i % 3}."},
                                    {"role": "assistant", "content": "ok"}]} for i in range(7)]

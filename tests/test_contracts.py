@@ -31,16 +31,17 @@ import pytest
 import torch
 import yaml
 
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.checkpoint import TargetMeta
 from speculators.errors import SpeculatorsError
-from speculators.drafters.base import request_sampling
-from speculators.generate import plain_decode, speculative_decode, speculative_generate
-from speculators.proposers import NGramProposer
+from speculators.decode.proposal import request_sampling
+from speculators.decode.loop import plain_decode, speculative_decode, speculative_generate
+from speculators.decode.proposers import NGramProposer
 from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
-from speculators.training_unit import TrainingUnit
-from speculators.tree_spec import TreeSpec
+from speculators.train.unit import TrainingUnit
+from speculators.decode.tree_spec import TreeSpec
 from conftest import batch_for, cli_train_then_eval
 
 V = 128            # tiny target: vocab 128, hidden 32, 2 layers (seconds for everything below)

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from speculators import cost_model as cm
+from speculators.evaluation import cost_model as cm
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import AcceptanceStats, run_eval
+from speculators.evaluation.acceptance import AcceptanceStats
+from speculators.evaluation.runner import run_eval
 from speculators.target import build_tiny_target
 
 
@@ -285,8 +286,8 @@ def test_drifted_costs_scale_the_other_batch_sizes_by_the_drift_at_the_pass():
 
 def test_the_loop_records_the_cache_width_it_ran_at(monkeypatch):
     """Every batched forward's width is read: their mean is ``cache_width``, each >= the longest live row."""
-    from speculators.generate import speculative_generate
-    from speculators.proposers import NGramProposer
+    from speculators.decode.loop import speculative_generate
+    from speculators.decode.proposers import NGramProposer
 
     target = build_tiny_target(vocab_size=64, hidden_size=32, num_layers=2, seed=3)
     real, seen = target.batch_session, []
@@ -340,10 +341,10 @@ def test_measure_costs_at_every_batch_size(tiny):
 
 
 def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
-    import speculators.evaluate as ev
+    import speculators.evaluation.runner as ev
     from rich.console import Console
 
-    from speculators.eval_report import BREAK_EVEN_COLUMNS, render_markdown, render_terminal
+    from speculators.evaluation.report import BREAK_EVEN_COLUMNS, render_markdown, render_terminal
 
     target, prompts = tiny
     given = cm.measure_costs(target, 2, [1, 2], reps=1, context=8)
@@ -414,7 +415,7 @@ def test_eval_measures_the_forwards_once_for_the_report_and_the_cost_aware_gate(
 
     from conftest import cli_train_then_eval
 
-    import speculators.forward_cost as fc
+    import speculators.evaluation.forward_cost as fc
 
     calls = []
     real = fc.measure_forward_cost

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 across CPU processes (``DS_ACCELERATOR=cpu``, gloo), when deepspeed is installed.
 
 ``recipes/accelerate/deepspeed_zero{2,3}.yaml`` launched on a machine without CUDA: the trainer starts
-accelerate's DeepSpeed integration on DeepSpeed's CPU accelerator (``speculators.fsdp.deepspeed_on_cpu_requested``).
+accelerate's DeepSpeed integration on DeepSpeed's CPU accelerator (``speculators.train.fsdp.deepspeed_on_cpu_requested``).
 Checked, 20 steps, global batch of 2 micro-batches (1 process x ``grad_accum 2`` against 2 processes x
 ``grad_accum 1``): each stage logs the 1-process run's loss at every step (1e-4 relative) and writes the
 same ``final/`` (full weights: ZeRO-3 gathers them); a 2-process run killed after its step-10 checkpoint and
@@ -28,7 +28,7 @@ CONFIGS = {z: ROOT / "recipes" / "accelerate" / f"deepspeed_zero{z}.yaml" for z 
 
 def test_deepspeed_config_without_deepspeed_is_a_clear_error(monkeypatch):
     from speculators.errors import SpeculatorsError
-    from speculators.fsdp import deepspeed_on_cpu_requested
+    from speculators.train.fsdp import deepspeed_on_cpu_requested
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch exports for these configs
     monkeypatch.setenv("LOCAL_RANK", "0")

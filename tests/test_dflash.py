@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.dflash import DFlashConfig, DFlashDrafter, default_gamma, dflash_aux_layer_ids
 from speculators.errors import SpeculatorsError
 from speculators.recipe import recipe_from_dict

@@ -1,5 +1,5 @@
 """vLLM's two draft-sampling conventions at temperature > 0 (``draft_sample_method``): argmax drafts
-verified as point masses (vLLM's default, :class:`speculators.proposers.ArgmaxDrafts`) and drafts sampled
+verified as point masses (vLLM's default, :class:`speculators.decode.proposers.ArgmaxDrafts`) and drafts sampled
 from the drafter and verified with its distribution (``probabilistic``, a drafter as it is). Both must be
 lossless, and the eval must report tau under both, naming the engine setting each needs."""
 
@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
-from speculators.eval_report import ENGINE_SETTINGS, render_markdown as report_markdown
-from speculators.evaluate import run_eval
-from speculators.generate import speculative_generate
-from speculators.proposers import ArgmaxDrafts
+from speculators.decode.proposal import Proposal
+from speculators.evaluation.report import ENGINE_SETTINGS, render_markdown as report_markdown
+from speculators.evaluation.runner import run_eval
+from speculators.decode.loop import speculative_generate
+from speculators.decode.proposers import ArgmaxDrafts
 from speculators.verify import SamplingParams
 from speculators.verify.testing import assert_distribution, chi2_check
 from test_batched import V, _exact_first_tokens, rand_prompt, untied_target
@@ -106,7 +106,7 @@ def test_both_conventions_are_lossless_and_the_leaky_one_is_not(target, temp):
 
 
 def test_eval_reports_tau_under_both_conventions_at_temperature_above_zero(target, monkeypatch):
-    import speculators.evaluate as ev
+    import speculators.evaluation.runner as ev
 
     seen, real = [], ev._generate
 

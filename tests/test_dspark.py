@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from speculators.drafters import Drafter, DraftVocab
+from speculators.drafters import Drafter
+from speculators.data.vocab import DraftVocab
 from speculators.drafters import dspark as dspark_module
 from speculators.drafters.dspark import DSparkConfig, DSparkDrafter, calibrated_confidences
 from speculators.errors import SpeculatorsError

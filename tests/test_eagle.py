@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 import speculators.drafters.eagle  # noqa: F401  (registers "eagle")
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.errors import SpeculatorsError
 from speculators.target import build_tiny_target
 from conftest import batch_for

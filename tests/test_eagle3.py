@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-from speculators.drafters import DraftVocab, registry
-from speculators.generate import plain_decode, speculative_decode
-from speculators.proposers import NGramProposer
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.loop import plain_decode, speculative_decode
+from speculators.decode.proposers import NGramProposer
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 from conftest import batch_for
@@ -349,7 +350,7 @@ def test_greedy_accepts_everything_when_drafter_is_the_target_chain(target):
 
     class Oracle(NGramProposer):
         def propose(self, states, ks, *a, **kw):
-            from speculators.drafters.base import Proposal
+            from speculators.decode.proposal import Proposal
             return [Proposal(torch.tensor(plain.tokens[len(s.tokens) - len(prompt):][:k], dtype=torch.int64))
                     for s, k in zip(states, ks)]
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
-from speculators.drafters.base import Proposal
-from speculators.eval_report import METHOD_LABELS, render_markdown as report_markdown
-from speculators.evaluate import DEFAULT_METHODS as METHODS, run_eval  # the default set
-from speculators.generate import speculative_generate
+from speculators.decode.proposal import Proposal
+from speculators.evaluation.report import METHOD_LABELS, render_markdown as report_markdown
+from speculators.evaluation.runner import DEFAULT_METHODS as METHODS, run_eval  # the default set
+from speculators.decode.loop import speculative_generate
 from speculators.target import build_tiny_target
 
 V = 64
@@ -263,7 +263,8 @@ def test_eval_with_two_prompt_files_reports_tau_per_file(tiny_target_dir, tmp_pa
     from typer.testing import CliRunner
 
     from speculators.cli import app
-    from speculators.drafters import DraftVocab, registry
+    from speculators.data.vocab import DraftVocab
+    from speculators.drafters import registry
     from speculators.target import Target
 
     target = Target.load(str(tiny_target_dir), "float32")

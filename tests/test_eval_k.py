@@ -14,11 +14,12 @@ import torch
 from typer.testing import CliRunner
 
 from speculators.cli import _EVAL_OPTIONS, app
-from speculators.drafters import Drafter, DraftVocab, registry
-from speculators.drafters.base import max_speculative_tokens_of
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
+from speculators.decode.proposal import max_speculative_tokens_of
 from speculators.errors import SpeculatorsError
-from speculators.generate import speculative_decode, speculative_generate
-from speculators.proposers import HybridProposer, NGramProposer, SuffixProposer
+from speculators.decode.loop import speculative_decode, speculative_generate
+from speculators.decode.proposers import HybridProposer, NGramProposer, SuffixProposer
 from speculators.target import build_tiny_target
 
 V = 96

@@ -8,12 +8,14 @@ import json
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
+from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.eval_report import render_markdown as report_markdown
-from speculators.evaluate import AcceptanceStats, run_eval
-from speculators.generate import GenerationResult, plain_decode
-from speculators.proposers import SuffixProposer
+from speculators.evaluation.report import render_markdown as report_markdown
+from speculators.evaluation.acceptance import AcceptanceStats
+from speculators.evaluation.runner import run_eval
+from speculators.decode.state import GenerationResult
+from speculators.decode.loop import plain_decode
+from speculators.decode.proposers import SuffixProposer
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 
@@ -100,7 +102,7 @@ def test_plain_and_empty_results():
 
 def test_zero_denominators_render_as_na():
     """A plain-like row (nothing drafted) and a pass without time render as n/a in every format."""
-    from speculators.eval_report import fmt, render_markdown
+    from speculators.evaluation.report import fmt, render_markdown
 
     assert fmt(None, ".3f") == "n/a" and fmt(0.5, ".2f", "x") == "0.50x"
     s = AcceptanceStats(1)
@@ -204,7 +206,7 @@ def test_bootstrap_ci_is_the_documented_percentile_bootstrap():
     with replacement, tau of a resample = its emitted / its steps), and behaves like a CI."""
     import numpy as np
 
-    from speculators.evaluate import bootstrap_tau_ci
+    from speculators.evaluation.acceptance import bootstrap_tau_ci
 
     emitted, steps = [10, 4, 30, 7, 12], [5, 4, 10, 7, 3]
     lo, hi = bootstrap_tau_ci(emitted, steps, resamples=200, seed=3)
@@ -251,7 +253,7 @@ def tiny():
 
 
 def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
-    import speculators.evaluate as ev
+    import speculators.evaluation.runner as ev
 
     target, prompts = tiny
     calls = []
@@ -310,7 +312,7 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
 def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
     """The losslessness check can fail: a pass whose output differs from plain greedy is reported with its
     proposer, K and batch size."""
-    import speculators.evaluate as ev
+    import speculators.evaluation.runner as ev
 
     target, prompts = tiny
     real = ev._generate
@@ -326,7 +328,7 @@ def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
     (m,) = rep["greedy_mismatches"]
     assert {k: m[k] for k in ("prompt", "proposer", "k", "batch_size", "first_diff")} == {
         "prompt": "p1", "proposer": "suffix", "k": 2, "batch_size": 1, "first_diff": 3}
-    # classified at the diverging position (speculators.greedy_check): float32, so a failure whatever the gap
+    # classified at the diverging position (speculators.evaluation.greedy_check): float32, so a failure whatever the gap
     assert m["dtype"] == "float32" and m["near_tie"] is False and m["logit_gap"] >= 0.0
     assert rep["greedy_check"]["failures"] == 1 and rep["greedy_check"]["passed"] is False
     assert "ERROR: 1 mismatches are not near-ties" in report_markdown(rep)
@@ -352,8 +354,8 @@ def test_run_eval_bad_arguments(tiny, kw, match):
 
 
 def test_write_report_embeds_the_plots(tiny, tmp_path):
-    from speculators.eval_report import PLOT_FILES
-    from speculators.evaluate import write_report
+    from speculators.evaluation.report import PLOT_FILES
+    from speculators.evaluation.runner import write_report
 
     target, prompts = tiny
     rep = run_eval(target, RandomDrafter(64), prompts[:2], [1, 3], 6, eos_ids=set(), batch_size=2)
@@ -368,8 +370,8 @@ def test_write_report_embeds_the_plots(tiny, tmp_path):
 
 
 def test_compare_rows(tiny):
-    from speculators.eval_report import compare_markdown
-    from speculators.evaluate import compare_rows
+    from speculators.evaluation.report import compare_markdown
+    from speculators.evaluation.runner import compare_rows
 
     target, prompts = tiny
     a = run_eval(target, RandomDrafter(64), prompts[:2], 1, 5, eos_ids=set())
@@ -390,7 +392,7 @@ def test_compare_rows(tiny):
 def test_precision_block_puts_batch_1_rows_against_the_faster_plain_decoding():
     """``precision_block``: the faster of two precisions' plain decoding is the baseline; batch-size-8 rows stay
     out; a baseline that took no time gives n/a (None), never 0."""
-    from speculators.evaluate import precision_block
+    from speculators.evaluation.runner import precision_block
 
     report = {"target": {"dtype": "bfloat16"},
               "plain_rows": [{"batch_size": 1, "tokens_per_s": 20.0}, {"batch_size": 8, "tokens_per_s": 90.0}],

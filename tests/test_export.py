@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from speculators import export
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.drafters.base import check_target
 from speculators.drafters.checkpoint import (
     CONFIG_NAME,

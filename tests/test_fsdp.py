@@ -1,7 +1,7 @@
 """FSDP2 across CPU processes (gloo): ``recipes/accelerate/fsdp.yaml`` on a machine without CUDA.
 
 accelerate does not shard CPU processes; the same launcher config makes speculators shard the training
-unit with torch's ``fully_shard`` (:mod:`speculators.fsdp`). Checked, 20 steps each, with a global batch of
+unit with torch's ``fully_shard`` (:mod:`speculators.train.fsdp`). Checked, 20 steps each, with a global batch of
 2 micro-batches (1 process x ``grad_accum 2`` against 2 processes x ``grad_accum 1``):
 
 * a drafter-only EAGLE-3 run and a joint (Medusa-2, LoRA-adapted target) run on 2 FSDP processes log the
@@ -163,7 +163,7 @@ class _Toy(torch.nn.Module):
 
 
 def test_full_parameters_shows_whole_weights_and_puts_the_shards_back(one_rank_group):
-    from speculators.fsdp import full_parameters, is_sharded, shard_unit
+    from speculators.train.fsdp import full_parameters, is_sharded, shard_unit
 
     plain = _Toy()
     unit = shard_unit(_Toy())
@@ -179,7 +179,7 @@ def test_full_parameters_shows_whole_weights_and_puts_the_shards_back(one_rank_g
 
 
 def test_keep_full_parameters_leaves_the_trained_model_in_memory(one_rank_group):
-    from speculators.fsdp import keep_full_parameters, shard_unit
+    from speculators.train.fsdp import keep_full_parameters, shard_unit
 
     plain, unit = _Toy(), shard_unit(_Toy())
     keep_full_parameters(unit)
@@ -190,7 +190,7 @@ def test_keep_full_parameters_leaves_the_trained_model_in_memory(one_rank_group)
 
 
 def test_engine_state_round_trip_restores_weights_and_optimizer(one_rank_group, tmp_path):
-    from speculators.fsdp import is_engine_state, load_engine_state, save_engine_state, shard_unit
+    from speculators.train.fsdp import is_engine_state, load_engine_state, save_engine_state, shard_unit
 
     def trained(steps):
         unit = shard_unit(_Toy())
@@ -217,7 +217,7 @@ def test_engine_state_round_trip_restores_weights_and_optimizer(one_rank_group, 
 
 
 def test_shard_unit_errors_name_the_problem(one_rank_group):
-    from speculators.fsdp import shard_unit
+    from speculators.train.fsdp import shard_unit
 
     mixed = _Toy()
     mixed.b.to(torch.bfloat16)
@@ -226,7 +226,7 @@ def test_shard_unit_errors_name_the_problem(one_rank_group):
 
 
 def test_shard_unit_needs_a_launch():
-    from speculators.fsdp import shard_unit
+    from speculators.train.fsdp import shard_unit
 
     with pytest.raises(SpeculatorsError, match="accelerate launch --config_file recipes/accelerate/fsdp.yaml"):
         shard_unit(_Toy())
@@ -236,7 +236,7 @@ def test_fsdp_on_cpu_is_asked_by_the_launcher_config(monkeypatch):
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DistributedType
 
-    from speculators.fsdp import fsdp_on_cpu_requested
+    from speculators.train.fsdp import fsdp_on_cpu_requested
 
     cfg = load_config_from_file(str(FSDP_CONFIG))
     assert cfg.distributed_type == DistributedType.FSDP and cfg.fsdp_config["fsdp_version"] == 2

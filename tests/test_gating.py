@@ -1,6 +1,6 @@
 """Confidence-gated verification: the gate's rule, its losslessness, and the eval's gated rows.
 
-The gate (:class:`speculators.gating.ConfidenceGate`) cuts a proposal to the drafts before the first
+The gate (:class:`speculators.decode.gating.ConfidenceGate`) cuts a proposal to the drafts before the first
 whose survival ``prod_{i<=k} sigmoid(z_i / T_i)`` falls below the threshold. It reads only the drafter's
 outputs, so the output distribution must stay the target's; the statistical test below checks that on
 a tiny random target with the chi-square machinery of the verifier tests, and checks that the same test
@@ -15,13 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
+from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.eval_report import render_markdown as report_markdown
-from speculators.evaluate import AcceptanceStats, run_eval
-from speculators.gating import ConfidenceGate, check_confidence_threshold, survival_probabilities
-from speculators.generate import plain_decode, speculative_generate
-from speculators.proposers import NGramProposer
+from speculators.evaluation.report import render_markdown as report_markdown
+from speculators.evaluation.acceptance import AcceptanceStats
+from speculators.evaluation.runner import run_eval
+from speculators.decode.gating import ConfidenceGate, check_confidence_threshold, survival_probabilities
+from speculators.decode.loop import plain_decode, speculative_generate
+from speculators.decode.proposers import NGramProposer
 from speculators.recipe import eval_spec_with
 from speculators.verify import SamplingParams, rejection_sample
 from speculators.verify.testing import assert_distribution, chi2_check
@@ -251,8 +252,8 @@ def test_on_step_sees_the_proposal_the_gate_kept(target):
 def test_wrapper_proposers_declare_the_calibration_of_what_they_wrap():
     """HybridProposer and ArgmaxDrafts declare confidence_calibration() by delegating (the gate reads only
     the declared interface, never a wrapped proposer's attributes)."""
-    from speculators.gating import confidence_bias_of, confidence_temperature_of
-    from speculators.proposers import ArgmaxDrafts, HybridProposer
+    from speculators.decode.gating import confidence_bias_of, confidence_temperature_of
+    from speculators.decode.proposers import ArgmaxDrafts, HybridProposer
 
     class Calibrated:
         max_speculative_tokens = None
@@ -393,7 +394,7 @@ def test_eval_reports_gated_and_ungated_rows(target):
 
 
 def test_acceptance_stats_count_proposed_and_verified_drafts():
-    from speculators.generate import GenerationResult
+    from speculators.decode.state import GenerationResult
 
     r = GenerationResult([1, 2, 3, 4, 5])
     for drafted, acc, emitted, proposed in ((2, 2, 3, 4), (1, 0, 1, 3)):
@@ -420,7 +421,7 @@ def test_cli_names_a_bad_confidence_threshold(tmp_path):
 
 
 def test_cost_aware_gating_in_eval_with_a_measured_cost_model(target):
-    from speculators.generate import measure_verify_cost
+    from speculators.evaluation.forward_cost import measure_verify_cost
 
     cost = measure_verify_cost(target, 3, reps=1)
     assert len(cost) == 4 and all(c > 0 for c in cost)

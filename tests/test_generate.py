@@ -9,17 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
+from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import AcceptanceStats
-from speculators.generate import (
-    GenerationResult,
-    plain_decode,
-    resolve_stop_ids,
-    speculative_decode,
-)
-from speculators.proposal import Proposer
-from speculators.proposers import NGramProposer
+from speculators.evaluation.acceptance import AcceptanceStats
+from speculators.decode.state import GenerationResult
+from speculators.decode.loop import plain_decode, speculative_decode
+from speculators.decode.inputs import resolve_stop_ids
+from speculators.decode.proposal import Proposer
+from speculators.decode.proposers import NGramProposer
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 

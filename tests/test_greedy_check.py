@@ -1,4 +1,4 @@
-"""Greedy losslessness in low precision (``speculators.greedy_check``): every mismatch with plain greedy
+"""Greedy losslessness in low precision (``speculators.evaluation.greedy_check``): every mismatch with plain greedy
 decoding is classified at its first diverging position, as a near-tie of the target's logits (within the
 eval dtype's rounding) or as a verifier failure, and only failures fail the check.
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
-from speculators.eval_report import render_markdown
-from speculators.evaluate import run_eval
-from speculators.greedy_check import classify_mismatch, greedy_summary, next_token_logits
+from speculators.decode.proposal import Proposal
+from speculators.evaluation.report import render_markdown
+from speculators.evaluation.runner import run_eval
+from speculators.evaluation.greedy_check import classify_mismatch, greedy_summary, next_token_logits
 from speculators.target import build_tiny_target
 
 V = 64
@@ -55,7 +55,7 @@ PROMPTS = [{"id": f"p{i}", "input_ids": torch.randint(0, V, (4 + 3 * i,),
 
 def _take_the_twin(monkeypatch, position: int = 3):
     """Every ngram pass's output of the second prompt takes the twin of plain greedy's token at ``position``."""
-    import speculators.evaluate as ev
+    import speculators.evaluation.runner as ev
 
     real = ev._generate
 
@@ -110,7 +110,7 @@ def test_the_same_tie_in_float32_is_a_failure(monkeypatch):
 def test_a_broken_verifier_is_a_failure_in_bfloat16(monkeypatch):
     """A verifier that emits the least likely token of the first verified position (instead of the
     target's choice) whenever drafts are verified: a real failure, even in bfloat16."""
-    import speculators.generate as gen
+    import speculators.decode.loop as gen
     from speculators.verify import RejectionOutput
 
     real = gen.rejection_sample
@@ -186,7 +186,7 @@ def test_eval_exits_1_only_on_a_verifier_failure(monkeypatch, tmp_path, near_tie
     if near_tie:
         _take_the_twin(monkeypatch)
     else:  # a corrupted output far from the target's choice: not a tie
-        import speculators.evaluate as ev
+        import speculators.evaluation.runner as ev
 
         real = ev._generate
 

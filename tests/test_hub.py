@@ -13,7 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from speculators.cli import app
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.errors import SpeculatorsError
 from speculators.hub import checkpoint_files, hub_card, push_checkpoint
 from speculators.target import build_tiny_target

@@ -25,11 +25,12 @@ from typer.testing import CliRunner
 import speculators.drafters.medusa  # noqa: F401  (registers the families)
 import speculators.drafters.mtp  # noqa: F401
 from speculators.cli import app
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.checkpoint import init_from_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.target import Target, build_tiny_target
-from speculators.training_unit import TrainingUnit
+from speculators.train.unit import TrainingUnit
 from conftest import batch_for
 
 V = 96

@@ -14,7 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.drafters.layers import Attention, layer_config
 from speculators.target import Target
 

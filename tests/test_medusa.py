@@ -17,10 +17,11 @@ from safetensors.torch import load_file
 
 import speculators.drafters.medusa  # noqa: F401  (registers "medusa")
 from speculators.data.dataset import Batch
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.checkpoint import TargetMeta
 from speculators.errors import SpeculatorsError
-from speculators.generate import plain_decode, speculative_decode
+from speculators.decode.loop import plain_decode, speculative_decode
 from speculators.verify import SamplingParams
 from speculators.target import build_tiny_target
 from conftest import batch_for

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 import speculators.drafters.mtp  # noqa: F401  (registers "mtp")
 from speculators.cli import app
-from speculators.drafters import DraftVocab, registry
-from speculators.generate import plain_decode
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.loop import plain_decode
 from speculators.target import build_tiny_target
 from speculators.verify import SamplingParams
 from conftest import batch_for

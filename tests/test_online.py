@@ -21,11 +21,12 @@ import yaml
 import speculators.drafters  # noqa: F401  (registers the families)
 from speculators.data.dataset import make_batch
 from speculators.data.features import FeatureStore, TokenizedExample, extract_features
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe
 from speculators.target import build_tiny_target
-from speculators.training_unit import TrainingUnit
+from speculators.train.unit import TrainingUnit
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 96
@@ -177,7 +178,7 @@ def test_a_run_recorded_before_the_feature_fields_resumes(tmp_path):
     """``--resume`` of a run whose ``recipe.yaml`` predates ``data.features`` / ``data.feature_dtype``: the
     missing fields read as their defaults (the same data); choosing online is a change of the data section."""
     from speculators.recipe import dump_recipe
-    from speculators.workflows import check_resume_recipe
+    from speculators.train.run_dir import check_resume_recipe
 
     rec = load_recipe(ROOT / "recipes" / "tiny-eagle3.yaml", ["target.model=x"])
     raw = yaml.safe_load(dump_recipe(rec))

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.drafters.checkpoint import save_pretrained
 from speculators.export import reference_env
 from speculators.export.parity import (OutputDelta, ParityResult, check_parity, compare,

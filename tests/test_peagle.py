@@ -14,9 +14,10 @@ import pytest
 import torch
 import yaml
 
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.errors import SpeculatorsError
-from speculators.proposal import check_speculative_tokens
+from speculators.decode.proposal import check_speculative_tokens
 from speculators.recipe import recipe_from_dict
 from speculators.target import build_tiny_target
 from conftest import batch_for

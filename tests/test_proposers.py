@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from speculators.drafters.base import Proposal
+from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
-from speculators.proposers import HybridProposer, SuffixProposer
+from speculators.decode.proposers import HybridProposer, SuffixProposer
 
 
 def brute_force(tokens: list[int], k: int, min_match: int, max_match: int, max_depth: int) -> tuple[list[int], int]:
@@ -172,7 +172,7 @@ def test_hybrid_drafter_k_caps_only_the_drafter():
 def test_hybrid_k_bound_follows_drafter_k():
     """Review finding: the K check read the drafter's cap even when drafter_k keeps the drafter under it,
     so a hybrid whose lookup may draft K = 6 beside a 3-draft drafter capped at 2 was refused."""
-    from speculators.drafters.base import check_speculative_tokens
+    from speculators.decode.proposal import check_speculative_tokens
 
     capped = FakeDrafter()
     capped.max_speculative_tokens = 3

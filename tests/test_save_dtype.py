@@ -18,7 +18,8 @@ import yaml
 from safetensors.torch import load_file
 
 import speculators.drafters  # noqa: F401  (registers the families)
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.checkpoint import cast_weights, omittable_target_weights, save_pretrained
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe

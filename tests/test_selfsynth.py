@@ -346,7 +346,7 @@ def test_prepare_data_reports_tokens_and_drops_per_source(tmp_path, target, isol
     md = "\n".join(report_markdown(rep))
     assert f"| `{file_label}` | 8 |" in md and "| `self` | self-synthesis: " in md
     # the run card carries the table
-    from speculators.run_dir import model_card
+    from speculators.train.run_dir import model_card
     unit = SimpleNamespace(drafter=SimpleNamespace(meta=SimpleNamespace(name_or_path="t"), algorithm="eagle3"),
                            card_lines=lambda b, a: [])
     card = model_card(unit, 1, 10, 1.0, {}, {}, data_report=rep)

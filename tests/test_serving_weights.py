@@ -19,7 +19,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 import speculators.drafters  # noqa: F401  (registers the families)
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.checkpoint import save_pretrained
 from speculators.errors import SpeculatorsError
 from speculators.target import build_tiny_target

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from speculators.data.chat import render_prompt
-from speculators.drafters import DraftVocab, registry
-from speculators.generate import plain_decode, speculative_decode
-from speculators.proposers import NGramProposer
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.loop import plain_decode, speculative_decode
+from speculators.decode.proposers import NGramProposer
 from speculators.target import Target
 
 pytestmark = pytest.mark.slow

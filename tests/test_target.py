@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.generate import plain_decode
+from speculators.decode.loop import plain_decode
 from speculators.target import Target, build_tiny_target, default_aux_layer_ids, resolve_model_ref
 
 

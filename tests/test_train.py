@@ -30,14 +30,15 @@ import speculators.drafters.mtp  # noqa: F401
 from speculators.cli import app
 from speculators.data.dataset import collate
 from speculators.data.features import FeatureStore
-from speculators.drafters import Drafter, DraftVocab, registry
+from speculators.drafters import Drafter, registry
+from speculators.data.vocab import DraftVocab
 from speculators.drafters.checkpoint import init_from_checkpoint
 from speculators.errors import SpeculatorsError
 from speculators.recipe import load_recipe
 from speculators.target import build_tiny_target
-from speculators.run_dir import checkpoints, model_card
-from speculators.train import Trainer
-from speculators.training_unit import TrainingUnit
+from speculators.train.run_dir import checkpoints, model_card
+from speculators.train.trainer import Trainer
+from speculators.train.unit import TrainingUnit
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 96
@@ -346,7 +347,7 @@ def test_nan_loss_at_step_s_plus_1_condemns_checkpoint_s_only(tmp_path, isolated
 
 
 def test_resume_refuses_a_checkpoint_with_non_finite_weights(tmp_path):
-    from speculators.run_dir import checkpoint_weights_problem
+    from speculators.train.run_dir import checkpoint_weights_problem
 
     path, name = _nan_checkpoint(tmp_path)
     problem = checkpoint_weights_problem(path)

@@ -11,11 +11,12 @@ import copy
 import pytest
 import torch
 
-from speculators.drafters import DraftVocab, registry
-from speculators.generate import speculative_generate
-from speculators.proposers import NGramProposer
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.loop import speculative_generate
+from speculators.decode.proposers import NGramProposer
 from speculators.target import build_tiny_target
-from speculators.tree_spec import TreeSpec
+from speculators.decode.tree_spec import TreeSpec
 from speculators.verify import SamplingParams
 
 V = 96
@@ -235,8 +236,8 @@ def test_tree_spec_parsing(tmp_path):
 def test_eval_reports_trees_beside_chains_and_a_static_tree(target):
     """run_eval with trees: a row per tree and batch size beside the drafter's chains (greedy outputs checked
     against plain decoding), acceptance per depth and rank, and a best static tree in vLLM's syntax that parses."""
-    from speculators.eval_report import render_markdown
-    from speculators.evaluate import run_eval
+    from speculators.evaluation.report import render_markdown
+    from speculators.evaluation.runner import run_eval
     from speculators.verify.tree import parse_token_tree
 
     d = make_drafter(target)
@@ -287,7 +288,7 @@ def test_cli_eval_takes_trees_and_refuses_bad_ones(tiny_target_dir, isolated_cac
 def test_tree_outputs_join_the_greedy_check_and_its_classification(target, monkeypatch):
     """A tree pass whose output differs from plain greedy decoding is in the report's greedy check, classified
     like a chain's (in float32: a failure), with the tree's forward size as the verify shape it replays."""
-    from speculators import evaluate
+    from speculators.evaluation import runner as evaluate
 
     real = evaluate._generate
 

@@ -13,10 +13,11 @@ import copy
 import pytest
 import torch
 
-from speculators.drafters import DraftVocab, registry
-from speculators.generate import speculative_generate
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.loop import speculative_generate
 from speculators.target import build_tiny_target
-from speculators.tree_spec import TreeSpec
+from speculators.decode.tree_spec import TreeSpec
 
 V = 96
 DYNAMIC = TreeSpec(depth=4, topk=3, total_tokens=12)

@@ -11,13 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.drafters.dflash import DFlashConfig, DFlashDrafter
 from speculators.drafters.dspark import DSparkConfig, DSparkDrafter
 from speculators.drafters.tree_drafting import slot_tree
-from speculators.generate import speculative_generate
+from speculators.decode.loop import speculative_generate
 from speculators.target import build_tiny_target
-from speculators.tree_spec import TreeSpec
+from speculators.decode.tree_spec import TreeSpec
 
 STATIC = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)]"
 

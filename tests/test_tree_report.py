@@ -1,4 +1,4 @@
-"""Tests of speculators.tree_report: rank acceptance counts, the independence model, the best static tree."""
+"""Tests of speculators.evaluation.static_tree: rank acceptance counts, the independence model, the best static tree."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from speculators.errors import SpeculatorsError
-from speculators.generate import GenerationResult
-from speculators.tree_report import best_static_tree, expected_accepted, rank_acceptance, tree_table
+from speculators.decode.state import GenerationResult
+from speculators.evaluation.static_tree import best_static_tree, expected_accepted, rank_acceptance, tree_table
 from speculators.verify.tree import parse_token_tree
 
 
@@ -254,7 +254,7 @@ def test_the_static_tree_reads_a_non_decreasing_fit_of_the_forward_times():
     """One timing per size is noisy; the eval fits the smallest-squares non-decreasing curve through them
     (pool-adjacent-violators) before choosing the static tree: already monotone times are kept, a dip is
     pooled with its neighbours, and the result never decreases."""
-    from speculators.tree_eval import _monotone_fit
+    from speculators.evaluation.trees import _monotone_fit
 
     assert _monotone_fit([0.0, 1.0, 2.0, 3.0]) == [0.0, 1.0, 2.0, 3.0]
     assert _monotone_fit([0.0, 5.0, 3.0, 4.0, 10.0]) == [0.0, 4.0, 4.0, 4.0, 10.0]

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.drafters import DraftVocab, registry
-from speculators.generate import plain_decode, speculative_generate
-from speculators.tree_spec import TreeSpec
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
+from speculators.decode.loop import plain_decode, speculative_generate
+from speculators.decode.tree_spec import TreeSpec
 from speculators.verify.testing import assert_distribution, chi2_check
 from test_batched import V, TableProposer, _exact_first_tokens, _mixed_batch, rand_prompt, untied_target
 

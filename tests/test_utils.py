@@ -93,8 +93,9 @@ def test_atomic_write_text_error_leaves_no_temp_and_old_content(tmp_path):
 def test_checkpoint_and_report_are_readable_by_others(umask, tmp_path, monkeypatch):
     """The real writers that go through atomic_dir: Drafter.save_pretrained (safetensors >= 0.8 writes
     its file 0o600 through a temp file) and evaluate.write_report."""
-    from speculators import evaluate
-    from speculators.drafters import DraftVocab, registry
+    from speculators.evaluation import runner as evaluate
+    from speculators.data.vocab import DraftVocab
+    from speculators.drafters import registry
     from speculators.target import build_tiny_target
 
     monkeypatch.setattr(evaluate, "render_markdown", lambda report, title: "# report\n")

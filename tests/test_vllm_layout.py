@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculators.drafters import DraftVocab, registry
+from speculators.data.vocab import DraftVocab
+from speculators.drafters import registry
 from speculators.drafters.checkpoint import save_pretrained
 from speculators.errors import SpeculatorsError
 from speculators.export.vllm_layout import check_layout

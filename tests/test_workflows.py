@@ -140,7 +140,7 @@ def test_prepare_data_takes_the_data_spec_and_its_eval_prompts_are_held_out_prom
 
 
 def test_default_output_dir(tmp_path):
-    from speculators.workflows import default_output_dir
+    from speculators.train.run_dir import default_output_dir
 
     rec = _recipe(tmp_path)
     assert default_output_dir(rec, "recipes/tiny-eagle3.yaml") == Path("outputs/tiny-eagle3")
@@ -153,7 +153,7 @@ def test_default_output_dir(tmp_path):
 
 def test_resume_recipe_check_names_the_changed_sections(tmp_path):
     from speculators.recipe import dump_recipe
-    from speculators.workflows import check_resume_recipe
+    from speculators.train.run_dir import check_resume_recipe
 
     rec = _recipe(tmp_path)
     check_resume_recipe(tmp_path, rec)  # no recorded recipe: nothing to compare

@@ -5,14 +5,14 @@ A drafter with a confidence head (DSpark, ALGORITHMS.md) reports per draft a raw
 ``c_k = sigmoid(z_k / T_k + b_k)`` with the drafter's declared calibration ``confidence_calibration() =
 (T [B], b [B])`` (temperatures, ones until calibrated, and shifts, zeros until calibrated), the probability
 that draft k is accepted given drafts 1..k-1 were. Their running product ``S_k = prod_{i<=k} c_i``
-(:func:`speculators.gating.survival_probabilities`) is the probability that drafts 1..k are ALL
-accepted: the quantity confidence-gated verification thresholds (:class:`speculators.gating.ConfidenceGate`).
+(:func:`speculators.decode.gating.survival_probabilities`) is the probability that drafts 1..k are ALL
+accepted: the quantity confidence-gated verification thresholds (:class:`speculators.decode.gating.ConfidenceGate`).
 
 The calibration (``speculators calibrate RUN_DIR``, :func:`speculators.workflows.calibrate_run`), one module
 per step:
 
 1. :func:`collect_confidence_outcomes` (``record.py``): real speculative generation (the eval loop,
-   :func:`speculators.generate.speculative_generate`, no gating) on held-out prompts records per step, through
+   :func:`speculators.decode.loop.speculative_generate`, no gating) on held-out prompts records per step, through
    the loop's outcome hook ``on_step``, the raw logits of the drafts and how many the verifier accepted. The
    last step of each request (the one that emitted its stop token or reached ``max_new_tokens``) is not
    recorded: the drafter is never advanced past it.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculatorsError
-from ..gating import survival_probabilities
+from ..decode.gating import survival_probabilities
 from .record import ConfidenceRecord
 
 DEFAULT_BINS = 15
@@ -21,7 +21,7 @@ def survival_pairs(record: ConfidenceRecord, temperature: torch.Tensor | None = 
     survival, y [M] float64 1 when drafts 1..k were all accepted, k [M] int64 1-based position)``.
 
     ``temperature``: ``[>= K]`` positive (None = all 1), ``bias``: ``[>= K]`` (None = all 0), see
-    :func:`speculators.gating.survival_probabilities`.
+    :func:`speculators.decode.gating.survival_probabilities`.
     """
     probs, labels, pos = [], [], []
     for z, n, a in zip(record.logits, record.drafted.tolist(), record.accepted.tolist()):

@@ -1,7 +1,7 @@
 """Recording a drafter's confidence outcomes (step 1 of :mod:`speculators.calibration`).
 
 :func:`collect_confidence_outcomes` decodes held-out prompts speculatively (the eval loop,
-:func:`speculators.generate.speculative_generate`, no gating) and records, through the loop's outcome
+:func:`speculators.decode.loop.speculative_generate`, no gating) and records, through the loop's outcome
 hook ``on_step``, per verification step the raw confidence logits of the drafts, how many the verifier
 accepted and which prompt the step decoded, as a :class:`ConfidenceRecord`;
 :meth:`ConfidenceRecord.save_many` / :meth:`ConfidenceRecord.load_many` keep
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculatorsError
-from ..generate import speculative_generate
+from ..decode.loop import speculative_generate
 
 OUTCOMES_FILE = "outcomes.safetensors"
 
@@ -167,7 +167,7 @@ def collect_confidence_outcomes(target, drafter, prompts: list[list[int]], k: in
         prompts: token-id lists. k: drafts per step (>= 1). max_new_tokens: per prompt.
         sampling: one request's :class:`speculators.verify.SamplingParams` applied to every prompt (None =
             greedy); prompt i draws from a generator seeded with ``seed + i``.
-        batch_size, eos_ids: as :func:`speculators.generate.speculative_generate`.
+        batch_size, eos_ids: as :func:`speculators.decode.loop.speculative_generate`.
     Returns:
         :class:`ConfidenceRecord` of width ``k``, with each step's prompt index (into ``prompts``).
     Raises:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..errors import SpeculatorsError
-from ..gating import confidence_bias_of, confidence_temperature_of, survival_probabilities
+from ..decode.gating import confidence_bias_of, confidence_temperature_of, survival_probabilities
 from .ece import DEFAULT_BINS, calibration_summary, ece_prompt_bootstrap
 from .fit import METHOD_PLATT, METHOD_STS, fit_calibration
 from .record import ConfidenceRecord, collect_confidence_outcomes
@@ -54,7 +54,7 @@ THRESHOLD_GRID = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4,
 
 def threshold_sweep(record: ConfidenceRecord, temperature: torch.Tensor | None,
                     thresholds=THRESHOLD_GRID, bias: torch.Tensor | None = None) -> list[dict]:
-    """What confidence-gated verification (:class:`speculators.gating.ConfidenceGate`, threshold mode)
+    """What confidence-gated verification (:class:`speculators.decode.gating.ConfidenceGate`, threshold mode)
     would have done on the recorded UNGATED steps: per threshold, the drafts it keeps ``m`` (the leading
     drafts whose survival under ``temperature`` and ``bias`` is ``>= threshold``), the drafts it would have
     verified per step (``mean m`` against the recorded ``mean n``) and the tokens per step it would have emitted
@@ -68,7 +68,7 @@ def threshold_sweep(record: ConfidenceRecord, temperature: torch.Tensor | None,
         One dict per threshold: ``threshold``, ``verified_per_step``, ``verified_cut`` (1 - gated / ungated
         verified drafts), ``tau_est`` (tokens per step), ``tau_ratio`` (against the ungated steps' tau).
     """
-    from ..gating import ConfidenceGate
+    from ..decode.gating import ConfidenceGate
 
     ungated_v = float(record.drafted.double().mean()) if len(record) else 0.0
     ungated_tau = 1.0 + float(record.accepted.double().mean()) if len(record) else 1.0

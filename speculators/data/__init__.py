@@ -4,4 +4,6 @@ Nothing here imports ``speculators.drafters`` or the recipe's ``Recipe``: the pi
 the recipe's data spec (:class:`speculators.recipe.DataSpec`) and plain values.
 """
 
-from .vocab import DraftVocab  # noqa: F401
+from .vocab import DraftVocab
+
+__all__ = ["DraftVocab"]

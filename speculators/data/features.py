@@ -1,6 +1,6 @@
 """Target features for training: extracted once and cached on disk as safetensors shards (``data.features:
 offline``), or computed by the frozen target inside every training step (``online``, see
-:class:`speculators.training_unit.TrainingUnit`); both go through :func:`batch_features`, so the two
+:class:`speculators.train.unit.TrainingUnit`); both go through :func:`batch_features`, so the two
 modes train on the same numbers.
 
 Per token we keep: ``input_ids``, ``loss_mask``, the concatenated aux hidden states ``aux [nH]``,
@@ -107,7 +107,7 @@ def batch_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor
     One frozen-target forward (:meth:`speculators.target.Target.features`, the target's own dtype, no
     autocast, no gradients); ``argmax`` is read from the unrounded final hidden state; ``aux`` and ``top``
     are then rounded to the storage dtype (:func:`to_feature_dtype`). The offline cache stores these
-    values; online training (:class:`speculators.training_unit.TrainingUnit`) feeds them to the drafter
+    values; online training (:class:`speculators.train.unit.TrainingUnit`) feeds them to the drafter
     directly, so both modes see the same numbers.
 
     Args:

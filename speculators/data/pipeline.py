@@ -3,7 +3,7 @@
 Everything expensive is cached on disk (regenerations, features), so a second run of the same
 recipe starts training within seconds of loading the target. With ``data.features: online`` the
 features are not cached: the stores hold token ids and masks only and the frozen target runs inside
-every training step (:class:`speculators.training_unit.TrainingUnit`).
+every training step (:class:`speculators.train.unit.TrainingUnit`).
 
 The functions take the recipe's data spec (:class:`speculators.recipe.DataSpec`, or one of its
 sections), never the whole recipe, and this module imports nothing from ``speculators.drafters``:

@@ -2,7 +2,7 @@
 
 Built by the data pipeline from assistant-token frequencies (:func:`speculators.data.pipeline.prepare_data`)
 and used by the drafters (their ``d2t`` / ``t2d`` buffers). It lives in the data layer so that the data
-pipeline never imports ``speculators.drafters``; ``speculators.drafters.DraftVocab`` re-exports it.
+pipeline never imports ``speculators.drafters``; ``speculators.data.vocab.DraftVocab`` re-exports it.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ family is adding its file (plus its recipes); no list to edit."""
 import importlib
 import pkgutil
 
-from ..data.vocab import DraftVocab  # noqa: F401  (lives in the data layer; re-exported for users)
-from .base import Drafter, DrafterConfig, Proposal  # noqa: F401
-from .registry import registry  # noqa: F401
-from .serving_format import ServingFormat  # noqa: F401
+from .base import Drafter, DrafterConfig
+from .registry import registry
+from .serving_format import ServingFormat
+
+__all__ = ["Drafter", "DrafterConfig", "ServingFormat", "registry"]
 
 # shared infrastructure, not families
 INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "dflash_tree", "joint", "layers",

@@ -14,7 +14,7 @@ generation loop, the evaluator and the CLI only use this interface (docs/ARCHITE
   normalises by the counts of the whole window);
 * ``start(input_ids, features) -> state`` (one request); the batched ``propose(states, ks, sampling,
   generators=None) -> list[Proposal]`` and ``advance(states, new_ids, features)`` (B requests, ragged:
-  :class:`speculators.proposal.Proposer`), by default loops (:func:`propose_each` /
+  :class:`speculators.decode.proposal.Proposer`), by default loops (:func:`propose_each` /
   :func:`advance_each`) over the per-request ``_propose_one(state, k, sampling_1, generator)`` and
   ``_advance_one(state, new_ids, features)`` each family implements; a family may override the
   batched methods (EAGLE-3);
@@ -46,32 +46,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from ..data.vocab import DraftVocab  # noqa: F401  (moved to the data layer; re-exported)
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
 from . import checkpoint
 from .layers import FrozenTarget
-from ..proposal import (  # noqa: F401  (the protocol pieces, speculators/proposal.py; their import paths from base keep working)
-    Proposal,
-    _empty_proposal,
-    advance_each,
-    calibrated_confidence_logits,
-    check_speculative_tokens,
-    max_speculative_tokens_of,
-    propose_each,
-    request_sampling,
-)
-from .registry import _REGISTRY, register, registry  # noqa: F401  (the registry's old import paths keep working)
+from ..data.vocab import DraftVocab
+from ..decode.proposal import Proposal, advance_each, propose_each
+from .checkpoint import TargetMeta
 from .serving_format import ServingFormat
-from .checkpoint import (  # noqa: F401  (old import paths of the checkpoint names keep working)
-    CONFIG_NAME,
-    RECIPE_NAME,
-    TRAINING_KEY,
-    WEIGHTS_NAME,
-    TargetMeta,
-    check_finite_weights,
-    read_checkpoint_config,
-)
 
 
 class DrafterConfig(BaseModel):
@@ -81,7 +63,9 @@ class DrafterConfig(BaseModel):
 
     algorithm: str
     draft_vocab_size: int | None = Field(
-        default=None, gt=0, description="size of the draft vocabulary (d2t/t2d); None = full target vocab")
+        default=None, gt=0, description="size of the draft vocabulary (`d2t`/`t2d`, the most frequent assistant "
+                                        "tokens); null = the full target vocabulary; `eagle` and `mtp` draft "
+                                        "through the target's own full-vocabulary head: there it must stay null")
 
 
 class Drafter(nn.Module):
@@ -109,7 +93,7 @@ class Drafter(nn.Module):
         self.frozen_target = FrozenTarget()
         #: True when the config asks for joint training (``drafter.joint: true``, see ``joint.py``): the drafter is
         #: trained together with a LoRA-adapted target (``Target.adapt_lora``, stepped by
-        #: :class:`speculators.training_unit.TrainingUnit`) and is only valid with that fine-tuned target.
+        #: :class:`speculators.train.unit.TrainingUnit`) and is only valid with that fine-tuned target.
         self.trains_target: bool = bool(getattr(cfg, "joint", False))
         #: the last :meth:`loss` with every term divided by that batch's OWN counts (a float, for metrics; the
         #: loss itself when ``norm`` was None), set by :func:`speculators.losses.combine_terms`'s callers; None
@@ -158,7 +142,7 @@ class Drafter(nn.Module):
 
     #: True when :meth:`loss_counts` reads ``batch.argmax`` (a mask on the target's greedy token); in joint
     #: training the counts then need the live target's argmax
-    #: (:meth:`speculators.training_unit.TrainingUnit.loss_counts`). A family whose answer depends on its
+    #: (:meth:`speculators.train.unit.TrainingUnit.loss_counts`). A family whose answer depends on its
     #: config overrides it with a property.
     counts_use_argmax: ClassVar[bool] = False
     #: weight of :meth:`loss` in the joint loss ``lm_weight * L_LM + w * loss`` (1.0; Medusa-2 reads its config)
@@ -168,7 +152,7 @@ class Drafter(nn.Module):
     #: THE K cap: the most drafts ONE step of this drafter can give (``num_speculative_tokens`` / eval ``K``),
     #: or None when K is unbounded (autoregressive families: one more drafter step per draft). Parallel
     #: families override it (a property) with what they were trained for (P-EAGLE: ``num_depths``; DFlash:
-    #: ``block_size - 1``); :func:`speculators.proposal.check_speculative_tokens` refuses a larger K, naming
+    #: ``block_size - 1``); :func:`speculators.decode.proposal.check_speculative_tokens` refuses a larger K, naming
     #: :attr:`max_speculative_tokens_source` (what sets the cap, e.g. ``"drafter.num_depths"``).
     max_speculative_tokens: ClassVar[int | None] = None
     max_speculative_tokens_source: ClassVar[str] = ""
@@ -181,7 +165,7 @@ class Drafter(nn.Module):
 
     def propose(self, states: list, ks: list[int], sampling: SamplingParams | None = None,
                 generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
-        """Drafts for a batch of requests (:class:`speculators.proposal.Proposer`'s batched ``propose``).
+        """Drafts for a batch of requests (:class:`speculators.decode.proposal.Proposer`'s batched ``propose``).
 
         Default: :func:`propose_each` over the family's ``_propose_one(state, k, sampling_1, generator)``
         (one request at a time, each drawing only from its own generator; ``sampling_1`` is the request's

@@ -68,7 +68,8 @@ from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, combine_terms, draft_to_target, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal
+from .base import Drafter, DrafterConfig
+from ..decode.proposal import Proposal
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -129,11 +130,17 @@ class DFlashBlockConfig(DrafterConfig):
             the full vocabulary through the target's own head.
     """
 
-    num_layers: int = Field(default=1, ge=1, le=16, description="draft decoder layers")
-    block_size: int = Field(default=8, description="B: anchor + B-1 mask slots")
-    num_anchors: int = Field(default=512, description="anchors sampled per sequence and step")
-    mask_token_id: int | None = Field(default=None, ge=0, description="mask slot token id (default V-1)")
-    labels: Literal["token", "argmax"] = Field(default="token", description="CE label of a slot")
+    num_layers: int = Field(default=1, ge=1, le=16, description="draft decoder layers (DFlash's default taps: one "
+                                                                "target layer per draft layer)")
+    block_size: int = Field(default=8, description="B: the block `[anchor, MASK x (B-1)]`; 2 <= B <= 64; one forward "
+                                                   "drafts B-1 tokens (`dflash`) or B (`dspark`: slot 0 drafts from "
+                                                   "the anchor)")
+    num_anchors: int = Field(default=512, description="anchors sampled per sequence and step (>= 1; fewer when a "
+                                                      "sequence has fewer valid positions)")
+    mask_token_id: int | None = Field(default=None, ge=0, description="token whose frozen embedding fills the mask "
+                                      "slots (a row of the target's embedding); null = the last id V-1")
+    labels: Literal["token", "argmax"] = Field(default="token", description="CE label of a slot: `token` (the data "
+                                               "token) or `argmax` (the target's greedy token)")
     intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
 
     @field_validator("block_size")
@@ -161,7 +168,8 @@ class DFlashConfig(DFlashBlockConfig):
     """
 
     algorithm: Literal["dflash"] = "dflash"
-    gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight exp(-(k-1)/gamma)")
+    gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight `exp(-(k-1)/gamma)`; null = 4 "
+                                "for B <= 8, 7 for B >= 16, linear in between")
 
     @model_validator(mode="after")
     def _default_gamma(self) -> "DFlashConfig":

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..proposal import check_batch
+from ..decode.proposal import check_batch
 from ..verify.tree import DraftTree
 from .tree_drafting import ChildLogits, slot_tree
 
@@ -61,7 +61,7 @@ def dflash_block_tree(drafter, states: list, spec, depth_caps: list[int], sampli
     Args:
         drafter: a :class:`~speculators.drafters.dflash.DFlashDrafter`.
         states: B :class:`~speculators.drafters.dflash.DFlashState` (left as found).
-        spec: a :class:`speculators.tree_spec.TreeSpec`.
+        spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
         depth_caps: per request the deepest level kept (>= 0); at most ``block_size - 1`` levels.
         sampling, generators: checked only (children are top-k tokens, nothing is drawn).
     Returns:
@@ -89,7 +89,7 @@ def dspark_markov_tree(drafter, states: list, spec, depth_caps: list[int], sampl
     Args:
         drafter: a :class:`~speculators.drafters.dspark.DSparkDrafter`.
         states: B :class:`~speculators.drafters.dflash.DFlashState` (left as found).
-        spec: a :class:`speculators.tree_spec.TreeSpec`.
+        spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
         depth_caps: per request the deepest level kept (>= 0); at most ``block_size`` levels.
         sampling, generators: checked only (children are top-k tokens, nothing is drawn).
     Returns:

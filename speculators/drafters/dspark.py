@@ -91,7 +91,7 @@ from .. import export
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
-from .base import Proposal, calibrated_confidence_logits
+from ..decode.proposal import Proposal, calibrated_confidence_logits
 from .checkpoint import TargetMeta
 from .registry import register
 from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashFormat, DFlashState
@@ -163,14 +163,18 @@ class DSparkConfig(DFlashBlockConfig):
     """
 
     algorithm: Literal["dspark"] = "dspark"
-    markov_rank: int = Field(default=256, description="rank r of the Markov head W2(W1[x_{k-1}])")
-    markov_head_type: str = Field(default="vanilla", description="Markov head variant (vanilla)")
-    enable_confidence_head: bool = Field(default=True, description="train the confidence head c_k")
-    confidence_head_with_markov: bool = Field(default=True, description="c_k reads [h_k; W1[x_{k-1}]]")
-    ce_weight: float = Field(default=0.1, ge=0.0, description="weight of the CE term")
+    markov_rank: int = Field(default=256, description="rank r of the Markov head `W2(W1[x_{k-1}])` (>= 1)")
+    markov_head_type: str = Field(default="vanilla", description="Markov head variant: `vanilla` (the only one "
+                                                                 "implemented; `gated` / `rnn` are refused)")
+    enable_confidence_head: bool = Field(default=True, description="train and report the confidence head c_k")
+    confidence_head_with_markov: bool = Field(default=True, description="c_k reads `[h_k; W1[x_{k-1}]]` (false: "
+                                                                        "`h_k` only)")
+    ce_weight: float = Field(default=0.1, ge=0.0, description="weight of the CE term (`ce_weight` and `l1_weight` "
+                                                              "cannot both be 0)")
     l1_weight: float = Field(default=0.9, ge=0.0, description="weight of the L1 (2 x TV) term")
     bce_weight: float = Field(default=1.0, ge=0.0, description="weight of the confidence BCE term")
-    position_decay: float = Field(default=4.0, gt=0.0, description="slot-k loss weight exp(-k/position_decay)")
+    position_decay: float = Field(default=4.0, gt=0.0, description="slot-k loss weight `exp(-k/position_decay)`, "
+                                                                   "k from 0")
     confidence_label: Literal["tv", "greedy"] = Field(
         default="tv", description="confidence BCE label: tv (1 - TV, acceptance when sampling at temperature 1) "
         "or greedy (1[top-1 draft == target's greedy token], acceptance at temperature 0)")

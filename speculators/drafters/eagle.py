@@ -40,9 +40,10 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..losses import chained_acceptance, combine_terms, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
-from ..proposal import check_batch
+from ..decode.proposal import check_batch
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, full_vocab_drafter
+from .base import Drafter, DrafterConfig, full_vocab_drafter
+from ..decode.proposal import Proposal
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -389,7 +390,7 @@ class EagleDrafter(Drafter):
 
         Args:
             states: B states from :meth:`start` / :meth:`advance`.
-            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
             depth_caps: B ints >= 0, per request the deepest level kept (0 = an empty tree).
             sampling, generators: checked for B requests, otherwise unused (top-k children).
         Returns:

@@ -58,8 +58,9 @@ from ..losses import (
     target_to_draft,
 )
 from ..verify import SamplingParams
-from ..proposal import check_batch
-from .base import Drafter, DrafterConfig, Proposal, request_sampling
+from ..decode.proposal import check_batch
+from .base import Drafter, DrafterConfig
+from ..decode.proposal import Proposal, request_sampling
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -589,7 +590,7 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
 
         Args:
             states: B states from :meth:`start` / :meth:`advance`.
-            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
             depth_caps: per request the deepest level kept (>= 0; 0 = an empty tree).
             sampling, generators: checked for B requests, otherwise unused (top-k children).
         Returns:

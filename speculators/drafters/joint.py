@@ -15,7 +15,7 @@ own loss (``Drafter.joint_loss_weight``). The pieces live where they belong:
 * the target side (:class:`speculators.target.Target`): ``adapt_lora`` (called by the train workflow
   when the run builds the target), ``lora_parameters``, ``train_forward``, ``save_adapter`` /
   ``load_adapter`` and ``merge_adapter``;
-* the trainer side (:class:`speculators.training_unit.TrainingUnit`): the joint loss
+* the trainer side (:class:`speculators.train.unit.TrainingUnit`): the joint loss
   ``lm_weight * L_LM + joint_loss_weight * drafter.loss(batch')``, the two learning rates, saving the
   adapter with the drafter, and the target's held-out perplexity in the logs and the model card.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .checkpoint import ADAPTER_DIR  # noqa: F401  (the checkpoint's adapter directory; old import path)
 
 LLAMA_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # shared with the drafters (frozen copies / the frozen head they draft through): never adapted
@@ -53,12 +52,17 @@ class JointTargetConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lora_r: int = Field(default=16, ge=1, le=1024)
-    lora_alpha: float = Field(default=32.0, gt=0.0)
-    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    lora_modules: list[str] | None = Field(default=None, min_length=1)
-    lr: float | None = Field(default=None, gt=0.0)
-    lm_weight: float = Field(default=1.0, ge=0.0)
+    lora_r: int = Field(default=16, ge=1, le=1024, description="LoRA rank r")
+    lora_alpha: float = Field(default=32.0, gt=0.0, description="LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    lora_modules: list[str] | None = Field(
+        default=None, min_length=1, description="target modules that get LoRA adapters (not the ones the drafter "
+        "shares frozen: `lm_head`, `embed_tokens`, `norm`); null = every plain linear layer of the decoder stack, "
+        "whatever the architecture")
+    lr: float | None = Field(default=None, gt=0.0, description="learning rate of the adapters; null = 0.1 x "
+                             "`train.lr` (the drafter's own parameters use `train.lr`)")
+    lm_weight: float = Field(default=1.0, ge=0.0, description="weight of the target's LM loss (cross entropy of the "
+                                                              "next assistant token)")
 
     @field_validator("lora_modules")
     @classmethod
@@ -74,7 +78,8 @@ class JointConfig(BaseModel):
     """Mixin for the ``drafter:`` config of a family that supports joint training."""
 
     joint: bool = Field(default=False, description="also fine-tune the target with LoRA (joint loss)")
-    joint_target: JointTargetConfig = Field(default_factory=JointTargetConfig)
+    joint_target: JointTargetConfig = Field(default_factory=JointTargetConfig,
+                                            description="LoRA settings of joint training")
 
     @model_validator(mode="after")
     def _joint_keys_need_joint(self):

@@ -34,7 +34,7 @@ class FrozenTarget:
     target's head for EAGLE-1 / MTP), the final RMSNorm (MTP) and the token embedding (DFlash / DSpark).
     Each is moved to the caller's device and dtype once, not per call. Empty (every use raises) until a
     drafter's ``attach_target(target)``. Two views of the head: :meth:`teacher_logits` follows the target's
-    architecture rule (:attr:`speculators.target.Target.logits_rule`: Gemma's soft-capping, Granite's /
+    architecture rule (:func:`speculators.target.architecture.logits_rule`: Gemma's soft-capping, Granite's /
     Cohere's scaling), so teacher distributions are the target's own; :meth:`lm_head` (a drafter drafting
     through the target's head: EAGLE-1, MTP, full-vocabulary DFlash / DSpark) does not, as vLLM's drafters
     compute their logits with their own logits processor. The embedding is the raw table (no architecture

@@ -57,9 +57,10 @@ from ..losses import (
     soft_cross_entropy,
     target_to_draft,
 )
-from ..proposal import check_batch
+from ..decode.proposal import check_batch
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal
+from .base import Drafter, DrafterConfig
+from ..decode.proposal import Proposal
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -259,7 +260,7 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
     @property
     def max_speculative_tokens(self) -> int:
         """The most drafts one step gives: one per trained head (``num_heads``); a larger K is refused
-        by :func:`speculators.drafters.base.check_speculative_tokens`, never silently capped."""
+        by :func:`speculators.decode.proposal.check_speculative_tokens`, never silently capped."""
         return self.num_heads
 
 
@@ -415,7 +416,7 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
 
         Args:
             states: B states from :meth:`start` / :meth:`advance`.
-            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
             depth_caps: per request the deepest level kept (>= 0).
         Returns:
             B :class:`speculators.verify.tree.DraftTree` (int64 target ids, CPU, ``probs`` None).

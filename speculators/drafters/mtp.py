@@ -76,9 +76,10 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, soft_cross_entropy
-from ..proposal import check_batch
+from ..decode.proposal import check_batch
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal, full_vocab_drafter
+from .base import Drafter, DrafterConfig, full_vocab_drafter
+from ..decode.proposal import Proposal
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -114,14 +115,16 @@ class MTPConfig(JointConfig, DrafterConfig):
     """
 
     algorithm: Literal["mtp"] = "mtp"
-    num_modules: int = Field(default=3, ge=1, le=8, description="D sequential MTP modules")
+    num_modules: int = Field(default=3, ge=1, le=8, description="D: sequential MTP modules (DeepSeek-V3 uses 1)")
     loss_lambda: float | None = Field(default=None, gt=0.0,
-                                      description="lambda: weight of the MTP loss (1.0 frozen, 0.3 joint)")
+                                      description="weight of the MTP loss, `lambda * (1/D) * sum_k w_k * CE_k`; null "
+                                                  "= 1.0 frozen, 0.3 (DeepSeek-V3's) with `joint: true`")
     module_weights: list[float] | None = Field(
-        default=None, description="per-module loss weights w_k (length num_modules); default all 1")
+        default=None, description="per-module loss weights w_k (length `num_modules`, >= 0, one > 0); null = all 1")
     distill: bool = Field(default=False, description="soft CE to the target distribution instead of hard CE")
     num_speculative_tokens: int | None = Field(
-        default=None, ge=1, le=64, description="K written to the vLLM config; default num_modules")
+        default=None, ge=1, le=64, description="K written to the vLLM config; null = `num_modules` (any K works "
+                                               "at inference: drafts beyond D reuse the last module)")
 
     @field_validator("draft_vocab_size")
     @classmethod
@@ -465,7 +468,7 @@ class MTPDrafter(Drafter):
 
         Args:
             states: B states from :meth:`start` / :meth:`advance`.
-            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
             depth_caps: B ints >= 0, per request the deepest level kept (0 = an empty tree).
             sampling, generators: checked for B requests, otherwise unused (top-k children).
         Returns:

@@ -61,9 +61,10 @@ from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, combine_terms, sample_draft, soft_cross_entropy
-from ..proposal import check_batch, check_int, check_speculative_tokens
+from ..decode.proposal import check_batch, check_int, check_speculative_tokens
 from ..verify import SamplingParams
-from .base import Drafter, DrafterConfig, Proposal
+from .base import Drafter, DrafterConfig
+from ..decode.proposal import Proposal
 from .checkpoint import TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
@@ -91,8 +92,9 @@ class PEagleConfig(DrafterConfig):
     r: float = Field(default=0.7, gt=0.0, le=1.0, description="COD ratio: depth d keeps n*max(r^d, r_min)")
     r_min: float = Field(default=0.2, gt=0.0, le=1.0, description="COD floor of the kept fraction")
     mask_token_id: int | None = Field(
-        default=None, ge=0, description="embedding row of the mask slots; None = resolved from the tokenizer")
-    norm_before_fc: bool = False
+        default=None, ge=0, description="embedding row of the mask slots; null = resolved from the tokenizer")
+    norm_before_fc: bool = Field(default=False, description="RMSNorm over the concatenated aux hidden states before "
+                                                            "`fc` (as EAGLE-3's)")
     intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
 
 
@@ -304,7 +306,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
     def max_speculative_tokens(self) -> int:
         """The most drafts one step can give: the trained depth ``num_depths`` (mask slots deeper than
         it were never trained); a larger K is refused
-        (:func:`speculators.proposal.check_speculative_tokens`), never silently capped."""
+        (:func:`speculators.decode.proposal.check_speculative_tokens`), never silently capped."""
         return int(self.cfg.num_depths)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -585,7 +587,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
         (one forward; see :meth:`_advance_one`). The state is not modified.
 
         Raises:
-            SpeculatorsError: ``k`` outside ``0..num_depths`` (:func:`speculators.proposal.check_speculative_tokens`).
+            SpeculatorsError: ``k`` outside ``0..num_depths`` (:func:`speculators.decode.proposal.check_speculative_tokens`).
         """
         k = check_int("k", k, 0)
         check_speculative_tokens(self, k)
@@ -602,7 +604,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
         full-vocabulary distributions (zero outside the draft vocabulary). Mask slots carry no token, so
         the drafts are independent given the context. The state is not modified.
 
-        A ``k`` deeper than ``num_depths`` is refused (:func:`speculators.proposal.check_speculative_tokens`), not capped: mask slots deeper
+        A ``k`` deeper than ``num_depths`` is refused (:func:`speculators.decode.proposal.check_speculative_tokens`), not capped: mask slots deeper
         than the trained depth were never trained, and a silent cap would make an eval's "K" a lie.
 
         Raises:
@@ -633,7 +635,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
 
         Args:
             states: B states from :meth:`start` / :meth:`advance`.
-            spec: a :class:`speculators.tree_spec.TreeSpec`.
+            spec: a :class:`speculators.decode.tree_spec.TreeSpec`.
             depth_caps: per request the deepest level kept (>= 0).
         Returns:
             B :class:`speculators.verify.tree.DraftTree` (int64 target ids, CPU, ``probs`` None).

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from ..losses import draft_to_target
-from ..tree_spec import TreeSpec
+from ..decode.tree_spec import TreeSpec
 from ..verify.tree import DraftTree
 
 # forward(tokens [R, F] int64 TARGET ids, parents [R, F] int64 (index into the nodes run before, -1 = the
@@ -159,7 +159,7 @@ def expand_tree(root_logits: torch.Tensor, forward: LevelForward, spec: TreeSpec
     Args:
         root_logits: ``[R, N]`` float drafter logits at each request's newest verified token (draft vocab).
         forward: the family's level forward (see :data:`LevelForward`); called ``depth - 1`` times at most.
-        spec: the :class:`~speculators.tree_spec.TreeSpec`.
+        spec: the :class:`~speculators.decode.tree_spec.TreeSpec`.
         d2t: ``[N]`` int64 draft->target offsets (None: full vocabulary).
         depth_caps: per request, the deepest level it may keep (``max_new_tokens`` left; 0 = no tree).
     Returns:
@@ -287,7 +287,7 @@ def slot_tree(slot_logits: torch.Tensor, spec: TreeSpec, d2t: torch.Tensor | Non
 
     Args:
         slot_logits: ``[R, D, N]`` float draft-vocabulary logits, slot ``d`` = depth ``d + 1``.
-        spec: the :class:`~speculators.tree_spec.TreeSpec`; levels deeper than ``D`` are not drafted.
+        spec: the :class:`~speculators.decode.tree_spec.TreeSpec`; levels deeper than ``D`` are not drafted.
         d2t: ``[N]`` int64 draft->target offsets (None: full vocabulary).
         depth_caps: per request the deepest level kept (0 = an empty tree); clipped to ``D``.
         child_logits: optional, for a drafter whose slot distribution depends on the PREVIOUS token

@@ -64,7 +64,6 @@ from . import target_side
 from .layout import (  # the layout names' home is the leaf module .layout; re-exported here
     COMPUTE_DTYPE,
     PLACEHOLDER_TOKEN_ID,
-    SAMPLE_BLOCK,  # noqa: F401
     RejectionOutput,
     SAMPLE_SCALE,
     VerifyInputError,

@@ -4,7 +4,7 @@
 :func:`check_resume_recipe`), the default location (:func:`default_output_dir`), the resumable
 checkpoints ``checkpoints/step-N/`` (:func:`checkpoints`, oldest first; :func:`checkpoint_weights_problem`),
 the run card ``final/README.md`` (:func:`model_card`) and the names inside checkpoints (``trainer_state.pt``, ``engine_state/``, ``diverged-`` for checkpoints set
-aside after a divergence). The layout itself is described in :mod:`speculators.train`.
+aside after a divergence). The layout itself is described in :mod:`speculators.train.trainer`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import re
 import shutil
 from pathlib import Path
 
-from .drafters.checkpoint import RECIPE_NAME, check_weights
-from .errors import SpeculatorsError
-from .recipe import Recipe
+from ..drafters.checkpoint import RECIPE_NAME, check_weights
+from ..errors import SpeculatorsError
+from ..recipe import Recipe
 
 STATE_NAME = "trainer_state.pt"
 ENGINE_STATE_DIR = "engine_state"  # FSDP / DeepSpeed: accelerate's save_state (sharded optimizer, weights)
@@ -96,7 +96,7 @@ def model_card(unit, steps: int, tokens: int, seconds: float, before: dict[str, 
             b = before.get(k)
             lines.append(f"| {name} | {'-' if b is None else f'{b:.4f}'} | {after[k]:.4f} |")
     if data_report:
-        from .data.pipeline import report_markdown
+        from ..data.pipeline import report_markdown
 
         lines += [""] + report_markdown(data_report)
     return "\n".join(lines) + "\n"
@@ -140,7 +140,7 @@ def check_resume_recipe(run_dir: Path, recipe: Recipe) -> None:
     if not isinstance(old, dict):
         raise SpeculatorsError(f"--resume: {f} is not a recipe mapping; use --overwrite")
     try:  # fields added since the run was started read as their defaults (e.g. data.features: offline)
-        from .recipe import recipe_from_dict
+        from ..recipe import recipe_from_dict
 
         old = recipe_from_dict(old, str(f)).model_dump(mode="json")
     except SpeculatorsError:

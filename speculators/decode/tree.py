@@ -1,6 +1,6 @@
 """The decoding loop's draft, verify and keep steps for DRAFT TREES (EAGLE-2, SpecInfer, vLLM tree decoding).
 
-:func:`speculators.generate.speculative_generate` with ``tree=`` runs the same continuous-batching loop
+:func:`speculators.decode.loop.speculative_generate` with ``tree=`` runs the same continuous-batching loop
 (join, draft, verify, keep, retire) with these three steps in place of the chain's:
 
 1. :func:`draft_trees`: ONE batched ``propose_tree`` (a proposer that declares ``drafts_trees``, e.g. the
@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from .errors import SpeculatorsError
-from .verify.tree import DraftTree, tree_rejection_sample
+from ..errors import SpeculatorsError
+from ..target.features import TargetFeatures
+from ..verify.tree import DraftTree, tree_rejection_sample
+from .inputs import select_rows
+from .state import Kept, RunState
 
 
 def chain_tree(token_ids: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
@@ -84,29 +87,27 @@ def draft_trees(proposer, states: list, spec, caps: list[int], sampling, gens: l
     return out
 
 
-def verify_trees(sess, live: list[int], last: dict, trees: list[DraftTree], sampling, vocab: int | None, clock):
+def verify_trees(run: RunState, trees: list[DraftTree], sampling):
     """ONE tree forward over the live requests and ONE tree verification.
 
     Returns:
-        ``(out, feats, forward_seconds)``: the :class:`speculators.verify.tree.TreeVerifyOutput`, per request
-        the :class:`speculators.target.TargetFeatures` of its ``[last token, nodes]`` rows, and the wall
-        time of the forward alone (``clock()`` readings around it).
+        ``(out, feats)``: the :class:`speculators.verify.tree.TreeVerifyOutput` and, per request, the
+        :class:`speculators.target.TargetFeatures` of its ``[last token, nodes]`` rows.
     Raises:
         SpeculatorsError: a tree node outside ``[0, vocab)``.
     """
     ids, parents = [], []
-    for i, t in zip(live, trees):
+    vocab = run.vocab
+    for i, t in zip(run.live, trees):
         if vocab is not None and t.token_ids.numel() and (int(t.token_ids.min()) < 0
                                                            or int(t.token_ids.max()) >= vocab):
             raise SpeculatorsError(f"draft tree of request {i}: token ids outside [0, {vocab})")
-        ids.append(torch.cat([torch.tensor([last[i]], dtype=torch.int64), t.token_ids]))
+        ids.append(torch.cat([torch.tensor([run.last[i]], dtype=torch.int64), t.token_ids]))
         # node j of the tree is row j + 1; the root (the last token) hangs off the context (-1)
         parents.append(torch.cat([torch.tensor([-1]), torch.where(t.parents >= 0, t.parents + 1, 0)]))
-    t0 = clock()
-    logits, feats = sess.forward_tree(live, ids, parents)
-    forward_seconds = clock() - t0
-    out = tree_rejection_sample(trees, logits, sampling, validate=False)
-    return out, feats, forward_seconds
+    with run.recorder.forward(run.session):
+        logits, feats = run.session.forward_tree(run.live, ids, parents)
+    return tree_rejection_sample(trees, logits, sampling, validate=False), feats
 
 
 def path_rows(accepted_nodes: list[int]) -> list[int]:
@@ -116,76 +117,48 @@ def path_rows(accepted_nodes: list[int]) -> list[int]:
 
 def path_features(feats, rows: list[int]):
     """The :class:`~speculators.target.TargetFeatures` of ``rows`` of one request's tree forward, in order."""
-    from .target.features import TargetFeatures
-
     idx = torch.tensor(rows, device=feats.aux.device)
     return TargetFeatures(feats.aux.index_select(1, idx), feats.top.index_select(1, idx),
                           None if feats.logits is None else feats.logits.index_select(1, idx))
 
 
-def tree_step(run, clock, emit_until, retire) -> None:
-    """One tree step of :func:`speculators.generate.speculative_generate` over ``run.live`` (draft, verify,
-    keep; see the module docstring), charging drafting, forward and verifying time as the chain's steps do.
-    ``clock(device)``, ``emit_until(out, new, max_new, eos)`` and ``retire(run, i)`` are the loop's own
-    (passed in: this module sits below :mod:`speculators.generate`)."""
-    from .decode_args import select_rows
+def step(run: RunState) -> None:
+    """One tree step of :func:`speculators.decode.loop.speculative_generate` over ``run.live`` (draft, verify,
+    keep; see the module docstring); the run's recorder times drafting and verifying as for chains."""
+    live = list(run.live)
+    sampling = select_rows(run.sampling, run.generators, live)
+    caps = [min(run.tree.depth, run.room(i)) for i in live]
+    with run.recorder.drafting(live):
+        if run.proposer is not None and any(caps):
+            trees = draft_trees(run.proposer, [run.states[i] for i in live], run.tree, caps, sampling,
+                                [run.generators[i] for i in live], run.vocab)
+        else:
+            trees = [chain_tree(torch.empty(0, dtype=torch.int64)) for _ in live]
+    with run.recorder.verifying(live):
+        out, feats = verify_trees(run, trees, sampling)
+    keep_trees(run, trees, out, feats)
 
-    _clock, _emit_until, _retire = clock, emit_until, retire
 
-    live = run.live
-    caps = [min(run.tree.depth, run.max_new[i] - len(run.results[i].tokens) - 1) for i in live]
-    sp = select_rows(run.params, run.gens, live)
-    tp = _clock(run.device)
-    if run.proposer is not None and any(caps):
-        trees = draft_trees(run.proposer, [run.states[i] for i in live], run.tree, caps, sp,
-                            [run.gens[i] for i in live], run.vocab)
-    else:
-        trees = [chain_tree(torch.empty(0, dtype=torch.int64)) for _ in live]
-    tv = _clock(run.device)
-    out, feats, fs = verify_trees(run.sess, live, run.last, trees, sp, run.vocab, lambda: _clock(run.device))
-    run.forwards += 1
-    run.forward_s += fs
-    run.width_sum, run.widths_read = run.width_sum + int(run.sess.width), run.widths_read + 1
-    te = _clock(run.device)
-    run.draft_s, run.verify_s = run.draft_s + (tv - tp), run.verify_s + (te - tv)
-    still, adv = [], ([], [], [])
-    for j, i in enumerate(live):
+def keep_trees(run: RunState, trees: list[DraftTree], out, feats) -> None:
+    """Per live request: emit the accepted path and the final token, record the step (``drafted`` = nodes
+    verified, ``tree_ranks`` = the accepted children's ranks) and tell ``on_step``, retire a finished request,
+    else keep only the path's KV entries; then ONE batched ``advance`` of the proposer with the paths."""
+    kept = Kept()
+    for j, i in enumerate(run.live):
         nodes = out.accepted_nodes[j]
         a = len(nodes)
         new = out.output_token_ids[j].tolist()[:a + 1]
+        emitted, done = run.emit(i, new)
         r = run.results[i]
-        r.draft_seconds += tv - tp
-        r.verify_seconds += te - tv
-        before = len(r.tokens)
-        done = _emit_until(r.tokens, new, run.max_new[i], run.eos)
-        r.add_step(int(trees[j].token_ids.numel()), a, len(r.tokens) - before)
+        r.add_step(int(trees[j].token_ids.numel()), a, len(emitted))
         r.proposed.append(int(trees[j].token_ids.numel()))
         r.tree_ranks.append([int(x) for x in out.accepted_ranks[j]])
         if run.on_step is not None:
-            run.on_step(i, trees[j], a, r.tokens[before:])
+            run.on_step(i, trees[j], a, emitted)
         if done:
-            _retire(run, i)
+            run.retire(i)
             continue
         rows = path_rows(nodes)
-        run.sess.keep_tree(i, rows)
-        if run.proposer is not None:
-            adv[0].append(run.states[i])
-            adv[1].append(torch.tensor(new, dtype=torch.int64))
-            adv[2].append(path_features(feats[j], rows))
-        run.last[i] = new[-1]
-        still.append(i)
-    advance_timed(run, adv, still, _clock)
-
-
-def advance_timed(run, adv: tuple[list, list, list], still: list[int], clock) -> None:
-    """The end of a loop step, chain or tree: ONE batched ``advance`` of the proposer with the kept requests'
-    states, new ids and target features (``adv``; nothing when empty), its wall time charged to the run's and
-    each kept request's drafting time (``clock(device)``), and ``still`` becomes the live requests."""
-    if adv[0]:
-        ta = clock(run.device)
-        run.proposer.advance(*adv)
-        dt = clock(run.device) - ta
-        run.draft_s += dt
-        for i in still:
-            run.results[i].draft_seconds += dt
-    run.live = still
+        run.session.keep_tree(i, rows)
+        run.keep(kept, i, new, path_features(feats[j], rows) if run.proposer is not None else None)
+    run.advance(kept)

@@ -1,9 +1,9 @@
 """Acceptance statistics and reports from real speculative generation.
 
-The prompts are decoded through the batched loop (:func:`speculators.generate.speculative_generate`)
+The prompts are decoded through the batched loop (:func:`speculators.decode.loop.speculative_generate`)
 at batch size 1 and at the chosen batch size: plainly (once per batch size), then for every K of the
 sweep with the drafter, the n-gram (prompt lookup) proposer, suffix decoding and the hybrid proposer
-(:mod:`speculators.proposers`). Reported (ALGORITHMS.md, "Acceptance metrics"): tau (mean
+(:mod:`speculators.decode.proposers`). Reported (ALGORITHMS.md, "Acceptance metrics"): tau (mean
 acceptance length, bonus included), acceptance rate (verifier-accepted / drafted, with ``accepted`` and
 ``accepted_emitted`` counts beside it), per-position acceptance
 ``acc_k = P(draft k accepted)``, conditional per-position acceptance, tokens/s of each method and the
@@ -12,8 +12,8 @@ prompts, drafting and verifying time per decoding step (ms), tau per prompt sour
 with a confidence threshold the drafter's confidence-gated rows beside its ungated ones (drafted and
 verified drafts per step), and at temperature 0 every prompt whose output differs from plain greedy
 decoding (must be none: lossless). :func:`write_report` writes ``report.json``, ``report.md`` and two PNG plots.
-The report's typed shape (:class:`speculators.eval_report.EvalReport`) and every rendering of it (terminal,
-Markdown, JSON, plots) live in :mod:`speculators.eval_report`.
+The report's typed shape (:class:`speculators.evaluation.report.EvalReport`) and every rendering of it (terminal,
+Markdown, JSON, plots) live in :mod:`speculators.evaluation.report`.
 
 Every decode stops at the first stop token (the target's stop ids: tokenizer EOS, ``generation_config``
 EOS ids, chat-template end-of-turn) and at ``max_new_tokens``; tau, tokens and tokens/s count only the
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .acceptance import AcceptanceStats, bootstrap_tau_ci  # noqa: F401  (their old import path)
-from .cost_model import cost_model_block, eval_context, measure_costs, step_times
-from .errors import SpeculatorsError
-from .eval_costs import measure_pass_costs
-from .eval_plots import write_plots
-from .eval_report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown
+from .acceptance import AcceptanceStats, bootstrap_tau_ci
+from .cost_model import cost_model_block, step_times
+from .costs import eval_context, measure_costs
+from ..errors import SpeculatorsError
+from .costs import measure_pass_costs
+from .plots import write_plots
+from .report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown
 from .greedy_check import classify_mismatches, first_diff, greedy_summary
-from .utils import atomic_dir
+from ..utils import atomic_dir
 
 
 # the proposers a report can compare (report keys and table labels, in report order), and the default set
@@ -72,16 +73,16 @@ def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tok
               top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None, gate=None,
               tree=None):
     """One decode pass of every prompt through the batched loop: the
-    :class:`speculators.generate.BatchResult` (results in prompt order, wall seconds, drafting and
+    :class:`speculators.decode.loop.BatchResult` (results in prompt order, wall seconds, drafting and
     verifying seconds, batched steps).
 
     Prompt ``i`` draws from its own generator seeded with ``seed + i`` (so its output does not depend
     on the batch it ran in); ``proposer=None`` is plain decoding through the same loop; ``gate``: a
-    :class:`speculators.gating.ConfidenceGate` (confidence-gated verification) or None; ``tree``: a
-    :class:`speculators.tree_spec.TreeSpec` (draft trees instead of chains) or None.
+    :class:`speculators.decode.gating.ConfidenceGate` (confidence-gated verification) or None; ``tree``: a
+    :class:`speculators.decode.tree_spec.TreeSpec` (draft trees instead of chains) or None.
     """
-    from .generate import speculative_generate
-    from .verify import SamplingParams
+    from ..decode.loop import speculative_generate
+    from ..verify import SamplingParams
 
     sampling = SamplingParams.uniform(len(prompt_ids), temperature, top_k, top_p)
     return speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling, batch_size,
@@ -118,23 +119,23 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
-    :func:`speculators.generate.speculative_generate`), plain decoding runs ONCE (the baseline at that
+    :func:`speculators.decode.loop.speculative_generate`), plain decoding runs ONCE (the baseline at that
     batch size), then every method of ``methods`` runs for every K of ``k``: ``drafter`` (the neural
     drafter), ``drafter_argmax`` (the same drafter under vLLM's default ``draft_sample_method: greedy``:
-    argmax drafts verified as point masses, :class:`speculators.proposers.ArgmaxDrafts`; added
+    argmax drafts verified as point masses, :class:`speculators.decode.proposers.ArgmaxDrafts`; added
     automatically beside ``drafter`` at temperature > 0, where ``drafter``'s rows are vLLM's
-    ``draft_sample_method: probabilistic``), ``ngram`` (:class:`speculators.proposers.NGramProposer`, prompt lookup), ``suffix``
-    (:class:`speculators.proposers.SuffixProposer`, suffix decoding) and ``hybrid``
-    (:class:`speculators.proposers.HybridProposer`: the suffix draft where its match has at least
+    ``draft_sample_method: probabilistic``), ``ngram`` (:class:`speculators.decode.proposers.NGramProposer`, prompt lookup), ``suffix``
+    (:class:`speculators.decode.proposers.SuffixProposer`, suffix decoding) and ``hybrid``
+    (:class:`speculators.decode.proposers.HybridProposer`: the suffix draft where its match has at least
     ``hybrid_min_match`` tokens, the drafter elsewhere). Every decode of a prompt stops on the same stop
-    ids (``eos_ids``, default the target's :func:`speculators.generate.resolve_stop_ids`) and at
+    ids (``eos_ids``, default the target's :func:`speculators.decode.loop.resolve_stop_ids`) and at
     ``max_new_tokens``; every count is of emitted tokens (see :class:`AcceptanceStats`).
 
     Per row (method, K, batch size): :meth:`AcceptanceStats.as_dict` with ``seconds`` the wall time of
     the whole pass (so ``tokens_per_s`` is the throughput at that batch size), ``tau_ci`` (95%
     bootstrap CI over prompts, :func:`bootstrap_tau_ci` with ``seed``), ``speedup`` (tokens/s over
     plain decoding's at the SAME batch size), ``best_k`` (True on the K with the best speedup of
-    that method and batch size), and the pass's time split (:class:`speculators.generate.BatchResult`):
+    that method and batch size), and the pass's time split (:class:`speculators.decode.loop.BatchResult`):
     ``draft_seconds`` / ``verify_seconds`` (proposer ``propose`` + ``advance``; target forwards +
     rejection sampling), ``batched_steps`` (batched target forwards) and ``draft_ms_per_step`` /
     ``verify_ms_per_step`` (milliseconds per batched decoding step; plain rows have both, with
@@ -142,9 +143,9 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     or the recipe's sources for the held-out split): ``by_source`` breaks the headline rows down by it.
     At temperature 0 every output is compared with plain greedy decoding at batch 1 (plain at
     ``batch_size`` included): ``greedy_mismatches`` lists each difference, classified after the passes
-    (:func:`speculators.greedy_check.classify_mismatch`: ``near_tie`` where, in a low-precision dtype, the
+    (:func:`speculators.evaluation.greedy_check.classify_mismatch`: ``near_tie`` where, in a low-precision dtype, the
     two tokens' logits at the first diverging position are within rounding; else a verifier failure), and
-    ``greedy_check`` counts them per proposer (:func:`speculators.greedy_check.greedy_summary`; ``passed``
+    ``greedy_check`` counts them per proposer (:func:`speculators.evaluation.greedy_check.greedy_summary`; ``passed``
     when no mismatch is a failure; every mismatch is a failure in float32). Every row names the vLLM
     ``draft_sample_method`` it holds under (``draft_sample_method``: None where it makes no difference);
     at temperature > 0 ``serving_conventions`` (:func:`serving_conventions`) puts the drafter's two
@@ -181,30 +182,30 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
             ``confidence_threshold`` outside (0, 1) or a bad ``verify_cost``.
 
     Confidence-gated verification (DSpark; ``confidence_threshold`` and/or ``verify_cost``, see
-    :class:`speculators.gating.ConfidenceGate`): the drafter is decoded a second time for every K and
+    :class:`speculators.decode.gating.ConfidenceGate`): the drafter is decoded a second time for every K and
     batch size with the gate; those rows (same keys as ``rows``, plus ``gated: True``) go to
     ``report["gated_rows"]`` and ``report["gating"]`` holds ``{"threshold", "cost_aware", "verify_cost",
     "confidences" (whether the drafter reported any), "headline": {"ungated": row, "gated": row}}`` at the
     headline batch size and K. Gated outputs join the greedy losslessness check (``proposer:
     "drafter (gated)"``). Without them both keys are absent.
 
-    ``cost_model`` (:func:`speculators.cost_model.cost_model_block`): predicted vs measured tokens/s, best K'
-    and break-even batch size from ``forward_costs`` (:func:`speculators.cost_model.measure_costs`; measured
+    ``cost_model`` (:func:`speculators.evaluation.cost_model.cost_model_block`): predicted vs measured tokens/s, best K'
+    and break-even batch size from ``forward_costs`` (:func:`speculators.evaluation.costs.measure_costs`; measured
     after the passes when None); rows carry ``prefill_seconds`` and ``forward_seconds`` for it. With
     ``adjacent_costs`` (default) the target forwards are also measured right before EVERY decode pass (plain,
     each method, K and batch size, gated and tree passes too) at that pass's batch size, over 1..max(K)+1
-    tokens at ``forward_costs``' contexts (the eval's :func:`speculators.cost_model.eval_context` when None),
-    median of 3 (:func:`speculators.eval_costs.measure_pass_costs`; a few seconds a pass on a CPU): the row's
+    tokens at ``forward_costs``' contexts (the eval's :func:`speculators.evaluation.costs.eval_context` when None),
+    median of 3 (:func:`speculators.evaluation.costs.measure_pass_costs`; a few seconds a pass on a CPU): the row's
     ``pass_costs``, from which the cost model predicts that row (the machine's speed drifts over an eval; see
-    :mod:`speculators.cost_model`, "Adjacent costs"). False measures nothing per pass (the rows are then
+    :mod:`speculators.evaluation.cost_model`, "Adjacent costs"). False measures nothing per pass (the rows are then
     predicted from ``forward_costs``).
 
-    Draft trees (``trees``: :class:`speculators.tree_spec.TreeSpec` s; the drafter drafts a tree per step,
-    :mod:`speculators.tree_steps`): ``report["trees"]`` (:func:`speculators.tree_eval.tree_block`) holds one row
+    Draft trees (``trees``: :class:`speculators.decode.tree_spec.TreeSpec` s; the drafter drafts a tree per step,
+    :mod:`speculators.decode.tree`): ``report["trees"]`` (:func:`speculators.evaluation.trees.tree_block`) holds one row
     per tree and batch size beside the drafter's chain rows, the measured acceptance per depth and sibling rank,
     and the static tree (vLLM's ``speculative_token_tree``) with the best predicted tokens/s.
     """
-    from .losses import sampling_values
+    from ..losses import sampling_values
 
     temperature, top_k, top_p = sampling_values(sampling)
     ks = _as_k_list(k)
@@ -247,7 +248,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     if gate is not None:
         _add_gating(report, ev, drafter, gate, log)
     if trees:  # before the greedy check: tree outputs are checked and classified with the chains'
-        from .tree_eval import tree_block
+        from .trees import tree_block
 
         # one pass per distinct tree (two spellings of one spec, e.g. depth=4 and depth=4,topk=4, are one tree)
         report["trees"] = tree_block(ev, proposers("drafter"), list(dict.fromkeys(trees)), batch_sizes, report, log)
@@ -271,12 +272,12 @@ def plain_baseline(target, prompts: list[dict], max_new_tokens: int, sampling=No
         target: a :class:`speculators.target.Target`. prompts, max_new_tokens, sampling, seed, eos_ids: as
             :func:`run_eval`.
     Returns:
-        A plain row (:class:`speculators.eval_report.PlainRow` keys: ``tokens``, ``seconds``,
+        A plain row (:class:`speculators.evaluation.report.PlainRow` keys: ``tokens``, ``seconds``,
         ``tokens_per_s``, step times) with ``dtype``, the target's dtype name.
     Raises:
         SpeculatorsError: no prompts; ``sampling`` is not one request's valid ``SamplingParams``.
     """
-    from .losses import sampling_values
+    from ..losses import sampling_values
 
     if not prompts:
         raise SpeculatorsError("plain_baseline: no prompts to decode")
@@ -294,7 +295,7 @@ def precision_block(report: dict, other: dict) -> dict:
         report: a :func:`run_eval` report with ``target.dtype`` set (:func:`speculators.workflows.eval_run`).
         other: a :func:`plain_baseline` row.
     Returns:
-        :class:`speculators.eval_report.PrecisionBaseline`: ``plain_tokens_per_s`` ``{dtype: tokens/s}``,
+        :class:`speculators.evaluation.report.PrecisionBaseline`: ``plain_tokens_per_s`` ``{dtype: tokens/s}``,
         ``fastest`` (the dtype of the faster plain decoding), ``rows`` (every batch-1 row: ``method``, ``k``,
         ``tokens_per_s``, ``speedup_vs_fastest_plain``).
     """
@@ -332,14 +333,14 @@ def _check_methods(methods, temperature: float, drafter, batch_size, prompts) ->
 
 
 def _make_gate(confidence_threshold, verify_cost, methods):
-    """The :class:`speculators.gating.ConfidenceGate` of a run with a drafter row and a threshold or a
+    """The :class:`speculators.decode.gating.ConfidenceGate` of a run with a drafter row and a threshold or a
     cost model, else None (a bad threshold is refused either way)."""
     if (confidence_threshold is not None or verify_cost is not None) and "drafter" in methods:
-        from .gating import ConfidenceGate
+        from ..decode.gating import ConfidenceGate
 
         return ConfidenceGate(confidence_threshold, verify_cost)
     if confidence_threshold is not None:
-        from .gating import check_confidence_threshold
+        from ..decode.gating import check_confidence_threshold
 
         check_confidence_threshold(confidence_threshold)
     return None
@@ -347,7 +348,7 @@ def _make_gate(confidence_threshold, verify_cost, methods):
 
 def _proposer_factory(drafter, ngram_max: int, hybrid_min_match: int, hybrid_drafter_k: int | None):
     """``make(method)``: a fresh proposer of ``method`` for one pass (the drafter itself for ``drafter``)."""
-    from .proposers import ArgmaxDrafts, HybridProposer, NGramProposer, SuffixProposer
+    from ..decode.proposers import ArgmaxDrafts, HybridProposer, NGramProposer, SuffixProposer
 
     def make(method: str):
         if method == "drafter":
@@ -415,7 +416,7 @@ class _EvalPasses:
 
     def __init__(self, target, prompts: list[dict], max_new_tokens: int, sampling: tuple, eos_ids, seed: int,
                  resamples: int, progress, total_passes: int):
-        from .generate import resolve_stop_ids
+        from ..decode.inputs import resolve_stop_ids
 
         self.target, self.prompts, self.max_new_tokens = target, prompts, max_new_tokens
         self.temperature, self.top_k, self.top_p = sampling
@@ -432,7 +433,7 @@ class _EvalPasses:
 
     def adjacent_costs(self, b: int) -> dict:
         """``{"pass_costs": the forward costs at batch size b}`` measured now, right before a pass
-        (:func:`speculators.eval_costs.measure_pass_costs` at ``cost_at``); ``{}`` when ``cost_at`` is None."""
+        (:func:`speculators.evaluation.costs.measure_pass_costs` at ``cost_at``); ``{}`` when ``cost_at`` is None."""
         if self.cost_at is None:
             return {}
         k, context, long_context = self.cost_at
@@ -539,7 +540,7 @@ def serving_conventions(report: dict) -> dict:
     "tokens_per_s", "speedup"}]}``, vLLM's default (argmax drafts) first.
 
     Users read tau as what they will get when they serve the drafter; which of the two it is depends
-    on this engine setting (:data:`ENGINE_SETTINGS`, :class:`speculators.proposers.ArgmaxDrafts`).
+    on this engine setting (:data:`ENGINE_SETTINGS`, :class:`speculators.decode.proposers.ArgmaxDrafts`).
 
     Raises:
         SpeculatorsError: the report has no ``drafter`` and ``drafter_argmax`` rows at its headline.

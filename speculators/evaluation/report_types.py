@@ -1,7 +1,7 @@
-"""The typed shape of an eval report's ``cost_model`` block (:func:`speculators.cost_model.cost_model_block`)
-and of the forward costs it reads (:func:`speculators.eval_costs.measure_costs`, a row's ``pass_costs``).
+"""The typed shape of an eval report's ``cost_model`` block (:func:`speculators.evaluation.cost_model.cost_model_block`)
+and of the forward costs it reads (:func:`speculators.evaluation.costs.measure_costs`, a row's ``pass_costs``).
 
-Part of the report's data (:mod:`speculators.eval_report` re-exports every name): JSON-native ``TypedDict`` s,
+Part of the report's data (:mod:`speculators.evaluation.report` re-exports every name): JSON-native ``TypedDict`` s,
 a ratio with a zero denominator ``None``. This module imports nothing from the rest of the package.
 """
 
@@ -11,7 +11,7 @@ from typing import Optional, TypedDict
 
 
 class ForwardCosts(TypedDict, total=False):
-    """Measured target forwards (:func:`speculators.eval_costs.measure_costs`; a row's ``pass_costs``: the same
+    """Measured target forwards (:func:`speculators.evaluation.costs.measure_costs`; a row's ``pass_costs``: the same
     at its batch size alone, measured right before its pass): ``seconds[str(b)][m - 1]`` =
     one forward over m = 1..k+1 tokens per request for b requests after ``context`` tokens each (median of
     ``reps``), ``width[str(b)][m - 1]`` the cache width (slots) it was timed at; ``long_seconds`` /
@@ -40,7 +40,7 @@ class CostPrediction(TypedDict):
     target forwards per batched step, to set beside ``forward_ms_per_step``) (None otherwise). A measured row
     with ``pass_costs`` is predicted from them (``costs_source: "adjacent"``), anything else from the eval's
     ``costs`` (``"eval"``); ``predicted_speedup`` always from the eval's costs (module
-    :mod:`speculators.cost_model`, "Adjacent costs")."""
+    :mod:`speculators.evaluation.cost_model`, "Adjacent costs")."""
 
     method: str
     k: int
@@ -88,7 +88,7 @@ class BreakEven(TypedDict):
 
 
 class CostModel(TypedDict):
-    """The cost model of an eval (:func:`speculators.cost_model.cost_model_block`; its module docstring
+    """The cost model of an eval (:func:`speculators.evaluation.cost_model.cost_model_block`; its module docstring
     gives the formula and the assumptions): the measured ``costs``, plain decoding's measured per-step
     overhead outside the forward and the sampler (``overhead_ms_per_step[str(b)]``, ms), ``plain`` and ``predictions`` checked against the
     measured rows, ``best_k`` (``{batch: {method: K'}}`` by predicted speedup), ``break_even`` per method,

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 _DYNAMIC_KEYS = ("depth", "topk", "total_tokens")
 
@@ -62,7 +62,7 @@ class TreeSpec:
         Raises:
             SpeculatorsError: naming ``speculative_token_tree`` (see :func:`parse_token_tree`).
         """
-        from .verify.tree import parse_token_tree
+        from ..verify.tree import parse_token_tree
 
         paths = parse_token_tree(spec)
         return cls(depth=max(len(p) for p in paths), topk=max(max(p) for p in paths) + 1,

@@ -7,7 +7,7 @@ confidence head) is cut, before the target sees it, to the drafts whose calibrat
 read through the proposer's DECLARED interface ``confidence_calibration()``
 (:meth:`speculators.drafters.base.Drafter.confidence_calibration`; a wrapper proposer declares it by
 delegating), never through buffer names. The rule reads only the drafter's outputs, so it stays
-lossless (Leviathan et al. 2023). The decoding loop (:func:`speculators.generate.speculative_generate`)
+lossless (Leviathan et al. 2023). The decoding loop (:func:`speculators.decode.loop.speculative_generate`)
 applies it; :mod:`speculators.calibration` fits ``(T, b)``.
 """
 
@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 from .proposal import Proposal, calibrated_confidence_logits
 
 
@@ -106,9 +106,9 @@ class ConfidenceGate:
       (expected emitted tokens per unit of verify cost), keep extending the prefix while it raises the
       value: m is the first ``m <= m_thr`` with ``value(m + 1) <= value(m)`` (``m_thr`` = the threshold's
       m, or every draft without a threshold), where ``verify_cost[m]`` is the measured time of a target
-      forward over ``m + 1`` tokens (:func:`speculators.generate.measure_verify_cost` at batch 1; an eval
+      forward over ``m + 1`` tokens (:func:`speculators.evaluation.forward_cost.measure_verify_cost` at batch 1; an eval
       passes the batch-1 list of the forward costs it measures once for its report's cost model,
-      :func:`speculators.cost_model.gate_cost`; the last entry is used beyond the measured lengths). The rule is a stopping time: whether draft k is kept depends only on
+      :func:`speculators.evaluation.costs.gate_cost`; the last entry is used beyond the measured lengths). The rule is a stopping time: whether draft k is kept depends only on
       ``S_1..S_k``, i.e. on drafts ``< k`` (``S_k`` reads draft k-1, never draft k). A global argmax over
       all m would not be: keeping draft k would then depend on ``S_{k+1}``, which reads draft k itself,
       and keeping a sampled draft because of its own value biases the output at temperature > 0

@@ -2,9 +2,9 @@
 
 :func:`measure_costs` times ONE target forward over ``m = 1..k+1`` tokens per request at every batch size of
 an eval and at two context lengths (:func:`eval_context` and twice it), through the loop's own batch session
-(:func:`speculators.forward_cost.measure_forward_cost`); :func:`measure_pass_costs` is the same at one pass's
+(:func:`speculators.evaluation.forward_cost.measure_forward_cost`); :func:`measure_pass_costs` is the same at one pass's
 batch size, right before that pass (a report row's ``pass_costs``), and :func:`drifted_costs` the table a
-pass is predicted with from it (the rule and why: :mod:`speculators.cost_model`, "Adjacent costs").
+pass is predicted with from it (the rule and why: :mod:`speculators.evaluation.cost_model`, "Adjacent costs").
 :func:`forward_seconds` / :func:`expected_forward_seconds` read a table at a number of tokens, live requests
 and cache width (linear in the width through the two contexts, then in the live requests between the batch
 sizes); :func:`gate_cost` is the cost-aware confidence gate's batch-1 list.
@@ -12,7 +12,7 @@ sizes); :func:`gate_cost` is the cost-aware confidence gate's batch-1 list.
 
 from __future__ import annotations
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 
 def _check_int(name: str, v, lo: int) -> int:
@@ -26,7 +26,7 @@ def measure_costs(target, k: int, batch_sizes: list[int], reps: int = 5, context
                   seed: int = 0, long_context: int | None = None) -> dict:
     """The target-forward costs of an eval: at every batch size ``b`` of ``batch_sizes``, the ``[k + 1]``
     seconds of one forward over ``m = 1..k+1`` tokens per request for ``b`` requests after ``context``
-    tokens each, and again after ``long_context`` tokens each (:func:`speculators.forward_cost.measure_forward_cost`,
+    tokens each, and again after ``long_context`` tokens each (:func:`speculators.evaluation.forward_cost.measure_forward_cost`,
     median of ``reps``), with the cache width (slots) each was timed at: two points of the forward's cost
     as a linear function of the width, which :func:`forward_seconds` charges at the width the loop ran at.
     The cost-aware confidence gate reads the batch-1 list at ``context`` (:func:`gate_cost`).
@@ -58,7 +58,7 @@ def measure_costs(target, k: int, batch_sizes: list[int], reps: int = 5, context
 
 def gate_cost(costs: dict) -> list[float]:
     """The batch-1 forward costs ``[k + 1]`` (s) of :func:`measure_costs`: the ``verify_cost`` of
-    :class:`speculators.gating.ConfidenceGate` (its smallest measured batch size when 1 was not measured)."""
+    :class:`speculators.decode.gating.ConfidenceGate` (its smallest measured batch size when 1 was not measured)."""
     return list(costs["seconds"][str(min(costs["batch_sizes"]))])
 
 

@@ -1,6 +1,6 @@
 """What the trainer steps: one training unit, the drafter plus (for a joint run) the LoRA-adapted target.
 
-The trainer (:mod:`speculators.train`) never looks at the family nor at whether the target trains: it
+The trainer (:mod:`speculators.train.trainer`) never looks at the family nor at whether the target trains: it
 asks the unit for the loss-term counts, the loss, the optimizer groups, the checkpoint save/load, the
 held-out metrics of several batches as one, the held-out summary line and the model card's lines.
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 # per-batch metrics that are sums (combined by adding), not means (combined weighted by counts)
 _SUMS = ("lm_nll_sum", "lm_tokens")
@@ -66,7 +66,7 @@ class TrainingUnit(nn.Module):
 
     def __init__(self, drafter, target=None, features: str = "offline", feature_dtype: str = "bfloat16"):
         super().__init__()
-        from .data.features import feature_dtype as check_dtype
+        from ..data.features import feature_dtype as check_dtype
 
         if features not in ("offline", "online"):
             raise SpeculatorsError(f"data.features: {features!r} is not a feature mode; allowed: ['offline', 'online']")
@@ -105,7 +105,7 @@ class TrainingUnit(nn.Module):
         counts) stores them for the ``keep=False`` call (the loss) of a batch with the same token ids."""
         import hashlib
 
-        from .data.features import batch_features
+        from ..data.features import batch_features
 
         ids, att = batch.input_ids, batch.attention_mask
         key = hashlib.sha1(ids.detach().cpu().numpy().tobytes() + att.detach().cpu().numpy().tobytes()
@@ -216,7 +216,7 @@ class TrainingUnit(nn.Module):
             SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; an unknown
                 ``dtype``.
         """
-        from .drafters.checkpoint import save_pretrained
+        from ..drafters.checkpoint import save_pretrained
 
         return save_pretrained(self.drafter, path, recipe_yaml=recipe_yaml, extra_files=extra_files,
                                overwrite=overwrite, extra=extra, target=self.target, dtype=dtype,
@@ -231,7 +231,7 @@ class TrainingUnit(nn.Module):
             SpeculatorsError: a weight file is missing, unreadable or holds a NaN/inf (naming the file and
                 the tensor); weights that do not fit this drafter or this LoRA config.
         """
-        from .drafters.checkpoint import WEIGHTS_NAME, adapter_weights_file, complete_frozen_copies, load_weights
+        from ..drafters.checkpoint import WEIGHTS_NAME, adapter_weights_file, complete_frozen_copies, load_weights
 
         path = Path(path)
         weights = complete_frozen_copies(self.drafter, load_weights(path / WEIGHTS_NAME))
@@ -289,7 +289,7 @@ class TrainingUnit(nn.Module):
         without prefix, as :meth:`metrics_summary` returns them)."""
         if self.target is None:
             return []
-        from .drafters.checkpoint import ADAPTER_DIR
+        from ..drafters.checkpoint import ADAPTER_DIR
 
         lines = ["Joint run: the target was fine-tuned with LoRA together with the drafter. The adapter is in "
                  f"`{ADAPTER_DIR}/`; `speculators eval` merges it into the base target and verifies against the "

@@ -23,8 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import SpeculatorsError
-from .verify import SamplingParams
+from ..errors import SpeculatorsError
+from ..verify import SamplingParams
 
 
 @dataclass
@@ -225,7 +225,7 @@ def advance_each(one, states: list, new_ids: list, features: list | None) -> Non
 
 def max_speculative_tokens_of(proposer) -> int | None:
     """The K bound of any proposer: the ``max_speculative_tokens`` it declares (a :class:`Drafter`'s, what it
-    was trained for; a wrapper such as :class:`speculators.proposers.HybridProposer` declares its own), or
+    was trained for; a wrapper such as :class:`speculators.decode.proposers.HybridProposer` declares its own), or
     None when it declares none or None (unbounded: n-gram, suffix, plain, autoregressive families)."""
     cap = getattr(proposer, "max_speculative_tokens", None)
     return None if cap is None else int(cap)

@@ -7,7 +7,7 @@ config (``distributed_type: FSDP``, ``recipes/accelerate/fsdp.yaml``; the launch
 ``ACCELERATE_USE_FSDP=true``) therefore selects this module on CPU processes and accelerate's own FSDP on
 GPUs: :func:`fsdp_on_cpu_requested`.
 
-What is sharded: the whole :class:`~speculators.training_unit.TrainingUnit` (the drafter and, in a
+What is sharded: the whole :class:`~speculators.train.unit.TrainingUnit` (the drafter and, in a
 joint run, the LoRA-adapted target) as ONE FSDP2 unit (``fully_shard(unit)``, a 1-D CPU device mesh
 over all ranks): every parameter is a ``DTensor`` sharded on dim 0, gradients are reduce-scattered
 (averaged over the ranks, as DDP's all-reduce) and the optimizer (built on the sharded parameters) keeps
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 #: the file torch.distributed.checkpoint writes beside its shards: marks an engine_state/ of this module
 DCP_METADATA = ".metadata"

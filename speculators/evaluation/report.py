@@ -1,6 +1,6 @@
 """The eval report: its typed shape and its renderers, in one place.
 
-:func:`speculators.evaluate.run_eval` returns an :class:`EvalReport`: a JSON-native ``TypedDict`` (so
+:func:`speculators.evaluation.runner.run_eval` returns an :class:`EvalReport`: a JSON-native ``TypedDict`` (so
 ``report.json`` is the report itself, and readers of older reports keep working) whose every key is
 declared here with its meaning. Three renderers read it, and nothing else formats a report:
 
@@ -8,28 +8,26 @@ declared here with its meaning. Three renderers read it, and nothing else format
   sources, confidence gating, per-position acceptance, plots, compare table, losslessness line);
 * :func:`render_terminal`: the same tables on a ``rich`` console (``speculators eval``);
 * :func:`render_json`: ``report.json``;
-* :func:`speculators.eval_plots.write_plots`: the two PNG plots (matplotlib's Agg canvas).
+* :func:`speculators.evaluation.plots.write_plots`: the two PNG plots (matplotlib's Agg canvas).
 
 A ratio whose denominator is zero (an acceptance rate with nothing drafted, tokens/s without time, a
 speedup over a baseline that took no time) is ``None`` in the report and ``n/a`` in every rendering.
 
 This module imports nothing from the rest of the package but the typed ``cost_model`` block
-(:mod:`speculators.eval_report_costs`): the report is data.
+(:mod:`speculators.evaluation.report_types`): the report is data.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Optional, TypedDict
 
-from .eval_report_costs import (  # noqa: F401  (the cost model's block, part of the report)
-    BreakEven, CostModel, CostPrediction, ForwardCosts, PlainPrediction)
+from .report_types import CostModel, ForwardCosts
 
 
 class MethodRow(TypedDict, total=False):
     """One method at one K and batch size (``EvalReport.rows``; the counts of
-    :meth:`speculators.evaluate.AcceptanceStats.as_dict`).
+    :meth:`speculators.evaluation.runner.AcceptanceStats.as_dict`).
 
     ``tau`` = emitted / steps (bonus included); ``tau_ci`` its 95% bootstrap interval over prompts;
     ``acceptance_rate`` = accepted / drafted (None when nothing was drafted); ``per_position[k-1]`` =
@@ -101,7 +99,7 @@ class PlainRow(TypedDict):
 
 class ServingConventions(TypedDict):
     """The drafter under vLLM's two ``draft_sample_method`` settings at temperature > 0
-    (:func:`speculators.evaluate.serving_conventions`): ``rows`` = vLLM's default (argmax drafts) first,
+    (:func:`speculators.evaluation.runner.serving_conventions`): ``rows`` = vLLM's default (argmax drafts) first,
     each a :class:`MethodRow` subset with ``engine_setting`` (the ``--speculative-config`` text)."""
 
     temperature: float
@@ -123,7 +121,7 @@ class Gating(TypedDict):
 
 class PrecisionBaseline(TypedDict):
     """Batch-1 rows against the faster plain decoding of the eval's dtype and float32
-    (:func:`speculators.evaluate.precision_block`; on a CPU, where bfloat16 is not always the faster)."""
+    (:func:`speculators.evaluation.runner.precision_block`; on a CPU, where bfloat16 is not always the faster)."""
 
     plain_tokens_per_s: dict[str, Optional[float]]  # {dtype: plain tokens/s at batch 1}
     fastest: str  # the dtype of the faster plain decoding
@@ -131,7 +129,7 @@ class PrecisionBaseline(TypedDict):
 
 
 class EvalReport(TypedDict, total=False):
-    """What :func:`speculators.evaluate.run_eval` returns and ``report.json`` holds.
+    """What :func:`speculators.evaluation.runner.run_eval` returns and ``report.json`` holds.
 
     Settings: ``num_prompts``, ``ks`` (the K sweep), ``batch_size`` / ``batch_sizes`` (the loaded one and
     ``[1, batch_size]``), ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
@@ -143,12 +141,12 @@ class EvalReport(TypedDict, total=False):
     method at the headline under the method's name (``report["drafter"]``...), ``speedup`` (the
     drafter's) and ``<method>_speedup``, ``greedy_mismatches`` (temperature 0: every output that differs
     from plain greedy decoding, each with its near-tie classification,
-    :func:`speculators.greedy_check.classify_mismatch`; None when sampling), ``greedy_check`` (their counts
-    per proposer and whether the check passed: :func:`speculators.greedy_check.greedy_summary`), ``by_source`` (``{source: {method: block}}`` at the
+    :func:`speculators.evaluation.greedy_check.classify_mismatch`; None when sampling), ``greedy_check`` (their counts
+    per proposer and whether the check passed: :func:`speculators.evaluation.greedy_check.greedy_summary`), ``by_source`` (``{source: {method: block}}`` at the
     headline), ``serving_conventions`` (temperature > 0), ``gated_rows`` / ``gating`` (with a confidence
     gate), ``cost_model`` (predicted vs measured tokens/s, best K', break-even batch size). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target`` (with ``dtype``, the
     served target's, and ``trained_dtype``, the checkpoint's; None when it records none), ``dtype_warning``
-    (only when the two differ), ``prompts``, ``device``, ``compare``; by :func:`speculators.evaluate.write_report`: ``plots``.
+    (only when the two differ), ``prompts``, ``device``, ``compare``; by :func:`speculators.evaluation.runner.write_report`: ``plots``.
     """
 
     num_prompts: int
@@ -320,7 +318,7 @@ def greedy_lines(report: dict) -> list[str]:
                 "and batch size."]
     gc = report.get("greedy_check") or {"dtype": "?", "near_tie": 0, "failures": len(mm), "by_proposer": {}}
     lines = [f"greedy losslessness ({gc['dtype']}): {len(mm)} mismatches, {gc['near_tie']} on near-ties of the "
-             f"target's logits (within the dtype's rounding; speculators.greedy_check), {gc['failures']} "
+             f"target's logits (within the dtype's rounding; speculators.evaluation.greedy_check), {gc['failures']} "
              "verifier failures."]
     lines += [f"- {label}: {c['mismatches']} mismatches, {c['near_tie']} near-tie, {c['failures']} failures"
               for label, c in gc["by_proposer"].items()]
@@ -383,7 +381,7 @@ def _break_even_markdown(report: dict) -> list[str]:
              "(1 - a) when every c_j = a), the measured drafting and rejection-sampling time, the measured target "
              "forwards (for a row the eval ran, measured right before its pass when recorded: the machine's speed "
              "drifts; comparisons from the forwards below) and plain decoding's measured per-step overhead "
-             "(speculators.cost_model). error = "
+             "(speculators.evaluation.cost_model). error = "
              "(predicted - measured) / measured; best K = the K' <= K with the best predicted speedup (its "
              "speedup); break-even batch = the smallest batch size at which no K' pays (- : it pays at every "
              "measured batch size).", "",
@@ -438,7 +436,7 @@ def _precision_markdown(report: dict) -> list[str]:
 
 
 def render_markdown(report: EvalReport, title: str = "speculators eval", plots: dict[str, str] | None = None) -> str:
-    """The report of :func:`speculators.evaluate.run_eval` as Markdown (``report.md``).
+    """The report of :func:`speculators.evaluation.runner.run_eval` as Markdown (``report.md``).
 
     Sections: one table per batch size (a row per method and K: tau with its 95% bootstrap CI,
     acceptance rate, tokens/s, speedup over plain decoding at that batch size, drafting and verifying
@@ -507,7 +505,7 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     for key, alt in (("per_position", "per-position acceptance"), ("tau_vs_k", "tau and speedup vs K")):
         if plots and plots.get(key):
             lines += [f"![{alt}]({plots[key]})", ""]
-    lines += (report.get("trees") or {}).get("markdown", [])  # rendered by speculators.tree_eval (a data block)
+    lines += (report.get("trees") or {}).get("markdown", [])  # rendered by speculators.evaluation.trees (a data block)
     if report.get("compare"):
         lines += ["## Compare (same prompts and settings)", "", compare_markdown(report["compare"]["rows"])]
     greedy = greedy_lines(report)

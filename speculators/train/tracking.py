@@ -1,6 +1,6 @@
 """Experiment tracking of a training run: which trackers ``train.report_to`` may name, the run's tracker ids
 (``tracking.json``) and an eval report logged into the training run's trackers (rank-free helpers; the
-trainer, :mod:`speculators.train`, starts and feeds the trackers).
+trainer, :mod:`speculators.train.trainer`, starts and feeds the trackers).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 TRACKING_NAME = "tracking.json"  # the run's tracker ids (wandb run id, project): resumed by --resume and eval
 
@@ -51,7 +51,7 @@ def _markdown_table(columns: list[str], rows: list[list]) -> str:
 
 
 def report_table(report: dict) -> tuple[list[str], list[list]]:
-    """The rows of an eval report (:func:`speculators.evaluate.run_eval`: ``report["rows"]``, one per
+    """The rows of an eval report (:func:`speculators.evaluation.runner.run_eval`: ``report["rows"]``, one per
     method, K and batch size) as ``(columns, data)``: every scalar field (numbers, strings, booleans,
     None) of the rows, in first-seen order; nested values (lists, dicts) are left out."""
     rows = report.get("rows") or []
@@ -72,7 +72,7 @@ def log_eval_report(checkpoint: str | Path, recipe, report: dict, log=print) -> 
     Args:
         checkpoint: the evaluated checkpoint (``RUN/final`` or ``RUN/checkpoints/step-N``).
         recipe: its :class:`~speculators.recipe.Recipe` (None: nothing is logged).
-        report: the report dict of :func:`speculators.evaluate.run_eval`.
+        report: the report dict of :func:`speculators.evaluation.runner.run_eval`.
     Returns:
         The trackers logged to (``[]`` when the checkpoint is not inside a run directory that tracked,
         e.g. a Hub download, or wandb is not installed: a log line says so).

@@ -1,17 +1,17 @@
 """The draft-tree part of an eval: tree rows beside the drafter's chains, acceptance per depth and sibling rank,
 and the static tree (vLLM's ``speculative_token_tree``) this machine should serve, from what was measured.
 
-:func:`tree_block` runs after the chain passes of :func:`speculators.evaluate.run_eval` (same prompts, seeds,
+:func:`tree_block` runs after the chain passes of :func:`speculators.evaluation.runner.run_eval` (same prompts, seeds,
 stop ids and greedy check: every tree output at temperature 0 is compared with plain greedy decoding), one
 pass per tree and batch size. Then, from the batch-1 tree pass with the highest tau:
 
-* :func:`speculators.tree_report.rank_acceptance`: ``rate[d][r]``, the share of steps reaching depth
+* :func:`speculators.evaluation.static_tree.rank_acceptance`: ``rate[d][r]``, the share of steps reaching depth
   ``d - 1`` whose accepted path took the rank-r child at depth d;
 * the target's forward cost over ``m = 1 .. max_nodes + 1`` tokens at batch 1, measured here
-  (:func:`speculators.forward_cost.measure_verify_cost`, median of 3, at the eval's context length; a
+  (:func:`speculators.evaluation.forward_cost.measure_verify_cost`, median of 3, at the eval's context length; a
   tree forward reads the same weights and computes the same products as a chain forward of as many tokens,
   only its attention mask differs);
-* :func:`speculators.tree_report.best_static_tree`: the static tree maximising expected emitted tokens per
+* :func:`speculators.evaluation.static_tree.best_static_tree`: the static tree maximising expected emitted tokens per
   millisecond of target forward (the least-squares non-decreasing fit of the measured times, :func:`_monotone_fit`)
   plus drafting (:func:`_draft_costs`: the drafter's fixed per-step time,
   the intercept of its chain rows' drafting ms against K, plus the rest of that tree pass's drafting time
@@ -21,10 +21,10 @@ pass per tree and batch size. Then, from the batch-1 tree pass with the highest 
 
 from __future__ import annotations
 
-from .cost_model import eval_context
-from .errors import SpeculatorsError
+from .costs import eval_context
+from ..errors import SpeculatorsError
 from .forward_cost import measure_verify_cost
-from .tree_report import best_static_tree, rank_acceptance, tree_table
+from .static_tree import best_static_tree, rank_acceptance, tree_table
 
 
 def _chain_rows(report: dict) -> dict:
@@ -35,8 +35,8 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
     """Decode every prompt with the drafter drafting each tree of ``trees`` at every batch size and summarise.
 
     Args:
-        ev: the eval's passes (``speculators.evaluate._EvalPasses``). proposer: the drafter.
-        trees: :class:`speculators.tree_spec.TreeSpec` s. batch_sizes: the eval's batch sizes.
+        ev: the eval's passes (``speculators.evaluation.runner._EvalPasses``). proposer: the drafter.
+        trees: :class:`speculators.decode.tree_spec.TreeSpec` s. batch_sizes: the eval's batch sizes.
         report: the chain report so far (its ``plain_rows`` give each batch size's baseline, its drafter
             rows the chain tau at the same depth).
     Returns:

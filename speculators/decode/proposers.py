@@ -1,13 +1,13 @@
 """Model-free and combined proposers: n-gram, suffix decoding, the hybrid (suffix match, else the neural
 drafter) and argmax drafts.
 
-All implement the batched proposer protocol of :class:`speculators.proposal.Proposer`::
+All implement the batched proposer protocol of :class:`speculators.decode.proposal.Proposer`::
 
     start(input_ids [n+1], features) -> state                      # one request
     propose(states, ks, sampling, generators=None) -> list[Proposal]   # B = len(states), ks[i] may be 0
     advance(states, new_ids: list[Tensor[m_i]], features: list) -> None
 
-so they run in :func:`speculators.generate.speculative_generate` like every drafter family, and are
+so they run in :func:`speculators.decode.loop.speculative_generate` like every drafter family, and are
 lossless like any proposer (the rejection sampler decides what is emitted).
 
 * :class:`NGramProposer`: prompt lookup (vLLM ``method: ngram``), the model-free baseline.
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 from .proposal import Proposal, advance_each, check_batch, check_int, propose_each
-from .verify import SamplingParams
+from ..verify import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -304,7 +304,7 @@ class HybridProposer:
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The drafter's declared confidence calibration (temperatures ``[B]``, shifts ``[B]``), or None:
         the suffix drafts carry no confidences, the drafter's are calibrated as its own
-        (:mod:`speculators.gating`)."""
+        (:mod:`speculators.decode.gating`)."""
         get = getattr(self.drafter, "confidence_calibration", None)
         return get() if callable(get) else None
 
@@ -363,9 +363,9 @@ class ArgmaxDrafts:
     rejection recover from ``p_i`` with ``d_i`` removed). ``draft_sample_method: "probabilistic"`` samples
     the drafts from the drafter's distribution and verifies them against it (``min(1, p/q)``): that is
     what the wrapped proposer does by itself. Both are lossless; their acceptance differs, so an eval at
-    temperature > 0 reports the drafter under both (:func:`speculators.evaluate.run_eval`).
+    temperature > 0 reports the drafter under both (:func:`speculators.evaluation.runner.run_eval`).
 
-    Wraps any batched proposer (:class:`speculators.proposal.Proposer`): ``propose`` asks it for greedy
+    Wraps any batched proposer (:class:`speculators.decode.proposal.Proposer`): ``propose`` asks it for greedy
     drafts (``sampling=None``, no generators: nothing is drawn from the request's random stream) and
     drops their distributions (``probs=None``); confidence logits are kept. ``start`` / ``advance`` and
     the K cap are the wrapped proposer's. At temperature 0 the wrapper changes nothing.
@@ -394,7 +394,7 @@ class ArgmaxDrafts:
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The wrapped proposer's declared confidence calibration (temperatures ``[B]``, shifts ``[B]``),
         or None: the confidence logits are kept, so they are calibrated as the wrapped proposer's
-        (:mod:`speculators.gating`)."""
+        (:mod:`speculators.decode.gating`)."""
         get = getattr(self.inner, "confidence_calibration", None)
         return get() if callable(get) else None
 

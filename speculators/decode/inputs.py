@@ -1,4 +1,4 @@
-"""The checked inputs of the decoding loop (:func:`speculators.generate.speculative_generate`): the
+"""The checked inputs of the decoding loop (:func:`speculators.decode.loop.speculative_generate`): the
 prompts, the per-request counts (``k``, ``max_new_tokens``), and each request's sampling parameters and
 random generator (the run's rows on the target's device, a request's generator from its seed), with one
 clear :class:`speculators.errors.SpeculatorsError` naming the argument for bad input.
@@ -11,9 +11,9 @@ import operator
 
 import torch
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 from .proposal import check_int
-from .verify import SamplingParams
+from ..verify import SamplingParams
 
 
 def request_params(sampling: SamplingParams | None, seed: int | None) -> SamplingParams:
@@ -122,3 +122,50 @@ def select_rows(params: SamplingParams, gens: list, idx: list[int]) -> SamplingP
     g = [gens[i] for i in idx]
     return SamplingParams(temperature=pick(params.temperature), top_k=pick(params.top_k), top_p=pick(params.top_p),
                           generators=g if any(x is not None for x in g) else None)
+
+
+def _as_token_ids(ids, what: str) -> set[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        ids = [ids]
+    out = set()
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            v = operator.index(t.item() if isinstance(t, torch.Tensor) else t)
+        except (TypeError, ValueError, RuntimeError):
+            v = None
+        if v is None or v < 0:
+            raise SpeculatorsError(f"{what} must be non-negative integer token ids, got {t!r} in {ids!r}")
+        out.add(v)
+    return out
+
+
+def resolve_stop_ids(target, eos_ids=None) -> set[int]:
+    """The stop token ids of a decode: ``eos_ids`` when given, else the target's stop ids.
+
+    The target's stop ids are ``target.stop_token_ids`` (tokenizer EOS ∪ ``generation_config`` EOS ids
+    ∪ the chat template's end-of-turn marker; a list property, or a method called without
+    arguments); for an object without it, the tokenizer's ``eos_token_id`` (none without a
+    tokenizer). Plain decoding, speculative decoding and eval all stop on this set.
+
+    Args:
+        target: :class:`speculators.target.Target` (or any object with ``stop_token_ids`` or
+            ``tokenizer``).
+        eos_ids: explicit stop ids (an int or an iterable of ints; an empty set = never stop early);
+            it wins over the target's.
+    Returns:
+        set of int token ids.
+    Raises:
+        SpeculatorsError: ``eos_ids`` (or the target's stop ids) are not non-negative integers.
+    """
+    if eos_ids is not None:
+        return _as_token_ids(eos_ids, "eos_ids")
+    stop = getattr(target, "stop_token_ids", None)
+    if callable(stop):
+        stop = stop()
+    if stop is not None:
+        return _as_token_ids(stop, "target.stop_token_ids")
+    tok = getattr(target, "tokenizer", None)
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    return set() if eos is None else _as_token_ids(eos, "tokenizer.eos_token_id")

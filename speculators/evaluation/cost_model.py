@@ -2,7 +2,7 @@
 
 Speculation pays when the tokens a step emits outweigh what the step costs over a plain decoding step.
 This module predicts, for every method, every ``K' <= K`` (``num_speculative_tokens``) and batch size,
-the tokens/s the decoding loop (:func:`speculators.generate.speculative_generate`) reaches, from MEASURED
+the tokens/s the decoding loop (:func:`speculators.decode.loop.speculative_generate`) reaches, from MEASURED
 quantities only, and checks the prediction against every row the eval actually ran.
 
 The model
@@ -35,7 +35,7 @@ Step time with ``n`` live requests (summed over the schedule by :func:`predict_s
     step(K', n) = draft(K', n) + E[forward(1 + max_i d_i, n, W)] + sampling(K', n) + overhead(n)
 
 * ``forward(m, n, W)``: one target forward over ``m`` tokens per request for ``n`` requests over a KV
-  cache ``W`` slots wide, measured by :func:`measure_costs` (:func:`speculators.forward_cost.measure_forward_cost`,
+  cache ``W`` slots wide, measured by :func:`measure_costs` (:func:`speculators.evaluation.forward_cost.measure_forward_cost`,
   through the loop's batched decode session) at every batch size of the eval and at TWO context lengths
   (the eval's :func:`eval_context` and twice it), each with the cache width it was timed at; linear in
   ``W`` through those two points (slope floored at 0), then linear in ``n`` between the batch sizes
@@ -94,7 +94,7 @@ VM): on a 2-core VM the same 1-token forward took 44.8 ms at the start of an eva
 minutes later, and rows decoded late were mispredicted by 20-60% from costs measured once at the start,
 while the pass's own forward time predicted them. What the model must get right is the RATIO of a pass's
 time to its forwards, and a ratio of two times measured next to each other beats two absolute times
-measured minutes apart. So :func:`speculators.evaluate.run_eval` (``adjacent_costs=True``) measures the
+measured minutes apart. So :func:`speculators.evaluation.runner.run_eval` (``adjacent_costs=True``) measures the
 forwards at a pass's batch size right before every decode pass (:func:`measure_pass_costs`, the row's
 ``pass_costs``), and a row the eval ran (method rows and plain rows) is predicted from them
 (:func:`drifted_costs`: its own forwards at its batch size, the eval's costs at the other batch sizes
@@ -113,10 +113,9 @@ from __future__ import annotations
 import heapq
 import math
 
-from .errors import SpeculatorsError
-from .eval_costs import _check_int, expected_forward_seconds, interpolate
-from .eval_costs import (  # noqa: F401  (their old import path: the forward costs moved to eval_costs)
-    drifted_costs, eval_context, forward_seconds, gate_cost, measure_costs, measure_pass_costs)
+from ..errors import SpeculatorsError
+from .costs import _check_int, expected_forward_seconds, interpolate
+from .costs import drifted_costs
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -127,7 +126,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def step_times(out) -> dict:
-    """The time split of a decode pass (:class:`speculators.generate.BatchResult`), the report row fields
+    """The time split of a decode pass (:class:`speculators.decode.loop.BatchResult`), the report row fields
     this model reads: ``draft_seconds`` / ``verify_seconds`` / ``prefill_seconds`` / ``forward_seconds``
     (s; the forward is part of verifying), ``batched_steps`` (batched target forwards),
     ``draft_ms_per_step`` / ``verify_ms_per_step`` (ms per batched step, a step being one batched target
@@ -146,7 +145,7 @@ def step_times(out) -> dict:
 
 def acceptance_profile(steps: int, pos_drafted: list[int], pos_accepted: list[int],
                        pos_reached: list[int]) -> dict | None:
-    """Per draft position j = 1..K, from the counts of :class:`speculators.evaluate.AcceptanceStats`:
+    """Per draft position j = 1..K, from the counts of :class:`speculators.evaluation.runner.AcceptanceStats`:
     ``conditional`` c_j = accepted_j / reached_j, ``continuation`` q_j = reached_j / accepted_{j-1}
     (accepted_0 = steps), ``survival`` s_j = prod_{i<=j} q_i c_i = accepted_j / steps (P(>= j drafts
     accepted)) and ``drafted_at_least`` = drafted_j / steps (P(a step drafts >= j)). A position no step
@@ -512,7 +511,7 @@ def _plain_predictions(inp: _Inputs) -> tuple[dict, list[dict]]:
 
 
 def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict) -> dict:
-    """The report's ``cost_model`` block (:class:`speculators.eval_report.CostModel`; the model is this
+    """The report's ``cost_model`` block (:class:`speculators.evaluation.report.CostModel`; the model is this
     module's docstring).
 
     Args:

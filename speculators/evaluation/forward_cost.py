@@ -3,29 +3,20 @@
 :func:`measure_forward_cost` times ONE target forward over ``m = 1..k+1`` new tokens per request, for a
 batch of requests that each hold a prompt of a given length, through
 :meth:`speculators.target.Target.batch_session` (the padded forward, attention mask and output head of a
-step of :func:`speculators.generate.speculative_generate`), and records the session's cache width (slots)
-each timed forward attended over, so that the cost model (:mod:`speculators.cost_model`) can charge a
+step of :func:`speculators.decode.loop.speculative_generate`), and records the session's cache width (slots)
+each timed forward attended over, so that the cost model (:mod:`speculators.evaluation.cost_model`) can charge a
 forward at the width the loop actually runs at. :func:`measure_verify_cost` is its seconds alone (the
-cost-aware confidence gate's cost model, :class:`speculators.gating.ConfidenceGate`).
+cost-aware confidence gate's cost model, :class:`speculators.decode.gating.ConfidenceGate`).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from .proposal import check_int
-
-
-@torch.no_grad()
-def clock(device) -> float:
-    """``time.perf_counter()`` after the device's queued kernels finished (a CUDA synchronize only when
-    ``device`` is a CUDA device: elsewhere the work is already done when the call returns)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+from ..decode.proposal import check_int
+from ..decode.recorder import clock
 
 
 def measure_forward_cost(target, k: int, reps: int = 5, prompt_len: int = 32, seed: int = 0,
@@ -82,7 +73,7 @@ def measure_verify_cost(target, k: int, reps: int = 5, prompt_len: int = 32, see
     target forward over ``m + 1`` new tokens per request (m = 0..k) for ``batch_size`` requests, each after
     its own random ``prompt_len``-token prompt, through the decode session the loop uses, the median of
     ``reps`` timings each (:func:`measure_forward_cost`'s ``seconds``). At ``batch_size`` 1 it is the cost
-    model of :class:`ConfidenceGate`'s cost-aware mode; :mod:`speculators.cost_model` reads
+    model of :class:`ConfidenceGate`'s cost-aware mode; :mod:`speculators.evaluation.cost_model` reads
     :func:`measure_forward_cost` at every batch size of an eval.
 
     Raises:

@@ -1,21 +1,21 @@
 """Acceptance statistics of real speculative generation: the counts of every verification step of one
 proposer over many prompts (:class:`AcceptanceStats`: tau, acceptance rate, per-position and conditional
 acceptance, tokens/s) and tau's bootstrap confidence interval over prompts (:func:`bootstrap_tau_ci`).
-ALGORITHMS.md, "Acceptance metrics", defines each; :mod:`speculators.evaluate` builds the report from them.
+ALGORITHMS.md, "Acceptance metrics", defines each; :mod:`speculators.evaluation.runner` builds the report from them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import SpeculatorsError
+from ..errors import SpeculatorsError
 
 
 @dataclass
 class AcceptanceStats:
     """Accumulates the verification steps of one proposer over many prompts.
 
-    Definitions (per step, from :class:`speculators.generate.GenerationResult`): ``drafted`` = drafts
+    Definitions (per step, from :class:`speculators.decode.loop.GenerationResult`): ``drafted`` = drafts
     the target verified; ``accepted`` = drafts the rejection sampler accepted (the step's
     ``GenerationResult.verifier_accepted``); ``emitted`` = tokens the step appended to the output, cut
     at the first stop token and at ``max_new_tokens`` (accepted drafts and the recovered/bonus token up
@@ -75,7 +75,7 @@ class AcceptanceStats:
         self.pos_reached = self.pos_reached or [0] * self.k
 
     def add(self, result) -> None:
-        """Add the steps and tokens of one :class:`speculators.generate.GenerationResult`.
+        """Add the steps and tokens of one :class:`speculators.decode.loop.GenerationResult`.
 
         The result's ``verifier_accepted`` list is added to :attr:`accepted`, its ``accepted`` list
         (accepted and emitted) to :attr:`accepted_emitted`.

@@ -2,7 +2,7 @@
 
 Pure functions over measured numbers (no model code):
 
-* :func:`rank_acceptance`: from the :class:`~speculators.generate.GenerationResult` s of a tree pass
+* :func:`rank_acceptance`: from the :class:`~speculators.decode.loop.GenerationResult` s of a tree pass
   (``tree_ranks``: per step, the sibling rank of every accepted node, root to leaf), the acceptance
   ``a[d][r]`` = P(the accepted path takes the rank-``r`` child at depth ``d`` | it reached depth ``d - 1``).
 * :func:`expected_accepted`: the expected accepted drafts per step of a static tree (vLLM's
@@ -29,8 +29,8 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 
-from .errors import SpeculatorsError
-from .verify.tree import parse_token_tree
+from ..errors import SpeculatorsError
+from ..verify.tree import parse_token_tree
 
 __all__ = ["best_static_tree", "expected_accepted", "rank_acceptance", "tree_table"]
 

@@ -4,7 +4,7 @@ AdamW, warmup + cosine/linear/constant schedule, gradient clipping and accumulat
 seeded, periodic held-out evaluation, atomic checkpoints every N steps, ``--resume`` from the last
 checkpoint with the same optimizer/scheduler/RNG/data position, a rich progress bar (loss, acceptance
 metrics, tokens/s) and TensorBoard scalars. The trainer steps ONE training unit
-(:class:`speculators.training_unit.TrainingUnit`: the drafter plus, for a joint run, the LoRA-adapted
+(:class:`speculators.train.unit.TrainingUnit`: the drafter plus, for a joint run, the LoRA-adapted
 target) and never looks at the family nor at whether the target trains: it calls the unit's
 ``loss_counts(batch)``, ``loss(batch, norm)``, ``param_groups(lr)``, ``save(path)`` / ``load(path)``, and
 logs what the unit reports (``metrics_summary``, ``summary``, ``card_lines``). The loss is computed
@@ -14,7 +14,7 @@ so that DDP's gradient all-reduce (FSDP's / DeepSpeed's gathering) hooks fire.
 Distributed (``accelerate launch --num_processes P ... speculators train RECIPE``; DDP on GPUs or, with
 ``--cpu``, gloo on CPU; FSDP and DeepSpeed ZeRO through the launcher's config file, see
 ``recipes/accelerate/`` and ``docs/DISTRIBUTED.md``; FSDP on CPU processes, which accelerate does not
-shard, through torch's FSDP2 in :mod:`speculators.fsdp` behind the same config; DeepSpeed on CPU
+shard, through torch's FSDP2 in :mod:`speculators.train.fsdp` behind the same config; DeepSpeed on CPU
 processes on its CPU accelerator): every rank computes the SAME global batch plan (:func:`plan_batches`,
 a pure function of the data, ``train.seed`` and the epoch); one optimizer step consumes the next
 ``grad_accum * P`` micro-batches of it (the global batch) and rank ``r`` takes micro-batches
@@ -27,7 +27,7 @@ over the whole accumulation window (all micro-batches, all processes), so the ac
 equals the gradient of the window as one batch. ``train/loss`` is the window's loss; the family's other
 logged metrics are the window's last micro-batch's.
 
-Tracking (``train.report_to``, rank 0; helpers in :mod:`speculators.tracking`): accelerate's trackers,
+Tracking (``train.report_to``, rank 0; helpers in :mod:`speculators.train.tracking`): accelerate's trackers,
 TensorBoard in ``tensorboard/`` and Weights & Biases (optional, ``pip install 'speculators[wandb]'``;
 its files in ``wandb/``, the run id in ``tracking.json`` so that ``--resume`` and ``speculators eval``
 continue the same run). Logged: the resolved recipe and the run's identity (target fingerprint, data
@@ -62,27 +62,30 @@ from pathlib import Path
 
 import torch
 
-from .data.dataset import make_batch, plan_batches
-from .drafters.checkpoint import RECIPE_NAME
-from .errors import SpeculatorsError
-from .fsdp import (deepspeed_on_cpu_requested, full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state,
-                   is_sharded, keep_full_parameters, load_engine_state, local_part, reshard, save_engine_state,
-                   set_gradient_sync, shard_unit)
-from .hardware import resolve_precision
-from .progress import NoProgress
-from .recipe import dump_recipe
-from .run_dir import (CKPT_RE, DIVERGED_PREFIX, ENGINE_STATE_DIR, STATE_NAME, _unprefixed, checkpoint_weights_problem,
-                      checkpoints, model_card)
+from ..data.dataset import make_batch, plan_batches
+from ..drafters.checkpoint import RECIPE_NAME
+from ..errors import SpeculatorsError
+from .fsdp import (
+    deepspeed_on_cpu_requested, full_parameters, full_value, fsdp_on_cpu_requested, is_engine_state, is_sharded,
+    keep_full_parameters, load_engine_state, local_part, reshard, save_engine_state, set_gradient_sync, shard_unit,
+)
+from ..hardware import resolve_precision
+from ..progress import NoProgress
+from ..recipe import dump_recipe
+from .run_dir import (
+    CKPT_RE, DIVERGED_PREFIX, ENGINE_STATE_DIR, STATE_NAME, _unprefixed, checkpoint_weights_problem, checkpoints,
+    model_card,
+)
 from .tracking import TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to
-from .training_unit import TrainingUnit
-from .utils import atomic_write_text
+from .unit import TrainingUnit
+from ..utils import atomic_write_text
 
 class Trainer:
     """Train one training unit on ``data`` following ``recipe.train`` and write checkpoints to ``output_dir``.
 
     Args:
         recipe: the validated :class:`speculators.recipe.Recipe`.
-        unit: the :class:`speculators.training_unit.TrainingUnit` to train (a bare frozen-target
+        unit: the :class:`speculators.train.unit.TrainingUnit` to train (a bare frozen-target
             :class:`speculators.drafters.Drafter` is wrapped into one).
         data: :class:`speculators.data.pipeline.PreparedData`.
         output_dir: run directory (see module docstring).
@@ -122,7 +125,7 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         self.log = log if self.is_main else (lambda *_: None)
         self.device = self.accelerator.device
-        # FSDP asked for on CPU processes (accelerate would run DDP there): torch's fully_shard, speculators.fsdp
+        # FSDP asked for on CPU processes (accelerate would run DDP there): torch's fully_shard, speculators.train.fsdp
         self.fsdp_cpu = self.accelerator.num_processes > 1 and fsdp_on_cpu_requested(self.accelerator.distributed_type)
         self.batches_per_epoch = len(plan_batches(data.train, self.spec.batch_tokens, self.spec.seed, 0))
         if self.spec.steps is not None:
@@ -202,7 +205,7 @@ class Trainer:
     def _sharded(self) -> bool:
         """True under FSDP or DeepSpeed: parameters and/or optimizer states are split over the ranks
         (a checkpoint then carries ``engine_state/``: accelerate's ``save_state``, or for FSDP on CPU
-        processes :func:`speculators.fsdp.save_engine_state`)."""
+        processes :func:`speculators.train.fsdp.save_engine_state`)."""
         from accelerate.utils import DistributedType
 
         return self.fsdp_cpu or self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -220,7 +223,7 @@ class Trainer:
     @contextlib.contextmanager
     def _full_weights(self):
         """A context in which ``self.unit``'s parameters hold the full (unsharded) weights on every rank:
-        FSDP2 (:func:`speculators.fsdp.full_parameters`, read-only), FSDP1 (``summon_full_params``) and
+        FSDP2 (:func:`speculators.train.fsdp.full_parameters`, read-only), FSDP1 (``summon_full_params``) and
         DeepSpeed ZeRO-3 (``GatheredParameters``) gather them; DDP, ZeRO-1/2 and a single process already
         hold them. Collective: every rank enters it."""
         from accelerate.utils import DistributedType
@@ -379,7 +382,7 @@ class Trainer:
 
         Weighted by tokens, not by batches: ``held_out/loss`` is the loss of all these batches as one
         batch (every term normalised by its count over all of them, as in :meth:`_backward_window`); the
-        other metrics are the unit's :meth:`~speculators.training_unit.TrainingUnit.metrics_summary` of the
+        other metrics are the unit's :meth:`~speculators.train.unit.TrainingUnit.metrics_summary` of the
         batches (for a joint run it includes the target's perplexity ``held_out/ppl``). Every rank
         evaluates the same batches (same numbers everywhere, no communication; under FSDP / ZeRO-3
         through the wrapped unit, whose forward gathers the sharded weights).
@@ -578,7 +581,7 @@ class Trainer:
     def train(self, resume: bool = False) -> Path:
         """Run the training loop; returns the final checkpoint directory (``OUTPUT_DIR/final``); the
         trackers are closed however it ends. Under FSDP on CPU processes the unit then holds the full
-        trained weights on every rank (:func:`speculators.fsdp.keep_full_parameters`).
+        trained weights on every rank (:func:`speculators.train.fsdp.keep_full_parameters`).
 
         Raises:
             SpeculatorsError: the loss, the held-out loss, the gradient norm or a weight became NaN/inf;
@@ -592,7 +595,7 @@ class Trainer:
                 self.accelerator.end_training()
 
     def _train(self, resume: bool) -> Path:
-        from .progress import ProgressReporter
+        from ..progress import ProgressReporter
 
         if self.is_main:
             atomic_write_text(self.output_dir / RECIPE_NAME, dump_recipe(self.recipe))

@@ -1,5 +1,5 @@
-"""The eval report's two PNG plots (:func:`write_plots`), drawn from an :class:`speculators.eval_report.EvalReport`
-with matplotlib's Agg canvas. Like :mod:`speculators.eval_report`, it reads the report as data and imports nothing
+"""The eval report's two PNG plots (:func:`write_plots`), drawn from an :class:`speculators.evaluation.report.EvalReport`
+with matplotlib's Agg canvas. Like :mod:`speculators.evaluation.report`, it reads the report as data and imports nothing
 else of the package.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .eval_report import METHOD_LABELS, PLOT_FILES, EvalReport, _rows
+from .report import METHOD_LABELS, PLOT_FILES, EvalReport, _rows
 
 
 def _nan(xs: list) -> list[float]:
