@@ -77,15 +77,14 @@ def main() -> None:
     from speculators.data.sources import load_source
     from speculators.evaluation.report import BREAK_EVEN_COLUMNS, break_even_rows
     from speculators.evaluation.runner import run_eval
+    from speculators.evaluation.settings import EvalSettings
     from speculators.target import Target
     from speculators.verify import SamplingParams
 
     target = Target.load(args.model, dtype=args.dtype)
     prompts = unique_prompts(list(load_source(args.prompts)), target.tokenizer, None, limit=args.num_prompts)
     t0 = time.perf_counter()
-    rep = run_eval(target, None, prompts, [int(k) for k in args.k.split(",")], args.max_new_tokens,
-                   SamplingParams.uniform(1, args.temperature), batch_size=args.batch_size,
-                   methods=("ngram", "suffix"), log=lambda m: None)
+    rep = run_eval(target, None, prompts, EvalSettings([int(k) for k in args.k.split(",")], args.max_new_tokens, sampling=SamplingParams.uniform(1, args.temperature), batch_size=args.batch_size, methods=("ngram", "suffix")), log=lambda m: None)
     cm = rep["cost_model"]
     print(f"\n{target.name_or_path}, {args.dtype} on {target.device}, {torch.get_num_threads()} thread(s), "
           f"{len(prompts)} prompts ({args.prompts}), max_new_tokens {args.max_new_tokens}, temperature "

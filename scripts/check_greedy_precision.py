@@ -62,6 +62,7 @@ def main() -> None:
     import torch
 
     from speculators.evaluation.runner import run_eval
+    from speculators.evaluation.settings import EvalSettings
     from speculators.hardware import resolve_target_dtype
     from speculators.target import Target
     from speculators.decode.tree_spec import TreeSpec
@@ -77,17 +78,16 @@ def main() -> None:
         drafter, ref = None, args.target or "smollm2-135m-instruct"
         if args.checkpoint:
             from speculators.recipe import load_recipe
-            from speculators.workflows import _load_for_eval, resolve_checkpoint
+            from speculators.evaluation.loading import load_for_eval
+            from speculators.workflows import resolve_checkpoint
 
             ckpt = resolve_checkpoint(args.checkpoint)
             rec = load_recipe(ckpt / "recipe.yaml") if (ckpt / "recipe.yaml").is_file() else None
-            drafter, target, _ = _load_for_eval(ckpt, rec, args.target, "cpu", print, dtype)
+            drafter, target, _ = load_for_eval(ckpt, rec, args.target, "cpu", print, dtype)
         else:
             target = Target.load(ref, dtype)
         prompts = _prompts(target, args.num_prompts)
-        rep = run_eval(target, drafter, prompts, ks, args.max_new_tokens, eos_ids=None, batch_size=args.batch_size,
-                       methods=(("drafter",) if drafter is not None else ()) + methods, log=print,
-                       trees=trees if drafter is not None else ())
+        rep = run_eval(target, drafter, prompts, EvalSettings(ks, args.max_new_tokens, eos_ids=None, batch_size=args.batch_size, methods=(("drafter",) if drafter is not None else ()) + methods, trees=trees if drafter is not None else ()), log=print)
         mm = rep["greedy_mismatches"]
         for b in rep["batch_sizes"]:
             for m in ["plain"] + list(rep["methods"]):

@@ -48,7 +48,7 @@ def resolve_precision(precision: str) -> str:
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def resolve_target_dtype(dtype: str, device: str | torch.device | None = None) -> str:
+def resolve_target_dtype(dtype: str, device: str | torch.device | None = None, log=None) -> str:
     """``target.dtype`` -> the dtype name the target is loaded in (``"float32"``, ``"bfloat16"`` or ``"float16"``).
 
     ``"auto"`` is ``"bfloat16"`` where :func:`fast_bf16` holds for ``device`` (a GPU with bf16, a CPU with
@@ -60,11 +60,16 @@ def resolve_target_dtype(dtype: str, device: str | torch.device | None = None) -
     Args:
         dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: where the target will run (see :func:`fast_bf16`).
+        log: ``log(line)`` told what ``auto`` decided (None = silent).
     Raises:
         SpeculatorsError: any other name (naming what is allowed).
     """
     if dtype not in TARGET_DTYPES:
         raise SpeculatorsError(f"target dtype {dtype!r}: allowed {', '.join(TARGET_DTYPES)}")
-    if dtype == "auto":
-        return "bfloat16" if fast_bf16(device) else "float32"
-    return dtype
+    if dtype != "auto":
+        return dtype
+    resolved = "bfloat16" if fast_bf16(device) else "float32"
+    if log is not None:
+        log(f"target dtype: auto -> {resolved} ("
+            + ("bf16 matrix units here" if resolved == "bfloat16" else "no bf16 matrix units here") + ")")
+    return resolved

@@ -58,7 +58,7 @@ class TargetSpec(Strict):
         default=None, description="0-based decoder layers whose OUTPUT is tapped, distinct and ascending, as many "
                                   "as the drafter's serving format takes (the family's `aux_layer_count`; three for "
                                   "the speculators-format heads vLLM sizes as 3 x hidden); null = the family's "
-                                  "default (EAGLE-3: `[1, L//2-1, L-4]`)")
+                                  "default (for the three fused taps: `[1, L//2-1, L-4]`)")
     device_map: str | dict[str, int | str] | None = Field(
         default=None, description="null = one device; `auto` / `balanced` / `balanced_low_0` / `sequential` / "
                                   "`{module name: device}` = accelerate's big-model placement over the GPUs of one "

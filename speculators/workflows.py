@@ -25,10 +25,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import SpeculatorsError
 from .recipe import EvalSpec, Recipe, eval_spec_with, load_recipe
+from .evaluation.loading import check_eval_k, dtype_warning, eval_batch_size, eval_prompts, load_for_eval, load_target
+from .hardware import resolve_target_dtype
 from .train.run_dir import RUN_RECIPE, check_resume_recipe, default_output_dir
 
 # the recipe sections that define what a run trains: --resume refuses a recipe that changed them
@@ -36,23 +39,6 @@ from .train.run_dir import RUN_RECIPE, check_resume_recipe, default_output_dir
 
 def _progress_scope(progress):
     return progress() if progress is not None else contextlib.nullcontext(None)
-
-
-def target_dtype(name: str, device=None, log: Callable[[str], None] | None = None) -> str:
-    """The dtype the target is loaded in for ``target.dtype`` / ``--dtype`` ``name`` on ``device`` (None = CUDA
-    when present, else the CPU): :func:`speculators.hardware.resolve_target_dtype`, the one rule (``auto`` =
-    bfloat16 on a GPU or an AVX512-BF16/AMX CPU, float32 elsewhere), logged when ``auto`` decided.
-
-    Raises:
-        SpeculatorsError: an unknown dtype name (naming the allowed ones).
-    """
-    from .hardware import resolve_target_dtype
-
-    resolved = resolve_target_dtype(name, device)
-    if name == "auto" and log is not None:
-        log(f"target dtype: auto -> {resolved} ("
-            + ("bf16 matrix units here" if resolved == "bfloat16" else "no bf16 matrix units here") + ")")
-    return resolved
 
 
 def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: bool = False,
@@ -115,7 +101,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     identity = dict(loaded[1])
     if resume:
         check_run_identity(out, identity, prefix="data.")  # before the target loads: refuse changed data early
-    dtype = target_dtype(recipe.target.dtype, state.device, log)  # regeneration, features and labels in it
+    dtype = resolve_target_dtype(recipe.target.dtype, state.device, log)  # regeneration, features and labels in it
     with state.main_process_first():  # rank 0 converts/caches a GGUF target before the others read the cache
         target = Target.load(recipe.target.model, dtype, recipe.target.aux_layer_ids, log=log,
                              device_map=device_map)
@@ -222,7 +208,7 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
     from .drafters import registry
     from .target import Target
 
-    target = Target.load(recipe.target.model, target_dtype(recipe.target.dtype, log=log), recipe.target.aux_layer_ids,
+    target = Target.load(recipe.target.model, resolve_target_dtype(recipe.target.dtype, log=log), recipe.target.aux_layer_ids,
                          log=log, device_map=recipe.target.device_map)
     if recipe.target.aux_layer_ids is None:  # unset: the family's default taps (as train_run extracts them)
         target.aux_layer_ids = registry.get(recipe.drafter.algorithm).serving.default_aux_layer_ids(
@@ -265,178 +251,100 @@ def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,
     raise SpeculatorsError(f"{str(path)!r} is neither a drafter checkpoint nor a run directory with one")
 
 
-def _load_for_eval(ckpt: Path, rec: Recipe | None, target_model: str | None, device: str | None,
-                   log: Callable[[str], None], dtype: str | None = None):
-    """The checkpoint's drafter and its target, ready to decode: ``(drafter, target, target fingerprint
-    as loaded)``. The target taps the layers the drafter was trained on, loads on ``device`` (None =
-    the recipe's ``target.device_map`` when set, else CUDA when present, else CPU;
-    :meth:`speculators.target.Target.load`), merges a joint checkpoint's
-    LoRA adapter, and the drafter is moved to the target's device. ``dtype`` (auto | float32 | bfloat16 |
-    float16; None = the dtype the checkpoint was trained against, ``speculators_training.target.dtype``, else
-    the recipe's ``target.dtype``, else float32) is resolved by :func:`target_dtype`; when the checkpoint
-    records another dtype than the one served, a warning is logged (:func:`dtype_warning`)."""
-    from .drafters import Drafter
-    from .drafters.base import check_target
-    from .target import Target
+@dataclass
+class _EvalJob:
+    """What every checkpoint measured by one :func:`eval_run` shares: the prompts (and their label), the eval
+    section, the target's forward costs measured once, and how to load and report."""
 
-    drafter = Drafter.from_pretrained(ckpt)
-    served = target_dtype(dtype or drafter.meta.dtype or (rec.target.dtype if rec else "float32"), device, log)
-    # the verifier taps the layers this drafter was trained on (check_target only checks)
-    target = Target.load(target_model or rec.target.model, served,
-                         aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log, device=device,
-                         device_map=None if rec is None or device is not None else rec.target.device_map)
-    fingerprint = target.fingerprint
-    warning = dtype_warning(drafter.meta.dtype, served)
+    spec: EvalSpec
+    prompts: list[dict]
+    label: str
+    costs: dict
+    batch_size: int
+    rec: Recipe | None
+    target_model: str | None
+    device: str | None
+    dtype: str | None
+    log: Callable[[str], None]
+    progress: Any
+
+
+def _measure(job: _EvalJob, target, drafter, settings, what: str) -> dict:
+    """One :func:`speculators.evaluation.runner.run_eval` of ``drafter`` on the job's prompts, with a progress
+    bar named ``what``."""
+    from .evaluation.runner import run_eval
+
+    with _progress_scope(job.progress) as make:
+        return run_eval(target, drafter, job.prompts, settings, forward_costs=job.costs, log=job.log,
+                        progress=make(f"speculative vs plain decoding{what}") if make else None)
+
+
+def _describe(report: dict, path: Path, drafter, target, label: str) -> dict:
+    """``report`` with what was measured: ``checkpoint``, ``target`` (name, fingerprint, adapter, dtype and the
+    dtype the drafter was trained against), ``dtype_warning`` when they differ, ``prompts`` and ``device``."""
+    report["checkpoint"] = str(path)
+    report["target"] = {"name_or_path": target.name_or_path, "fingerprint": target.fingerprint,
+                        "adapter": None if drafter.target_adapter_dir is None else str(drafter.target_adapter_dir),
+                        "dtype": str(target.dtype).removeprefix("torch."), "trained_dtype": drafter.meta.dtype}
+    warning = dtype_warning(drafter.meta.dtype, report["target"]["dtype"])
     if warning:
-        log(f"warning: {warning}")
-    check_target(drafter, target, warn=log)
-    if drafter.target_adapter_dir is not None:  # joint checkpoint: verify against the fine-tuned target
-        target.merge_adapter(drafter.target_adapter_dir)
-        log(f"target: merged the jointly trained LoRA adapter {drafter.target_adapter_dir} "
-            f"(verifying against the fine-tuned target)")
-    drafter.to(target.device)
-    drafter.attach_target(target)  # families that draft through the target's frozen head need it
-    template = rec.data.chat_template if rec else None
-    if template is not None:
-        target.chat_template = template  # decoding stops at this template's end-of-turn too (stop_token_ids)
-    return drafter, target, fingerprint
+        report["dtype_warning"] = warning
+    report["prompts"] = label
+    report["device"] = str(target.device)
+    return report
 
 
-def dtype_warning(trained: str | None, served: str) -> str | None:
-    """The warning an eval gives when the target is served in another dtype (``served``) than the one the
-    drafter was trained against (``trained``: the checkpoint's ``speculators_training.target.dtype``; None =
-    unknown, an older checkpoint: no warning). None when they agree."""
-    if trained is None or trained == served:
-        return None
-    return (f"the drafter was trained against the target in {trained} (its features and logit labels), the target "
-            f"is served in {served} here: acceptance can differ from what it was trained for; pass --dtype "
-            f"{trained} to measure it as trained")
-
-
-def _eval_prompts(prompts: list[str] | None, rec: Recipe | None, target, limit: int,
-                  log: Callable[[str], None] | None = None) -> tuple[list[dict], str]:
-    """``(prompt list, label)``: the distinct prompts of the ``prompts`` data sources (in order, at most
-    ``limit`` from EACH source, so that every source is measured; a prompt already taken from an earlier
-    source is not repeated), each with ``"source"`` = the source as given (``--prompts`` value); else the
-    recipe's held-out prompts (at most ``limit``; ``"source"`` = the recipe source they came from).
-    Rows a ``--prompts`` source's loader skipped (duplicates, empty or malformed rows:
-    :func:`speculators.data.sources.load_source`'s ``drops``) are logged, one line per source and reason,
-    as ``eval prompts: dropped N of SOURCE (the whole source, before --num-prompts): REASON`` (N counts
-    rows, or files for the reasons that say so)."""
-    import dataclasses
-    from collections import Counter
-
-    from .data.pipeline import held_out_prompts, load_data, unique_prompts
-    from .data.sources import load_source
-
-    template = rec.data.chat_template if rec else None
-    if prompts:
-        plist, seen = [], set()
-        for src in prompts:
-            drops: Counter = Counter()
-            try:
-                convs = [dataclasses.replace(c, source=src) for c in load_source(src, drops=drops)]
-            except SpeculatorsError:
-                raise
-            except ValueError as e:
-                raise SpeculatorsError(f"--prompts {src}: {e}") from None
-            for reason, n in sorted(drops.items()):
-                if log is not None and n > 0:
-                    log(f"eval prompts: dropped {n} of {src} (the whole source, before --num-prompts): {reason}")
-            for p in unique_prompts(convs, target.tokenizer, template, limit=limit):
-                if repr(p["messages"]) not in seen:
-                    seen.add(repr(p["messages"]))
-                    plist.append(p)
-        if not plist:
-            raise SpeculatorsError(f"--prompts {', '.join(prompts)}: no prompts in these sources")
-        return plist, ", ".join(prompts)
-    loaded = load_data(rec.data, target=target)  # target: source self
-    plist = held_out_prompts(rec.data, target.tokenizer, loaded[0], limit=limit, dropped_groups=loaded.dropped_groups)
-    if not plist:
-        raise SpeculatorsError("the recipe has no held-out prompts (data.held_out.fraction = 0); pass --prompts")
-    return plist, "held-out split of the recipe's sources"
-
-
-def _check_eval_k(drafter, ev: EvalSpec, overrides: Mapping[str, Any], names: Mapping[str, str], what: str) -> None:
-    """Refuse every K of the eval (``ev.ks``: the sweep or ``[k]``) above what ``drafter`` can draft per
-    step (:func:`speculators.decode.proposal.check_speculative_tokens`), for the methods that ask the
-    drafter for K drafts: ``drafter`` (gated or not), ``drafter_argmax`` and ``hybrid`` without
-    ``hybrid_drafter_k``. A
-    hybrid with ``hybrid_drafter_k`` asks the drafter for at most that many (its lookup drafts the whole
-    K), so that value is checked instead. The error names the setting the value came from: the
-    command-line option (``names``, e.g. ``-k``, ``--hybrid-drafter-k``) when overridden, else
-    ``eval.k`` / ``eval.k_sweep`` / ``eval.hybrid_drafter_k`` of the checkpoint's recipe.
+def _add_compare(report: dict, job: _EvalJob, label: str, others: list[tuple[str, Path, Any]],
+                 fingerprint: str) -> None:
+    """``report["compare"]`` over ``label``'s report and each other checkpoint's (``(given, path, drafter)``),
+    measured one at a time so that only one target is loaded, ungated, on the drafter methods of the eval; their
+    greedy mismatches join the report's (every checkpoint's outputs must equal plain greedy decoding;
+    ``greedy_check`` counts them all).
 
     Raises:
-        SpeculatorsError: one line with the offending values, the allowed maximum and ``what``.
+        SpeculatorsError: a compared checkpoint whose target is not the first one's.
     """
-    from .decode.proposal import check_speculative_tokens
-
-    def setting(field: str) -> str:
-        return (names.get(field) if overrides.get(field) is not None else None) or f"eval.{field}"
-
-    methods = set(ev.methods)
-    capped_hybrid = "hybrid" in methods and ev.hybrid_drafter_k is not None
-    try:
-        if {"drafter", "drafter_argmax"} & methods or ("hybrid" in methods and not capped_hybrid):
-            check_speculative_tokens(drafter, ev.ks, setting("k_sweep" if ev.k_sweep else "k"))
-        if capped_hybrid:
-            check_speculative_tokens(drafter, [ev.hybrid_drafter_k], setting("hybrid_drafter_k"))
-        if ev.trees:  # a tree's path is as long as a chain: the same cap, before any decoding
-            from .decode.tree_spec import TreeSpec
-
-            check_speculative_tokens(drafter, [TreeSpec.parse(t, "eval.trees").depth for t in ev.trees],
-                                     setting("trees") + " depth")
-    except SpeculatorsError as e:
-        raise SpeculatorsError(f"{what}: {e}") from None
-
-
-def _eval_batch_size(ev: EvalSpec, target, log) -> int:
-    """The loaded batch size of an eval: ``eval.batch_size``, else the device's default, which falls back
-    to 1 (with a log line) where the target cannot decode a batch."""
-    from .evaluation.runner import default_batch_size
-
-    batch = ev.batch_size or default_batch_size(str(target.device))
-    if batch > 1 and ev.batch_size is None:
-        try:
-            target.batch_session(batch)
-        except SpeculatorsError as e:
-            log(f"eval: batch 1 only: {e}")
-            batch = 1
-    return batch
-
-
-def _add_compare(report: dict, label: str, others: list[tuple[str, Path]], measure_other) -> None:
-    """``report["compare"]`` over ``label``'s report and each other checkpoint's (``measure_other(given,
-    path) -> report``, one at a time so that only one target is loaded); their greedy mismatches join the
-    report's (every checkpoint's outputs must equal plain greedy decoding; ``greedy_check`` counts them all)."""
-    from .evaluation.runner import compare_rows
     from .evaluation.greedy_check import greedy_summary
+    from .evaluation.runner import compare_rows
+    from .evaluation.settings import DRAFTER_METHODS, EvalSettings
 
+    methods = tuple(m for m in DRAFTER_METHODS if m in job.spec.methods) or ("drafter",)
+    settings = EvalSettings.from_spec(job.spec, job.batch_size, methods=methods, gated=False)
     reports = [(label, report)]
-    for given, other in others:
-        orep = measure_other(given, other)
-        reports.append((given, orep))
+    for given, path, drafter in others:
+        rec = load_recipe(path / RUN_RECIPE) if (path / RUN_RECIPE).is_file() else job.rec
+        drafter, target, fp = load_for_eval(path, rec, job.target_model or (job.rec.target.model if job.rec else None),
+                                             job.device, job.log, job.dtype, drafter=drafter)
+        if fp != fingerprint:
+            raise SpeculatorsError(f"{given}: its target ({target.name_or_path}) is not {label}'s; "
+                                   "compare checkpoints of the same target (or pass --target)")
+        other = _describe(_measure(job, target, drafter, settings, f" ({given.removeprefix('--compare ')})"), path,
+                          drafter, target, job.label)
+        del target
+        reports.append((given.removeprefix("--compare "), other))
         if report["greedy_mismatches"] is not None:
-            report["greedy_mismatches"] += [{**m, "checkpoint": given} for m in orep["greedy_mismatches"]]
+            report["greedy_mismatches"] += [{**m, "checkpoint": reports[-1][0]} for m in other["greedy_mismatches"]]
             report["greedy_check"] = greedy_summary(report["greedy_mismatches"], report["greedy_check"]["dtype"])
     report["compare"] = {"checkpoints": [c for c, _ in reports], "rows": compare_rows(reports)}
 
 
-def _add_float32_baseline(report: dict, ckpt: Path, rec: Recipe | None, target_model: str | None,
-                          device: str | None, plist: list[dict], ev: EvalSpec, sampling, log) -> None:
+def _add_float32_baseline(report: dict, job: _EvalJob, drafter) -> None:
     """On a CPU, low precision is not always the faster plain decoding (a CPU without bf16 units, small products
     at one row): time plain decoding of the same prompts with the target in float32 too, and put the batch-1 rows
-    against the faster of the two (``report["precision_baseline"]``, :func:`speculators.evaluation.runner.precision_block`)."""
+    against the faster of the two (``report["precision_baseline"]``,
+    :func:`speculators.evaluation.runner.precision_block`). Only the target is loaded again."""
     from .evaluation.runner import plain_baseline, precision_block
+    from .verify import SamplingParams
 
-    log(f"eval: plain decoding in float32 as well (the eval runs the target in {report['target']['dtype']})")
-    _, t32, _ = _load_for_eval(ckpt, rec, target_model, device, lambda m: None, "float32")
-    base = plain_baseline(t32, plist, ev.max_new_tokens, sampling, seed=ev.seed)
+    ev = job.spec
+    job.log(f"eval: plain decoding in float32 as well (the eval runs the target in {report['target']['dtype']})")
+    t32, _ = load_target(drafter, job.rec, job.target_model, job.device, lambda m: None, "float32")
+    base = plain_baseline(t32, job.prompts, ev.max_new_tokens, SamplingParams.uniform(1, ev.temperature, ev.top_k,
+                                                                                        ev.top_p), seed=ev.seed)
     report["precision_baseline"] = pb = precision_block(report, base)
-    log("eval: plain tokens/s at batch 1: " + ", ".join(f"{d} {v:.1f}" if v else f"{d} n/a"
-                                                       for d, v in pb["plain_tokens_per_s"].items())
-        + f"; the faster is {pb['fastest']}")
+    job.log("eval: plain tokens/s at batch 1: " + ", ".join(f"{d} {v:.1f}" if v else f"{d} n/a"
+                                                           for d, v in pb["plain_tokens_per_s"].items())
+            + f"; the faster is {pb['fastest']}")
 
 
 def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None = None,
@@ -498,9 +406,10 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
             whose target differs.
     """
     from .drafters import Drafter
-    from .evaluation.runner import run_eval, write_report
+    from .evaluation.costs import eval_context, gate_cost, measure_costs
+    from .evaluation.runner import write_report
+    from .evaluation.settings import EvalSettings
     from .hub import looks_like_hub_id
-    from .verify import SamplingParams
 
     if isinstance(prompts, (str, Path)):
         prompts = [str(prompts)]
@@ -514,67 +423,31 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
         raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target")
     if rec is None and prompts is None:
         raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
-    others = [resolve_checkpoint(c, log=log) for c in compare]  # fail early on a bad --compare path
-    sampling = SamplingParams.uniform(1, ev.temperature, ev.top_k, ev.top_p)  # seeded per prompt by run_eval
-    for given, path in [(checkpoint, ckpt), *((f"--compare {c}", o) for c, o in zip(compare, others))]:
-        # before any target loads or decoding: K above what a parallel drafter was trained for
-        _check_eval_k(Drafter.from_pretrained(path), ev, eval_overrides or {}, override_names or {}, str(given))
-    drafter, target, fingerprint = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
-    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts, log)
-    batch = _eval_batch_size(ev, target, log)
+    others = [(f"--compare {c}", resolve_checkpoint(c, log=log)) for c in compare]  # fail early on a bad path
+    drafters = []
+    for given, path in [(str(checkpoint), ckpt), *others]:
+        # each drafter loads once; before any target loads or decoding: K above what it can draft per step
+        drafters.append(Drafter.from_pretrained(path))
+        check_eval_k(drafters[-1], ev, eval_overrides or {}, override_names or {}, given)
+    drafter, target, fingerprint = load_for_eval(ckpt, rec, target_model, device, log, dtype, drafter=drafters[0])
+    plist, label = eval_prompts(prompts, rec, target, ev.num_prompts, log)
+    batch = eval_batch_size(ev, target, log)
     log(f"eval: {len(plist)} prompts ({label}), K={ev.ks}, batch sizes {sorted({1, batch})} on {target.device}, "
         f"temperature {ev.temperature}, top_p {ev.top_p}, top_k {ev.top_k}, max_new_tokens {ev.max_new_tokens}")
-
-    from .evaluation.costs import eval_context, gate_cost, measure_costs
-    from .decode.tree_spec import TreeSpec
-
-    # the target's forward costs, once per eval (run_eval measures them again next to each pass, for the
-    # predictions of its rows): the cost model's comparisons and the cost-aware gate read them
+    # the target's forward costs, ONCE per eval: the cost model's comparisons and the cost-aware gate read them
+    # (run_eval also times the forwards right before each pass, for the predictions of its rows)
     costs = measure_costs(target, max(ev.ks), sorted({1, batch}), context=eval_context(plist, ev.max_new_tokens))
     log("eval: target forward (ms) over 1..K+1 tokens per request: " + "; ".join(
         f"batch {b}: " + ", ".join(f"{1000 * c:.2f}" for c in costs["seconds"][str(b)]) for b in costs["batch_sizes"]))
     verify_cost = gate_cost(costs) if ev.confidence_cost_aware and "drafter" in ev.methods else None
-
-    def measure(t, d, methods, what, gated=True):
-        with _progress_scope(progress) as make:
-            return run_eval(t, d, plist, ev.ks, ev.max_new_tokens, sampling, ngram_max=ev.ngram_max, seed=ev.seed,
-                            log=log, progress=make(f"speculative vs plain decoding{what}") if make else None,
-                            batch_size=batch, methods=methods, hybrid_min_match=ev.hybrid_min_match,
-                            hybrid_drafter_k=ev.hybrid_drafter_k, confidence_threshold=ev.confidence_threshold if gated else None,
-                            verify_cost=verify_cost if gated else None, forward_costs=costs,
-                            trees=[TreeSpec.parse(t, "eval.trees") for t in ev.trees or []] if gated else ())
-
-    def describe(rep, path, d, t):
-        rep["checkpoint"] = str(path)
-        rep["target"] = {"name_or_path": t.name_or_path, "fingerprint": t.fingerprint,
-                         "adapter": None if d.target_adapter_dir is None else str(d.target_adapter_dir),
-                         "dtype": str(t.dtype).removeprefix("torch."), "trained_dtype": d.meta.dtype}
-        if dtype_warning(d.meta.dtype, rep["target"]["dtype"]):
-            rep["dtype_warning"] = dtype_warning(d.meta.dtype, rep["target"]["dtype"])
-        rep["prompts"] = label
-        rep["device"] = str(t.device)
-        return rep
-
-    from .evaluation.runner import METHODS
-
-    report = describe(measure(target, drafter, tuple(m for m in METHODS if m in ev.methods), ""), ckpt, drafter,
-                      target)
+    job = _EvalJob(ev, plist, label, costs, batch, rec, target_model, device, dtype, log, progress)
+    report = _describe(_measure(job, target, drafter, EvalSettings.from_spec(ev, batch, verify_cost=verify_cost), ""),
+                       ckpt, drafter, target, label)
     if report["target"]["dtype"] != "float32" and target.device.type == "cpu":
-        _add_float32_baseline(report, ckpt, rec, target_model, device, plist, ev, sampling, log)
+        _add_float32_baseline(report, job, drafter)
     if others:
-        del drafter, target
-
-        def measure_other(given, other):
-            orec = load_recipe(other / RUN_RECIPE) if (other / RUN_RECIPE).is_file() else rec
-            od, ot, ofp = _load_for_eval(other, orec, target_model or (rec.target.model if rec else None), device,
-                                         log, dtype)
-            if ofp != fingerprint:
-                raise SpeculatorsError(f"--compare {given}: its target ({ot.name_or_path}) is not {checkpoint}'s; "
-                                       "compare checkpoints of the same target (or pass --target)")
-            methods = tuple(m for m in ("drafter", "drafter_argmax", "hybrid") if m in ev.methods) or ("drafter",)
-            return describe(measure(ot, od, methods, f" ({given})", gated=False), other, od, ot)
-
-        _add_compare(report, str(checkpoint), [(str(c), o) for c, o in zip(compare, others)], measure_other)
+        del drafter, target, drafters[0]
+        _add_compare(report, job, str(checkpoint), [(g, p, d) for (g, p), d in zip(others, drafters)], fingerprint)
     # a pulled drafter lives in the Hub cache: its reports go under ./outputs/hub/ instead
     base = Path("outputs") / "hub" / str(checkpoint).replace("/", "--") if from_hub else ckpt.parent
     out = Path(output) if output is not None else base / f"eval-k{'-'.join(map(str, ev.ks))}-t{ev.temperature:g}"
@@ -645,7 +518,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, eval_overrides or {}, override_names)
     if rec is None and (target_model is None or prompts is None):
         raise SpeculatorsError(f"{ckpt} has no recipe.yaml; pass --target and --prompts")
-    drafter, target, _ = _load_for_eval(ckpt, rec, target_model, device, log, dtype)
+    drafter, target, _ = load_for_eval(ckpt, rec, target_model, device, log, dtype)
     calibration = drafter.confidence_calibration()  # (temperature [B], bias [B]) or None
     if calibration is None:
         raise SpeculatorsError(f"{ckpt}: the {drafter.algorithm} drafter has no confidence head "
@@ -661,7 +534,7 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
         skip_prompts = rec.eval.num_prompts if (rec is not None and not prompts) else 0
     if isinstance(skip_prompts, bool) or not isinstance(skip_prompts, int) or skip_prompts < 0:
         raise SpeculatorsError(f"--skip-prompts {skip_prompts!r}: expected an integer >= 0")
-    plist, label = _eval_prompts(prompts, rec, target, ev.num_prompts + skip_prompts, log)
+    plist, label = eval_prompts(prompts, rec, target, ev.num_prompts + skip_prompts, log)
     # per source (each --prompts source, or the held-out split as one): skip its first skip_prompts, keep
     # at most num_prompts, as the eval takes at most num_prompts of EACH source
     groups: dict[str, list[dict]] = {}

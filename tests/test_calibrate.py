@@ -548,6 +548,9 @@ def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolat
 
     from speculators import calibration as cal
     from speculators import workflows
+    from speculators.evaluation import loading
+    from speculators.recipe import load_recipe
+    from speculators.train.run_dir import RUN_RECIPE
     from speculators.cli import app
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-dspark.yaml"
@@ -568,11 +571,11 @@ def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolat
 
     monkeypatch.setattr(cal, "calibrate_drafter", fake)
     monkeypatch.setattr(cal, "write_calibration_report", lambda report, output, records=None: Path(output))
-    rec = workflows.load_recipe(out / "final" / workflows.RUN_RECIPE)
+    rec = load_recipe(out / "final" / RUN_RECIPE)
     workflows.calibrate_run(out, store=False, log=lambda m: None)
     workflows.calibrate_run(out, store=False, log=lambda m: None, skip_prompts=0)
-    _, target, _ = workflows._load_for_eval(out / "final", rec, None, None, lambda m: None, None)
-    evald = [tuple(p["input_ids"]) for p in workflows._eval_prompts(None, rec, target, 2)[0]]
+    _, target, _ = loading.load_for_eval(out / "final", rec, None, None, lambda m: None, None)
+    evald = [tuple(p["input_ids"]) for p in loading.eval_prompts(None, rec, target, 2)[0]]
     assert len(seen[1]) == 2 and seen[1] == evald  # --skip-prompts 0: the eval's own prompts
     assert seen[0] and not set(seen[0]) & set(evald)  # default: disjoint from what eval scores
     with pytest.raises(SpeculatorsError, match="no prompts left"):
@@ -583,7 +586,7 @@ def test_calibrate_run_skips_the_prompts_the_eval_scores(tiny_target_dir, isolat
                             skip_prompts=1, eval_overrides={"num_prompts": 2})
     per = {}
     for src in ("chatterbot", "humaneval"):
-        per[src] = [tuple(p["input_ids"]) for p in workflows._eval_prompts([src], rec, target, 3)[0]]
+        per[src] = [tuple(p["input_ids"]) for p in loading.eval_prompts([src], rec, target, 3)[0]]
     assert seen[0] == per["chatterbot"][1:3] + per["humaneval"][1:3]
     # temperatures that RAISE the held-out ECE are not stored, and the threshold is read under the old T
     stored = []

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
+from speculators.evaluation.settings import EvalSettings, PassKey
 from speculators.evaluation import cost_model as cm
+from speculators.evaluation import costs as co
 from speculators.errors import SpeculatorsError
 from speculators.evaluation.acceptance import AcceptanceStats
 from speculators.evaluation.runner import run_eval
@@ -72,19 +74,19 @@ def test_batch_schedule_is_continuous_batching():
 
 
 def test_interpolation_forward_cost_and_prediction():
-    assert cm.interpolate([(3, 30.0), (1, 10.0)], 2) == 20.0
-    assert cm.interpolate([(1, 10.0), (3, 30.0)], 0) == 10.0 and cm.interpolate([(1, 10.0), (3, 30.0)], 5) == 30.0
+    assert co.interpolate([(3, 30.0), (1, 10.0)], 2) == 20.0
+    assert co.interpolate([(1, 10.0), (3, 30.0)], 0) == 10.0 and co.interpolate([(1, 10.0), (3, 30.0)], 5) == 30.0
     with pytest.raises(SpeculatorsError):
-        cm.interpolate([], 1)
+        co.interpolate([], 1)
     costs = {"batch_sizes": [1, 3], "seconds": {"1": [1.0, 2.0, 3.0], "3": [2.0, 4.0, 6.0]}}
-    assert cm.forward_seconds(costs, 2, 2) == 3.0  # halfway between batch 1 and batch 3
-    assert cm.forward_seconds(costs, 9, 1) == 3.0  # beyond the measured lengths: the last one
+    assert co.forward_seconds(costs, 2, 2) == 3.0  # halfway between batch 1 and batch 3
+    assert co.forward_seconds(costs, 9, 1) == 3.0  # beyond the measured lengths: the last one
     one = {"batch_sizes": [1], "seconds": {"1": [1.0, 2.0, 3.0]}}
     # half the steps draft 2 tokens, the others 1: E = 0.5 * cost(2) + 0.5 * cost(3)
-    assert cm.expected_forward_seconds(one, [1.0, 0.5], 2, 1) == pytest.approx(2.5)
+    assert co.expected_forward_seconds(one, [1.0, 0.5], 2, 1) == pytest.approx(2.5)
     # two rows: the forward is as long as the longer one: P(max d <= 1) = 0.5^2
-    assert cm.expected_forward_seconds(one, [1.0, 0.5], 2, 2) == pytest.approx(0.25 * 2 + 0.75 * 3)
-    assert cm.expected_forward_seconds(one, [1.0, 0.5], 1, 2) == pytest.approx(2.0)  # capped at K'=1
+    assert co.expected_forward_seconds(one, [1.0, 0.5], 2, 2) == pytest.approx(0.25 * 2 + 0.75 * 3)
+    assert co.expected_forward_seconds(one, [1.0, 0.5], 1, 2) == pytest.approx(2.0)  # capped at K'=1
     seconds, steps, parts = cm.predict_seconds([2, 2], 1, 1.0, lambda live: (0.5, 1.0, 0.25))
     assert (seconds, steps, parts) == (8.0, 4, [2.0, 4.0, 1.0])
 
@@ -114,7 +116,7 @@ def _hand_report(verify_2_tokens: float):
            "batched_steps": 4}
     report = {"methods": ["ngram"], "ks": [1], "batch_sizes": [1], "rows": [row], "plain_rows": [plain]}
     costs = {"k": 1, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, verify_2_tokens]}}
-    stats = {("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}
+    stats = {PassKey("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}
     return cm.cost_model_block(report, stats, {1: [5, 5]}, costs)
 
 
@@ -156,8 +158,8 @@ def test_a_k_the_eval_did_not_run_reads_the_next_larger_measured_k():
     rows = [dict(row, method="ngram", k=1), dict(row, method="ngram", k=3)]
     report = {"methods": ["ngram"], "ks": [1, 3], "batch_sizes": [1], "rows": rows, "plain_rows": [plain]}
     costs = {"k": 3, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, 0.6, 0.7, 0.8]}}
-    stats = {("ngram", 1, 1): _stats(1, 4, [4], [2], [4]),  # K=1: half the drafts accepted
-             ("ngram", 3, 1): _stats(3, 4, [4, 4, 4], [4, 4, 0], [4, 4, 4])}  # K=3: 2 accepted, the 3rd not
+    stats = {PassKey("ngram", 1, 1): _stats(1, 4, [4], [2], [4]),  # K=1: half the drafts accepted
+             PassKey("ngram", 3, 1): _stats(3, 4, [4, 4, 4], [4, 4, 0], [4, 4, 4])}  # K=3: 2 accepted, the 3rd not
     preds = {p["k"]: p for p in cm.cost_model_block(report, stats, {1: [5, 5]}, costs)["predictions"]}
     assert preds[1]["expected_tokens_per_step"] == 1.5 and preds[1]["measured"]  # its own pass
     assert preds[2]["expected_tokens_per_step"] == 3.0 and not preds[2]["measured"]  # K=3's, capped at 2
@@ -175,16 +177,16 @@ def test_forward_cost_is_linear_in_the_cache_width():
     # batch 1: 1.0 s at 10 slots, 2.0 s at 20 (m = 1); batch 3: 2.0 s at 10, 4.0 s at 20
     costs = {"k": 0, "batch_sizes": [1, 3], "seconds": {"1": [1.0], "3": [2.0]}, "width": {"1": [10.0], "3": [10.0]},
              "long_seconds": {"1": [2.0], "3": [4.0]}, "long_width": {"1": [20.0], "3": [20.0]}}
-    assert cm.forward_seconds(costs, 1, 1, 15.0) == pytest.approx(1.5)
-    assert cm.forward_seconds(costs, 1, 1, 40.0) == pytest.approx(4.0)  # extrapolated along the line
-    assert cm.forward_seconds(costs, 1, 2, 30.0) == pytest.approx((3.0 + 6.0) / 2)  # then linear in live
-    assert cm.forward_seconds(costs, 1, 1) == 1.0  # no width: the measured context, as before
+    assert co.forward_seconds(costs, 1, 1, 15.0) == pytest.approx(1.5)
+    assert co.forward_seconds(costs, 1, 1, 40.0) == pytest.approx(4.0)  # extrapolated along the line
+    assert co.forward_seconds(costs, 1, 2, 30.0) == pytest.approx((3.0 + 6.0) / 2)  # then linear in live
+    assert co.forward_seconds(costs, 1, 1) == 1.0  # no width: the measured context, as before
     old = {k: v for k, v in costs.items() if not k.startswith("long") and k != "width"}
-    assert cm.forward_seconds(old, 1, 1, 40.0) == 1.0  # one measured context: no slope to charge
+    assert co.forward_seconds(old, 1, 1, 40.0) == 1.0  # one measured context: no slope to charge
     # a shorter forward at the long context (noise) is not a negative slope
     noisy = dict(costs, long_seconds={"1": [0.5], "3": [4.0]})
-    assert cm.forward_seconds(noisy, 1, 1, 40.0) == 1.0
-    assert cm.expected_forward_seconds(costs, [], 0, 1, 30.0) == pytest.approx(3.0)
+    assert co.forward_seconds(noisy, 1, 1, 40.0) == 1.0
+    assert co.expected_forward_seconds(costs, [], 0, 1, 30.0) == pytest.approx(3.0)
 
 
 def _width_report(charge: bool):
@@ -204,7 +206,7 @@ def _width_report(charge: bool):
     costs = {"k": 1, "context": 8, "reps": 1, "batch_sizes": [1], "seconds": {"1": [0.5, 1.0]},
              "width": {"1": [10.0, 11.0]}, "long_context": 18, "long_seconds": {"1": [1.0, 1.5]},
              "long_width": {"1": [20.0, 21.0]}}
-    return cm.cost_model_block(report, {("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}, {1: [5, 5]}, costs)
+    return cm.cost_model_block(report, {PassKey("ngram", 1, 1): _stats(1, 4, [4], [4], [4])}, {1: [5, 5]}, costs)
 
 
 def test_the_forward_is_charged_at_the_width_the_loop_ran_at():
@@ -239,7 +241,7 @@ def _drift_report(adjacent: bool):
             dict(row, method="suffix", seconds=4.0, tokens_per_s=2.5, verify_seconds=4.0, forward_seconds=4.0)]
     report = {"methods": ["ngram", "suffix"], "ks": [1], "batch_sizes": [1], "rows": rows, "plain_rows": [plain]}
     costs = {"k": 1, "context": 8, "reps": 5, "batch_sizes": [1], "seconds": fast}
-    stats = {(m, 1, 1): _stats(1, 4, [4], [4], [4]) for m in ("ngram", "suffix")}
+    stats = {PassKey(m, 1, 1): _stats(1, 4, [4], [4], [4]) for m in ("ngram", "suffix")}
     block = cm.cost_model_block(report, stats, {1: [5, 5]}, costs)
     return block["plain"][0], {p["method"]: p for p in block["predictions"]}, block
 
@@ -270,17 +272,17 @@ def test_drifted_costs_scale_the_other_batch_sizes_by_the_drift_at_the_pass():
     adj = {"k": 1, "context": 10, "reps": 3, "batch_sizes": [4], "seconds": {"4": [3.0, 6.0]},
            "width": {"4": [12.0, 13.0]}, "long_context": 20, "long_seconds": {"4": [6.0, 9.0]},
            "long_width": {"4": [22.0, 23.0]}}
-    out = cm.drifted_costs(costs, adj, 4, 1)  # 24 s measured next to the pass where the eval measured 16: 1.5x
+    out = co.drifted_costs(costs, adj, 4, 1)  # 24 s measured next to the pass where the eval measured 16: 1.5x
     assert out["batch_sizes"] == [1, 4] and out["seconds"] == {"1": [1.5, 3.0], "4": [3.0, 6.0]}
     assert out["long_seconds"] == {"1": [3.0, 4.5], "4": [6.0, 9.0]}
     assert out["width"] == {"1": [10.0, 11.0], "4": [12.0, 13.0]} and out["long_width"]["4"] == [22.0, 23.0]
     # the schedule's tail (fewer live requests) is charged the eval's costs at the pass's speed
-    assert cm.forward_seconds(out, 1, 1) == pytest.approx(1.5) and cm.forward_seconds(out, 1, 4) == 3.0
-    assert cm.drifted_costs(costs, None, 4, 1) is None
-    assert cm.drifted_costs(costs, adj, 1, 1) is None  # measured at another batch size
-    assert cm.drifted_costs(costs, adj, 4, 2) is None  # too few lengths for K=2
+    assert co.forward_seconds(out, 1, 1) == pytest.approx(1.5) and co.forward_seconds(out, 1, 4) == 3.0
+    assert co.drifted_costs(costs, None, 4, 1) is None
+    assert co.drifted_costs(costs, adj, 1, 1) is None  # measured at another batch size
+    assert co.drifted_costs(costs, adj, 4, 2) is None  # too few lengths for K=2
     old = {k: costs[k] for k in ("k", "batch_sizes", "seconds")}  # one context: the drift over it alone
-    assert cm.drifted_costs(old, adj, 4, 1) == {"k": 1, "context": 10, "reps": 3, "batch_sizes": [1, 4],
+    assert co.drifted_costs(old, adj, 4, 1) == {"k": 1, "context": 10, "reps": 3, "batch_sizes": [1, 4],
                                                 "seconds": {"1": [1.5, 3.0], "4": [3.0, 6.0]}}
 
 
@@ -325,19 +327,19 @@ def tiny():
 
 def test_measure_costs_at_every_batch_size(tiny):
     target, _ = tiny
-    costs = cm.measure_costs(target, 2, [2, 1], reps=1, context=6)
+    costs = co.measure_costs(target, 2, [2, 1], reps=1, context=6)
     assert costs["batch_sizes"] == [1, 2] and set(costs["seconds"]) == {"1", "2"}
     assert all(len(v) == 3 and all(c > 0 and math.isfinite(c) for c in v) for v in costs["seconds"].values())
-    assert cm.gate_cost(costs) == costs["seconds"]["1"]
+    assert co.gate_cost(costs) == costs["seconds"]["1"]
     assert costs["long_context"] == 12 and set(costs["long_seconds"]) == {"1", "2"}
     for b in ("1", "2"):  # the width each was timed at: the context and the new tokens at least
         assert all(w >= 6 + m + 1 for m, w in enumerate(costs["width"][b]))
         assert all(w >= 12 + m + 1 for m, w in enumerate(costs["long_width"][b]))
         assert all(c > 0 and math.isfinite(c) for c in costs["long_seconds"][b])
     with pytest.raises(SpeculatorsError, match="batch size"):
-        cm.measure_costs(target, 2, [0])
+        co.measure_costs(target, 2, [0])
     with pytest.raises(SpeculatorsError, match="long_context"):
-        cm.measure_costs(target, 2, [1], context=6, long_context=6)
+        co.measure_costs(target, 2, [1], context=6, long_context=6)
 
 
 def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
@@ -347,14 +349,13 @@ def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
     from speculators.evaluation.report import BREAK_EVEN_COLUMNS, render_markdown, render_terminal
 
     target, prompts = tiny
-    given = cm.measure_costs(target, 2, [1, 2], reps=1, context=8)
+    given = co.measure_costs(target, 2, [1, 2], reps=1, context=8)
 
     def refuse(*a, **kw):
         raise AssertionError("the eval measured the forward costs a second time")
 
     monkeypatch.setattr(ev, "measure_costs", refuse)
-    rep = run_eval(target, None, prompts, [1, 2], 8, batch_size=2, eos_ids=set(), methods=("ngram", "suffix"),
-                   log=lambda m: None, bootstrap_resamples=20, forward_costs=given)
+    rep = run_eval(target, None, prompts, EvalSettings([1, 2], 8, eos_ids=set(), batch_size=2, methods=("ngram", "suffix"), bootstrap_resamples=20), forward_costs=given, log=lambda m: None)
     block = rep["cost_model"]
     assert block["costs"] is given
     assert set(block) == {"costs", "overhead_ms_per_step", "plain", "predictions", "best_k", "break_even",
@@ -398,8 +399,7 @@ def test_every_eval_report_has_a_cost_model(tiny, monkeypatch):
     # without given costs the eval measures them itself (once)
     calls = []
     monkeypatch.setattr(ev, "measure_costs", lambda *a, **kw: calls.append(kw) or given)
-    rep = run_eval(target, None, prompts[:1], [2], 4, eos_ids=set(), methods=("ngram",), log=lambda m: None,
-                   bootstrap_resamples=20, adjacent_costs=False)
+    rep = run_eval(target, None, prompts[:1], EvalSettings([2], 4, eos_ids=set(), methods=("ngram",), bootstrap_resamples=20, adjacent_costs=False), log=lambda m: None)
     assert len(calls) == 1 and rep["cost_model"]["costs"] is given
     # adjacent_costs=False: nothing measured per pass, every row predicted from the eval's costs
     assert not any("pass_costs" in r for r in rep["rows"] + rep["plain_rows"])

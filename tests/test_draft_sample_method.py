@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from speculators.evaluation.settings import EvalSettings
 from speculators.decode.proposal import Proposal
 from speculators.evaluation.report import ENGINE_SETTINGS, render_markdown as report_markdown
 from speculators.evaluation.runner import run_eval
@@ -116,8 +117,7 @@ def test_eval_reports_tau_under_both_conventions_at_temperature_above_zero(targe
 
     monkeypatch.setattr(ev, "_generate", spy)
     prompts = [{"id": f"p{i}", "input_ids": rand_prompt(5 + i, 20 + i)} for i in range(3)]
-    rep = run_eval(target, PeakedDrafter(), prompts, [2], 8, SamplingParams.uniform(1, 0.8), eos_ids=set(),
-                   methods=("drafter", "ngram"))
+    rep = run_eval(target, PeakedDrafter(), prompts, EvalSettings([2], 8, sampling=SamplingParams.uniform(1, 0.8), eos_ids=set(), methods=("drafter", "ngram")))
     assert rep["methods"] == ["drafter", "drafter_argmax", "ngram"]
     by = {r["method"]: r for r in rep["rows"]}
     assert by["drafter"]["draft_sample_method"] == "probabilistic"
@@ -139,6 +139,6 @@ def test_eval_reports_tau_under_both_conventions_at_temperature_above_zero(targe
 def test_greedy_eval_has_one_drafter_row(target):
     """At temperature 0 both conventions are the same greedy decode: no second row, no section."""
     prompts = [{"id": "p0", "input_ids": rand_prompt(6, 30)}]
-    rep = run_eval(target, PeakedDrafter(), prompts, [2], 6, eos_ids=set(), methods=("drafter",))
+    rep = run_eval(target, PeakedDrafter(), prompts, EvalSettings([2], 6, eos_ids=set(), methods=("drafter",)))
     assert rep["methods"] == ["drafter"] and "serving_conventions" not in rep
     assert rep["rows"][0]["draft_sample_method"] is None and rep["greedy_mismatches"] == []

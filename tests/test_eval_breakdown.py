@@ -17,9 +17,11 @@ import pytest
 import torch
 import yaml
 
+from speculators.evaluation.settings import EvalSettings
 from speculators.decode.proposal import Proposal
 from speculators.evaluation.report import METHOD_LABELS, render_markdown as report_markdown
-from speculators.evaluation.runner import DEFAULT_METHODS as METHODS, run_eval  # the default set
+from speculators.evaluation.runner import run_eval
+from speculators.evaluation.settings import DEFAULT_METHODS as METHODS  # the default set
 from speculators.decode.loop import speculative_generate
 from speculators.target import build_tiny_target
 
@@ -132,7 +134,7 @@ def test_generation_splits_drafting_from_verifying_time(target, monkeypatch, bat
 def test_report_rows_carry_drafting_and_verifying_ms_per_step(target):
     prompts = make_prompts(3, 1)
     drafter = RepeatDrafter(nap={"propose": NAP})
-    rep = run_eval(target, drafter, prompts, [1, 2], 8, batch_size=2, eos_ids=set(), bootstrap_resamples=50)
+    rep = run_eval(target, drafter, prompts, EvalSettings([1, 2], 8, eos_ids=set(), batch_size=2, bootstrap_resamples=50))
     for p in rep["plain_rows"]:
         assert p["draft_seconds"] == 0.0 and p["draft_ms_per_step"] == 0.0 and p["verify_ms_per_step"] > 0
         assert p["batched_steps"] > 0 and p["verify_seconds"] <= p["seconds"]
@@ -165,8 +167,7 @@ def test_by_source_splits_every_method_and_adds_up(target):
     # the drafter knows alpha's answers (every draft accepted) and guesses on beta's: the taus differ
     plain = speculative_generate(target, None, [p["input_ids"] for p in a], 0, 10, eos_ids=set())
     known = {tuple(p["input_ids"]): r.tokens for p, r in zip(a, plain.results)}
-    rep = run_eval(target, RepeatDrafter(known), prompts, 3, 10, batch_size=2, eos_ids=set(),
-                   bootstrap_resamples=50)
+    rep = run_eval(target, RepeatDrafter(known), prompts, EvalSettings(3, 10, eos_ids=set(), batch_size=2, bootstrap_resamples=50))
     by = rep["by_source"]
     assert by["alpha"]["drafter"]["acceptance_rate"] == 1.0 > by["beta"]["drafter"]["acceptance_rate"]
     assert list(by) == ["alpha", "beta"]
@@ -183,7 +184,7 @@ def test_by_source_splits_every_method_and_adds_up(target):
     # each source's numbers are exactly what an eval of that source alone gives (greedy, deterministic drafts;
     # at batch 1: a greedy request decodes the same at any batch size)
     for name, sub in (("alpha", a), ("beta", b)):
-        alone = run_eval(target, RepeatDrafter(known), sub, 3, 10, batch_size=1, eos_ids=set(), bootstrap_resamples=50)
+        alone = run_eval(target, RepeatDrafter(known), sub, EvalSettings(3, 10, eos_ids=set(), batch_size=1, bootstrap_resamples=50))
         for m in METHODS:
             for key in (*SUM_KEYS, "tau", "acceptance_rate", "per_position"):
                 assert by[name][m][key] == alone[m][key], (name, m, key)
@@ -198,8 +199,7 @@ def test_by_source_splits_every_method_and_adds_up(target):
 
 
 def test_unlabelled_prompts_are_one_source_without_a_table(target):
-    rep = run_eval(target, RepeatDrafter(), make_prompts(2, 3), 2, 6, eos_ids=set(), methods=("drafter", "ngram"),
-                   bootstrap_resamples=20)
+    rep = run_eval(target, RepeatDrafter(), make_prompts(2, 3), EvalSettings(2, 6, eos_ids=set(), methods=("drafter", "ngram"), bootstrap_resamples=20))
     assert list(rep["by_source"]) == ["prompts"]
     assert rep["by_source"]["prompts"]["drafter"]["steps"] == rep["drafter"]["steps"]
     assert "By prompt source" not in report_markdown(rep)
@@ -219,7 +219,7 @@ def test_held_out_prompts_of_several_recipe_sources_keep_their_source(tmp_path, 
     from pathlib import Path
 
     from speculators.recipe import recipe_from_dict
-    from speculators.workflows import _eval_prompts
+    from speculators.evaluation.loading import eval_prompts
 
     raw = yaml.safe_load((Path(__file__).resolve().parent.parent / "recipes" / "tiny-eagle3.yaml").read_text())
     raw["target"]["model"] = "unused"
@@ -230,7 +230,7 @@ def test_held_out_prompts_of_several_recipe_sources_keep_their_source(tmp_path, 
          "regenerate": False}]
     raw["data"]["held_out"] = {"fraction": 0.5, "seed": 0}
     rec = recipe_from_dict(raw, "test")
-    plist, label = _eval_prompts(None, rec, SimpleNamespace(tokenizer=smol_tokenizer), 100)
+    plist, label = eval_prompts(None, rec, SimpleNamespace(tokenizer=smol_tokenizer), 100)
     assert "held-out" in label and {p["source"] for p in plist} == {"maths", "poems"}
     for p in plist:  # the source is the conversation's own, not a guess
         assert p["messages"][0]["content"].startswith("What is" if p["source"] == "maths" else "Write a poem")
@@ -240,20 +240,20 @@ def test_eval_prompt_sources_log_the_rows_their_loader_dropped(tmp_path, smol_to
     """``--prompts FILE``: a row the loader skips (no non-system message) is counted in the log, per
     source and reason, and the other rows are still the eval's prompts."""
     from speculators.data.sources import DROP_EMPTY_CONVERSATION
-    from speculators.workflows import _eval_prompts
+    from speculators.evaluation.loading import eval_prompts
 
     path = chat_file(tmp_path / "qa.jsonl", ["What is two plus two?", "Name a color."])
     with open(path, "a") as f:
         f.write(json.dumps({"messages": [{"role": "system", "content": "Be brief."}]}) + "\n")
         f.write(json.dumps({"messages": []}) + "\n")
     lines: list[str] = []
-    plist, _ = _eval_prompts([str(path)], None, SimpleNamespace(tokenizer=smol_tokenizer), 10, lines.append)
+    plist, _ = eval_prompts([str(path)], None, SimpleNamespace(tokenizer=smol_tokenizer), 10, lines.append)
     assert [p["messages"][0]["content"] for p in plist] == ["What is two plus two?", "Name a color."]
     assert lines == [f"eval prompts: dropped 2 of {path} (the whole source, before --num-prompts): "
                      f"{DROP_EMPTY_CONVERSATION}"]
     clean = chat_file(tmp_path / "clean.jsonl", ["Is water wet?"])
     lines.clear()
-    _eval_prompts([str(clean)], None, SimpleNamespace(tokenizer=smol_tokenizer), 10, lines.append)
+    eval_prompts([str(clean)], None, SimpleNamespace(tokenizer=smol_tokenizer), 10, lines.append)
     assert lines == []  # nothing dropped, nothing logged
 
 

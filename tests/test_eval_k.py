@@ -114,7 +114,7 @@ def test_eval_run_refuses_every_k_of_the_sweep_above_the_bound(target, bounded, 
     name, d = bounded
     ckpt = d.save_pretrained(tmp_path / "ckpt")
     loads = []
-    monkeypatch.setattr(wf, "_load_for_eval", lambda *a, **kw: loads.append(a))  # no target loads first
+    monkeypatch.setattr(wf, "load_for_eval", lambda *a, **kw: loads.append(a))  # no target loads first
     with pytest.raises(SpeculatorsError) as e:
         wf.eval_run(ckpt, eval_overrides=overrides, override_names=names, target_model=str(tmp_path / "none"),
                     prompts=str(write_prompts(tmp_path / "p.jsonl")), output=tmp_path / "out")
@@ -130,7 +130,7 @@ def test_eval_run_checks_compared_checkpoints_too(target, tmp_path, monkeypatch)
 
     deep = make(target, "peagle", num_depths=5).save_pretrained(tmp_path / "deep")
     shallow = make(target, "peagle").save_pretrained(tmp_path / "shallow")
-    monkeypatch.setattr(wf, "_load_for_eval", lambda *a, **kw: pytest.fail("loaded a target before the K check"))
+    monkeypatch.setattr(wf, "load_for_eval", lambda *a, **kw: pytest.fail("loaded a target before the K check"))
     with pytest.raises(SpeculatorsError, match=rf"^--compare {shallow}: -k 5: this peagle drafter drafts at most 3"):
         wf.eval_run(deep, eval_overrides={"k": 5}, override_names=_EVAL_OPTIONS, target_model="none",
                     prompts=str(write_prompts(tmp_path / "p.jsonl")), compare=[shallow])
@@ -144,7 +144,7 @@ def test_eval_run_checks_k_per_method(target, tmp_path, monkeypatch):
 
     ckpt = make(target, "dflash").save_pretrained(tmp_path / "ckpt")  # drafts at most 3
     loaded = []
-    monkeypatch.setattr(wf, "_load_for_eval", lambda *a, **kw: loaded.append(1) or (_ for _ in ()).throw(KeyError))
+    monkeypatch.setattr(wf, "load_for_eval", lambda *a, **kw: loaded.append(1) or (_ for _ in ()).throw(KeyError))
     kw = dict(override_names=_EVAL_OPTIONS, target_model="none", prompts=str(write_prompts(tmp_path / "p.jsonl")))
     with pytest.raises(KeyError):  # passed the K check: reached the target load
         wf.eval_run(ckpt, eval_overrides={"k": 6, "methods": ["ngram", "hybrid"], "hybrid_drafter_k": 2}, **kw)
@@ -174,7 +174,7 @@ def test_eval_run_checks_tree_depths_before_decoding(target, tmp_path, monkeypat
     import speculators.workflows as wf
 
     ckpt = make(target, "peagle").save_pretrained(tmp_path / "ckpt")  # drafts at most 3
-    monkeypatch.setattr(wf, "_load_for_eval", lambda *a, **kw: pytest.fail("loaded a target before the depth check"))
+    monkeypatch.setattr(wf, "load_for_eval", lambda *a, **kw: pytest.fail("loaded a target before the depth check"))
     with pytest.raises(SpeculatorsError, match=r"--tree depth 5: this peagle drafter drafts at most 3"):
         wf.eval_run(ckpt, eval_overrides={"k": 2, "trees": ["depth=3,topk=2", "depth=5,topk=2"]},
                     override_names=_EVAL_OPTIONS, target_model="none", prompts=str(write_prompts(tmp_path / "p.jsonl")))

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from speculators.evaluation.settings import DEFAULT_METHODS, EvalSettings
 from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
 from speculators.evaluation.report import render_markdown as report_markdown
@@ -186,7 +187,7 @@ def test_run_eval_counts_what_was_emitted():
             return [Proposal(torch.tensor(cont[len(s.tokens) - len(prompt):][:k], dtype=torch.int64))
                     for s, k in zip(states, ks)]
 
-    rep = run_eval(target, Oracle(), [{"id": "p0", "input_ids": prompt}], K, 40, SamplingParams.uniform(1), eos_ids={cont[j]})
+    rep = run_eval(target, Oracle(), [{"id": "p0", "input_ids": prompt}], EvalSettings(K, 40, sampling=SamplingParams.uniform(1), eos_ids={cont[j]}))
     d = rep["drafter"]
     assert rep["greedy_mismatches"] == [] and rep["stop_token_ids"] == [cont[j]]
     assert d["tokens"] == rep["plain"]["tokens"] == rep["ngram"]["tokens"] == j + 1
@@ -259,12 +260,12 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     calls = []
     real = ev._generate
 
-    def spy(target, proposer, ids, k, *a, **kw):
-        calls.append((type(proposer).__name__, k, a[4], len(ids), a[0], a[1:4]))  # + prompts, tokens, sampling
-        return real(target, proposer, ids, k, *a, **kw)
+    def spy(target, proposer, ids, k, max_new, st, b, *a, **kw):  # + prompts, tokens, sampling
+        calls.append((type(proposer).__name__, k, b, len(ids), max_new, (st.temperature, st.top_k, st.top_p)))
+        return real(target, proposer, ids, k, max_new, st, b, *a, **kw)
 
     monkeypatch.setattr(ev, "_generate", spy)
-    rep = run_eval(target, RandomDrafter(64), prompts, [2, 1], 8, batch_size=2, eos_ids=set())
+    rep = run_eval(target, RandomDrafter(64), prompts, EvalSettings([2, 1], 8, eos_ids=set(), batch_size=2))
     # warm-up first: plain and every method once, 4 tokens of one prompt at the largest K (sampling as measured)
     warm, calls = calls[:5], calls[5:]
     assert [c[:5] for c in warm] == [("NoneType", 0, 1, 1, 4), ("RandomDrafter", 2, 1, 1, 4),
@@ -275,12 +276,12 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     # plain decoding runs ONCE per batch size; every method once per K and batch size
     assert [c for c in measured if c[0] == "NoneType"] == [("NoneType", 0, 1), ("NoneType", 0, 2)]
     assert len(measured) == 2 * (1 + 4 * 2)
-    assert rep["ks"] == [1, 2] and rep["batch_sizes"] == [1, 2] and rep["methods"] == list(ev.DEFAULT_METHODS)
+    assert rep["ks"] == [1, 2] and rep["batch_sizes"] == [1, 2] and rep["methods"] == list(DEFAULT_METHODS)
     assert len(rep["rows"]) == 2 * 4 * 2
     assert rep["greedy_mismatches"] == []  # every proposer, K and batch size == plain greedy at batch 1
     for b in (1, 2):
         plain = next(p for p in rep["plain_rows"] if p["batch_size"] == b)
-        for m in ev.DEFAULT_METHODS:
+        for m in DEFAULT_METHODS:
             rows = [r for r in rep["rows"] if r["batch_size"] == b and r["method"] == m]
             assert sorted(r["k"] for r in rows) == [1, 2]
             best = [r for r in rows if r["best_k"]]
@@ -303,8 +304,7 @@ def test_run_eval_sweeps_k_and_batch_sizes(tiny, monkeypatch):
     from speculators.verify import SamplingParams
 
     calls.clear()
-    run_eval(target, RandomDrafter(64), prompts[:1], [1], 4, SamplingParams.uniform(1, 0.5, 5, 0.9),
-             eos_ids=set(), methods=("ngram",))
+    run_eval(target, RandomDrafter(64), prompts[:1], EvalSettings([1], 4, sampling=SamplingParams.uniform(1, 0.5, 5, 0.9), eos_ids=set(), methods=("ngram",)))
     assert [c[0] for c in calls] == ["NoneType", "NGramProposer", "NoneType", "NGramProposer"]
     assert {c[5] for c in calls} == {(0.5, 5, 0.9)}
 
@@ -324,7 +324,7 @@ def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
         return out
 
     monkeypatch.setattr(ev, "_generate", corrupt)
-    rep = run_eval(target, RandomDrafter(64), prompts, [1, 2], 6, eos_ids=set(), methods=("suffix",))
+    rep = run_eval(target, RandomDrafter(64), prompts, EvalSettings([1, 2], 6, eos_ids=set(), methods=("suffix",)))
     (m,) = rep["greedy_mismatches"]
     assert {k: m[k] for k in ("prompt", "proposer", "k", "batch_size", "first_diff")} == {
         "prompt": "p1", "proposer": "suffix", "k": 2, "batch_size": 1, "first_diff": 3}
@@ -336,8 +336,7 @@ def test_run_eval_reports_every_mismatch(tiny, monkeypatch):
 
 def test_run_eval_sampled_has_no_greedy_check(tiny):
     target, prompts = tiny
-    rep = run_eval(target, RandomDrafter(64), prompts, 2, 6, SamplingParams.uniform(1, 0.8), eos_ids=set(),
-                   methods=("drafter", "hybrid"))
+    rep = run_eval(target, RandomDrafter(64), prompts, EvalSettings(2, 6, sampling=SamplingParams.uniform(1, 0.8), eos_ids=set(), methods=("drafter", "hybrid")))
     assert rep["greedy_mismatches"] is None and rep["temperature"] == pytest.approx(0.8)
     # sampled: the drafter also under vLLM's default draft_sample_method (argmax drafts, point masses)
     assert {r["method"] for r in rep["rows"]} == {"drafter", "drafter_argmax", "hybrid"} and "ngram" not in rep
@@ -350,7 +349,8 @@ def test_run_eval_bad_arguments(tiny, kw, match):
     target, prompts = tiny
     args = {"k": 2, "prompts": prompts, **kw}
     with pytest.raises(SpeculatorsError, match=match):
-        run_eval(target, RandomDrafter(64), args.pop("prompts"), args.pop("k"), 4, **args)
+        prompts = args.pop("prompts")
+        run_eval(target, RandomDrafter(64), prompts, EvalSettings(args.pop("k"), 4, **args))
 
 
 def test_write_report_embeds_the_plots(tiny, tmp_path):
@@ -358,7 +358,7 @@ def test_write_report_embeds_the_plots(tiny, tmp_path):
     from speculators.evaluation.runner import write_report
 
     target, prompts = tiny
-    rep = run_eval(target, RandomDrafter(64), prompts[:2], [1, 3], 6, eos_ids=set(), batch_size=2)
+    rep = run_eval(target, RandomDrafter(64), prompts[:2], EvalSettings([1, 3], 6, eos_ids=set(), batch_size=2))
     out = write_report(rep, tmp_path / "rep")
     md = (out / "report.md").read_text()
     for name in PLOT_FILES.values():
@@ -374,8 +374,8 @@ def test_compare_rows(tiny):
     from speculators.evaluation.runner import compare_rows
 
     target, prompts = tiny
-    a = run_eval(target, RandomDrafter(64), prompts[:2], 1, 5, eos_ids=set())
-    b = run_eval(target, RandomDrafter(64), prompts[:2], 1, 5, eos_ids=set(), methods=("drafter", "hybrid"))
+    a = run_eval(target, RandomDrafter(64), prompts[:2], EvalSettings(1, 5, eos_ids=set()))
+    b = run_eval(target, RandomDrafter(64), prompts[:2], EvalSettings(1, 5, eos_ids=set(), methods=("drafter", "hybrid")))
     rows = compare_rows([("A", a), ("B", b)])
     assert [(r["checkpoint"], r["method"]) for r in rows] == [
         ("A", "drafter"), ("-", "ngram"), ("-", "suffix"), ("A", "hybrid"), ("B", "drafter"), ("B", "hybrid")]
@@ -384,7 +384,7 @@ def test_compare_rows(tiny):
         src = next(x for x in (a if r["checkpoint"] != "B" else b)["rows"] if x["method"] == r["method"])
         assert r["draft_ms_per_step"] == src["draft_ms_per_step"] and r["per_position"] == src["per_position"]
         assert f"| {r['draft_ms_per_step']:.2f} | {r['verify_ms_per_step']:.2f} |" in compare_markdown(rows)
-    c = run_eval(target, RandomDrafter(64), prompts[:2], 1, 4, eos_ids=set(), methods=("drafter",))
+    c = run_eval(target, RandomDrafter(64), prompts[:2], EvalSettings(1, 4, eos_ids=set(), methods=("drafter",)))
     with pytest.raises(SpeculatorsError, match="max_new_tokens"):
         compare_rows([("A", a), ("C", c)])
 

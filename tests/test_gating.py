@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculators.evaluation.settings import EvalSettings
 from speculators.decode.proposal import Proposal
 from speculators.errors import SpeculatorsError
 from speculators.evaluation.report import render_markdown as report_markdown
@@ -373,9 +374,7 @@ def test_a_leaky_gate_that_peeks_at_the_verifier_fails_the_same_test(target):
 # ----------------------------------------------------------------------------- the eval's gated rows
 def test_eval_reports_gated_and_ungated_rows(target):
     prompts = [{"id": i, "input_ids": rand_prompt(n, 70 + i)} for i, n in enumerate((4, 7, 10))]
-    rep = run_eval(target, SharpTargetProposer(target), prompts, 3, 10, None, eos_ids=set(), batch_size=2,
-                   methods=("drafter", "ngram"), log=lambda m: None, bootstrap_resamples=50,
-                   confidence_threshold=0.7)
+    rep = run_eval(target, SharpTargetProposer(target), prompts, EvalSettings(3, 10, eos_ids=set(), batch_size=2, methods=("drafter", "ngram"), bootstrap_resamples=50, confidence_threshold=0.7), log=lambda m: None)
     assert rep["greedy_mismatches"] == []  # gated outputs are checked too
     assert {(r["batch_size"], r["k"]) for r in rep["gated_rows"]} == {(1, 3), (2, 3)}
     for r in rep["rows"] + rep["gated_rows"]:
@@ -388,8 +387,7 @@ def test_eval_reports_gated_and_ungated_rows(target):
     md = report_markdown(rep)
     assert "Confidence-gated verification" in md and "| gated | 2 | 3 |" in md
     # without a threshold the report has no gating keys (the schema other readers use is unchanged)
-    plain_rep = run_eval(target, SharpTargetProposer(target), prompts, 3, 6, None, eos_ids=set(), batch_size=1,
-                         methods=("drafter",), log=lambda m: None, bootstrap_resamples=20)
+    plain_rep = run_eval(target, SharpTargetProposer(target), prompts, EvalSettings(3, 6, eos_ids=set(), batch_size=1, methods=("drafter",), bootstrap_resamples=20), log=lambda m: None)
     assert "gating" not in plain_rep and "gated_rows" not in plain_rep
 
 
@@ -427,8 +425,7 @@ def test_cost_aware_gating_in_eval_with_a_measured_cost_model(target):
     assert len(cost) == 4 and all(c > 0 for c in cost)
     prompts = [{"id": i, "input_ids": rand_prompt(n, 90 + i)} for i, n in enumerate((5, 8))]
     steep = [1.0, 10.0, 20.0, 30.0]  # verifying any draft costs far more than it can return: nothing is verified
-    rep = run_eval(target, SharpTargetProposer(target), prompts, 3, 8, None, eos_ids=set(), batch_size=1,
-                   methods=("drafter",), log=lambda m: None, bootstrap_resamples=20, verify_cost=steep)
+    rep = run_eval(target, SharpTargetProposer(target), prompts, EvalSettings(3, 8, eos_ids=set(), batch_size=1, methods=("drafter",), bootstrap_resamples=20, verify_cost=steep), log=lambda m: None)
     assert rep["gating"]["cost_aware"] and rep["gating"]["threshold"] is None
     assert rep["greedy_mismatches"] == []
     g = rep["gating"]["headline"]["gated"]

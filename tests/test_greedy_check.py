@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculators.evaluation.settings import EvalSettings
 from speculators.decode.proposal import Proposal
 from speculators.evaluation.report import render_markdown
 from speculators.evaluation.runner import run_eval
@@ -81,7 +82,7 @@ def test_greedy_tokens_of_the_twin_target_are_even():
 def test_a_forced_near_tie_in_bfloat16_is_a_near_tie_and_the_check_passes(monkeypatch):
     t = twin_target(torch.bfloat16)
     _take_the_twin(monkeypatch)
-    rep = run_eval(t, None, PROMPTS, [2], 8, eos_ids=set(), methods=("ngram",))
+    rep = run_eval(t, None, PROMPTS, EvalSettings([2], 8, eos_ids=set(), methods=("ngram",)))
     mm = rep["greedy_mismatches"]
     assert len(mm) == 1  # listed, never hidden
     m = mm[0]
@@ -100,7 +101,7 @@ def test_a_forced_near_tie_in_bfloat16_is_a_near_tie_and_the_check_passes(monkey
 def test_the_same_tie_in_float32_is_a_failure(monkeypatch):
     t = twin_target(torch.float32)
     _take_the_twin(monkeypatch)
-    rep = run_eval(t, None, PROMPTS, [2], 8, eos_ids=set(), methods=("ngram",))
+    rep = run_eval(t, None, PROMPTS, EvalSettings([2], 8, eos_ids=set(), methods=("ngram",)))
     (m,) = rep["greedy_mismatches"]
     assert m["dtype"] == "float32" and m["logit_gap"] == 0.0 and m["near_tie"] is False
     assert rep["greedy_check"]["failures"] == 1 and rep["greedy_check"]["passed"] is False
@@ -110,7 +111,7 @@ def test_the_same_tie_in_float32_is_a_failure(monkeypatch):
 def test_a_broken_verifier_is_a_failure_in_bfloat16(monkeypatch):
     """A verifier that emits the least likely token of the first verified position (instead of the
     target's choice) whenever drafts are verified: a real failure, even in bfloat16."""
-    import speculators.decode.loop as gen
+    import speculators.decode.chain as gen  # the chain step's verifier call
     from speculators.verify import RejectionOutput
 
     real = gen.rejection_sample
@@ -125,7 +126,7 @@ def test_a_broken_verifier_is_a_failure_in_bfloat16(monkeypatch):
 
     monkeypatch.setattr(gen, "rejection_sample", broken)
     t = twin_target(torch.bfloat16)
-    rep = run_eval(t, RandomDrafter(), PROMPTS, [2], 8, eos_ids=set(), methods=("drafter",))
+    rep = run_eval(t, RandomDrafter(), PROMPTS, EvalSettings([2], 8, eos_ids=set(), methods=("drafter",)))
     mm = rep["greedy_mismatches"]
     assert mm, "the broken verifier changed no output"
     assert all(m["near_tie"] is False and m["logit_gap"] > m["rounding_bound"] for m in mm)
@@ -170,7 +171,7 @@ def test_greedy_summary_counts_per_proposer_and_checkpoint():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_mismatch_no_classification(dtype):
     t = twin_target(dtype)
-    rep = run_eval(t, None, PROMPTS, [2], 6, eos_ids=set(), methods=("ngram",))
+    rep = run_eval(t, None, PROMPTS, EvalSettings([2], 6, eos_ids=set(), methods=("ngram",)))
     assert rep["greedy_mismatches"] == [] and rep["greedy_check"]["passed"] is True
 
 
@@ -198,7 +199,7 @@ def test_eval_exits_1_only_on_a_verifier_failure(monkeypatch, tmp_path, near_tie
             return out
 
         monkeypatch.setattr(ev, "_generate", corrupt)
-    rep = run_eval(t, None, PROMPTS, [2], 8, eos_ids=set(), methods=("ngram",))
+    rep = run_eval(t, None, PROMPTS, EvalSettings([2], 8, eos_ids=set(), methods=("ngram",)))
     monkeypatch.setattr(wf, "eval_run", lambda *a, **kw: (rep, tmp_path))
     r = CliRunner().invoke(app, ["eval", str(tmp_path)])
     assert r.exit_code == exit_code, r.output

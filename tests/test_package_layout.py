@@ -149,9 +149,9 @@ def unresolved_references(files: list[Path], root: Path = ROOT) -> dict[str, lis
 
 def test_the_reference_check_can_fail(tmp_path):
     f = tmp_path / "doc.md"
-    f.write_text("see `speculators.decode.loop.speculative_generate` and :func:`speculators.generate.nothing`, "
+    f.write_text("see `speculators.decode.loop.speculative_generate` and :func:`speculators.decode.loop.nothing`, "
                  "and the reference's speculators.models.eagle3")
-    assert unresolved_references([f], tmp_path) == {"speculators.generate.nothing": ["doc.md"]}
+    assert unresolved_references([f], tmp_path) == {"speculators.decode.loop.nothing": ["doc.md"]}
 
 
 def test_docs_and_docstrings_name_only_what_exists():

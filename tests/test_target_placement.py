@@ -227,11 +227,11 @@ def test_a_drafter_run_never_trains_nor_saves_the_target(tmp_path, isolated_cach
             for name, w in weights:
                 assert not (t.shape == w.shape and torch.equal(t.float(), w.to(t.dtype).float())), (f, key, name)
     # eval loads the target with the recipe's device_map, unless --device names one device
-    from speculators.workflows import _load_for_eval
+    from speculators.evaluation.loading import load_for_eval
 
     for device, expect in ((None, "device_map='auto'"), ("cpu", "on cpu")):
         logs.clear()
-        _load_for_eval(run / "final", rec, None, device, logs.append)
+        load_for_eval(run / "final", rec, None, device, logs.append)
         line = next(m for m in logs if m.startswith("target "))
         assert expect in line and (device is None or "device_map" not in line), line
 

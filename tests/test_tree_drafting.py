@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from speculators.evaluation.settings import EvalSettings
 from speculators.data.vocab import DraftVocab
 from speculators.drafters import registry
 from speculators.decode.loop import speculative_generate
@@ -243,8 +244,7 @@ def test_eval_reports_trees_beside_chains_and_a_static_tree(target):
     d = make_drafter(target)
     prompts = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(3))]
     trees = [TreeSpec(depth=2, topk=2, total_tokens=4), TreeSpec.static("[(0,), (1,), (0, 0)]")]
-    rep = run_eval(target, d, prompts, [2], 12, batch_size=2, methods=("drafter",), eos_ids=set(),
-                   bootstrap_resamples=50, log=lambda *_: None, trees=trees)
+    rep = run_eval(target, d, prompts, EvalSettings([2], 12, eos_ids=set(), batch_size=2, methods=("drafter",), bootstrap_resamples=50, trees=trees), log=lambda *_: None)
     block = rep["trees"]
     assert [(r["tree_label"], r["batch_size"]) for r in block["rows"]] == [
         (t.label, b) for b in (1, 2) for t in trees]
@@ -306,8 +306,7 @@ def test_tree_outputs_join_the_greedy_check_and_its_classification(target, monke
     d = make_drafter(target)
     prompts = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(2))]
     spec = TreeSpec(depth=2, topk=2, total_tokens=5)
-    rep = evaluate.run_eval(target, d, prompts, [2], 8, methods=("drafter",), eos_ids=set(),
-                            bootstrap_resamples=20, log=lambda *_: None, trees=[spec])
+    rep = evaluate.run_eval(target, d, prompts, EvalSettings([2], 8, eos_ids=set(), methods=("drafter",), bootstrap_resamples=20, trees=[spec]), log=lambda *_: None)
     check = rep["greedy_check"]
     assert check["by_proposer"][f"drafter tree {spec.label}"] == {"mismatches": 1, "near_tie": 0, "failures": 1}
     m = next(x for x in rep["greedy_mismatches"] if x["proposer"].endswith(spec.label))

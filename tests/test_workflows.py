@@ -61,14 +61,13 @@ def test_data_layer_loads_without_drafters_or_recipe():
     assert r.stdout.strip() == "[]", r.stdout
 
 
-def test_draft_vocab_lives_in_the_data_layer_and_is_re_exported():
+def test_draft_vocab_lives_in_the_data_layer_only():
     import speculators.drafters as drafters
-    import speculators.drafters.base as base
     from speculators.data import DraftVocab as from_data_pkg
     from speculators.data.vocab import DraftVocab
 
     assert DraftVocab.__module__ == "speculators.data.vocab"
-    assert drafters.DraftVocab is DraftVocab is base.DraftVocab is from_data_pkg
+    assert DraftVocab is from_data_pkg and not hasattr(drafters, "DraftVocab")  # the data package curates it
     v = DraftVocab.from_counts(torch.tensor([5, 0, 9, 9, 1]), 3)
     assert v.target_ids.tolist() == [0, 2, 3] and v.t2d.tolist() == [True, False, True, True, False]
     with pytest.raises(SpeculatorsError, match="drafter.draft_vocab_size 6 exceeds the target vocab 5"):
@@ -194,7 +193,8 @@ def test_checkpoint_records_the_target_dtype_and_eval_warns_when_it_serves_anoth
 
     from conftest import cli_train_then_eval
 
-    from speculators.workflows import dtype_warning, eval_run
+    from speculators.evaluation.loading import dtype_warning
+    from speculators.workflows import eval_run
 
     out = tmp_path / "run"
     cfg, _, report = cli_train_then_eval(TINY, tiny_target_dir, out, "train.steps=2")

@@ -116,6 +116,7 @@ import math
 from ..errors import SpeculatorsError
 from .costs import _check_int, expected_forward_seconds, interpolate
 from .costs import drifted_costs
+from .settings import PassKey
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -346,13 +347,13 @@ class _Inputs:
         self.overhead = [(_occupancy(self.plain[b]), o) for b, o in self.overhead_by_b.items()]
         self.plain_sampling = [(_occupancy(p), _sampling_per_step(p)) for p in self.plain.values()
                                if p.get("batched_steps")]
-        self.profiles = {key: acceptance_profile(st.steps, st.pos_drafted, st.pos_accepted, st.pos_reached)
+        self.profiles = {PassKey(*key): acceptance_profile(st.steps, st.pos_drafted, st.pos_accepted, st.pos_reached)
                          for key, st in stats.items()}
         self._steps: dict = {}
 
     def profile(self, method: str, k: int, b: int) -> dict | None:
         """The acceptance profile of ``method`` at K' = ``k``: the pass at the smallest measured K >= k."""
-        return self.profiles.get((method, min(x for x in self.ks if x >= k), b))
+        return self.profiles.get(PassKey(method, min(x for x in self.ks if x >= k), b))
 
     def nearest(self, b: int) -> int:
         """The measured batch size closest to ``b`` (the larger one on a tie)."""
@@ -518,7 +519,7 @@ def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict)
         report: an eval report with ``methods``, ``ks``, ``batch_sizes``, ``rows`` and ``plain_rows`` (each
             row with ``seconds``, ``steps``, ``batched_steps``, ``draft_seconds``, ``prefill_seconds``, plain
             rows with ``forward_seconds``).
-        stats: ``{(method, k, batch_size): AcceptanceStats}`` of the ungated passes (``steps``,
+        stats: ``{PassKey: AcceptanceStats}`` (:class:`speculators.evaluation.settings.PassKey`) of the ungated passes (``steps``,
             ``pos_drafted``, ``pos_accepted``, ``pos_reached``).
         plain_tokens: ``{batch_size: [tokens of each request]}`` of the plain passes.
         costs: :func:`measure_costs` at (at least) the report's batch sizes and its largest K.

@@ -144,12 +144,14 @@ class EvalReport(TypedDict, total=False):
     :func:`speculators.evaluation.greedy_check.classify_mismatch`; None when sampling), ``greedy_check`` (their counts
     per proposer and whether the check passed: :func:`speculators.evaluation.greedy_check.greedy_summary`), ``by_source`` (``{source: {method: block}}`` at the
     headline), ``serving_conventions`` (temperature > 0), ``gated_rows`` / ``gating`` (with a confidence
-    gate), ``cost_model`` (predicted vs measured tokens/s, best K', break-even batch size). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target`` (with ``dtype``, the
+    gate), ``cost_model`` (predicted vs measured tokens/s, best K', break-even batch size), ``tau_definition``
+    (:data:`TAU_DEFINITION`: what tau counts, so that a report read alone says it). Added by :func:`speculators.workflows.eval_run`: ``checkpoint``, ``target`` (with ``dtype``, the
     served target's, and ``trained_dtype``, the checkpoint's; None when it records none), ``dtype_warning``
     (only when the two differ), ``prompts``, ``device``, ``compare``; by :func:`speculators.evaluation.runner.write_report`: ``plots``.
     """
 
     num_prompts: int
+    tau_definition: str
     k: int
     ks: list[int]
     batch_size: int
@@ -232,6 +234,11 @@ def _serving_markdown(report: dict) -> list[str]:
                      f"{fmt(r['tokens_per_s'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} |")
     return lines
 
+
+#: what tau counts, printed wherever tau is (terminal, report.md) and stored in report.json (``tau_definition``)
+TAU_DEFINITION = ("tau = tokens emitted per verification step: the accepted drafts plus the bonus or recovered token "
+                  "the step adds (so >= 1); a step where the proposer drafted nothing counts as a step (it emits 1); "
+                  "tokens after a stop token or max_new_tokens are not emitted and not counted")
 
 PLOT_FILES = {"per_position": "per_position_acceptance.png", "tau_vs_k": "tau_vs_k.png"}
 
@@ -456,8 +463,8 @@ def render_markdown(report: EvalReport, title: str = "speculators eval", plots: 
     lines += [f"{report['num_prompts']} prompts" + (f" ({report['prompts']})" if report.get("prompts") else "")
               + f", temperature {report['temperature']}, top_p {report['top_p']}, top_k {report['top_k']}, "
               f"max_new_tokens {report['max_new_tokens']}; K in {ks}; batch sizes {report['batch_sizes']}.", "",
-              "tau = emitted tokens / verification steps (bonus included), with its 95% bootstrap confidence "
-              f"interval over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
+              f"{TAU_DEFINITION}; its 95% bootstrap confidence "
+              f"interval is over prompts ({report['bootstrap']['resamples']} resamples); acceptance rate = accepted / "
               "drafted (the verifier's view); speedup = tokens/s over plain decoding at the SAME batch size; "
               "★ = the K with the best speedup of that method and batch size; draft / verify ms/step = wall time "
               "of the proposer (propose + advance) / of the target forward and rejection sampling per batched "
@@ -549,6 +556,7 @@ def render_terminal(report: EvalReport, console) -> None:
                           fmt(r["acceptance_rate"], ".3f"), fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f", "x"))
         t.add_row("plain", "-", "1.000", "-", fmt(plain["tokens_per_s"], ".1f"), "1.00x")
         console.print(t)
+    console.print(TAU_DEFINITION, markup=False, highlight=False)
     kmax, b1 = max(report["ks"]), report["batch_sizes"][0]
     p = Table(title=f"per-position acceptance (batch {b1}, K={kmax})")
     p.add_column("")

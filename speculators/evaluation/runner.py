@@ -31,15 +31,12 @@ from .costs import eval_context, measure_costs
 from ..errors import SpeculatorsError
 from .costs import measure_pass_costs
 from .plots import write_plots
-from .report import ENGINE_SETTINGS, EvalReport, render_json, render_markdown
+from .report import ENGINE_SETTINGS, TAU_DEFINITION, EvalReport, render_json, render_markdown
+from .settings import DRAFTER_METHODS, EvalSettings, PassKey
 from .greedy_check import classify_mismatches, first_diff, greedy_summary
 from ..utils import atomic_dir
 
 
-# the proposers a report can compare (report keys and table labels, in report order), and the default set
-# (drafter_argmax joins drafter by itself at temperature > 0: run_eval)
-METHODS = ("drafter", "drafter_argmax", "ngram", "suffix", "hybrid")
-DEFAULT_METHODS = ("drafter", "ngram", "suffix", "hybrid")
 
 
 def draft_sample_method(method: str, temperature: float) -> str | None:
@@ -62,16 +59,8 @@ def default_batch_size(device: str | None) -> int:
     return 16 if str(device).startswith("cuda") else 8
 
 
-def _as_k_list(k) -> list[int]:
-    ks = [k] if isinstance(k, int) and not isinstance(k, bool) else list(k)
-    if not ks or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ks):
-        raise SpeculatorsError(f"k: expected an integer >= 1 or a non-empty list of them, got {k!r}")
-    return sorted(dict.fromkeys(ks))
-
-
-def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tokens: int, temperature: float,
-              top_k: int, top_p: float, batch_size: int, stop: set[int], seed: int, progress=None, gate=None,
-              tree=None):
+def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tokens: int, st: EvalSettings,
+              batch_size: int, stop: set[int], progress=None, gate=None, tree=None):
     """One decode pass of every prompt through the batched loop: the
     :class:`speculators.decode.loop.BatchResult` (results in prompt order, wall seconds, drafting and
     verifying seconds, batched steps).
@@ -84,9 +73,10 @@ def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tok
     from ..decode.loop import speculative_generate
     from ..verify import SamplingParams
 
-    sampling = SamplingParams.uniform(len(prompt_ids), temperature, top_k, top_p)
-    return speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling, batch_size,
-                                eos_ids=stop, seeds=[seed + i for i in range(len(prompt_ids))], progress=progress,
+    sampling = SamplingParams.uniform(len(prompt_ids), st.temperature, st.top_k, st.top_p)
+    return speculative_generate(target, proposer, prompt_ids, k, max_new_tokens, sampling,
+                                batch_size, eos_ids=stop, seeds=[st.seed + i for i in range(len(prompt_ids))],
+                                progress=progress,
                                 gate=gate, tree=tree)
 
 
@@ -110,12 +100,8 @@ def _source_blocks(prompts: list[dict], results: list, k: int, resamples: int, s
     return out
 
 
-def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampling=None, ngram_max: int = 3,
-             seed: int = 0, log=print, progress=None, eos_ids: set[int] | None = None, *, batch_size: int = 1,
-             methods=DEFAULT_METHODS, hybrid_min_match: int = 3, bootstrap_resamples: int = 1000,
-             hybrid_drafter_k: int | None = None,
-             confidence_threshold: float | None = None, verify_cost: list[float] | None = None,
-             forward_costs: dict | None = None, trees=(), adjacent_costs: bool = True) -> dict:
+def run_eval(target, drafter, prompts: list[dict], settings: EvalSettings, *, forward_costs: dict | None = None,
+             log=print, progress=None) -> dict:
     """Decode every prompt plainly and with every proposer, for every K and batch size; return the report.
 
     For each batch size ``b`` in ``[1, batch_size]`` (continuous batching:
@@ -153,17 +139,14 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
 
     Args:
         target: :class:`speculators.target.Target`. drafter: a batched proposer (a drafter family);
-            None only when ``methods`` has neither ``drafter`` nor ``hybrid``.
+            None only when ``settings.methods`` has neither ``drafter`` nor ``hybrid``.
         prompts: ``[{"id", "input_ids"}]`` rendered prompts, optionally with ``"source"`` (a name).
-        k: max drafts per step, an int or a list of them (the K sweep; each >= 1).
-        max_new_tokens: cap on generated tokens per prompt.
-        sampling: :class:`speculators.verify.SamplingParams` of one request (``None`` = greedy); its
-            temperature / top-k / top-p apply to every prompt; prompt ``i`` draws from a fresh
-            generator seeded with ``seed + i`` in every pass.
-        ngram_max: the n-gram proposer's longest n-gram. eos_ids: explicit stop ids.
-        batch_size: the loaded batch size (>= 1; 1 = batch 1 only).
-        methods: the subset of :data:`METHODS` to run, in that order.
-        progress: ``progress(done, total)`` in prompts decoded over all passes.
+        settings: :class:`speculators.evaluation.settings.EvalSettings` (K sweep, sampling, batch size,
+            methods, stop ids, gate, trees, ...).
+        forward_costs: the target's forward costs measured once for the eval
+            (:func:`speculators.evaluation.costs.measure_costs`); None = measured here after the passes.
+        log: called with each progress line. progress: ``progress(done, total)`` in prompts decoded over all
+            passes.
     Returns:
         A JSON-serialisable report: ``num_prompts``, ``ks``, ``batch_size``, ``batch_sizes``,
         ``methods``, ``rows`` (one dict per method, K and batch size, with ``method``, ``k``,
@@ -177,9 +160,7 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
         batch size and K, sources in order of first appearance (one entry ``"prompts"`` when the
         prompts carry no ``source``).
     Raises:
-        SpeculatorsError: ``sampling`` is not one request's valid ``SamplingParams``; bad ``k``,
-            ``batch_size``, ``methods``; no prompts; a drafter method without a drafter; a
-            ``confidence_threshold`` outside (0, 1) or a bad ``verify_cost``.
+        SpeculatorsError: no prompts; a drafter method without a drafter; a bad ``verify_cost``.
 
     Confidence-gated verification (DSpark; ``confidence_threshold`` and/or ``verify_cost``, see
     :class:`speculators.decode.gating.ConfidenceGate`): the drafter is decoded a second time for every K and
@@ -205,60 +186,59 @@ def run_eval(target, drafter, prompts: list[dict], k, max_new_tokens: int, sampl
     per tree and batch size beside the drafter's chain rows, the measured acceptance per depth and sibling rank,
     and the static tree (vLLM's ``speculative_token_tree``) with the best predicted tokens/s.
     """
-    from ..losses import sampling_values
-
-    temperature, top_k, top_p = sampling_values(sampling)
-    ks = _as_k_list(k)
-    methods = _check_methods(methods, temperature, drafter, batch_size, prompts)
-    gate = _make_gate(confidence_threshold, verify_cost, methods)
-    ev = _EvalPasses(target, prompts, max_new_tokens, (temperature, top_k, top_p), eos_ids, seed, bootstrap_resamples,
-                     progress, total_passes=len({1, batch_size}) * (1 + len(ks) * (len(methods) + (gate is not None))
-                                                                  + len(trees)))
-    if adjacent_costs:
-        ctx = forward_costs["context"] if forward_costs else eval_context(prompts, max_new_tokens)
-        ev.cost_at = (max(ks), ctx, (forward_costs or {}).get("long_context"))
-    proposers = _proposer_factory(drafter, ngram_max, hybrid_min_match, hybrid_drafter_k)
-    ev.warm_up([proposers(m) for m in methods], max(ks))
-    batch_sizes = sorted({1, batch_size})
+    st = settings
+    if drafter is None and set(DRAFTER_METHODS) & set(st.methods):
+        raise SpeculatorsError("run_eval: the drafter and hybrid rows need a drafter")
+    if not prompts:
+        raise SpeculatorsError("run_eval: no prompts to decode")
+    gate = st.gate()
+    ev = _EvalPasses(target, prompts, st, total_passes=len(st.batch_sizes) * (
+        1 + len(st.ks) * (len(st.methods) + (gate is not None)) + len(st.trees)), progress=progress)
+    if st.adjacent_costs:
+        ctx = forward_costs["context"] if forward_costs else eval_context(prompts, st.max_new_tokens)
+        ev.cost_at = (max(st.ks), ctx, (forward_costs or {}).get("long_context"))
+    proposers = _proposer_factory(drafter, st)
+    ev.warm_up([proposers(m) for m in st.methods], max(st.ks))
     rows, plain_rows = [], []
-    for b in batch_sizes:
+    for b in st.batch_sizes:
         plain = ev.plain_row(b)
         plain_rows.append(plain)
         log(f"eval: batch {b}, plain decoding: {_num(plain['tokens_per_s'], '.1f')} tokens/s")
-        for method in methods:
-            for kk in ks:
-                row = ev.method_row(method, proposers(method), kk, b, plain["tokens_per_s"])
+        for method in st.methods:
+            for kk in st.ks:
+                row = ev.method_row(PassKey(method, kk, b), proposers(method), plain["tokens_per_s"])
                 rows.append(row)
                 log(f"eval: batch {b}, {method} K={kk}: tau {row['tau']:.3f}, {_num(row['tokens_per_s'], '.1f')} "
                     f"tokens/s ({_num(row['speedup'], '.2f')}x), drafting {row['draft_ms_per_step']:.2f} ms/step")
-    best_k = _mark_best_k(rows, batch_sizes, methods)
-    head = {"batch_size": batch_sizes[-1], "k": best_k[str(batch_sizes[-1])][methods[0]]}
+    best_k = _mark_best_k(rows, st.batch_sizes, st.methods)
+    head = {"batch_size": st.batch_sizes[-1], "k": best_k[str(st.batch_sizes[-1])][st.methods[0]]}
     report: EvalReport = {
-        "num_prompts": len(prompts), "k": head["k"], "ks": ks, "batch_size": batch_size, "batch_sizes": batch_sizes,
-        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "seed": seed, "stop_token_ids": sorted(ev.stop), "methods": list(methods), "hybrid_min_match": hybrid_min_match,
-        "hybrid_drafter_k": hybrid_drafter_k,
-        "bootstrap": {"resamples": bootstrap_resamples, "level": 0.95, "seed": seed, "over": "prompts"},
+        "num_prompts": len(prompts), "k": head["k"], "ks": st.ks, "batch_size": st.batch_size,
+        "batch_sizes": st.batch_sizes, "max_new_tokens": st.max_new_tokens, "temperature": st.temperature,
+        "top_p": st.top_p, "top_k": st.top_k, "seed": st.seed, "stop_token_ids": sorted(ev.stop),
+        "methods": list(st.methods), "hybrid_min_match": st.hybrid_min_match, "hybrid_drafter_k": st.hybrid_drafter_k,
+        "bootstrap": {"resamples": st.bootstrap_resamples, "level": 0.95, "seed": st.seed, "over": "prompts"},
         "rows": rows, "plain_rows": plain_rows, "best_k": best_k, "headline": head,
         "plain": next(p for p in plain_rows if p["batch_size"] == head["batch_size"]),
     }
-    for method in methods:
+    for method in st.methods:
         report[method] = row = _rows_of(rows, method, head["batch_size"], head["k"])[0]
         report["speedup" if method == "drafter" else f"{method}_speedup"] = row["speedup"]
     if gate is not None:
         _add_gating(report, ev, drafter, gate, log)
-    if trees:  # before the greedy check: tree outputs are checked and classified with the chains'
+    if st.trees:  # before the greedy check: tree outputs are checked and classified with the chains'
         from .trees import tree_block
 
-        # one pass per distinct tree (two spellings of one spec, e.g. depth=4 and depth=4,topk=4, are one tree)
-        report["trees"] = tree_block(ev, proposers("drafter"), list(dict.fromkeys(trees)), batch_sizes, report, log)
-    report["greedy_mismatches"] = ev.classified() if temperature == 0.0 else None
+        report["trees"] = tree_block(ev, proposers("drafter"), st.trees, st.batch_sizes, report, log)
+    report["greedy_mismatches"] = ev.classified() if st.temperature == 0.0 else None
     report["greedy_check"] = greedy_summary(report["greedy_mismatches"], str(target.dtype).removeprefix("torch."))
-    if temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(methods):
+    if st.temperature > 0.0 and {"drafter", "drafter_argmax"} <= set(st.methods):
         report["serving_conventions"] = serving_conventions(report)
-    costs = forward_costs or measure_costs(target, max(ks), batch_sizes, context=eval_context(prompts, max_new_tokens))
+    costs = forward_costs or measure_costs(target, max(st.ks), st.batch_sizes,
+                                           context=eval_context(prompts, st.max_new_tokens))
     report["cost_model"] = cost_model_block(report, ev.stats_of, ev.plain_tokens, costs)
-    report["by_source"] = ev.by_source(methods, head)
+    report["by_source"] = ev.by_source(st.methods, head)
+    report["tau_definition"] = TAU_DEFINITION
     return report
 
 
@@ -277,11 +257,11 @@ def plain_baseline(target, prompts: list[dict], max_new_tokens: int, sampling=No
     Raises:
         SpeculatorsError: no prompts; ``sampling`` is not one request's valid ``SamplingParams``.
     """
-    from ..losses import sampling_values
-
     if not prompts:
         raise SpeculatorsError("plain_baseline: no prompts to decode")
-    ev = _EvalPasses(target, prompts, max_new_tokens, sampling_values(sampling), eos_ids, seed, 1, None, 1)
+    settings = EvalSettings(1, max_new_tokens, sampling, methods=("ngram",), seed=seed, eos_ids=eos_ids,
+                            bootstrap_resamples=1)
+    ev = _EvalPasses(target, prompts, settings, total_passes=1)
     ev.warm_up([], 0)
     return {**ev.plain_row(1), "dtype": str(target.dtype).removeprefix("torch.")}
 
@@ -313,40 +293,7 @@ def _num(x: float | None, spec: str) -> str:
     return "n/a" if x is None else f"{x:{spec}}"
 
 
-def _check_methods(methods, temperature: float, drafter, batch_size, prompts) -> tuple[str, ...]:
-    """The methods of a run in report order (``drafter_argmax`` added beside ``drafter`` at temperature
-    > 0), after checking them, the batch size and the prompts (see :func:`run_eval`'s Raises)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise SpeculatorsError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    methods = tuple(methods)
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise SpeculatorsError(f"methods: {bad or 'none given'}; allowed: {list(METHODS)}")
-    if temperature > 0.0 and "drafter" in methods:  # both vLLM draft_sample_method conventions
-        methods = (*methods, "drafter_argmax")
-    methods = tuple(m for m in METHODS if m in methods)
-    if drafter is None and ({"drafter", "drafter_argmax", "hybrid"} & set(methods)):
-        raise SpeculatorsError("run_eval: the drafter and hybrid rows need a drafter")
-    if not prompts:
-        raise SpeculatorsError("run_eval: no prompts to decode")
-    return methods
-
-
-def _make_gate(confidence_threshold, verify_cost, methods):
-    """The :class:`speculators.decode.gating.ConfidenceGate` of a run with a drafter row and a threshold or a
-    cost model, else None (a bad threshold is refused either way)."""
-    if (confidence_threshold is not None or verify_cost is not None) and "drafter" in methods:
-        from ..decode.gating import ConfidenceGate
-
-        return ConfidenceGate(confidence_threshold, verify_cost)
-    if confidence_threshold is not None:
-        from ..decode.gating import check_confidence_threshold
-
-        check_confidence_threshold(confidence_threshold)
-    return None
-
-
-def _proposer_factory(drafter, ngram_max: int, hybrid_min_match: int, hybrid_drafter_k: int | None):
+def _proposer_factory(drafter, st: EvalSettings):
     """``make(method)``: a fresh proposer of ``method`` for one pass (the drafter itself for ``drafter``)."""
     from ..decode.proposers import ArgmaxDrafts, HybridProposer, NGramProposer, SuffixProposer
 
@@ -356,10 +303,10 @@ def _proposer_factory(drafter, ngram_max: int, hybrid_min_match: int, hybrid_dra
         if method == "drafter_argmax":
             return ArgmaxDrafts(drafter)
         if method == "ngram":
-            return NGramProposer(max_n=ngram_max)
+            return NGramProposer(max_n=st.ngram_max)
         if method == "suffix":
             return SuffixProposer()
-        return HybridProposer(drafter, SuffixProposer(), min_match=hybrid_min_match, drafter_k=hybrid_drafter_k)
+        return HybridProposer(drafter, SuffixProposer(), min_match=st.hybrid_min_match, drafter_k=st.hybrid_drafter_k)
 
     return make
 
@@ -388,7 +335,7 @@ def _add_gating(report: dict, ev: "_EvalPasses", drafter, gate, log) -> None:
     for b in report["batch_sizes"]:
         plain_tps = next(p for p in report["plain_rows"] if p["batch_size"] == b)["tokens_per_s"]
         for kk in report["ks"]:
-            row = ev.method_row("drafter", drafter, kk, b, plain_tps, gate=gate)
+            row = ev.method_row(PassKey("drafter", kk, b, gated=True), drafter, plain_tps, gate=gate)
             gated_rows.append(row)
             log(f"eval: batch {b}, drafter K={kk} gated: tau {row['tau']:.3f}, verified "
                 f"{_num(row['verified_per_step'], '.2f')} of {_num(row['drafted_per_step'], '.2f')} drafts/step, "
@@ -409,26 +356,25 @@ def _add_gating(report: dict, ev: "_EvalPasses", drafter, gate, log) -> None:
 class _EvalPasses:
     """The decode passes of one :func:`run_eval`: every pass decodes all prompts under the same sampling
     settings and stop ids; the first plain pass (batch 1) is the greedy reference every later output is
-    compared with at temperature 0 (``mismatches``); the passes' results are kept per (method, K,
-    batch size) for the per-source table; ``progress(done, total)`` counts prompts over all passes. With
+    compared with at temperature 0 (``mismatches``); the passes' results are kept per :class:`PassKey` for the
+    per-source table and the cost model; ``progress(done, total)`` counts prompts over all passes. With
     ``cost_at`` = ``(k, context, long_context)`` set, the target forwards are measured right before every
     pass (:meth:`adjacent_costs`, the row's ``pass_costs``); None (default) measures nothing."""
 
-    def __init__(self, target, prompts: list[dict], max_new_tokens: int, sampling: tuple, eos_ids, seed: int,
-                 resamples: int, progress, total_passes: int):
+    def __init__(self, target, prompts: list[dict], settings: EvalSettings, total_passes: int, progress=None):
         from ..decode.inputs import resolve_stop_ids
 
-        self.target, self.prompts, self.max_new_tokens = target, prompts, max_new_tokens
-        self.temperature, self.top_k, self.top_p = sampling
-        self.stop = resolve_stop_ids(target, eos_ids)
+        self.target, self.prompts, self.settings = target, prompts, settings
+        self.stop = resolve_stop_ids(target, settings.eos_ids)
         self.ids = [list(p["input_ids"]) for p in prompts]
-        self.seed, self.resamples, self.progress = seed, resamples, progress
+        self.progress = progress
         self.total, self.done = len(self.ids) * total_passes, 0
         self.reference: list | None = None
         self.mismatches: list[dict] = []
         self._diverged: list[tuple[int, list[int], int]] = []  # per mismatch: (prompt index, output, K)
-        self.results_of: dict[tuple, list] = {}
-        self.stats_of, self.plain_tokens = {}, {}  # the cost model's inputs: (method, K, b) -> stats; b -> tokens
+        self.results_of: dict[PassKey, list] = {}
+        self.stats_of: dict[PassKey, AcceptanceStats] = {}  # the cost model's inputs (ungated chain passes)
+        self.plain_tokens: dict[int, list[int]] = {}  # batch size -> tokens per prompt of its plain pass
         self.cost_at: tuple[int, int, int | None] | None = None
 
     def adjacent_costs(self, b: int) -> dict:
@@ -443,8 +389,8 @@ class _EvalPasses:
         """One pass of every prompt (:func:`_generate`), counted in ``progress``."""
         base = self.done
         prog = (lambda d, t: self.progress(base + d, self.total)) if self.progress else None
-        out = _generate(self.target, proposer, self.ids, k, self.max_new_tokens, self.temperature, self.top_k,
-                        self.top_p, b, self.stop, self.seed, progress=prog, gate=gate, tree=tree)
+        out = _generate(self.target, proposer, self.ids, k, self.settings.max_new_tokens, self.settings, b, self.stop,
+                        progress=prog, gate=gate, tree=tree)
         self.done += len(self.ids)
         if self.progress:
             self.progress(self.done, self.total)
@@ -458,20 +404,20 @@ class _EvalPasses:
         the measured passes, a few tokens of one prompt, plain and every method."""
         for proposer in (None, *proposers):
             _generate(self.target, proposer, self.ids[:1], 0 if proposer is None else k,
-                      min(4, self.max_new_tokens), self.temperature, self.top_k, self.top_p, 1, self.stop, self.seed)
+                      min(4, self.settings.max_new_tokens), self.settings, 1, self.stop)
 
-    def _check(self, label: str, k: int, b: int, results: list, forward_tokens: int | None = None) -> None:
+    def _check(self, key: PassKey, results: list, forward_tokens: int | None = None) -> None:
         """Compare a pass's outputs with plain greedy's (temperature 0); ``forward_tokens - 1`` (default
-        ``k``) is the draft count whose verify-forward shape the near-tie classification replays (a tree's
+        ``key.k``) is the draft count whose verify-forward shape the near-tie classification replays (a tree's
         node count: its forwards hold them all)."""
         if self.reference is None:
             self.reference = [r.tokens for r in results]  # plain greedy at batch 1: what every output must equal
-        elif self.temperature == 0.0:
+        elif self.settings.temperature == 0.0:
             for i, (p, r, ref) in enumerate(zip(self.prompts, results, self.reference)):
                 if r.tokens != ref:
-                    self.mismatches.append({"prompt": p["id"], "proposer": label, "k": k, "batch_size": b,
-                                            "first_diff": first_diff(r.tokens, ref)})
-                    self._diverged.append((i, list(r.tokens), k if forward_tokens is None else forward_tokens - 1))
+                    self.mismatches.append({"prompt": p["id"], "proposer": key.label, "k": key.k,
+                                            "batch_size": key.batch_size, "first_diff": first_diff(r.tokens, ref)})
+                    self._diverged.append((i, list(r.tokens), key.k if forward_tokens is None else forward_tokens - 1))
 
     def classified(self) -> list[dict]:
         """``mismatches``, each with its near-tie classification (run after every timed pass)."""
@@ -486,15 +432,15 @@ class _EvalPasses:
             plain.add(r)
         plain.seconds = out.seconds
         self.plain_tokens[b] = [len(r.tokens) for r in out.results]
-        self._check("plain", 0, b, out.results)
+        self._check(PassKey("plain", 0, b), out.results)
         return {"batch_size": b, "tau": plain.tau, "steps": plain.steps, "tokens": plain.tokens,
                 "seconds": out.seconds, "tokens_per_s": plain.tokens_per_s, **step_times(out), **adjacent}
 
-    def method_row(self, method: str, proposer, k: int, b: int, plain_tps: float | None, gate=None,
-                   tree=None) -> dict:
-        """One pass of ``method`` at K ``k`` and batch size ``b``: its report row (speedup over
-        ``plain_tps``; ``gated: True`` under a gate; with ``tree`` (a TreeSpec) draft trees of depth ``k``:
-        the row also has ``tree``, ``tree_label``, ``nodes_per_step`` and per-depth acceptance)."""
+    def method_row(self, key: PassKey, proposer, plain_tps: float | None, gate=None, tree=None) -> dict:
+        """One pass of ``key.method`` at K ``key.k`` and batch size ``key.batch_size``: its report row (speedup
+        over ``plain_tps``; ``gated: True`` under a gate; with ``tree`` (a TreeSpec) draft trees of depth
+        ``key.k``: the row also has ``tree``, ``tree_label``, ``nodes_per_step`` and per-depth acceptance)."""
+        k, b = key.k, key.batch_size
         adjacent = self.adjacent_costs(b) if tree is None else {}  # the cost model predicts chain rows only
         out = self.decode(proposer, k, b, gate, tree)
         res = out.results
@@ -502,32 +448,33 @@ class _EvalPasses:
         for r in res:
             st.add(r)
         st.seconds = out.seconds
-        row = {"method": method, "k": k, "batch_size": b, **({"gated": True} if gate is not None else {}),
-               "draft_sample_method": draft_sample_method(method, self.temperature), **st.as_dict(),
+        temperature, resamples, seed = self.settings.temperature, self.settings.bootstrap_resamples, self.settings.seed
+        row = {"method": key.method, "k": k, "batch_size": b, **({"gated": True} if key.gated else {}),
+               "draft_sample_method": draft_sample_method(key.method, temperature), **st.as_dict(),
                "tau_ci": list(bootstrap_tau_ci([sum(r.emitted) for r in res], [len(r.emitted) for r in res],
-                                               self.resamples, self.seed)),
+                                               resamples, seed)),
                "speedup": st.tokens_per_s / plain_tps if plain_tps and st.tokens_per_s is not None else None,
                "best_k": False, **step_times(out), **adjacent}
         if hasattr(proposer, "counts"):
             row["proposals"] = dict(proposer.counts)  # hybrid: how many steps each part drafted
+        self.results_of[key] = res
         if tree is not None:
             row.update(tree=tree.as_dict(), tree_label=tree.label, per_position=row["per_position"][:k],
                        conditional=row["conditional"][:k],
                        nodes_per_step=st.drafted / st.steps if st.steps else None)
-            self.results_of[(f"{method} tree {tree.label}", k, b)] = res
-            self._check(f"{method} tree {tree.label}", k, b, res, forward_tokens=tree.total_tokens + 1)
+            self._check(key, res, forward_tokens=tree.total_tokens + 1)
             return row
-        if gate is None:
-            self.results_of[(method, k, b)], self.stats_of[(method, k, b)] = res, st
-        self._check(f"{method} (gated)" if gate is not None else method, k, b, res)
+        if not key.gated:
+            self.stats_of[key] = st
+        self._check(key, res)
         return row
 
     def by_source(self, methods, head: dict) -> dict:
         """tau per prompt source at the headline batch size and K (one entry per ``--prompts`` source)."""
         out: dict[str, dict] = {}
         for method in methods:
-            blocks = _source_blocks(self.prompts, self.results_of[(method, head["k"], head["batch_size"])],
-                                    head["k"], self.resamples, self.seed)
+            blocks = _source_blocks(self.prompts, self.results_of[PassKey(method, head["k"], head["batch_size"])],
+                                    head["k"], self.settings.bootstrap_resamples, self.settings.seed)
             for name, block in blocks.items():
                 out.setdefault(name, {})[method] = {"k": head["k"], "batch_size": head["batch_size"], **block}
         return out
@@ -572,9 +519,6 @@ def write_report(report: dict, output: str | Path, title: str = "speculators eva
     return Path(output)
 
 
-_DRAFTER_METHODS = ("drafter", "drafter_argmax", "hybrid")  # the rows that depend on the checkpoint
-
-
 def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
     """One row per checkpoint, batch size and K of the drafter (drafter_argmax, hybrid) rows of several reports on the
     same prompts, then the model-free baselines of the first report: ``{"checkpoint", "method", "batch_size",
@@ -597,8 +541,8 @@ def compare_rows(reports: list[tuple[str, dict]]) -> list[dict]:
               "speedup", "best_k")
     for i, (label, rep) in enumerate(reports):
         for r in rep["rows"]:
-            if r["method"] in _DRAFTER_METHODS or i == 0:
-                out.append({"checkpoint": label if r["method"] in _DRAFTER_METHODS else "-",
+            if r["method"] in DRAFTER_METHODS or i == 0:
+                out.append({"checkpoint": label if r["method"] in DRAFTER_METHODS else "-",
                             **{f: r[f] for f in fields},
                             **{f: r.get(f) for f in ("draft_ms_per_step", "verify_ms_per_step")}})
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 from .costs import eval_context
 from ..errors import SpeculatorsError
 from .forward_cost import measure_verify_cost
+from .settings import PassKey
 from .static_tree import best_static_tree, rank_acceptance, tree_table
 
 
@@ -49,7 +50,7 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
     rows = []
     for b in batch_sizes:
         for spec in trees:
-            row = ev.method_row("drafter", proposer, spec.depth, b, plain[b], tree=spec)
+            row = ev.method_row(PassKey("drafter", spec.depth, b, tree=spec.label), proposer, plain[b], tree=spec)
             c = chain.get((spec.depth, b))
             row["chain_tau"] = None if c is None else c["tau"]
             row["tau_over_chain"] = row["tau"] / c["tau"] if c is not None and c["tau"] else None
@@ -61,7 +62,7 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
     block = {"rows": rows}
     best = max((r for r in rows if r["batch_size"] == 1), key=lambda r: r["tau"])
     spec = next(t for t in trees if t.label == best["tree_label"])
-    results = ev.results_of[(f"drafter tree {spec.label}", spec.depth, 1)]
+    results = ev.results_of[PassKey("drafter", spec.depth, 1, tree=spec.label)]
     acc = rank_acceptance(results, spec.depth, spec.topk)
     max_nodes = max(t.total_tokens for t in trees)
     secs = measure_verify_cost(ev.target, max_nodes, reps=3, prompt_len=eval_context(ev.prompts, ev.max_new_tokens))
