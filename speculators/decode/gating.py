@@ -96,7 +96,7 @@ class ConfidenceGate:
     depends only on ``S_1..S_k``, which (by the contract of ``Proposal.confidence_logits``) read only
     drafts ``< k``. Dropping draft k is then the proposer stopping before drafting it, and speculative sampling stays lossless
     (Leviathan et al. 2023). A draft kept or dropped because of its OWN sampled value, or a rule that looks at
-    the verifier's outcome, can bias the output (tests/test_gating.py shows the latter). Proposals
+    the verifier's outcome, can bias the output (tests/decode/test_gating.py shows the latter). Proposals
     without ``confidence_logits`` (n-gram, suffix, families without a confidence head) are untouched.
 
     * threshold mode: keep drafts 1..m, where m is the number of leading drafts whose survival
@@ -112,7 +112,7 @@ class ConfidenceGate:
       ``S_1..S_k``, i.e. on drafts ``< k`` (``S_k`` reads draft k-1, never draft k). A global argmax over
       all m would not be: keeping draft k would then depend on ``S_{k+1}``, which reads draft k itself,
       and keeping a sampled draft because of its own value biases the output at temperature > 0
-      (tests/test_gating.py). With the usual non-increasing survival and convex costs the two agree. Drafting cost
+      (tests/decode/test_gating.py). With the usual non-increasing survival and convex costs the two agree. Drafting cost
       is spent before the choice and does not enter it; in a batch each request chooses alone (the
       padded forward's cost depends on the longest request, which this per-request model ignores).
 

@@ -76,7 +76,7 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
     chatterbot) of a length-bucketed batch against each alone, 128 new tokens: 2 parted, at steps 35 and 70,
     where the two best logits alone were 15.6875 / 15.5625 (gap 2 ulps) and 33.25 / 33.0 (gap 1 ulp). Both
     responses are then the target's own greedy continuation of a tie it could break either way; the
-    regeneration cache stores whichever the batch produced. ``tests/test_regen_batching.py`` checks token
+    regeneration cache stores whichever the batch produced. ``tests/data/test_regen_batching.py`` checks token
     equality in both dtypes on a tiny target, and ``scripts/bench_regenerate.py --check-alone K`` on the
     real target prints every mismatch with its top-2 logit gap in ulps.
     Returns:

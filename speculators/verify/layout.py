@@ -2,7 +2,7 @@
 
 Every other module of the package may import this one; this one imports nothing from the package
 (only torch and :mod:`speculators.errors`), so the package's import graph is a DAG (checked by
-``tests/test_verify.py::test_verify_import_graph_is_a_dag``)::
+``tests/verify/test_verify.py::test_verify_import_graph_is_a_dag``)::
 
     sampling    -> layout
     target_side -> layout, sampling
