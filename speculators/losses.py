@@ -266,7 +266,7 @@ def target_to_draft(target_ids: Tensor, t2d: Tensor) -> tuple[Tensor, Tensor]:
     Args:
         target_ids: int64 target ids, any shape.
         t2d: ``[V]`` bool, True for the target ids in the draft vocabulary (sorted by id, as
-            :class:`speculators.drafters.base.DraftVocab` builds it).
+            :class:`speculators.data.vocab.DraftVocab` builds it).
     Returns:
         ``(draft_idx, in_vocab)``, both shaped like ``target_ids`` on its device: ``draft_idx`` int64 is
         the draft index of the id where ``in_vocab`` (bool) is True, and an arbitrary valid index in

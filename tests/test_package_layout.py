@@ -120,17 +120,24 @@ _DOTTED = re.compile(r"(?<![\w/.-])speculators(?:\.[A-Za-z_]\w*)+")
 
 
 def resolves(ref: str) -> bool:
-    """Whether ``speculators.a.b.c`` names a module of the package or an attribute of one."""
+    """Whether ``speculators.a.b.c`` names a module of the package or an attribute of one; a class or function
+    named through a plain module must be that module's own (not a name it imports: the doc would point a reader
+    to the wrong file), while a package may name what its ``__init__`` curates."""
+    import inspect
+
     parts = ref.split(".")
     for i in range(len(parts), 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
+            module = obj = importlib.import_module(".".join(parts[:i]))
         except ModuleNotFoundError:
             continue
-        for a in parts[i:]:
+        for n, a in enumerate(parts[i:]):
             if not hasattr(obj, a):
                 return False
             obj = getattr(obj, a)
+            if n == 0 and (inspect.isclass(obj) or inspect.isfunction(obj)) and not hasattr(module, "__path__") \
+                    and obj.__module__ != module.__name__ and obj.__module__.startswith("speculators."):
+                return False
         return True
     return False
 
@@ -150,8 +157,11 @@ def unresolved_references(files: list[Path], root: Path = ROOT) -> dict[str, lis
 def test_the_reference_check_can_fail(tmp_path):
     f = tmp_path / "doc.md"
     f.write_text("see `speculators.decode.loop.speculative_generate` and :func:`speculators.decode.loop.nothing`, "
-                 "and the reference's speculators.models.eagle3")
-    assert unresolved_references([f], tmp_path) == {"speculators.decode.loop.nothing": ["doc.md"]}
+                 "the class `speculators.decode.loop.GenerationResult` (defined in decode/state.py, only imported by "
+                 "the loop), the package's `speculators.verify.SamplingParams`, and the reference's "
+                 "speculators.models.eagle3")
+    assert unresolved_references([f], tmp_path) == {"speculators.decode.loop.nothing": ["doc.md"],
+                                                    "speculators.decode.loop.GenerationResult": ["doc.md"]}
 
 
 def test_docs_and_docstrings_name_only_what_exists():

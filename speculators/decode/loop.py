@@ -214,7 +214,7 @@ def plain_decode(target, prompt_ids: list[int], max_new_tokens: int, sampling: S
     decoding must match): :func:`speculative_generate` with ``proposer=None`` at batch 1.
 
     Every forward after the prefill is recorded as a step with 0 drafts that emits 1 token (so the
-    statistics of :class:`speculators.evaluation.runner.AcceptanceStats` give tau = 1 for it).
+    statistics of :class:`speculators.evaluation.acceptance.AcceptanceStats` give tau = 1 for it).
 
     Args:
         target: :class:`speculators.target.Target`.

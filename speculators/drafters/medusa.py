@@ -8,7 +8,7 @@ Architecture (ALGORITHMS.md; weight names as vLLM's ``Medusa`` model loads them)
   vllm-project/speculators trainer zeroes both) and each ``lm_heads`` row starts as the target's
   lm_head row of that draft-vocabulary token, so at initialisation every head reproduces the target's
   own next-token distribution;
-* optional draft vocabulary (``d2t`` / ``t2d``, :class:`~speculators.drafters.base.DraftVocab`).
+* optional draft vocabulary (``d2t`` / ``t2d``, :class:`~speculators.data.vocab.DraftVocab`).
 
 Label convention. All heads read ``h_top[t]`` (the target's final post-norm hidden state, ``Batch.top``).
 The target's own head predicts ``x_{t+1}`` from it; Medusa head k predicts ``x_{t+k+1}`` (head 1 ->

@@ -15,7 +15,7 @@ from ..errors import SpeculatorsError
 class AcceptanceStats:
     """Accumulates the verification steps of one proposer over many prompts.
 
-    Definitions (per step, from :class:`speculators.decode.loop.GenerationResult`): ``drafted`` = drafts
+    Definitions (per step, from :class:`speculators.decode.state.GenerationResult`): ``drafted`` = drafts
     the target verified; ``accepted`` = drafts the rejection sampler accepted (the step's
     ``GenerationResult.verifier_accepted``); ``emitted`` = tokens the step appended to the output, cut
     at the first stop token and at ``max_new_tokens`` (accepted drafts and the recovered/bonus token up
@@ -75,7 +75,7 @@ class AcceptanceStats:
         self.pos_reached = self.pos_reached or [0] * self.k
 
     def add(self, result) -> None:
-        """Add the steps and tokens of one :class:`speculators.decode.loop.GenerationResult`.
+        """Add the steps and tokens of one :class:`speculators.decode.state.GenerationResult`.
 
         The result's ``verifier_accepted`` list is added to :attr:`accepted`, its ``accepted`` list
         (accepted and emitted) to :attr:`accepted_emitted`.

@@ -127,7 +127,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def step_times(out) -> dict:
-    """The time split of a decode pass (:class:`speculators.decode.loop.BatchResult`), the report row fields
+    """The time split of a decode pass (:class:`speculators.decode.state.BatchResult`), the report row fields
     this model reads: ``draft_seconds`` / ``verify_seconds`` / ``prefill_seconds`` / ``forward_seconds``
     (s; the forward is part of verifying), ``batched_steps`` (batched target forwards),
     ``draft_ms_per_step`` / ``verify_ms_per_step`` (ms per batched step, a step being one batched target
@@ -146,7 +146,7 @@ def step_times(out) -> dict:
 
 def acceptance_profile(steps: int, pos_drafted: list[int], pos_accepted: list[int],
                        pos_reached: list[int]) -> dict | None:
-    """Per draft position j = 1..K, from the counts of :class:`speculators.evaluation.runner.AcceptanceStats`:
+    """Per draft position j = 1..K, from the counts of :class:`speculators.evaluation.acceptance.AcceptanceStats`:
     ``conditional`` c_j = accepted_j / reached_j, ``continuation`` q_j = reached_j / accepted_{j-1}
     (accepted_0 = steps), ``survival`` s_j = prod_{i<=j} q_i c_i = accepted_j / steps (P(>= j drafts
     accepted)) and ``drafted_at_least`` = drafted_j / steps (P(a step drafts >= j)). A position no step
@@ -512,7 +512,7 @@ def _plain_predictions(inp: _Inputs) -> tuple[dict, list[dict]]:
 
 
 def cost_model_block(report: dict, stats: dict, plain_tokens: dict, costs: dict) -> dict:
-    """The report's ``cost_model`` block (:class:`speculators.evaluation.report.CostModel`; the model is this
+    """The report's ``cost_model`` block (:class:`speculators.evaluation.report_types.CostModel`; the model is this
     module's docstring).
 
     Args:

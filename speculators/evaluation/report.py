@@ -27,7 +27,7 @@ from .report_types import CostModel, ForwardCosts
 
 class MethodRow(TypedDict, total=False):
     """One method at one K and batch size (``EvalReport.rows``; the counts of
-    :meth:`speculators.evaluation.runner.AcceptanceStats.as_dict`).
+    :meth:`speculators.evaluation.acceptance.AcceptanceStats.as_dict`).
 
     ``tau`` = emitted / steps (bonus included); ``tau_ci`` its 95% bootstrap interval over prompts;
     ``acceptance_rate`` = accepted / drafted (None when nothing was drafted); ``per_position[k-1]`` =

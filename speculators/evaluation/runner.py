@@ -62,7 +62,7 @@ def default_batch_size(device: str | None) -> int:
 def _generate(target, proposer, prompt_ids: list[list[int]], k: int, max_new_tokens: int, st: EvalSettings,
               batch_size: int, stop: set[int], progress=None, gate=None, tree=None):
     """One decode pass of every prompt through the batched loop: the
-    :class:`speculators.decode.loop.BatchResult` (results in prompt order, wall seconds, drafting and
+    :class:`speculators.decode.state.BatchResult` (results in prompt order, wall seconds, drafting and
     verifying seconds, batched steps).
 
     Prompt ``i`` draws from its own generator seeded with ``seed + i`` (so its output does not depend
@@ -114,14 +114,14 @@ def run_eval(target, drafter, prompts: list[dict], settings: EvalSettings, *, fo
     (:class:`speculators.decode.proposers.SuffixProposer`, suffix decoding) and ``hybrid``
     (:class:`speculators.decode.proposers.HybridProposer`: the suffix draft where its match has at least
     ``hybrid_min_match`` tokens, the drafter elsewhere). Every decode of a prompt stops on the same stop
-    ids (``eos_ids``, default the target's :func:`speculators.decode.loop.resolve_stop_ids`) and at
+    ids (``eos_ids``, default the target's :func:`speculators.decode.inputs.resolve_stop_ids`) and at
     ``max_new_tokens``; every count is of emitted tokens (see :class:`AcceptanceStats`).
 
     Per row (method, K, batch size): :meth:`AcceptanceStats.as_dict` with ``seconds`` the wall time of
     the whole pass (so ``tokens_per_s`` is the throughput at that batch size), ``tau_ci`` (95%
     bootstrap CI over prompts, :func:`bootstrap_tau_ci` with ``seed``), ``speedup`` (tokens/s over
     plain decoding's at the SAME batch size), ``best_k`` (True on the K with the best speedup of
-    that method and batch size), and the pass's time split (:class:`speculators.decode.loop.BatchResult`):
+    that method and batch size), and the pass's time split (:class:`speculators.decode.state.BatchResult`):
     ``draft_seconds`` / ``verify_seconds`` (proposer ``propose`` + ``advance``; target forwards +
     rejection sampling), ``batched_steps`` (batched target forwards) and ``draft_ms_per_step`` /
     ``verify_ms_per_step`` (milliseconds per batched decoding step; plain rows have both, with

@@ -2,7 +2,7 @@
 
 Pure functions over measured numbers (no model code):
 
-* :func:`rank_acceptance`: from the :class:`~speculators.decode.loop.GenerationResult` s of a tree pass
+* :func:`rank_acceptance`: from the :class:`~speculators.decode.state.GenerationResult` s of a tree pass
   (``tree_ranks``: per step, the sibling rank of every accepted node, root to leaf), the acceptance
   ``a[d][r]`` = P(the accepted path takes the rank-``r`` child at depth ``d`` | it reached depth ``d - 1``).
 * :func:`expected_accepted`: the expected accepted drafts per step of a static tree (vLLM's
