@@ -263,6 +263,7 @@ class _EvalJob:
     batch_size: int
     rec: Recipe | None
     target_model: str | None
+    compare_target: str | None  # what compared checkpoints verify against: --target, else the first one's
     device: str | None
     dtype: str | None
     log: Callable[[str], None]
@@ -313,8 +314,8 @@ def _add_compare(report: dict, job: _EvalJob, label: str, others: list[tuple[str
     reports = [(label, report)]
     for given, path, drafter in others:
         rec = load_recipe(path / RUN_RECIPE) if (path / RUN_RECIPE).is_file() else job.rec
-        drafter, target, fp = load_for_eval(path, rec, job.target_model or (job.rec.target.model if job.rec else None),
-                                             job.device, job.log, job.dtype, drafter=drafter)
+        drafter, target, fp = load_for_eval(path, rec, job.compare_target, job.device, job.log, job.dtype,
+                                            drafter=drafter)
         if fp != fingerprint:
             raise SpeculatorsError(f"{given}: its target ({target.name_or_path}) is not {label}'s; "
                                    "compare checkpoints of the same target (or pass --target)")
@@ -440,7 +441,8 @@ def eval_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] | None
     log("eval: target forward (ms) over 1..K+1 tokens per request: " + "; ".join(
         f"batch {b}: " + ", ".join(f"{1000 * c:.2f}" for c in costs["seconds"][str(b)]) for b in costs["batch_sizes"]))
     verify_cost = gate_cost(costs) if ev.confidence_cost_aware and "drafter" in ev.methods else None
-    job = _EvalJob(ev, plist, label, costs, batch, rec, target_model, device, dtype, log, progress)
+    job = _EvalJob(ev, plist, label, costs, batch, rec, target_model,
+                   target_model or (rec.target.model if rec else None), device, dtype, log, progress)
     report = _describe(_measure(job, target, drafter, EvalSettings.from_spec(ev, batch, verify_cost=verify_cost), ""),
                        ckpt, drafter, target, label)
     if report["target"]["dtype"] != "float32" and target.device.type == "cpu":

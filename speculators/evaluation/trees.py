@@ -65,7 +65,7 @@ def tree_block(ev, proposer, trees: list, batch_sizes: list[int], report: dict, 
     results = ev.results_of[PassKey("drafter", spec.depth, 1, tree=spec.label)]
     acc = rank_acceptance(results, spec.depth, spec.topk)
     max_nodes = max(t.total_tokens for t in trees)
-    secs = measure_verify_cost(ev.target, max_nodes, reps=3, prompt_len=eval_context(ev.prompts, ev.max_new_tokens))
+    secs = measure_verify_cost(ev.target, max_nodes, reps=3, prompt_len=eval_context(ev.prompts, ev.settings.max_new_tokens))
     forward_ms = [0.0] + [1000.0 * s for s in secs]
     fitted = _monotone_fit(forward_ms)
     fixed, per_level = _draft_costs(report, best, spec.depth)

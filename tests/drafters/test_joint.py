@@ -441,7 +441,7 @@ def test_only_target_py_touches_the_target_model_and_the_trainer_names_no_joint_
         bad += [u for u in _attribute_uses(f, {"model"}, {"target", "base", "verifier", "t", "tgt"})
                 if not u.split()[-1].startswith(("recipe.", "rec.", "spec."))]  # the recipe's target.model string
     assert not bad, bad
-    code = _code_without_docstrings(package / "train.py")  # what the trainer does, not what it explains
+    code = _code_without_docstrings(package / "train" / "trainer.py")  # what the trainer does, not what it explains
     for name in ("lm_nll_sum", "lm_tokens", "ppl", "lr_target", "joint", "adapter", "perplexity", "LoRA"):
         assert name not in code, name
     from speculators.drafters.base import Drafter as Base
