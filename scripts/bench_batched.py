@@ -34,8 +34,10 @@ QUESTIONS = [
 
 
 def build_target(name: str, device: str, dtype: str):
+    from speculators.hardware import resolve_target_dtype
     from speculators.target import Target, build_tiny_target, torch_dtype
 
+    dtype = resolve_target_dtype(dtype, device, log=lambda s: print(s, flush=True))  # ``auto``: the one rule
     if name in ("tiny", "smollm2-sized"):
         kw = dict(vocab_size=512, hidden_size=64, num_layers=4) if name == "tiny" else \
             dict(vocab_size=49152, hidden_size=576, num_layers=30)
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto (bf16 where fast here)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-new", type=int, default=32)

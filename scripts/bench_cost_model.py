@@ -86,7 +86,8 @@ def main() -> None:
     t0 = time.perf_counter()
     rep = run_eval(target, None, prompts, EvalSettings([int(k) for k in args.k.split(",")], args.max_new_tokens, sampling=SamplingParams.uniform(1, args.temperature), batch_size=args.batch_size, methods=("ngram", "suffix")), log=lambda m: None)
     cm = rep["cost_model"]
-    print(f"\n{target.name_or_path}, {args.dtype} on {target.device}, {torch.get_num_threads()} thread(s), "
+    dtype = str(target.dtype).removeprefix("torch.")  # ``auto`` resolved by Target.load
+    print(f"\n{target.name_or_path}, {dtype} on {target.device}, {torch.get_num_threads()} thread(s), "
           f"{len(prompts)} prompts ({args.prompts}), max_new_tokens {args.max_new_tokens}, temperature "
           f"{args.temperature}; eval took {time.perf_counter() - t0:.0f} s\n")
     print("| " + " | ".join(BREAK_EVEN_COLUMNS) + " |")

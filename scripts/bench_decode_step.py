@@ -207,7 +207,7 @@ def drafting(args, target, gen: torch.Generator) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="target: alias, hub id, dir or .gguf")
-    ap.add_argument("--dtype", default="bfloat16", help="target dtype: float32 | bfloat16 | float16")
+    ap.add_argument("--dtype", default="bfloat16", help="target dtype: float32 | bfloat16 | float16 | auto")
     ap.add_argument("-k", "--k", type=int, default=4, help="drafts per step (K); a verify step is K + 1 tokens")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="batch sizes of the target table")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before the timed step")
@@ -216,6 +216,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary of the fresh EAGLE-3")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the tensor the read bandwidth sums "
+                    "(larger than the caches)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager columns only")
     ap.add_argument("--no-freezing", dest="freezing", action="store_false",
                     help="compile without inductor freezing (weights as graph inputs)")
@@ -229,7 +231,8 @@ def main() -> None:
 
     target = Target.load(args.model, dtype=args.dtype, log=lambda m: None)
     gen = torch.Generator().manual_seed(0)
-    print(f"{args.model} {args.dtype}, {target.num_layers} layers, hidden {target.hidden_size}; context "
+    dtype = str(target.dtype).removeprefix("torch.")  # ``auto`` resolved by Target.load
+    print(f"{args.model} {dtype}, {target.num_layers} layers, hidden {target.hidden_size}; context "
           f"{args.context}, K={args.k}; {args.threads} CPU thread(s); median of {args.reps} ms (min)\n")
     if args.target:
         target_table(args, target, gen)
@@ -263,7 +266,7 @@ def target_table(args, target, gen: torch.Generator) -> None:
             print(f"| {B} | {m} | {med:.2f} ({best:.2f}) | " + " | ".join(cells) + " |")
     lin, lin_best = linears_alone(target, 1, args.reps)
     nbytes = step_weight_bytes(target)
-    bw = read_bandwidth(1024, 5, torch.float32)  # the one rule of scripts/bench_verify_cost.py (median)
+    bw = read_bandwidth(args.bandwidth_mb, 5, torch.float32)  # the one rule of scripts/bench_verify_cost.py (median)
     bound = 1e3 * nbytes / bw
     print(f"\nweights read per 1-token step: {nbytes / 2 ** 20:.0f} MiB; read bandwidth {bw / 1e9:.1f} GB/s; "
           f"bound {bound:.2f} ms/token")

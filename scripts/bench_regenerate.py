@@ -44,14 +44,12 @@ def load_prompts(tok, n: int) -> list[list[int]]:
     return [render_prompt(tok, c.messages) for c in convs]
 
 
-def resolve_auto() -> str:
-    try:
-        from speculators.hardware import resolve_target_dtype
-    except ImportError:
-        from speculators.hardware import fast_bf16
+def resolve_dtype(name: str) -> str:
+    """A target dtype name as training resolves it (:func:`speculators.hardware.resolve_target_dtype`: ``auto``
+    is bfloat16 where this machine is fast in it, else float32; other names as given)."""
+    from speculators.hardware import resolve_target_dtype
 
-        return "bfloat16" if fast_bf16() else "float32"
-    return resolve_target_dtype("auto")
+    return resolve_target_dtype(name, log=print)
 
 
 def regenerate(target, prompts, max_new: int, batches: list[list[int]]) -> tuple[list, dict]:
@@ -129,9 +127,8 @@ def main() -> None:
     from speculators.data.batching import generation_batches
     from speculators.target import Target
 
-    new_dtype = resolve_auto()
     rows, results = [], {}
-    for name, dtype in (("old", args.old_dtype), ("new", new_dtype)):
+    for name, dtype in (("old", resolve_dtype(args.old_dtype)), ("new", resolve_dtype("auto"))):
         target = Target.load(args.target, dtype=dtype, log=lambda m: None)
         prompts = load_prompts(target.tokenizer, args.n)
         if name == "old":

@@ -102,8 +102,9 @@ def main() -> None:
     from speculators.target import Target
 
     target = Target.load(args.model, dtype=args.dtype)
+    dtype_name = str(target.dtype).removeprefix("torch.")  # ``auto`` resolved by Target.load
     cost = measure_verify_cost(target, args.k, reps=args.reps, prompt_len=args.context, batch_size=args.batch_size)
-    print(f"\n{target.name_or_path} on {target.device}, {args.threads} thread(s), {args.dtype}, batch {args.batch_size}, "
+    print(f"\n{target.name_or_path} on {target.device}, {args.threads} thread(s), {dtype_name}, batch {args.batch_size}, "
           f"after a {args.context}-token prompt (median of {args.reps})\n")
     print("| tokens in the forward | drafts verified | ms | x 1-token (= break-even tau) |")
     print("|---|---|---|---|")
@@ -121,7 +122,7 @@ def main() -> None:
     bw = read_bandwidth(args.bandwidth_mb, args.reps, target.dtype)
     bound_ms = 1000 * nbytes / bw
     print(f"\nmemory-bandwidth bound of plain decoding ({args.threads} thread(s); read bandwidth = median of "
-          f"{args.reps} sums of a {args.bandwidth_mb} MB {args.dtype} tensor)\n")
+          f"{args.reps} sums of a {args.bandwidth_mb} MB {dtype_name} tensor)\n")
     print("| weights (MB) | read bandwidth (GB/s) | bound: ms per token | measured 1-token forward (ms) | measured / bound |")
     print("|---|---|---|---|---|")
     print(f"| {nbytes / 2 ** 20:.1f} | {bw / 1e9:.2f} | {bound_ms:.2f} | {1000 * cost[0]:.2f} | "

@@ -4,8 +4,10 @@ Usage:
     python scripts/compare_families.py                      # every recipes/smollm2-*.yaml except -large
     python scripts/compare_families.py recipes/smollm2-eagle3.yaml recipes/smollm2-medusa.yaml
     python scripts/compare_families.py --no-train           # only evaluate runs that exist
+    python scripts/compare_families.py recipes/tiny-eagle3.yaml --set target.model=DIR --outputs /tmp/cmp  # tiny
 
-For each recipe the run directory is ``outputs/<recipe name>``; an existing ``final/`` is reused
+For each recipe the run directory is ``outputs/<recipe name>`` (``--outputs DIR``: ``DIR/<recipe name>``;
+``--set KEY=VALUE`` overrides are passed to every ``speculators train``); an existing ``final/`` is reused
 (delete it or pass ``--retrain`` to train again), and so is an existing evaluation
 ``outputs/<recipe name>/compare-k<K>/report.json`` of that checkpoint (``--reeval`` measures again). A recipe whose ``train.init_from`` is another
 recipe's run (``outputs/<name>/final``, e.g. joint MTP after frozen MTP) runs after it. Every recipe of
@@ -13,7 +15,7 @@ one target shares the held-out split (same sources, fraction and seed), so the r
 The Markdown table (tau, per-position acceptance, drafting time per decoding step in ms: the
 drafter's ``propose`` + ``advance`` wall time, measured by the eval at batch 1; tokens/s and speedup
 over plain decoding, n-gram tau and tokens/s, training time, and for joint runs the target's held-out
-perplexity before -> after) is printed and written to ``outputs/families.md``. Joint runs verify
+perplexity before -> after) is printed and written to ``outputs/families.md`` (``--outputs``' ``families.md``). Joint runs verify
 against their own fine-tuned target. A report from before the eval measured drafting time is measured
 again.
 """
@@ -77,17 +79,21 @@ def main() -> int:
     ap.add_argument("--retrain", action="store_true", help="train again even if final/ exists")
     ap.add_argument("--reeval", action="store_true", help="evaluate again even if a report exists")
     ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--outputs", type=Path, default=ROOT / "outputs", help="where the runs and families.md go")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for every train (repeatable), e.g. target.model=DIR")
     args = ap.parse_args()
     recipes = ordered(args.recipes or [p for p in (ROOT / "recipes").glob("smollm2-*.yaml") if "large" not in p.name])
-    exe = str(Path(sys.executable).parent / "speculators")
+    outputs = args.outputs.resolve()
+    cli = [sys.executable, "-m", "speculators.cli"]  # this interpreter's speculators (no console script needed)
     rows = []
     for recipe in recipes:
-        run_dir = ROOT / "outputs" / recipe.stem
+        run_dir = outputs / recipe.stem
         if args.retrain or not (run_dir / "final").is_dir():
             if args.no_train:
                 print(f"skip {recipe}: no trained run in {run_dir}")
                 continue
-            secs = run([exe, "train", str(recipe), "--output-dir", str(run_dir), "--overwrite"])
+            secs = run([*cli, "train", str(recipe), *args.overrides, "--output-dir", str(run_dir), "--overwrite"])
             (run_dir / "train_seconds.json").write_text(json.dumps({"seconds": secs}))
         out = run_dir / f"compare-k{args.k}"
         fresh = (out / "report.json").is_file() and \
@@ -96,7 +102,7 @@ def main() -> int:
         fresh = fresh and "draft_ms_per_step" in json.loads((out / "report.json").read_text()).get("drafter", {})
         if args.reeval or args.retrain or not fresh:
             # the table's columns are batch-1 numbers of the drafter and prompt lookup at this K
-            run([exe, "eval", str(run_dir), "-k", str(args.k), "--batch-size", "1", "--methods", "drafter,ngram",
+            run([*cli, "eval", str(run_dir), "-k", str(args.k), "--batch-size", "1", "--methods", "drafter,ngram",
                  "--output", str(out)])
         rep = json.loads((out / "report.json").read_text())
         rows.append((recipe.stem, rep, train_seconds(run_dir)))
@@ -114,11 +120,11 @@ def main() -> int:
                      " | ".join(fmt(x, ".3f") for x in d["per_position"]) +
                      f" | {ms} | {fmt(d['tokens_per_s'], '.1f')} | {fmt(rep['speedup'], '.2f', 'x')} | "
                      f"{rep['ngram']['tau']:.3f} | {fmt(rep['ngram']['tokens_per_s'], '.1f')} | "
-                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} | {target_ppl(ROOT / 'outputs' / name)} |")
+                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} | {target_ppl(outputs / name)} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    (ROOT / "outputs").mkdir(exist_ok=True)
-    (ROOT / "outputs" / "families.md").write_text(table)
+    outputs.mkdir(parents=True, exist_ok=True)
+    (outputs / "families.md").write_text(table)
     return 0
 
 

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from speculators.data.pipeline import held_out_prompts, load_data
+    from speculators.hardware import resolve_target_dtype
     from speculators.recipe import load_recipe
     from speculators.target import Target
     from speculators.utils import atomic_write_text
@@ -39,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     if not recipe_path.is_file():
         sys.exit(f"{args.run_dir}: no recipe.yaml (not a run directory written by `speculators train`)")
     rec = load_recipe(recipe_path)
-    target = Target.load(rec.target.model, rec.target.dtype, log=print)
+    # the recipe's target.dtype (``auto`` by default) resolved by the one rule training used, so a ``source: self``
+    # entry reads the prompts the run cached for this target and dtype
+    dtype = resolve_target_dtype(rec.target.dtype, log=print)
+    target = Target.load(rec.target.model, dtype, rec.target.aux_layer_ids, log=print, device_map=rec.target.device_map)
     loaded = load_data(rec.data, log=print, target=target)
     prompts = held_out_prompts(rec.data, target.tokenizer, loaded[0], dropped_groups=loaded.dropped_groups)
     if not prompts:
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         by_source.setdefault(p["source"], []).append({"id": p["id"], "messages": p["messages"]})
     args.output.mkdir(parents=True, exist_ok=True)
     names = Counter()
-    print(f"| source | held-out prompts | file |\n|---|---|---|")
+    print("| source | held-out prompts | file |\n|---|---|---|")
     for source, rows in by_source.items():
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", source).strip("-") or "source"
         names[stem] += 1

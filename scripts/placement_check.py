@@ -51,7 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny", help="tiny | smollm2 | a model reference (hub id, dir, .gguf)")
     ap.add_argument("--device-map", default="auto", help="target.device_map as YAML (auto, \"{'': 0}\", ...)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 | auto (bf16 where fast here)")
     ap.add_argument("--tokens", type=int, default=512, help="tokens of the feature batch (2 rows)")
     ap.add_argument("--hidden", type=int, default=256, help="tiny target: hidden size")
     args = ap.parse_args()
@@ -101,7 +101,8 @@ def main() -> int:
                 torch.testing.assert_close(x.float(), y.float(), rtol=1.6e-2, atol=1e-2)
             except AssertionError as e:
                 failures.append(f"{name}: {str(e).splitlines()[0]}")
-    print(f"\ntarget {label} | device_map {device_map!r} | {args.dtype} | devices {devices} | inputs on {dev} | "
+    dtype = str(placed.dtype).removeprefix("torch.")  # ``auto`` resolved by Target.load
+    print(f"\ntarget {label} | device_map {device_map!r} | {dtype} | devices {devices} | inputs on {dev} | "
           f"load {load_s:.1f} s | features of {ids.numel()} tokens {ms:.1f} ms")
     print("| tensor | shape | max abs diff vs plain load | bit-identical |")
     print("|---|---|---|---|")
