@@ -1,7 +1,7 @@
 """The eval report: its typed shape and its renderers, in one place.
 
 :func:`speculators.evaluation.runner.run_eval` returns an :class:`EvalReport`: a JSON-native ``TypedDict`` (so
-``report.json`` is the report itself, and readers of older reports keep working) whose every key is
+``report.json`` is the report itself) whose every key is
 declared here with its meaning. Three renderers read it, and nothing else formats a report:
 
 * :func:`render_markdown`: ``report.md`` (tables per batch size, counts, serving conventions, prompt

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..decode.gating import ConfidenceGate, check_confidence_threshold
+from ..decode.proposal import check_int
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
 
@@ -42,12 +43,6 @@ class PassKey(NamedTuple):
         if self.tree is not None:
             return f"{self.method} tree {self.tree}"
         return f"{self.method} (gated)" if self.gated else self.method
-
-
-def _int(name: str, v, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise SpeculatorsError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return v
 
 
 @dataclass
@@ -104,8 +99,8 @@ class EvalSettings:
         if not ks or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ks):
             raise SpeculatorsError(f"k: expected an integer >= 1 or a non-empty list of them, got {self.k!r}")
         self.ks = sorted(dict.fromkeys(ks))
-        _int("max_new_tokens", self.max_new_tokens, 1)
-        _int("batch_size", self.batch_size, 1)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("batch_size", self.batch_size, 1)
         self.temperature, self.top_k, self.top_p = sampling_values(self.sampling)
         methods = tuple(self.methods)
         bad = [m for m in methods if m not in METHODS]
