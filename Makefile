@@ -15,7 +15,7 @@ RUN_DIR ?= outputs/$(basename $(notdir $(RECIPE)))
 # the reference implementation (vllm-project/speculators, pinned) in its own venv: the parity gate's other side
 REFERENCE_VENV ?= .venv-reference
 
-.PHONY: install reference demo test test-fast eval clean
+.PHONY: install reference llama-cpp llama-cpp-eval demo test test-fast eval clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,18 @@ install: $(VENV)/.installed
 reference: install
 	$(BIN)/python -m speculators.export.reference_env $(REFERENCE_VENV)
 
+# llama.cpp's llama-server, built once from the llama.cpp source inside the pinned llama-cpp-python sdist into
+# <cache>/llama.cpp/build-<version>-<cpu key>/ (speculators.engines.llamacpp_build; ~15-25 min on two cores, then
+# cached). Offline or without cmake / g++ it prints "llama.cpp unavailable: <why>" and the engine tests skip;
+# with CI=true it fails.
+llama-cpp: install
+	$(BIN)/python -m speculators.engines.llamacpp_build
+
+# the trained drafter inside llama.cpp: converts it (and a non-GGUF target) to GGUF, serves it with llama-server,
+# measures plain, the drafter at K = 1..4, ngram-simple / ngram-mod, a q8_0 draft, p_min, 4 slots
+llama-cpp-eval: llama-cpp
+	$(BIN)/speculators eval $(RUN_DIR) --engine llama.cpp
+
 demo: install reference
 	$(BIN)/speculators train $(RECIPE) --output-dir $(RUN_DIR) --overwrite
 	$(BIN)/speculators eval $(RUN_DIR)
@@ -48,10 +60,10 @@ demo: install reference
 eval: install
 	$(BIN)/speculators eval $(RUN_DIR)
 
-test: install reference
+test: install reference llama-cpp
 	$(BIN)/python -m pytest -q
 
-test-fast: install reference
+test-fast: install reference llama-cpp
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:

@@ -178,9 +178,26 @@ def eval_cmd(
         None, "--tree", help="also measure the drafter drafting a TREE per step, repeatable (one row each): "
         "depth=D,topk=K,total_tokens=N (a dynamic tree: expand the top-k, keep the N best) or a vLLM speculative_token_tree such as "
         "'[(0,), (1,), (0, 0)]' (or a file holding one); the report adds the best static tree for this machine"),
+    engine: Optional[str] = typer.Option(
+        None, "--engine", help="measure inside a serving engine instead of our loop: llama.cpp (llama-server, "
+        "built by `make llama-cpp`; plain, the drafter at each K, ngram-simple and ngram-mod, quantized draft, "
+        "p_min, several slots; report in RUN_DIR/eval-llamacpp)"),
+    slots: Optional[str] = typer.Option(None, "--slots", help="--engine: server slots (parallel requests), "
+                                        "comma-separated, e.g. 1,4 (default 1,4)"),
+    p_min: Optional[str] = typer.Option(None, "--p-min", help="--engine: --spec-draft-p-min values measured at the "
+                                        "best K, comma-separated (default 0.5)"),
+    draft_outtypes: Optional[str] = typer.Option(None, "--draft-outtypes", help="--engine: draft GGUF types, the "
+                                                 "first measured at every K, the others at the best (default f16,q8_0)"),
+    draft_threads: Optional[str] = typer.Option(None, "--draft-threads", help="--engine: --spec-draft-threads values "
+                                                "measured at the best K, comma-separated (default 1)"),
 ):
     """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
     real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
+    if engine is not None:
+        _engine_eval(engine, checkpoint, k=k, temperature=temperature, slots=slots, p_min=p_min,
+                     draft_outtypes=draft_outtypes, draft_threads=draft_threads, max_new_tokens=max_new_tokens, num_prompts=num_prompts,
+                     prompts=prompts, target_model=target_model, output=output)
+        return
     from .workflows import eval_run
 
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
@@ -203,6 +220,71 @@ def eval_cmd(
         console.print(f"[bold red]error:[/bold red] speculative output differs from plain greedy decoding "
                       f"on {len(failures)} prompt(s) beyond the rounding of the target's logits: {failures}")
         raise typer.Exit(1)
+
+
+def _csv(value: str | None, cast, option: str) -> tuple | None:
+    """``"1,4"`` -> ``(1, 4)`` through ``cast``; None stays None.
+
+    Raises:
+        SpeculatorsError: naming ``option``, a value ``cast`` refuses.
+    """
+    if value is None:
+        return None
+    try:
+        return tuple(cast(p.strip()) for p in str(value).split(",") if p.strip())
+    except ValueError:
+        raise SpeculatorsError(f"{option} {value}: expected comma-separated values, e.g. {option} 1,4") from None
+
+
+def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min, draft_outtypes, draft_threads,
+                 max_new_tokens,
+                 num_prompts, prompts, target_model, output) -> None:
+    """``speculators eval RUN --engine llama.cpp`` (:func:`speculators.workflows.engine_eval_run`)."""
+    from .workflows import engine_eval_run
+
+    if engine.lower() not in ("llama.cpp", "llamacpp", "llama-cpp"):
+        raise SpeculatorsError(f"--engine {engine}: not a supported engine; allowed: llama.cpp")
+    ks = _parse_k(k)
+    given = {"ks": tuple(ks.get("k_sweep", [ks["k"]] if "k" in ks else [])) or None,
+             "temperatures": (0.0, temperature) if temperature else None,
+             "parallel": _csv(slots, int, "--slots"), "p_mins": _csv(p_min, float, "--p-min"),
+             "draft_outtypes": _csv(draft_outtypes, str, "--draft-outtypes"),
+             "draft_threads": _csv(draft_threads, int, "--draft-threads"), "max_new_tokens": max_new_tokens}
+    report, out = engine_eval_run(checkpoint, {f: v for f, v in given.items() if v is not None},
+                                  num_prompts=num_prompts, prompts=prompts or None, target_model=target_model,
+                                  output=output, log=log)
+    best = report["best"]
+    if best.get("serve"):
+        console.print(f"best setting in llama.cpp here: {best['row']} ({best['tokens_per_s']:.1f} tok/s; plain "
+                      f"{best['plain_tokens_per_s']:.1f}; {best['ngram_best']} {best['ngram_tokens_per_s']:.1f}):\n"
+                      f"  {best['serve']}")
+    log(f"report written to {out}/report.json and report.md")
+    if not report["greedy_check"]["passed"]:
+        console.print("[bold red]error:[/bold red] an engine output with the drafter differs from the engine's plain "
+                      f"greedy output beyond a near-tie: {[m for m in report['greedy_check']['mismatches'] if not m['near_tie']]}")
+        raise typer.Exit(1)
+
+
+export_app = typer.Typer(no_args_is_help=True, help="Write a checkpoint in a serving engine's own format.")
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("gguf")
+@_user_errors
+def export_gguf_cmd(
+    checkpoint: Path = typer.Argument(..., help="run directory (uses final/) or drafter checkpoint"),
+    outtype: str = typer.Option("f16", "--outtype", help="draft GGUF types, comma-separated: f32, f16, bf16, q8_0"),
+    target_model: Optional[str] = typer.Option(None, "--target", help="override the target model"),
+):
+    """Convert the drafter (and a target that is not a GGUF yet) to GGUF with llama.cpp's converter, into
+    RUN_DIR/gguf/, and print the llama-server command that serves them."""
+    from .workflows import gguf_export_run
+
+    res = gguf_export_run(checkpoint, target_model=target_model, outtypes=_csv(outtype, str, "--outtype") or ("f16",),
+                          log=log)
+    for o, path in res["drafts"].items():
+        console.print(f"draft ({o}): {path}")
+    console.print(f"target: {res['target']}\nserve it with:\n  {res['serve']}")
 
 
 @app.command()

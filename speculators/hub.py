@@ -153,6 +153,7 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
             lines += _tree_serving_lines(ckpt, repo_id, verifier, method)
     else:
         lines += [f"Not loadable by vLLM as written: {why_not}.", ""]
+    lines += _llamacpp_serving_lines(ckpt, family)
     lines += ["## Checked", ""] + checked_lines(ckpt) + [""]
     if facts["adapter"]:
         lines += [(f"Trained jointly with a LoRA adapter on the verifier (`{facts['adapter']}/`): merge it into "
@@ -163,6 +164,33 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
     for report in sorted(ckpt.parent.glob("eval-*/report.md")):
         lines += [f"## Acceptance: `{report.parent.name}`", "", _demote(report.read_text()).strip(), ""]
     return "\n".join(lines)
+
+
+def _llamacpp_serving_lines(ckpt: Path, family) -> list[str]:
+    """The card's llama.cpp lines: how the drafter is served there (``speculators export gguf`` and the
+    ``--spec-type``) and, when ``speculators eval --engine llama.cpp`` ran beside ``ckpt``
+    (``eval-llamacpp/report.json``), the fastest setting it measured, or that none beat plain decoding there."""
+    spec = getattr(getattr(family, "serving", None), "llamacpp_spec_type", None)
+    if spec is None:
+        return []
+    lines = ["With llama.cpp (CPU): convert with `speculators export gguf RUN_DIR` (llama.cpp's converter), then "
+             f"`llama-server -m TARGET.gguf -md draft-f16.gguf --spec-type {spec}`.", ""]
+    path = ckpt.parent / "eval-llamacpp" / "report.json"
+    try:
+        best = json.loads(path.read_text())["best"]
+    except (OSError, ValueError, KeyError):
+        return lines
+    if best.get("row") is None:
+        return lines
+    verdict = ("faster than plain decoding and than llama.cpp's best model-free type" if best["beats_plain"]
+               and best["beats_ngram"] else "NOT faster than " + ("plain decoding" if not best["beats_plain"] else
+                                                                  f"llama.cpp's `{best['ngram_best']}`"))
+    lines += [f"Measured in llama-server on the eval's machine (`eval-llamacpp/report.md`): the fastest drafter "
+              f"setting, `{best['row']}`, ran {best['tokens_per_s']:.1f} tokens/s against {best['plain_tokens_per_s']:.1f} "
+              f"plain: {verdict}.", ""]
+    if best.get("serve"):
+        lines += ["```bash", best["serve"], "```", ""]
+    return lines
 
 
 def _tree_serving_lines(ckpt: Path, repo_id: str, verifier: str, method: str) -> list[str]:

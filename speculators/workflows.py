@@ -570,3 +570,45 @@ def calibrate_run(checkpoint: str | Path, *, eval_overrides: Mapping[str, Any] |
     out = Path(output) if output is not None else ckpt.parent / "calibration"
     write_calibration_report(report, out, result.records)
     return report, out
+
+
+def gguf_export_run(checkpoint: str | Path, *, target_model: str | None = None, outtypes: tuple[str, ...] = ("f16",),
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """``speculators export gguf RUN_DIR``: the drafter (one GGUF per ``outtypes`` entry) and, when it is not a
+    GGUF already, the target, through llama.cpp's converter into ``<run dir>/gguf/``
+    (:func:`speculators.engines.jobs.export_run`, which returns the files and the ``llama-server`` command).
+
+    Raises:
+        SpeculatorsError: as :func:`speculators.engines.jobs.export_run`, and a bad checkpoint path.
+    """
+    from .engines.jobs import export_run
+
+    ckpt = resolve_checkpoint(checkpoint, log=log)
+    rec = load_recipe(ckpt / RUN_RECIPE) if (ckpt / RUN_RECIPE).is_file() else None
+    return export_run(ckpt, rec, target_model, outtypes, log=log)
+
+
+def engine_eval_run(checkpoint: str | Path, settings: Mapping[str, Any] | None = None, *, num_prompts: int | None = None,
+                    prompts: list[str] | None = None, target_model: str | None = None,
+                    output: str | Path | None = None, log: Callable[[str], None] = print) -> tuple[dict, Path]:
+    """``speculators eval RUN --engine llama.cpp``: the drafter measured inside ``llama-server``
+    (:func:`speculators.engines.jobs.engine_eval`) on the prompts ``speculators eval`` measures: the recipe's
+    held-out prompts, at most ``num_prompts`` (default: the recipe's ``eval.num_prompts``), or ``prompts``.
+
+    Args:
+        settings: fields of :class:`speculators.engines.llamacpp_eval.EngineSettings` that differ from its
+            defaults (``ks``, ``temperatures``, ``parallel``, ``p_mins``, ``draft_outtypes``, ...);
+            ``max_new_tokens`` defaults to the recipe's ``eval.max_new_tokens``.
+    Raises:
+        SpeculatorsError: as :func:`speculators.engines.jobs.engine_eval`, a bad setting, a bad checkpoint path.
+    """
+    from .engines.jobs import engine_eval
+    from .engines.llamacpp_eval import EngineSettings
+
+    ckpt = resolve_checkpoint(checkpoint, allow_hub=False, log=log)
+    rec = load_recipe(ckpt / RUN_RECIPE) if (ckpt / RUN_RECIPE).is_file() else None
+    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, {}, None)
+    n = num_prompts if num_prompts is not None else ev.num_prompts
+    st = EngineSettings(**{"max_new_tokens": ev.max_new_tokens, **(settings or {})})
+    return engine_eval(ckpt, rec, st, num_prompts=n, prompts=prompts, target_model=target_model,
+                       output=output, log=log)

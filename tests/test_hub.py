@@ -137,6 +137,30 @@ def test_card_carries_the_static_tree_an_eval_found_best(run_dir):
     assert "speculative_token_tree" not in hub_card(run_dir / "final", "me/tiny-eagle3")
 
 
+def test_card_carries_the_llamacpp_setting_the_engine_eval_found(run_dir):
+    """An EAGLE-3 card says how llama.cpp serves it; after `speculators eval --engine llama.cpp` it gives the
+    fastest setting measured there and whether it beat plain decoding and the model-free types."""
+    import shutil
+
+    card = hub_card(run_dir / "final", "me/tiny-eagle3")
+    assert "--spec-type draft-eagle3" in card and "Measured in llama-server" not in card
+    rep_dir = run_dir / "eval-llamacpp"
+    rep_dir.mkdir()
+    try:
+        best = {"row": "drafter k=2 t=0", "tokens_per_s": 50.0, "plain_tokens_per_s": 90.0, "beats_plain": False,
+                "beats_ngram": False, "ngram_best": "ngram-simple t=0", "serve": "llama-server -m t.gguf -md d.gguf"}
+        (rep_dir / "report.json").write_text(json.dumps({"best": best}))
+        card = hub_card(run_dir / "final", "me/tiny-eagle3")
+        assert "`drafter k=2 t=0`, ran 50.0 tokens/s against 90.0 plain: NOT faster than plain decoding" in card
+        assert "llama-server -m t.gguf -md d.gguf" in card
+        best.update(tokens_per_s=120.0, beats_plain=True, beats_ngram=True)
+        (rep_dir / "report.json").write_text(json.dumps({"best": best}))
+        assert "faster than plain decoding and than llama.cpp's best model-free type" in hub_card(run_dir / "final",
+                                                                                                 "me/tiny-eagle3")
+    finally:
+        shutil.rmtree(rep_dir)
+
+
 def test_push_uploads_files_and_card_in_one_commit(run_dir, fake_hub):
     before = _digest(run_dir)
     res = push_checkpoint(run_dir / "final", "me/tiny-eagle3", private=True, token="hf_x", log=lambda m: None)

@@ -217,6 +217,9 @@ class DFlashFormat(ServingFormat):
     aux_layer_count = (1, None)  # vLLM's DFlash/DSpark fc takes len(aux layers) x hidden
     aux_layer_count_reason = "vLLM's fc takes one hidden state per tap"
     vllm_method = "dflash"  # vLLM's speculators loader maps `dflash` to DFlashQwen3ForCausalLM
+    llamacpp_note = ("llama.cpp's DFlash converter reads z-lab's flat layout (top-level hidden_size, "
+                     "dflash_config) and has no draft-vocabulary table, while this export nests the layer "
+                     "config and keeps a d2t; no mapping of the two has been checked against llama.cpp's graph yet")
     serving_aux_ids_key = "aux_hidden_state_layer_ids"
 
     def default_aux_layer_ids(self, num_layers: int, cfg: DFlashConfig) -> list[int]:

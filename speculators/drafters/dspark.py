@@ -237,6 +237,8 @@ class DSparkFormat(DFlashFormat):
 
     algorithm = "dspark"
     vllm_method = "dspark"  # vLLM's DSparkProposer (vllm/v1/spec_decode/dspark.py) and its DSpark model loader
+    llamacpp_note = ("llama.cpp's converter registers DSparkDraftModel, but its draft-dspark graph has not been "
+                     "checked against this export (confidence head, Markov head, anchor convention)")
     # the confidence calibration is training-side state: config.json's speculators_training.confidence_calibration,
     # never model.safetensors (vLLM's DSpark loader cannot place it)
     training_state_tensors = ("confidence_temperature", "confidence_bias")

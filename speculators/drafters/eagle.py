@@ -105,6 +105,8 @@ class EagleFormat(ServingFormat):
     algorithm = "eagle"
     vllm_note = ("vLLM's speculators loader does not register `eagle`; its EAGLE-1 model "
                  "(`method: eagle`) reads EAGLE's own config and weight layout (FORMATS.md)")
+    llamacpp_note = ("llama.cpp serves EAGLE-3 only: its draft-eagle3 graph takes three fused aux taps, "
+                     "not EAGLE-1's last hidden state with its own fc")
     frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}  # vLLM shares the target's (not in final/)
 
     def config(self, drafter: EagleDrafter) -> dict[str, Any]:

@@ -136,6 +136,21 @@ class Eagle3Format(ServingFormat):
     # (``model.embed_tokens``) and vllm-project/speculators' from_pretrained would leave it at zeros
     frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
     publish_frozen_copies = True
+    # llama.cpp's converter reads this layout (Eagle3DraftModel -> its eagle3 architecture, with the aux taps,
+    # norm_before_residual and norm_before_fc) and llama-server drafts it as an EAGLE-3 chain
+    llamacpp_spec_type = "draft-eagle3"
+
+    def check_llamacpp(self, config: dict[str, Any], where: str) -> None:
+        """Refuse Eagle 3.1's ``norm_output``: llama.cpp's EAGLE-3 graph feeds back the pre-norm hidden state
+        and its converter has no such key, so the served drafter would differ from the trained one.
+
+        Raises:
+            SpeculatorsError: ``norm_output`` is set.
+        """
+        if config.get("norm_output"):
+            raise SpeculatorsError(f"{where}: drafter.norm_output is set, which llama.cpp's EAGLE-3 graph does not "
+                                   "run (it feeds back the pre-norm hidden state); train with norm_output: false "
+                                   "to serve with llama.cpp")
 
     def config(self, drafter: Eagle3Drafter) -> dict[str, Any]:
         """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""

@@ -110,6 +110,7 @@ class MedusaFormat(ServingFormat):
     or vLLM's native Medusa config and weights (``vllm-medusa``, the one vLLM loads, ``method: medusa``)."""
 
     algorithm = "medusa"
+    llamacpp_note = "llama.cpp has no Medusa speculative type (heads on the target's last hidden state)"
 
     def vllm_serving(self, config: dict[str, Any]) -> tuple[str | None, str]:
         """vLLM loads Medusa in its own layout (``export: vllm-medusa``, ``method: medusa``) only."""

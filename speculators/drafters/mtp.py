@@ -207,6 +207,8 @@ class MTPFormat(ServingFormat):
     algorithm = "mtp"
     vllm_note = ("vLLM's speculators loader does not register `mtp`, and its DeepSeekMTP expects a "
                  "DeepSeek (MLA/MoE) block: serving this Llama-block drafter needs a converter")
+    llamacpp_note = ("llama.cpp's draft-mtp runs the NextN layers shipped inside the target's own GGUF "
+                     "(DeepSeek, GLM, Qwen 3.5 conversions); its converter registers no separate MTP module")
     # the target's embedding, like shared_head (= its norm and lm_head): a converter copies it (not in final/)
     frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
 

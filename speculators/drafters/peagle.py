@@ -150,6 +150,9 @@ class PEagleFormat(ServingFormat):
 
     algorithm = "peagle"
     vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
+    llamacpp_note = ("llama.cpp has no parallel-drafting type and its converter registers no PEagleSpeculator; "
+                     "served as draft-eagle3 it would draft autoregressively, which P-EAGLE's later depths "
+                     "were not trained for")
     serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
     legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
     aux_layer_count = (3, 3)

@@ -40,6 +40,10 @@ class ServingFormat:
     algorithm: ClassVar[str] = ""
     vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
     vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
+    #: llama-server's ``--spec-type`` for this format's GGUF (llama.cpp's ``common/speculative.cpp``), or None
+    #: when llama.cpp cannot serve it (:attr:`llamacpp_note` says why); :mod:`speculators.engines.gguf_export`
+    llamacpp_spec_type: ClassVar[str | None] = None
+    llamacpp_note: ClassVar[str] = "llama.cpp has no speculative type that runs this family's drafter"
     # whether vLLM drafts trees (speculative_token_tree) for this format: its EAGLE proposer's tree drafting
     vllm_tree: ClassVar[bool] = False
     #: the ``config.json`` key of the aux layer ids in vLLM's convention (None: the format has none)
@@ -83,6 +87,14 @@ class ServingFormat:
         :attr:`vllm_method` / :attr:`vllm_note`; a family with several layouts overrides this.
         """
         return export.vllm_serving(self.algorithm, self.vllm_method, self.vllm_note)
+
+    def check_llamacpp(self, config: dict[str, Any], where: str) -> None:
+        """Refuse a checkpoint (its ``config.json``) whose settings llama.cpp's graph for this family would
+        silently ignore (default: none). Called by :func:`speculators.engines.gguf_export.export_gguf`.
+
+        Raises:
+            SpeculatorsError: naming ``where``, the setting and why.
+        """
 
     def speculative_tokens(self, config: dict[str, Any]) -> int | None:
         """K (``num_speculative_tokens``) that a checkpoint's ``config.json`` declares

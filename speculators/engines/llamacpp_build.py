@@ -1,0 +1,246 @@
+"""llama.cpp for this project: its source from a pinned PyPI sdist, ``llama-server`` built once and cached.
+
+Debian has no llama.cpp package and the llama-cpp-python wheel's Python API has no draft models, but its sdist
+(MIT) carries the whole llama.cpp source under ``vendor/llama.cpp/``: ``tools/server`` (``llama-server``, whose
+``--spec-type draft-eagle3`` / ``draft-dflash`` / ``draft-dspark`` / ``ngram-*`` serve speculative decoding),
+``convert_hf_to_gguf.py`` and its ``gguf-py``. This module
+
+1. downloads that sdist (``pip download --no-binary``, pinned at :data:`LLAMA_CPP_PYTHON_VERSION`) and keeps
+   only ``vendor/llama.cpp`` in ``<cache>/llama.cpp/src-<version>/llama.cpp`` (:func:`fetch_source`);
+2. builds the ``llama-server`` target with CMake (Release, static libraries, ``GGML_NATIVE=ON``: the binary is
+   tuned to this CPU, hence the cache key) into ``<cache>/llama.cpp/build-<version>-<cpu key>/``
+   (:func:`build`). Both steps fill a temporary sibling and rename it into place when complete, so an
+   interrupted download or build leaves nothing that looks ready.
+
+Where a build comes from, first match wins (:func:`find_llama_cpp`): ``$SPECULATORS_LLAMA_CPP`` (a build
+directory holding ``bin/llama-server``, with the source next to it as ``<dir>/../src-<version>`` or named by
+``$SPECULATORS_LLAMA_CPP_SOURCE``), then the cache. ``python -m speculators.engines.llamacpp_build`` (``make
+llama-cpp``) builds it; offline or without cmake / a C++ compiler it prints why and exits 0 (the engine tests
+then skip saying so), except under ``CI=true``, where it exits 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from ..errors import SpeculatorsError
+from ..utils import cache_root
+
+#: The llama-cpp-python sdist whose ``vendor/llama.cpp`` is built (its llama.cpp serves EAGLE-3, DFlash, DSpark).
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+#: Environment variable naming a ready build directory (``bin/llama-server`` inside).
+ENV_VAR = "SPECULATORS_LLAMA_CPP"
+#: Environment variable naming the llama.cpp source directory of that build (``convert_hf_to_gguf.py`` inside).
+SOURCE_ENV_VAR = "SPECULATORS_LLAMA_CPP_SOURCE"
+# CPU flags that change what GGML_NATIVE compiles (a binary built with one set may not run with another)
+_ISA_FLAGS = ("sse3", "ssse3", "avx", "avx2", "f16c", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
+_CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF")
+
+
+class LlamaCppUnavailable(SpeculatorsError):
+    """llama.cpp cannot be had here (offline, no cmake / compiler, a failed build). Its message starts with
+    ``llama.cpp unavailable:`` and says why."""
+
+    def __init__(self, why: str):
+        super().__init__(f"llama.cpp unavailable: {why}")
+        self.why = why
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaCpp:
+    """A built llama.cpp: ``server`` is the ``llama-server`` binary, ``source`` the llama.cpp source directory
+    (``convert_hf_to_gguf.py`` and ``gguf-py`` inside), ``version`` the llama-cpp-python sdist it came from."""
+
+    server: Path
+    source: Path
+    version: str
+
+    @property
+    def converter(self) -> Path:
+        """``convert_hf_to_gguf.py`` of this source."""
+        return self.source / "convert_hf_to_gguf.py"
+
+    @property
+    def gguf_py(self) -> Path:
+        """The ``gguf-py`` package directory this source's converter imports (put first on ``PYTHONPATH``)."""
+        return self.source / "gguf-py"
+
+
+def cpu_flags() -> set[str]:
+    """The ISA flags of this CPU that :data:`_ISA_FLAGS` names (from ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split()) & set(_ISA_FLAGS)
+    return set()
+
+
+def cpu_key() -> str:
+    """8 hex digits naming this CPU's ISA flags (:func:`cpu_flags`): part of the build cache key."""
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+
+
+def source_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """``<cache>/llama.cpp/src-<version>/llama.cpp``: where :func:`fetch_source` puts the source."""
+    return cache_root() / "llama.cpp" / f"src-{version}" / "llama.cpp"
+
+
+def build_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """``<cache>/llama.cpp/build-<version>-<cpu key>``: where :func:`build` puts the build."""
+    return cache_root() / "llama.cpp" / f"build-{version}-{cpu_key()}"
+
+
+def _atomic_dir(dest: Path):
+    """A temporary sibling of ``dest`` (created; the caller fills it, then ``os.replace``-s it into place)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):  # left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None, log=print) -> None:
+    log(f"llama.cpp: {what}")
+    try:
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    except OSError as e:
+        raise LlamaCppUnavailable(f"{what}: cannot run {cmd[0]} ({e})") from None
+    if r.returncode != 0:
+        tail = (r.stderr.strip() or r.stdout.strip() or "(no output)").splitlines()[-5:]
+        raise LlamaCppUnavailable(f"{what} failed (exit {r.returncode}): " + " | ".join(tail))
+
+
+def fetch_source(version: str = LLAMA_CPP_PYTHON_VERSION, log=print) -> Path:
+    """The llama.cpp source of llama-cpp-python ``version``'s sdist, downloaded once (:func:`source_dir`).
+
+    Raises:
+        LlamaCppUnavailable: pip cannot download the sdist (offline) or it has no ``vendor/llama.cpp``.
+    """
+    dest = source_dir(version)
+    if (dest / "convert_hf_to_gguf.py").exists() and (dest / "CMakeLists.txt").exists():
+        return dest
+    tmp = _atomic_dir(dest.parent)
+    try:
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+              f"llama-cpp-python=={version}", "-d", str(tmp)], f"download llama-cpp-python=={version} (sdist)", log=log)
+        sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"), None)
+        if sdist is None:
+            raise LlamaCppUnavailable(f"pip downloaded no llama_cpp_python-{version}.tar.gz")
+        prefix = f"{sdist.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            if not members:
+                raise LlamaCppUnavailable(f"{sdist.name} has no vendor/llama.cpp")
+            for m in members:
+                m.name = "llama.cpp/" + m.name[len(prefix):]
+            tar.extractall(tmp, members=members, filter="data")
+        sdist.unlink()
+        if dest.parent.exists():
+            shutil.rmtree(dest.parent)
+        os.replace(tmp, dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None, log=print) -> LlamaCpp:
+    """Build ``llama-server`` from :func:`fetch_source` once (:func:`build_dir`) and return it.
+
+    CMake options: :data:`_CMAKE_OPTIONS` (Release, static, ``GGML_NATIVE=ON``, no curl / tests / examples);
+    ``jobs`` parallel compile jobs (default: all cores). Many minutes on two cores; a complete build is kept.
+
+    Raises:
+        LlamaCppUnavailable: no cmake or C++ compiler, the download failed, or the build failed (its last lines).
+    """
+    dest = build_dir(version)
+    server = dest / "bin" / "llama-server"
+    source = fetch_source(version, log=log)
+    if server.exists():
+        return LlamaCpp(server, source, version)
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise LlamaCppUnavailable(f"`{tool}` is not on PATH (install cmake and g++: apt install cmake g++)")
+    tmp = _atomic_dir(dest)
+    try:
+        _run(["cmake", "-S", str(source), "-B", str(tmp), *_CMAKE_OPTIONS], "cmake configure", log=log)
+        _run(["cmake", "--build", str(tmp), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)],
+             "build llama-server (many minutes on two cores)", log=log)
+        if not (tmp / "bin" / "llama-server").exists():
+            raise LlamaCppUnavailable(f"the build wrote no bin/llama-server under {tmp}")
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return LlamaCpp(server, source, version)
+
+
+def find_llama_cpp() -> LlamaCpp | None:
+    """A ready build (module docstring: ``$SPECULATORS_LLAMA_CPP``, then the cache), or None.
+
+    Raises:
+        LlamaCppUnavailable: ``$SPECULATORS_LLAMA_CPP`` is set but holds no ``bin/llama-server``, or its source
+            is not found.
+    """
+    explicit = os.environ.get(ENV_VAR)
+    if explicit:
+        server = Path(explicit).expanduser().resolve() / "bin" / "llama-server"
+        if not server.exists():
+            raise LlamaCppUnavailable(f"${ENV_VAR}={explicit} holds no bin/llama-server")
+        src = os.environ.get(SOURCE_ENV_VAR)
+        source = Path(src).expanduser().resolve() if src else source_dir()
+        if not (source / "convert_hf_to_gguf.py").exists():
+            raise LlamaCppUnavailable(f"no llama.cpp source with convert_hf_to_gguf.py at {source} "
+                                      f"(set ${SOURCE_ENV_VAR})")
+        return LlamaCpp(server, source, LLAMA_CPP_PYTHON_VERSION)
+    server = build_dir() / "bin" / "llama-server"
+    source = source_dir()
+    if server.exists() and (source / "convert_hf_to_gguf.py").exists():
+        return LlamaCpp(server, source, LLAMA_CPP_PYTHON_VERSION)
+    return None
+
+
+def require_llama_cpp() -> LlamaCpp:
+    """:func:`find_llama_cpp`, or an error that says how to build it.
+
+    Raises:
+        LlamaCppUnavailable: no build found.
+    """
+    found = find_llama_cpp()
+    if found is None:
+        raise LlamaCppUnavailable(f"no llama-server built (run `make llama-cpp`, or set ${ENV_VAR} to a build "
+                                  f"directory with bin/llama-server); expected {build_dir() / 'bin' / 'llama-server'}")
+    return found
+
+
+__all__ = ["ENV_VAR", "LLAMA_CPP_PYTHON_VERSION", "LlamaCpp", "LlamaCppUnavailable", "SOURCE_ENV_VAR", "build",
+           "build_dir", "cpu_flags", "cpu_key", "fetch_source", "find_llama_cpp", "require_llama_cpp", "source_dir"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m speculators.engines.llamacpp_build`` (``make llama-cpp``): fetch and build llama.cpp once.
+    Unavailable (offline, no compiler) it prints why and exits 0, except under ``CI=true`` (exit 1)."""
+    del argv
+    try:
+        lc = build()
+        print(f"llama.cpp: llama-server of llama-cpp-python {lc.version} at {lc.server}")
+        return 0
+    except LlamaCppUnavailable as e:
+        print(str(e), file=sys.stderr)
+        return 1 if os.environ.get("CI", "").lower() in ("1", "true", "yes") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""The engine eval: our drafter, plain decoding and llama.cpp's model-free types measured inside ``llama-server``.
+
+One :class:`EnginePass` is one server (:class:`.llamacpp_server.LlamaServer`: this llama.cpp reads K and
+``p_min`` per server) and the held-out prompts sent through it, one at a time (``parallel`` 1) or from
+``parallel`` client threads into as many slots. :func:`run_engine_eval` plans the passes:
+
+1. temperature 0, one slot: plain, the drafter at every K of ``ks`` (``--spec-draft-n-max``), every model-free
+   type of ``ngram_types``;
+2. at the fastest K of step 1: the drafter quantized (each extra ``draft_outtypes``, e.g. ``q8_0``), with every
+   ``p_min`` (``--spec-draft-p-min``: the draft stops at a token below it), with every ``draft_threads``
+   (``--spec-draft-threads``: a one-layer draft forward is dominated by thread synchronisation, not by its
+   weights), and the negative control: the same
+   drafter converted with its aux layer taps shifted (:data:`TAP_SHIFT` layers deeper), which must accept clearly
+   less;
+3. every temperature > 0 of ``temperatures``: plain, the drafter at that K, the model-free types (sampled
+   with the same seed per prompt; the server verifies by its own rule);
+4. every ``parallel`` > 1 at temperature 0: plain, the drafter at that K, the fastest model-free type.
+
+Rows follow our loop's report rows (:mod:`speculators.evaluation.runner`: ``method``, ``k``, ``batch_size`` (=
+``parallel``), ``tau``, ``tau_ci``, ``tokens_per_s``, ``speedup``, ``drafted``, ``accepted``) with ``engine:
+"llama.cpp"`` and the engine's settings. Counts are the server's own (``timings.draft_n`` /
+``draft_n_accepted``); tau is generated tokens per target forward (:mod:`.llamacpp_server`), its CI the same
+bootstrap over prompts as our loop's (:func:`speculators.evaluation.acceptance.bootstrap_tau_ci`).
+``tokens_per_s`` is generated tokens over the pass's wall time (prompt processing included, as a client sees
+it); ``decode_tokens_per_s`` counts only the server's generation time.
+
+Greedy losslessness (:func:`greedy_check`): at temperature 0 every speculative output must equal the engine's
+plain output token for token, or its first difference must sit on a near-tie of the target's logits as the
+engine computes them: the engine's own top log-probabilities at that position from a one-token-at-a-time
+decode (plain decoding's shape) and from one batched forward over the prefix (the shape of a verify step)
+(:func:`classify_engine_mismatch`). Anything else is a failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import SpeculatorsError
+from ..evaluation.acceptance import bootstrap_tau_ci
+from .llamacpp_build import LlamaCpp
+from .llamacpp_server import Completion, LlamaServer
+
+ENGINE = "llama.cpp"
+#: the negative control's shift of every aux layer tap (layers deeper; clipped to the target's last layer)
+TAP_SHIFT = 4
+#: a mismatch is a near-tie when the two tokens' log-probability gap is within this factor of the engine's own
+#: drift between its decode-shaped and batch-shaped forwards at that position (the factor covers both tokens)
+NEAR_TIE_FACTOR = 2.0
+#: top log-probabilities asked for when a mismatch is classified
+N_PROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePass:
+    """One server and one sweep of the prompts through it.
+
+    Attributes:
+        method: ``"plain"``, ``"drafter"``, ``"drafter-shifted-taps"`` (the negative control) or a llama.cpp
+            model-free ``--spec-type`` (``"ngram-simple"``, ``"ngram-mod"``, ...).
+        temperature: sampling temperature (0: greedy). parallel: server slots = concurrent requests.
+        k: ``--spec-draft-n-max`` (None for plain; the model-free types draft up to their own maximum).
+        p_min: ``--spec-draft-p-min`` (None: the server's default, 0). draft_outtype: the draft GGUF's
+            ``--outtype`` (drafter methods only). draft_threads: ``--spec-draft-threads`` (None: the target's).
+    """
+
+    method: str
+    temperature: float = 0.0
+    parallel: int = 1
+    k: int | None = None
+    p_min: float | None = None
+    draft_outtype: str | None = None
+    draft_threads: int | None = None
+
+    @property
+    def label(self) -> str:
+        """A short unique name, e.g. ``drafter k=3 q8_0 p_min=0.5 t=0 x4``."""
+        parts = [self.method] + ([f"k={self.k}"] if self.k is not None else [])
+        parts += [self.draft_outtype] if self.draft_outtype not in (None, "f16") else []
+        parts += [f"p_min={self.p_min:g}"] if self.p_min is not None else []
+        parts += [f"draft_threads={self.draft_threads}"] if self.draft_threads is not None else []
+        parts += [f"t={self.temperature:g}"] + ([f"x{self.parallel}"] if self.parallel > 1 else [])
+        return " ".join(parts)
+
+
+@dataclasses.dataclass
+class EngineSettings:
+    """What :func:`run_engine_eval` sweeps (module docstring). ``max_new_tokens`` per prompt; ``seed`` the
+    sampling seed of prompt i is ``seed + i``; ``threads`` the server's ``--threads`` (None: all cores);
+    ``ctx_size`` per slot."""
+
+    ks: tuple[int, ...] = (1, 2, 3, 4)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    parallel: tuple[int, ...] = (1, 4)
+    ngram_types: tuple[str, ...] = ("ngram-simple", "ngram-mod")
+    p_mins: tuple[float, ...] = (0.5,)
+    draft_threads: tuple[int, ...] = (1,)
+    draft_outtypes: tuple[str, ...] = ("f16", "q8_0")
+    max_new_tokens: int = 128
+    seed: int = 0
+    threads: int | None = None
+    ctx_size: int = 2048
+    negative_control: bool = True
+
+    def __post_init__(self):
+        if not self.ks or any(int(k) < 1 for k in self.ks):
+            raise SpeculatorsError(f"engine eval: K values {list(self.ks)} must be >= 1")
+        if 0.0 not in [float(t) for t in self.temperatures]:
+            raise SpeculatorsError("engine eval: temperatures must include 0 (the greedy check and K choice)")
+        if any(float(t) < 0 for t in self.temperatures):
+            raise SpeculatorsError(f"engine eval: temperatures {list(self.temperatures)} must be >= 0")
+        if 1 not in self.parallel or any(int(p) < 1 for p in self.parallel):
+            raise SpeculatorsError(f"engine eval: parallel {list(self.parallel)} must include 1 and be >= 1")
+        if any(not 0.0 <= float(p) <= 1.0 for p in self.p_mins):
+            raise SpeculatorsError(f"engine eval: p_min values {list(self.p_mins)} must be in [0, 1]")
+        if any(int(n) < 1 for n in self.draft_threads):
+            raise SpeculatorsError(f"engine eval: draft_threads {list(self.draft_threads)} must be >= 1")
+        if not self.draft_outtypes:
+            raise SpeculatorsError("engine eval: draft_outtypes is empty (the first is the drafter's main GGUF)")
+        if int(self.max_new_tokens) < 1:
+            raise SpeculatorsError(f"engine eval: max_new_tokens {self.max_new_tokens} must be >= 1")
+
+
+@dataclasses.dataclass
+class EngineModels:
+    """The files a pass serves: ``target`` GGUF, the drafter's GGUF per outtype (``drafts``), the negative
+    control's GGUF (``shifted``, or None), the drafter's ``spec_type`` (``draft-eagle3``, ...)."""
+
+    target: Path
+    drafts: dict[str, Path]
+    spec_type: str
+    shifted: Path | None = None
+
+
+def _server(lc: LlamaCpp, models: EngineModels, p: EnginePass, st: EngineSettings) -> LlamaServer:
+    kw: dict[str, Any] = dict(parallel=p.parallel, ctx_size=st.ctx_size * p.parallel, threads=st.threads)
+    if p.method == "drafter":
+        kw.update(draft=models.drafts[p.draft_outtype], spec_type=models.spec_type, draft_n_max=p.k, p_min=p.p_min)
+        if p.draft_threads is not None:
+            kw["extra"] = ["--spec-draft-threads", str(p.draft_threads)]
+    elif p.method == "drafter-shifted-taps":
+        kw.update(draft=models.shifted, spec_type=models.spec_type, draft_n_max=p.k, p_min=p.p_min)
+    elif p.method != "plain":
+        kw.update(spec_type=p.method, draft_n_max=p.k)
+    return LlamaServer(lc, models.target, **kw)
+
+
+def run_pass(lc: LlamaCpp, models: EngineModels, p: EnginePass, prompts: list[list[int]], st: EngineSettings,
+             ) -> tuple[dict[str, Any], list[Completion]]:
+    """Serve ``p`` and send every prompt through it; the row (module docstring) and the completions in prompt
+    order.
+
+    Raises:
+        SpeculatorsError: the server failed to start or a request failed.
+    """
+    with _server(lc, models, p, st) as srv:
+        def one(i: int) -> Completion:
+            return srv.complete(prompts[i], st.max_new_tokens, temperature=p.temperature, seed=st.seed + i)
+
+        one(0)  # warm the slot's buffers: the first request of a fresh server pays allocation, not decoding
+        t0 = time.perf_counter()
+        if p.parallel == 1:
+            outs = [one(i) for i in range(len(prompts))]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(p.parallel) as pool:
+                outs = list(pool.map(one, range(len(prompts))))
+        wall = time.perf_counter() - t0
+    return engine_row(p, outs, wall), outs
+
+
+def engine_row(p: EnginePass, outs: list[Completion], wall: float) -> dict[str, Any]:
+    """A report row of pass ``p`` from its completions and its wall time (seconds). Ratios whose denominator is
+    zero are None (shown as n/a)."""
+    tokens = sum(len(o.tokens) for o in outs)
+    drafted, accepted = sum(o.draft_n for o in outs), sum(o.draft_accepted for o in outs)
+    forwards = sum(o.target_forwards for o in outs)
+    gen = sum(o.seconds for o in outs)
+    lo, hi = bootstrap_tau_ci([len(o.tokens) for o in outs], [o.target_forwards for o in outs])
+    return {"engine": ENGINE, "label": p.label, "method": p.method, "k": p.k, "batch_size": p.parallel,
+            "temperature": p.temperature, "p_min": p.p_min, "draft_outtype": p.draft_outtype, "draft_threads": p.draft_threads,
+            "num_prompts": len(outs), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else None,
+            "decode_tokens_per_s": tokens / gen if gen > 0 and p.parallel == 1 else None,
+            "tau": tokens / forwards if forwards else None, "tau_ci": [lo, hi],
+            "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None,
+            "target_forwards": forwards, "speedup": None}
+
+
+def _fastest(rows: list[dict], method: str) -> dict | None:
+    cand = [r for r in rows if r["method"] == method and r["tokens_per_s"] is not None]
+    return max(cand, key=lambda r: r["tokens_per_s"]) if cand else None
+
+
+def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]], st: EngineSettings,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every pass of the module docstring's plan, the speedups, the greedy check and the best setting.
+
+    Args:
+        lc: the llama.cpp build. models: the GGUF files. prompts: token ids per prompt (BOS included when the
+            target adds one). st: what to sweep.
+    Returns:
+        ``{"engine", "llama_cpp_version", "settings", "rows", "greedy_check", "negative_control", "best"}``.
+    Raises:
+        SpeculatorsError: no prompts, or a server / request failure.
+    """
+    if not prompts:
+        raise SpeculatorsError("engine eval: no prompts")
+    rows: list[dict] = []
+    outputs: dict[str, list[Completion]] = {}
+    main = st.draft_outtypes[0]
+
+    def do(p: EnginePass) -> dict:
+        row, outs = run_pass(lc, models, p, prompts, st)
+        rows.append(row)
+        outputs[p.label] = outs
+        log(f"engine eval: {p.label}: {_fmt(row['tokens_per_s'], '.1f')} tok/s, tau {_fmt(row['tau'], '.3f')}, "
+            f"accepted {row['accepted']}/{row['drafted']}")
+        return row
+
+    plain0 = do(EnginePass("plain"))
+    for k in st.ks:
+        do(EnginePass("drafter", k=k, draft_outtype=main))
+    for t in st.ngram_types:
+        do(EnginePass(t))
+    best = _fastest([r for r in rows if r["draft_outtype"] == main], "drafter")
+    k_best = best["k"]
+    for o in st.draft_outtypes[1:]:
+        do(EnginePass("drafter", k=k_best, draft_outtype=o))
+    for pm in st.p_mins:
+        do(EnginePass("drafter", k=k_best, draft_outtype=main, p_min=pm))
+    for n in st.draft_threads:
+        do(EnginePass("drafter", k=k_best, draft_outtype=main, draft_threads=n))
+    control = None
+    if st.negative_control and models.shifted is not None:
+        shifted = do(EnginePass("drafter-shifted-taps", k=k_best, draft_outtype=main))
+        control = {"k": k_best, "tap_shift": TAP_SHIFT, "tau": shifted["tau"], "tau_ci": shifted["tau_ci"],
+                   "drafter_tau": best["tau"], "drafter_tau_ci": best["tau_ci"],
+                   "separated": shifted["tau_ci"][1] < best["tau_ci"][0]}
+    ngram_best = max((r for r in rows if r["method"] in st.ngram_types), key=lambda r: r["tokens_per_s"] or 0,
+                     default=None)
+    for t in [t for t in st.temperatures if t > 0]:
+        do(EnginePass("plain", temperature=t))
+        do(EnginePass("drafter", k=k_best, draft_outtype=main, temperature=t))
+        for nt in st.ngram_types:
+            do(EnginePass(nt, temperature=t))
+    for n in [n for n in st.parallel if n > 1]:
+        do(EnginePass("plain", parallel=n))
+        do(EnginePass("drafter", k=k_best, draft_outtype=main, parallel=n))
+        if ngram_best is not None:
+            do(EnginePass(ngram_best["method"], parallel=n))
+    for r in rows:
+        base = next(b for b in rows if b["method"] == "plain" and b["temperature"] == r["temperature"]
+                    and b["batch_size"] == r["batch_size"])
+        r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]) if r["tokens_per_s"] and base["tokens_per_s"] else None
+    check = greedy_check(lc, models, prompts, st, outputs, log)
+    return {"engine": ENGINE, "llama_cpp_version": lc.version, "settings": dataclasses.asdict(st),
+            "num_prompts": len(prompts), "rows": rows, "plain": plain0, "greedy_check": check,
+            "negative_control": control, "best": best_setting(rows, st.ngram_types)}
+
+
+def best_setting(rows: list[dict], ngram_types=("ngram-simple", "ngram-mod")) -> dict[str, Any]:
+    """The fastest drafter row at temperature 0 and one slot, against plain decoding and the fastest model-free
+    type there: ``{"row", "plain_tokens_per_s", "ngram_best", "beats_plain", "beats_ngram"}``."""
+    at = [r for r in rows if r["temperature"] == 0 and r["batch_size"] == 1]
+    drafter = _fastest(at, "drafter")
+    plain = next(r for r in at if r["method"] == "plain")
+    ngram = max((r for r in at if r["method"] in ngram_types), key=lambda r: r["tokens_per_s"] or 0, default=None)
+    return {"row": drafter["label"] if drafter else None, "tokens_per_s": drafter["tokens_per_s"] if drafter else None,
+            "plain_tokens_per_s": plain["tokens_per_s"], "ngram_best": ngram["label"] if ngram else None,
+            "ngram_tokens_per_s": ngram["tokens_per_s"] if ngram else None,
+            "beats_plain": bool(drafter and drafter["tokens_per_s"] > plain["tokens_per_s"]),
+            "beats_ngram": bool(drafter and (ngram is None or drafter["tokens_per_s"] > ngram["tokens_per_s"]))}
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    """The first index where ``a`` and ``b`` differ (``min(len)`` when one is a prefix of the other)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def classify_engine_mismatch(srv: LlamaServer, prompt: list[int], plain: list[int], output: list[int]) -> dict:
+    """Whether one greedy mismatch sits on a near-tie of the target's logits as the engine computes them.
+
+    At the first differing position ``j`` (plain token ``a``, speculative token ``b``), through the plain
+    server ``srv``: the top log-probabilities at ``j`` from a one-token-at-a-time decode of ``plain[:j + 1]``
+    (``seq``) and from one batched forward over ``prompt + plain[:j]`` (``batch``, the shape of a verify step).
+    ``drift`` = the largest change between the two shapes of any token both list; ``gap`` = the smallest
+    ``|lp[a] - lp[b]|`` over the shapes where both are listed. ``near_tie`` when ``gap <= NEAR_TIE_FACTOR *
+    drift`` or the batched forward itself ranks ``b`` first. A length difference with no differing token, or
+    ``b`` outside both top lists, is not a near-tie.
+
+    Returns:
+        ``{"position", "plain_token", "output_token", "near_tie", "gap", "drift", "batch_argmax"}``.
+    """
+    j = first_diff(plain, output)
+    out: dict[str, Any] = {"position": j, "plain_token": plain[j] if j < len(plain) else None,
+                           "output_token": output[j] if j < len(output) else None, "near_tie": False,
+                           "gap": None, "drift": None, "batch_argmax": None}
+    if out["plain_token"] is None or out["output_token"] is None:
+        return out
+    a, b = out["plain_token"], out["output_token"]
+    seq = srv.complete(prompt, j + 1, n_probs=N_PROBS).top_logprobs
+    batch = srv.complete(prompt + plain[:j], 1, n_probs=N_PROBS).top_logprobs
+    if len(seq) <= j or not batch:
+        return out
+    s, bt = seq[j], batch[0]
+    common = set(s) & set(bt)
+    drift = max((abs(s[t] - bt[t]) for t in common), default=0.0)
+    gaps = [abs(d[a] - d[b]) for d in (s, bt) if a in d and b in d]
+    arg = max(bt, key=bt.get)
+    gap = min(gaps) if gaps else None
+    out.update(gap=gap, drift=drift, batch_argmax=arg,
+               near_tie=arg == b or (gap is not None and gap <= NEAR_TIE_FACTOR * drift))
+    return out
+
+
+def greedy_check(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]], st: EngineSettings,
+                 outputs: dict[str, list[Completion]], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every temperature-0 speculative pass against the engine's plain greedy output, prompt by prompt
+    (module docstring); mismatches classified by :func:`classify_engine_mismatch` through one plain server.
+
+    Returns:
+        ``{"passes": {label: {"prompts", "mismatches", "near_tie", "failures"}}, "mismatches": [...],
+        "near_tie", "failures", "passed"}`` (``passed``: no failure).
+    """
+    plain = outputs[EnginePass("plain").label]
+    spec = [lab for lab in outputs if lab.endswith("t=0") and not lab.startswith("plain ")
+            and "shifted" not in lab]
+    found = []
+    for lab in spec:
+        for i, o in enumerate(outputs[lab]):
+            if o.tokens != plain[i].tokens:
+                found.append((lab, i, o.tokens))
+    mism = []
+    if found:
+        with _server(lc, models, EnginePass("plain"), st) as srv:
+            for lab, i, toks in found:
+                m = classify_engine_mismatch(srv, prompts[i], plain[i].tokens, toks)
+                mism.append({"pass": lab, "prompt": i, **m})
+    by = {lab: {"prompts": len(prompts), "mismatches": 0, "near_tie": 0, "failures": 0} for lab in spec}
+    for m in mism:
+        by[m["pass"]]["mismatches"] += 1
+        by[m["pass"]]["near_tie" if m["near_tie"] else "failures"] += 1
+    n_tie = sum(1 for m in mism if m["near_tie"])
+    if mism:
+        log(f"engine greedy check: {len(mism)} mismatch(es), {n_tie} on near-ties, {len(mism) - n_tie} failure(s)")
+    return {"passes": by, "mismatches": mism, "near_tie": n_tie, "failures": len(mism) - n_tie,
+            "passed": len(mism) == n_tie}
+
+
+def loop_comparison(engine: dict[str, Any], loop_report: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The engine's tau beside our loop's for the drafter at each K both measured at temperature 0, batch 1:
+    ``[{"k", "engine_tau", "engine_tau_ci", "loop_tau", "loop_tau_ci", "within_loop_ci", "cis_overlap"}]``
+    (empty without a loop report or when it was not greedy)."""
+    if not loop_report or float(loop_report.get("temperature", 0.0) or 0.0) != 0.0:
+        return []
+    out = []
+    for r in engine["rows"]:
+        if (r["method"], r["temperature"], r["batch_size"], r["p_min"], r.get("draft_threads")) != ("drafter", 0.0, 1, None, None):
+            continue
+        if r["draft_outtype"] != engine["settings"]["draft_outtypes"][0]:
+            continue
+        lr = next((x for x in loop_report.get("rows", []) if x.get("method") == "drafter" and x.get("k") == r["k"]
+                   and x.get("batch_size") == 1), None)
+        if lr is None or r["tau"] is None:
+            continue
+        lo, hi = lr["tau_ci"]
+        out.append({"k": r["k"], "engine_tau": r["tau"], "engine_tau_ci": r["tau_ci"], "loop_tau": lr["tau"],
+                    "loop_tau_ci": lr["tau_ci"], "within_loop_ci": lo <= r["tau"] <= hi,
+                    "cis_overlap": r["tau_ci"][0] <= hi and lo <= r["tau_ci"][1]})
+    return out
+
+
+def _fmt(x, spec: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The engine report as markdown: the rows, the loop comparison, the negative control, the greedy check,
+    the best setting (with the engine's timings when no drafter setting wins)."""
+    lines = ["# speculators eval --engine llama.cpp", "",
+             f"llama.cpp of llama-cpp-python {report['llama_cpp_version']}; {report['num_prompts']} prompts, "
+             f"{report['settings']['max_new_tokens']} new tokens each; target `{report.get('target_gguf', '')}`; "
+             f"drafter `{report.get('draft_spec_type', '')}`.", "",
+             "| pass | slots | tok/s | x plain | tau [95% CI] | accepted / drafted |", "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        tau = "n/a" if r["tau"] is None else f"{r['tau']:.3f} [{r['tau_ci'][0]:.3f}, {r['tau_ci'][1]:.3f}]"
+        acc = f"{r['accepted']} / {r['drafted']}" if r["drafted"] else "-"
+        lines.append(f"| {r['label']} | {r['batch_size']} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                     f"{_fmt(r['speedup'], '.2f')} | {tau} | {acc} |")
+    cmp_rows = report.get("loop_comparison") or []
+    if cmp_rows:
+        lines += ["", "Engine vs our loop (drafter, temperature 0, batch 1):", "",
+                  "| K | engine tau [CI] | loop tau [CI] | engine tau within loop CI |", "|---|---|---|---|"]
+        for c in cmp_rows:
+            lines.append(f"| {c['k']} | {c['engine_tau']:.3f} [{c['engine_tau_ci'][0]:.3f}, {c['engine_tau_ci'][1]:.3f}]"
+                         f" | {c['loop_tau']:.3f} [{c['loop_tau_ci'][0]:.3f}, {c['loop_tau_ci'][1]:.3f}] | "
+                         f"{'yes' if c['within_loop_ci'] else 'no'} |")
+    nc = report.get("negative_control")
+    if nc:
+        lines += ["", f"Negative control (aux taps shifted {nc['tap_shift']} layers, K={nc['k']}): tau "
+                      f"{_fmt(nc['tau'], '.3f')} against {_fmt(nc['drafter_tau'], '.3f')}; CIs "
+                      f"{'separated' if nc['separated'] else 'NOT separated'}."]
+    g = report["greedy_check"]
+    lines += ["", f"Greedy check (every temperature-0 speculative pass against the engine's plain output): "
+                  f"{len(g['mismatches'])} mismatch(es), {g['near_tie']} on near-ties of the engine's logits, "
+                  f"{g['failures']} failure(s): {'PASS' if g['passed'] else 'FAIL'}."]
+    b = report["best"]
+    lines += ["", f"Best drafter setting: `{b['row']}` at {_fmt(b['tokens_per_s'], '.1f')} tok/s; plain "
+                  f"{_fmt(b['plain_tokens_per_s'], '.1f')}; best model-free `{b['ngram_best']}` "
+                  f"{_fmt(b['ngram_tokens_per_s'], '.1f')}."]
+    if not (b["beats_plain"] and b["beats_ngram"]) and report.get("timings"):
+        t = report["timings"]
+        lines += ["", f"The drafter does not win here: the engine's target step costs {_fmt(t['target_ms_per_token'], '.2f')}"
+                      f" ms per token (plain), a speculative step at the best K costs {_fmt(t['spec_ms_per_step'], '.2f')}"
+                      f" ms for tau {_fmt(t['tau'], '.2f')}; break-even needs tau above "
+                      f"{_fmt(t['break_even_tau'], '.2f')}."]
+    return "\n".join(lines) + "\n"
+
+
+def timings(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine's costs behind the best drafter row: plain ms per token, ms per speculative step
+    (decode time / target forwards), and the tau at which the drafter would break even (step ms / token ms)."""
+    rows = report["rows"]
+    plain = next(r for r in rows if r["method"] == "plain" and r["temperature"] == 0 and r["batch_size"] == 1)
+    best = next((r for r in rows if r["label"] == report["best"]["row"]), None)
+    if best is None or not plain["decode_tokens_per_s"] or not best["decode_tokens_per_s"] or not best["target_forwards"]:
+        return None
+    token_ms = 1000.0 / plain["decode_tokens_per_s"]
+    step_ms = 1000.0 * best["tokens"] / best["decode_tokens_per_s"] / best["target_forwards"]
+    return {"target_ms_per_token": token_ms, "spec_ms_per_step": step_ms, "tau": best["tau"],
+            "break_even_tau": step_ms / token_ms}
+
+
+def write_engine_report(report: dict[str, Any], out: str | Path) -> Path:
+    """``report.json`` and ``report.md`` of the engine eval in ``out`` (written atomically). Returns ``out``."""
+    import json
+
+    from ..utils import atomic_write_text
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(out / "report.md", render_markdown(report))
+    return out
+
+
+__all__ = ["ENGINE", "EngineModels", "EnginePass", "EngineSettings", "NEAR_TIE_FACTOR", "TAP_SHIFT", "best_setting",
+           "classify_engine_mismatch", "engine_row", "first_diff", "greedy_check", "loop_comparison",
+           "render_markdown", "run_engine_eval", "run_pass", "timings", "write_engine_report"]

@@ -1,0 +1,204 @@
+"""``llama-server`` as a context manager: started on 127.0.0.1 at a free port, stopped on exit and on Ctrl-C.
+
+The server (llama.cpp's ``tools/server``) is started with the target GGUF (``-m``) and, for speculative
+decoding, a draft GGUF (``-md``) and ``--spec-type`` (``draft-eagle3``, ``draft-dflash``, ``draft-dspark``) or a
+model-free type (``ngram-simple``, ``ngram-mod``, ...), with ``--spec-draft-n-max`` = K and
+``--spec-draft-p-min``. This llama.cpp version reads those per server, not per request (its per-request
+``speculative.*`` fields are compiled out), so a K sweep is one server per K. Requests go to its native
+``/completion`` endpoint with token ids in and token ids out (``return_tokens``), so that nothing is
+re-tokenised and outputs compare token for token.
+
+Counts are the engine's own (``timings`` of the response): ``predicted_n`` tokens generated in
+``predicted_ms``, ``draft_n`` tokens drafted and ``draft_n_accepted`` accepted. Every verify step of the
+server emits its accepted drafts plus one token of the target, and a step without drafts emits one, so the
+target forwards of a generation are ``predicted_n - draft_n_accepted`` and the engine's tau (tokens per target
+forward, our :data:`speculators.evaluation.report.TAU_DEFINITION`) is ``predicted_n / (predicted_n -
+draft_n_accepted)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ..errors import SpeculatorsError
+from .llamacpp_build import LlamaCpp, cpu_flags
+
+
+@dataclasses.dataclass
+class Completion:
+    """One ``/completion`` answer of ``llama-server``.
+
+    Attributes:
+        tokens: the generated token ids (stop token excluded by the server when it stops on EOS).
+        seconds: generation time (``timings.predicted_ms`` / 1000; prompt processing excluded).
+        prompt_seconds: prompt processing time (``timings.prompt_ms`` / 1000).
+        draft_n / draft_accepted: tokens drafted / accepted by the server's speculative decoding (0 without).
+        stop: the server's ``stop_type`` (``"eos"``, ``"limit"``, ``"word"``).
+        top_logprobs: per generated token, ``{token id: log-probability}`` of the target's top ``n_probs``
+            tokens before sampling (only for tokens the server sampled one at a time: this llama.cpp does not
+            report them for tokens accepted from a draft); empty without ``n_probs``.
+    """
+
+    tokens: list[int]
+    seconds: float
+    prompt_seconds: float
+    draft_n: int
+    draft_accepted: int
+    stop: str
+    top_logprobs: list[dict[int, float]]
+
+    @property
+    def target_forwards(self) -> int:
+        """Target forwards of this generation (module docstring): ``len(tokens) - draft_accepted``."""
+        return len(self.tokens) - self.draft_accepted
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A running ``llama-server`` (use as ``with LlamaServer(...) as srv: srv.complete(...)``).
+
+    Args:
+        lc: the llama.cpp build (:func:`speculators.engines.llamacpp_build.require_llama_cpp`).
+        model: the target GGUF. draft: a draft GGUF (``-md``) or None.
+        spec_type: ``--spec-type`` (None: plain decoding, or the type the draft GGUF declares).
+        draft_n_max: ``--spec-draft-n-max`` (K). p_min: ``--spec-draft-p-min`` (a draft stops below it).
+        parallel: ``--parallel`` slots (each its own sequence; requests run concurrently up to this).
+        ctx_size: ``--ctx-size`` of all slots together. threads: ``--threads`` (default: all cores).
+        extra: further command-line arguments.
+        startup_timeout: seconds to wait for ``/health``.
+    Raises:
+        SpeculatorsError: the server exits or is not healthy in time (its log's last lines in the message).
+    """
+
+    def __init__(self, lc: LlamaCpp, model: str | Path, *, draft: str | Path | None = None,
+                 spec_type: str | None = None, draft_n_max: int | None = None, p_min: float | None = None,
+                 parallel: int = 1, ctx_size: int = 4096, threads: int | None = None,
+                 extra: list[str] | tuple[str, ...] = (), startup_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(lc.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+               "--parallel", str(parallel), "--ctx-size", str(ctx_size), "--threads", str(threads or os.cpu_count()), "--no-webui"]
+        if {"amx_int8", "amx_tile"} & cpu_flags():
+            # this llama.cpp's AMX repacked matmul segfaults at warm-up on AMX Xeons: serve the weights as stored
+            cmd.append("--no-repack")
+        if draft is not None:
+            cmd += ["-md", str(draft)]
+        if spec_type is not None:
+            cmd += ["--spec-type", spec_type]
+        if draft_n_max is not None:
+            cmd += ["--spec-draft-n-max", str(draft_n_max)]
+        if p_min is not None:
+            cmd += ["--spec-draft-p-min", str(p_min)]
+        self.cmd = cmd + list(extra)
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # ---------------------------------------------------------------- lifetime
+    def __enter__(self) -> LlamaServer:
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM to its process group, SIGKILL after 10 s); idempotent."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, n: int = 8) -> str:
+        """The server log's last ``n`` lines (joined by `` | ``)."""
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0)
+        lines = [ln.rstrip() for ln in self._log.read().splitlines() if ln.strip()]
+        return " | ".join(lines[-n:])
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SpeculatorsError(f"llama-server exited with status {self.proc.returncode} at start "
+                                       f"({' '.join(self.cmd)}): {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise SpeculatorsError(f"llama-server was not healthy within {self.startup_timeout:.0f} s: {self.log_tail()}")
+
+    # ---------------------------------------------------------------- requests
+    def _post(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise SpeculatorsError(f"llama-server {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:300]}") from None
+        except (urllib.error.URLError, ConnectionError) as e:
+            raise SpeculatorsError(f"llama-server {path}: {e} ({self.log_tail(4)})") from None
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, n_probs: int = 0) -> Completion:
+        """Generate from ``prompt_ids`` (token ids, BOS included as the target adds it) through ``/completion``.
+
+        Sampling: ``temperature`` 0 is greedy; above 0 the server samples with ``top_k`` (0: off) and ``top_p``
+        (1: off), seeded by ``seed``, and verifies drafts by its own rule. The prompt cache is off so that every
+        request measures the whole prompt. ``n_probs`` > 0 asks for the target's top log-probabilities.
+
+        Raises:
+            SpeculatorsError: the request failed (HTTP error or the server gone).
+        """
+        body = {"prompt": list(map(int, prompt_ids)), "n_predict": int(max_new_tokens), "temperature": float(temperature),
+                "top_k": int(top_k), "top_p": float(top_p), "min_p": 0.0, "seed": int(seed), "return_tokens": True,
+                "cache_prompt": False, "stream": False, "n_probs": int(n_probs)}
+        r = self._post("/completion", body)
+        t = r.get("timings", {})
+        probs = []
+        for entry in r.get("completion_probabilities", []) or []:
+            probs.append({int(p["id"]): float(p["logprob"]) for p in entry.get("top_logprobs", [])})
+        return Completion(tokens=[int(x) for x in r.get("tokens", [])], seconds=float(t.get("predicted_ms", 0.0)) / 1e3,
+                          prompt_seconds=float(t.get("prompt_ms", 0.0)) / 1e3, draft_n=int(t.get("draft_n", 0)),
+                          draft_accepted=int(t.get("draft_n_accepted", 0)), stop=str(r.get("stop_type", "")),
+                          top_logprobs=probs)
+
+
+__all__ = ["Completion", "LlamaServer", "free_port"]

@@ -1,0 +1,278 @@
+"""llama.cpp as a serving engine: the build, the GGUF export, the server and the engine eval.
+
+The first part needs no llama.cpp: the engine's counts -> tau, the near-tie rule, the report, which families
+have a llama.cpp path, the server's start-up errors (a fake binary) and the build's exit codes. The second part
+runs the real ``llama-server`` (``make llama-cpp`` builds it): a tiny EAGLE-3 run is trained, converted with
+llama.cpp's own converter and measured inside the engine, whose greedy outputs with the drafter must equal its
+plain ones. Without a build those tests skip saying why; under ``CI=true`` they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators.engines import llamacpp_build
+from speculators.engines.gguf_export import spec_type_of
+from speculators.engines.llamacpp_build import LlamaCpp, LlamaCppUnavailable, find_llama_cpp
+from speculators.engines.llamacpp_eval import (EnginePass, EngineSettings, best_setting, classify_engine_mismatch,
+                                               engine_row, first_diff, loop_comparison, render_markdown, timings)
+from speculators.engines.llamacpp_server import Completion, LlamaServer
+from speculators.errors import SpeculatorsError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny-eagle3.yaml"
+
+
+def _c(tokens, drafted=0, accepted=0, seconds=1.0) -> Completion:
+    return Completion(tokens=list(tokens), seconds=seconds, prompt_seconds=0.1, draft_n=drafted,
+                      draft_accepted=accepted, stop="limit", top_logprobs=[])
+
+
+# ----------------------------------------------------------------------------- without llama.cpp
+
+
+def test_engine_row_counts_tau_from_the_servers_own_counts():
+    """tau = generated tokens / target forwards, forwards = tokens - accepted drafts (every verify step emits
+    its accepted drafts plus one target token); acceptance = accepted / drafted; no drafts -> n/a, not 0."""
+    p = EnginePass("drafter", k=3, draft_outtype="f16")
+    row = engine_row(p, [_c(range(10), drafted=9, accepted=6), _c(range(8), drafted=6, accepted=2)], wall=2.0)
+    assert row["tokens"] == 18 and row["target_forwards"] == (10 - 6) + (8 - 2)
+    assert row["tau"] == pytest.approx(18 / 10) and row["acceptance_rate"] == pytest.approx(8 / 15)
+    assert row["tokens_per_s"] == pytest.approx(9.0) and row["decode_tokens_per_s"] == pytest.approx(9.0)
+    lo, hi = row["tau_ci"]
+    assert lo <= row["tau"] <= hi and row["engine"] == "llama.cpp" and row["label"] == "drafter k=3 t=0"
+    plain = engine_row(EnginePass("plain"), [_c(range(5))], wall=1.0)
+    assert plain["tau"] == 1.0 and plain["acceptance_rate"] is None
+    empty = engine_row(EnginePass("plain"), [_c([])], wall=0.0)
+    assert empty["tau"] is None and empty["tokens_per_s"] is None
+
+
+def test_pass_labels_are_unique_per_setting():
+    passes = [EnginePass("plain"), EnginePass("plain", temperature=1.0), EnginePass("plain", parallel=4),
+              EnginePass("drafter", k=2, draft_outtype="f16"), EnginePass("drafter", k=2, draft_outtype="q8_0"),
+              EnginePass("drafter", k=2, draft_outtype="f16", p_min=0.5), EnginePass("ngram-mod")]
+    assert len({p.label for p in passes}) == len(passes)
+
+
+@pytest.mark.parametrize("bad, match", [({"ks": (0,)}, "K values"), ({"temperatures": (1.0,)}, "include 0"),
+                                        ({"parallel": (2,)}, "include 1"), ({"p_mins": (1.5,)}, "p_min"),
+                                        ({"draft_outtypes": ()}, "draft_outtypes"), ({"max_new_tokens": 0}, "max_new")])
+def test_engine_settings_refuse_bad_values(bad, match):
+    with pytest.raises(SpeculatorsError, match=match):
+        EngineSettings(**bad)
+
+
+def _rows():
+    def row(method, tps, t=0.0, par=1, k=None, outtype=None, tau=1.0, tokens=100, forwards=100):
+        p = EnginePass(method, temperature=t, parallel=par, k=k, draft_outtype=outtype)
+        return {"label": p.label, "method": method, "temperature": t, "batch_size": par, "k": k, "p_min": None,
+                "draft_outtype": outtype, "draft_threads": None, "tokens_per_s": tps, "decode_tokens_per_s": tps, "tau": tau,
+                "tau_ci": [tau - 0.1, tau + 0.1], "tokens": tokens, "target_forwards": forwards}
+    return [row("plain", 90.0), row("drafter", 50.0, k=1, outtype="f16", tau=1.3, forwards=77),
+            row("drafter", 60.0, k=2, outtype="f16", tau=1.5, forwards=67), row("ngram-simple", 100.0),
+            row("drafter", 95.0, t=1.0, k=2, outtype="f16"), row("plain", 80.0, t=1.0)]
+
+
+def test_best_setting_is_the_fastest_greedy_single_slot_drafter_row():
+    b = best_setting(_rows())
+    assert b["row"] == "drafter k=2 t=0" and b["tokens_per_s"] == 60.0 and b["plain_tokens_per_s"] == 90.0
+    assert b["ngram_best"] == "ngram-simple t=0" and not b["beats_plain"] and not b["beats_ngram"]
+    t = timings({"rows": _rows(), "best": b})
+    # 100 tokens in 100/60 s over 67 target forwards: 24.9 ms per step against 11.1 ms per plain token
+    assert t["spec_ms_per_step"] == pytest.approx(1000 * 100 / 60 / 67)
+    assert t["break_even_tau"] == pytest.approx(t["spec_ms_per_step"] / (1000 / 90))
+
+
+def test_loop_comparison_sets_engine_tau_beside_the_loops_ci():
+    engine = {"rows": [dict(r, p_min=None) for r in _rows()], "settings": {"draft_outtypes": ["f16"]}}
+    loop = {"temperature": 0.0, "rows": [{"method": "drafter", "k": 2, "batch_size": 1, "tau": 1.45,
+                                          "tau_ci": [1.4, 1.55]},
+                                         {"method": "drafter", "k": 1, "batch_size": 1, "tau": 1.08, "tau_ci": [1.0, 1.15]}]}
+    by_k = {c["k"]: c for c in loop_comparison(engine, loop)}
+    assert by_k[2]["within_loop_ci"] and by_k[2]["cis_overlap"]
+    assert not by_k[1]["within_loop_ci"] and not by_k[1]["cis_overlap"]  # 1.3 [1.2, 1.4] vs [1.0, 1.15]
+    assert loop_comparison(engine, {**loop, "temperature": 1.0}) == [] and loop_comparison(engine, None) == []
+
+
+class _FakeServer:
+    """Answers ``complete`` with prepared top log-probabilities: ``seq`` for a decode of ``j + 1`` tokens,
+    ``batch`` for the one-token request after the prefix."""
+
+    def __init__(self, seq, batch):
+        self.seq, self.batch = seq, batch
+
+    def complete(self, prompt, n, n_probs=0, **kw):
+        return Completion([0] * n, 0.0, 0.0, 0, 0, "limit", self.seq if n > 1 else [self.batch])
+
+
+def test_classify_engine_mismatch_near_tie_and_failure():
+    """A gap within twice the engine's own decode-vs-batch drift is a near-tie; the same gap with no drift is a
+    failure; a batched forward that itself ranks the speculative token first is a near-tie."""
+    plain, spec = [5, 6, 7], [5, 6, 9]
+    assert first_diff(plain, spec) == 2 and first_diff([1, 2], [1, 2, 3]) == 2
+    seq = [{5: -0.1}, {6: -0.1}, {7: -0.70, 9: -0.72, 3: -3.0}]
+    tie = classify_engine_mismatch(_FakeServer(seq, {7: -0.69, 9: -0.73, 3: -2.99}), [1], plain, spec)
+    assert tie["position"] == 2 and tie["near_tie"] and tie["drift"] == pytest.approx(0.01)
+    fail = classify_engine_mismatch(_FakeServer(seq, {7: -0.70, 9: -0.72, 3: -3.0}), [1], plain, spec)
+    assert not fail["near_tie"] and fail["gap"] == pytest.approx(0.02) and fail["drift"] == 0.0
+    flipped = classify_engine_mismatch(_FakeServer(seq, {7: -0.8, 9: -0.6}), [1], plain, spec)
+    assert flipped["near_tie"] and flipped["batch_argmax"] == 9
+    short = classify_engine_mismatch(_FakeServer(seq, {}), [1], plain, plain[:2])
+    assert not short["near_tie"] and short["output_token"] is None
+
+
+def test_render_markdown_has_every_row_and_the_verdicts():
+    rows = [dict(r, speedup=None, accepted=0, drafted=0) for r in _rows()]
+    b = best_setting(rows)
+    rep = {"llama_cpp_version": "0.3.36", "num_prompts": 3, "settings": {"max_new_tokens": 16}, "rows": rows,
+           "greedy_check": {"mismatches": [], "near_tie": 0, "failures": 0, "passed": True}, "best": b,
+           "negative_control": {"tap_shift": 4, "k": 2, "tau": 1.0, "drafter_tau": 1.5, "separated": True},
+           "timings": timings({"rows": rows, "best": b})}
+    md = render_markdown(rep)
+    assert all(f"| {r['label']} |" in md for r in rows)
+    assert "PASS" in md and "separated" in md and "break-even needs tau above" in md
+
+
+def _tiny_checkpoint(tmp_path: Path, algorithm: str, **kw) -> Path:
+    from speculators.data.vocab import DraftVocab
+    from speculators.drafters import registry
+    from speculators.target import build_tiny_target
+
+    target = build_tiny_target(vocab_size=128, hidden_size=64, num_layers=4, seed=1)
+    cls = registry.get(algorithm)
+    cfg = cls.config_class(algorithm=algorithm, **kw)
+    target.aux_layer_ids = cls.serving.default_aux_layer_ids(4, cfg)
+    torch.manual_seed(0)
+    d = cls.from_target(cfg, target, DraftVocab.from_counts(torch.arange(128, 0, -1), 64 if algorithm in ("eagle3", "medusa") else None))
+    return d.save_pretrained(tmp_path / algorithm)
+
+
+def test_every_family_has_a_llamacpp_spec_type_or_says_why_not(tmp_path):
+    from speculators.drafters import registry
+
+    served = {}
+    for name in registry.names():
+        ckpt = _tiny_checkpoint(tmp_path, name)
+        try:
+            served[name] = spec_type_of(ckpt)
+        except SpeculatorsError as e:
+            assert f"no llama.cpp path for {name}, because " in str(e), e
+    assert served.get("eagle3") == "draft-eagle3"
+    for name, spec in served.items():
+        assert spec == registry.get(name).serving.llamacpp_spec_type
+
+
+def test_export_refuses_what_llamacpp_would_silently_serve_differently(tmp_path):
+    from speculators.engines.gguf_export import export_gguf
+
+    ckpt = _tiny_checkpoint(tmp_path, "eagle3", norm_output=True)
+    lc = LlamaCpp(Path("/nonexistent/llama-server"), Path("/nonexistent"), "0")
+    with pytest.raises(SpeculatorsError, match="norm_output"):
+        export_gguf(ckpt, tmp_path / "d.gguf", tmp_path, lc)
+    assert not (tmp_path / "d.gguf").exists()
+
+
+def test_server_that_dies_at_start_is_one_clear_error(tmp_path):
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    lc = LlamaCpp(fake, tmp_path, "0")
+    with pytest.raises(SpeculatorsError, match=r"exited with status 3.*failed to load model"):
+        with LlamaServer(lc, tmp_path / "m.gguf", startup_timeout=20):
+            pass
+
+
+def test_build_location_and_exit_codes(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp_build.ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(LlamaCppUnavailable, match="holds no bin/llama-server"):
+        find_llama_cpp()
+    monkeypatch.delenv(llamacpp_build.ENV_VAR)
+    monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path / "cache"))
+    assert find_llama_cpp() is None
+    assert llamacpp_build.build_dir().name == f"build-{llamacpp_build.LLAMA_CPP_PYTHON_VERSION}-{llamacpp_build.cpu_key()}"
+
+    def offline(*a, **k):
+        raise LlamaCppUnavailable("no network")
+
+    monkeypatch.setattr(llamacpp_build, "build", offline)
+    monkeypatch.setenv("CI", "true")
+    assert llamacpp_build.main([]) == 1
+    monkeypatch.setenv("CI", "false")
+    assert llamacpp_build.main([]) == 0
+
+
+def test_cli_refuses_an_unknown_engine(tmp_path):
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    r = CliRunner().invoke(app, ["eval", str(tmp_path), "--engine", "tgi"])
+    assert r.exit_code == 2 and "allowed: llama.cpp" in r.output
+    r = CliRunner().invoke(app, ["eval", str(tmp_path), "--engine", "llama.cpp", "--slots", "1,x"])
+    assert r.exit_code == 2 and "--slots 1,x" in r.output
+
+
+# ----------------------------------------------------------------------------- with the real llama-server
+
+
+@pytest.fixture(scope="module")
+def lc():
+    try:
+        found = find_llama_cpp()
+        why = None if found else f"llama.cpp is not built (make llama-cpp; expected {llamacpp_build.build_dir()})"
+    except LlamaCppUnavailable as e:
+        found, why = None, str(e)
+    if found is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: {why}")
+        pytest.skip(why)
+    return found
+
+
+@pytest.mark.slow
+def test_tiny_eagle3_trains_converts_and_serves_losslessly_in_llamacpp(lc, tmp_path, tiny_target_dir, isolated_cache,
+                                                                      monkeypatch):
+    """train -> eval (our loop) -> export gguf -> eval --engine llama.cpp, all through the CLI: llama.cpp's
+    converter takes our EAGLE-3 export as written, llama-server serves it with --spec-type draft-eagle3, drafts
+    and verifies (its counts), and every greedy output with the drafter equals the engine's plain output."""
+    from conftest import cli_train_then_eval
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    monkeypatch.setenv(llamacpp_build.ENV_VAR, str(lc.server.parent.parent))  # the cache is this test's own
+    monkeypatch.setenv(llamacpp_build.SOURCE_ENV_VAR, str(lc.source))
+    run = tmp_path / "run"
+    cli_train_then_eval(TINY, tiny_target_dir, run, "train.steps=4")
+    r = CliRunner().invoke(app, ["export", "gguf", str(run), "--outtype", "f32"])
+    assert r.exit_code == 0, r.output
+    assert (run / "gguf" / "draft-f32.gguf").stat().st_size > 0 and (run / "gguf" / "target-f16.gguf").exists()
+    assert "--spec-type draft-eagle3" in r.output
+    r = CliRunner().invoke(app, ["eval", str(run), "--engine", "llama.cpp", "-k", "1,3", "--slots", "1,2",
+                                 "--p-min", "0.3", "--draft-outtypes", "f32,q8_0", "--temperature", "1.0",
+                                 "--draft-threads", "1"])
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    rep = json.loads((run / "eval-llamacpp" / "report.json").read_text())
+    labels = {row["label"] for row in rep["rows"]}
+    k = rep["best"]["row"].split()[1]
+    for want in ["plain t=0", "drafter k=1 f32 t=0", "drafter k=3 f32 t=0", "ngram-simple t=0", "ngram-mod t=0",
+                 f"drafter {k} q8_0 t=0", f"drafter {k} f32 p_min=0.3 t=0", f"drafter {k} f32 draft_threads=1 t=0",
+                 f"drafter-shifted-taps {k} f32 t=0", "plain t=1", f"drafter {k} f32 t=1", "plain t=0 x2",
+                 f"drafter {k} f32 t=0 x2"]:
+        assert want in labels, (want, sorted(labels))
+    for row in rep["rows"]:
+        if row["method"].startswith("drafter"):
+            assert row["drafted"] > 0 and 0 <= row["accepted"] <= row["drafted"]
+        if row["method"] == "plain":
+            assert row["tau"] == 1.0 and row["drafted"] == 0
+        assert row["tokens"] > 0 and row["tokens_per_s"] > 0
+    assert rep["greedy_check"]["passes"] and rep["greedy_check"]["passed"], rep["greedy_check"]
+    assert rep["loop_comparison"], "the loop's greedy report beside the run was not found"
+    assert (run / "eval-llamacpp" / "report.md").read_text().count("| drafter") >= 4
