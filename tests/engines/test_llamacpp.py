@@ -127,6 +127,33 @@ def test_classify_engine_mismatch_near_tie_and_failure():
     assert not short["near_tie"] and short["output_token"] is None
 
 
+def test_greedy_check_covers_every_greedy_pass_and_classifies_through_a_plain_server(monkeypatch):
+    """Every temperature-0 pass but the one-slot plain one is compared (drafters, the negative control, plain with
+    several slots); sampled passes are not; a mismatch is classified through a plain server."""
+    import contextlib
+
+    from speculators.engines import llamacpp_eval
+
+    served = []
+
+    @contextlib.contextmanager
+    def fake_server(lc, models, p, st):
+        served.append(p.label)
+        yield _FakeServer([{5: -0.1}, {6: -0.5, 8: -0.51}], {6: -0.6, 8: -0.4})
+
+    monkeypatch.setattr(llamacpp_eval, "_server", fake_server)
+    passes = {p.label: p for p in [EnginePass("plain"), EnginePass("drafter", k=2, draft_outtype="f16"),
+                                   EnginePass("drafter-shifted-taps", k=2, draft_outtype="f16"),
+                                   EnginePass("plain", parallel=2), EnginePass("drafter", k=2, temperature=1.0)]}
+    same, other = [_c([5, 6, 7]), _c([1, 2])], [_c([5, 8, 7]), _c([1, 2])]
+    outputs = {"plain t=0": same, "drafter k=2 t=0": other, "drafter-shifted-taps k=2 t=0": same,
+               "plain t=0 x2": same, "drafter k=2 t=1": [_c([9]), _c([9])]}
+    g = llamacpp_eval.greedy_check(None, None, [[1], [2]], EngineSettings(), outputs, passes)
+    assert set(g["passes"]) == {"drafter k=2 t=0", "drafter-shifted-taps k=2 t=0", "plain t=0 x2"}
+    assert g["passes"]["drafter k=2 t=0"] == {"prompts": 2, "mismatches": 1, "near_tie": 1, "failures": 0}
+    assert g["mismatches"][0]["position"] == 1 and g["passed"] and served == ["plain t=0"]
+
+
 def test_render_markdown_has_every_row_and_the_verdicts():
     rows = [dict(r, speedup=None, accepted=0, drafted=0) for r in _rows()]
     b = best_setting(rows)
