@@ -416,6 +416,42 @@ def test_refit_calibration(cache, tiny_target_dir, tmp_path):
         [f"- {row[0]}" for row in rows], r.stdout
 
 
+def _llama_cpp_at_collection():
+    """The llama.cpp build as the real cache holds it (found at import, before this module's private cache is set),
+    or why there is none."""
+    from speculators.engines.llamacpp_build import LlamaCppUnavailable, build_dir, find_llama_cpp
+
+    try:
+        found = find_llama_cpp()
+    except LlamaCppUnavailable as e:
+        return None, str(e)
+    return found, None if found else f"llama.cpp is not built (make llama-cpp; expected {build_dir()})"
+
+
+LLAMA_CPP = _llama_cpp_at_collection()
+
+
+@covers("bench_llamacpp_step_cost.py")
+@pytest.mark.slow
+def test_bench_llamacpp_step_cost(cache, tiny_target_dir, monkeypatch):
+    """An untrained EAGLE-3 drafter for the tiny target, served at K = 1 and 2: a row per K whose steps drafted
+    about K tokens each, and a break-even tau above 1 (a speculative step costs more than a plain token)."""
+    lc, why = LLAMA_CPP
+    if lc is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: {why}")
+        pytest.skip(why)
+    monkeypatch.setenv("SPECULATORS_LLAMA_CPP", str(lc.server.parent.parent))
+    monkeypatch.setenv("SPECULATORS_LLAMA_CPP_SOURCE", str(lc.source))
+    r = run_script(cache, "bench_llamacpp_step_cost.py", "--target", tiny_target_dir, "--draft-vocab", "512",
+                   "--ks", "1,2", "--prompts", "2", "--max-new-tokens", "16", "--threads", "1")
+    assert "plain:" in r.stdout and "ms per token" in r.stdout
+    rows = {row[0]: row for row in table_rows(r.stdout) if row[0].isdigit()}
+    assert set(rows) == {"1", "2"}, r.stdout
+    for k, row in rows.items():
+        assert 0 < float(row[2]) <= int(k) and float(row[4]) > 1.0, row
+
+
 # ----------------------------------------------------------------------------- completeness
 
 
