@@ -18,8 +18,8 @@ from typing import Any, Callable
 from ..errors import SpeculatorsError
 from .gguf_export import export_gguf, spec_type_of, target_files
 from .llamacpp_build import LlamaCpp, require_llama_cpp
-from .llamacpp_eval import (TAP_SHIFT, EngineModels, EngineSettings, loop_comparison, render_markdown,
-                            run_engine_eval, timings, write_engine_report)
+from .llamacpp_eval import (EngineModels, EngineSettings, loop_comparison, render_markdown,
+                            run_engine_eval, tap_shift, timings, write_engine_report)
 
 #: the engine eval's report directory under the run directory
 REPORT_DIR = "eval-llamacpp"
@@ -47,9 +47,10 @@ def draft_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, log) -> 
     return out
 
 
-def shifted_taps_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, log) -> Path | None:
-    """The negative control's draft GGUF: the drafter converted with every aux layer tap :data:`TAP_SHIFT`
-    layers deeper (clipped to the target's last layer), or None when the format has no aux taps."""
+def shifted_taps_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, log) -> tuple[Path, int] | None:
+    """The negative control's draft GGUF and its shift: the drafter converted with every aux layer tap
+    :func:`speculators.engines.llamacpp_eval.tap_shift` layers deeper (clipped to the target's last layer), or
+    None when the format has no aux taps."""
     from ..drafters import registry
 
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -58,11 +59,12 @@ def shifted_taps_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, l
         return None
     layers = json.loads((target_hf / "config.json").read_text())
     layers = layers.get("text_config", layers)["num_hidden_layers"]
-    shifted = [min(int(i) + TAP_SHIFT, layers - 1) for i in cfg[key]]
-    out = _gguf_dir(ckpt) / f"draft-{outtype}-taps-shifted-{TAP_SHIFT}.gguf"
+    shift = tap_shift(layers)
+    shifted = [min(int(i) + shift, layers - 1) for i in cfg[key]]
+    out = _gguf_dir(ckpt) / f"draft-{outtype}-taps-shifted-{shift}.gguf"
     if not out.exists():
         export_gguf(ckpt, out, target_hf, lc, outtype, config_patch={key: shifted}, log=log)
-    return out
+    return out, shift
 
 
 def serve_command(lc: LlamaCpp, target: Path, draft: Path, spec_type: str, k: int, p_min: float | None = None,
@@ -147,7 +149,8 @@ def engine_eval(ckpt: Path, rec, settings: EngineSettings, *, num_prompts: int, 
     ids = [list(map(int, p["input_ids"])) for p in plist]
     log(f"engine eval: {len(ids)} prompts ({label}) through llama-server ({lc.server}), K={list(settings.ks)}, "
         f"temperatures {list(settings.temperatures)}, slots {list(settings.parallel)}")
-    models = EngineModels(target=target_path, drafts=drafts, spec_type=spec, shifted=shifted)
+    models = EngineModels(target=target_path, drafts=drafts, spec_type=spec, shifted=shifted[0] if shifted else None,
+                          shifted_by=shifted[1] if shifted else None)
     report = run_engine_eval(lc, models, ids, settings, log=log)
     report.update(checkpoint=str(ckpt), prompts=label, target_gguf=str(target_path), draft_spec_type=spec,
                   draft_ggufs={o: str(p) for o, p in drafts.items()})
