@@ -13,7 +13,9 @@ in this engine; below it, a slowdown.
     python scripts/bench_llamacpp_step_cost.py --target smollm2-135m-instruct --ks 1,2,4
     python scripts/bench_llamacpp_step_cost.py --target gemma3-270m --draft-vocab 8192 --ks 1,2,4
 
-Needs ``make llama-cpp``. Run it alone on the machine: llama.cpp's threads spin-wait, and another busy
+Needs ``make llama-cpp``. A target whose llama.cpp graph exposes no layer inputs (Gemma 3 in llama.cpp of
+llama-cpp-python 0.3.36) aborts the server at the first drafted request; the script then prints the server's
+assertion. Run it alone on the machine: llama.cpp's threads spin-wait, and another busy
 process slows them far more than its share of the cores.
 """
 
@@ -30,7 +32,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="target: alias, .gguf file or HF directory")
-    ap.add_argument("--algorithm", default="eagle3", help="drafter family (one llama.cpp serves)")
+    ap.add_argument("--algorithm", default=None, help="drafter family (default: the first llama.cpp serves)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--ks", default="1,2,4", help="K values, comma-separated")
     ap.add_argument("--prompts", type=int, default=4, help="prompts (chatterbot questions)")
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     lc = require_llama_cpp()
-    cls = registry.get(args.algorithm)
+    served = [n for n in registry.names() if registry.get(n).serving.llamacpp_spec_type]
+    cls = registry.get(args.algorithm or served[0])
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         tmp = Path(tmp)
         gguf, hf = target_files(args.target, lc, tmp, log=lambda m: None)
@@ -75,18 +78,24 @@ def main(argv: list[str] | None = None) -> int:
                 outs = [srv.complete(p, args.max_new_tokens) for p in prompts]
             tokens = sum(len(o.tokens) for o in outs)
             secs = sum(o.seconds for o in outs)
-            fwd = sum(o.target_forwards for o in outs)
+            fwd = sum(o.steps for o in outs)
             return tokens, secs, fwd, sum(o.draft_n for o in outs), sum(o.draft_accepted for o in outs)
 
-        t, s, _, _, _ = run()
-        token_ms = 1000 * s / t
-        print(f"target {args.target} ({gguf.name}), draft {args.algorithm} {args.outtype}, draft vocabulary "
+        t, s, st, _, _ = run()
+        if not st or not s:
+            print(f"plain decoding emitted {t} token(s): no decode step to time (raise --max-new-tokens)")
+            return 1
+        token_ms = 1000 * s / st
+        print(f"target {args.target} ({gguf.name}), draft {cls.algorithm} {args.outtype}, draft vocabulary "
               f"{vocab.size}, {len(prompts)} prompts x {args.max_new_tokens} tokens, llama.cpp {lc.version}")
-        print(f"plain: {t / s:.1f} tok/s, {token_ms:.2f} ms per token")
+        print(f"plain: {st / s:.1f} tok/s (decode steps), {token_ms:.2f} ms per token")
         print("| K | ms per speculative step | drafted / step | accepted | break-even tau (step / token) |")
         print("|---|---|---|---|---|")
         for k in ks:
             t, s, fwd, drafted, acc = run(draft=draft, spec_type=spec, draft_n_max=k, p_min=0.0)
+            if not fwd:
+                print(f"| {k} | n/a | n/a | {acc} / {drafted} | n/a |")
+                continue
             step_ms = 1000 * s / fwd
             print(f"| {k} | {step_ms:.2f} | {drafted / fwd:.2f} | {acc} / {drafted} | {step_ms / token_ms:.2f} |")
     return 0

@@ -246,7 +246,7 @@ def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min,
         raise SpeculatorsError(f"--engine {engine}: not a supported engine; allowed: llama.cpp")
     ks = _parse_k(k)
     given = {"ks": tuple(ks.get("k_sweep", [ks["k"]] if "k" in ks else [])) or None,
-             "temperatures": (0.0, temperature) if temperature else None,
+             "temperatures": None if temperature is None else (0.0,) if temperature == 0 else (0.0, temperature),
              "parallel": _csv(slots, int, "--slots"), "p_mins": _csv(p_min, float, "--p-min"),
              "draft_outtypes": _csv(draft_outtypes, str, "--draft-outtypes"),
              "draft_threads": _csv(draft_threads, int, "--draft-threads"), "max_new_tokens": max_new_tokens}
@@ -259,6 +259,11 @@ def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min,
                       f"{best['plain_tokens_per_s']:.1f}; {best['ngram_best']} {best['ngram_tokens_per_s']:.1f}):\n"
                       f"  {best['serve']}")
     log(f"report written to {out}/report.json and report.md")
+    nc = report.get("negative_control")
+    if nc and not nc["separated"]:
+        console.print(f"[bold yellow]warning:[/bold yellow] the negative control (aux taps {nc['tap_shift']} layers deeper) "
+                      f"accepted about as much as the drafter (tau {nc['tau']} against {nc['drafter_tau']}): this run "
+                      "cannot show that the engine reads the layers the drafter was trained on (an untrained drafter?)")
     if not report["greedy_check"]["passed"]:
         console.print("[bold red]error:[/bold red] an engine output with the drafter differs from the engine's plain "
                       f"greedy output beyond a near-tie: {[m for m in report['greedy_check']['mismatches'] if not m['near_tie']]}")

@@ -37,12 +37,19 @@ def _target_ref(ckpt: Path, rec, target_model: str | None) -> str:
     return rec.target.model
 
 
+def _stale(out: Path, ckpt: Path) -> bool:
+    """Whether the GGUF ``out`` must be (re)converted: missing, or older than the checkpoint's weights or config."""
+    if not out.exists():
+        return True
+    src = [f for f in (ckpt / "model.safetensors", ckpt / "config.json") if f.exists()]
+    return any(out.stat().st_mtime < f.stat().st_mtime for f in src)
+
+
 def draft_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, log) -> Path:
     """``<run>/gguf/draft-<outtype>.gguf`` of the drafter in ``ckpt``, converted once (kept while newer than the
     checkpoint's weights)."""
     out = _gguf_dir(ckpt) / f"draft-{outtype}.gguf"
-    weights = ckpt / "model.safetensors"
-    if not out.exists() or (weights.exists() and out.stat().st_mtime < weights.stat().st_mtime):
+    if _stale(out, ckpt):
         export_gguf(ckpt, out, target_hf, lc, outtype, log=log)
     return out
 
@@ -62,20 +69,22 @@ def shifted_taps_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, l
     shift = tap_shift(layers)
     shifted = [min(int(i) + shift, layers - 1) for i in cfg[key]]
     out = _gguf_dir(ckpt) / f"draft-{outtype}-taps-shifted-{shift}.gguf"
-    if not out.exists():
+    if _stale(out, ckpt):
         export_gguf(ckpt, out, target_hf, lc, outtype, config_patch={key: shifted}, log=log)
     return out, shift
 
 
 def serve_command(lc: LlamaCpp, target: Path, draft: Path, spec_type: str, k: int, p_min: float | None = None,
                   draft_threads: int | None = None) -> str:
-    """The ``llama-server`` command line that serves ``draft`` for ``target`` with K drafts per step."""
-    cmd = [str(lc.server), "-m", str(target), "-md", str(draft), "--spec-type", spec_type, "--spec-draft-n-max", str(k)]
-    if p_min is not None:
-        cmd += ["--spec-draft-p-min", f"{p_min:g}"]
-    if draft_threads is not None:
-        cmd += ["--spec-draft-threads", str(draft_threads)]
-    return shlex.join(cmd + ["--port", "8080"])
+    """The ``llama-server`` command line that serves ``draft`` for ``target`` with K drafts per step: the one
+    :class:`.llamacpp_server.LlamaServer` runs for that setting (threads, context, ``--no-repack`` on AMX CPUs),
+    at port 8080."""
+    from .llamacpp_server import LlamaServer
+
+    extra = ["--spec-draft-threads", str(draft_threads)] if draft_threads is not None else []
+    cmd = LlamaServer(lc, target, draft=draft, spec_type=spec_type, draft_n_max=k, p_min=p_min, extra=extra).cmd
+    port = cmd.index("--port")
+    return shlex.join(cmd[:port + 1] + ["8080"] + cmd[port + 2:])
 
 
 def export_run(ckpt: Path, rec, target_model: str | None = None, outtypes: tuple[str, ...] = ("f16",),

@@ -29,8 +29,8 @@ Greedy losslessness (:func:`greedy_check`): at temperature 0 every speculative o
 too: a wrong draft must cost speed, never tokens) and every output of plain decoding with several slots must
 equal the engine's one-slot plain output token for token, or its first difference must sit on a near-tie of the target's logits as the
 engine computes them: the engine's own top log-probabilities at that position from a one-token-at-a-time
-decode (plain decoding's shape) and from one batched forward over the prefix (the shape of a verify step)
-(:func:`classify_engine_mismatch`). Anything else is a failure.
+decode (plain decoding's shape) and from one batched forward over the prefix (many tokens at once, as a verify
+step) (:func:`classify_engine_mismatch`). Anything else is a failure.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def tap_shift(num_layers: int) -> int:
     from 1.48 to 1.40); a third of the depth reads clearly different states."""
     return max(1, int(num_layers) // 3)
 
-#: a mismatch is a near-tie when the two tokens' log-probability gap is within this factor of the engine's own
-#: drift between its decode-shaped and batch-shaped forwards at that position (the factor covers both tokens)
+#: a mismatch is a near-tie when the two tokens' log-probability gap is within this factor of how much the engine's
+#: batch-shaped forward moved that gap against its decode-shaped one (the verify shape differs from both)
 NEAR_TIE_FACTOR = 2.0
 #: top log-probabilities asked for when a mismatch is classified
 N_PROBS = 20
@@ -188,17 +188,17 @@ def engine_row(p: EnginePass, outs: list[Completion], wall: float) -> dict[str, 
     zero are None (shown as n/a)."""
     tokens = sum(len(o.tokens) for o in outs)
     drafted, accepted = sum(o.draft_n for o in outs), sum(o.draft_accepted for o in outs)
-    forwards = sum(o.target_forwards for o in outs)
+    steps, step_tokens = sum(o.steps for o in outs), sum(o.step_tokens for o in outs)
     gen = sum(o.seconds for o in outs)
-    lo, hi = bootstrap_tau_ci([len(o.tokens) for o in outs], [o.target_forwards for o in outs])
+    lo, hi = bootstrap_tau_ci([o.step_tokens for o in outs], [o.steps for o in outs])
     return {"engine": ENGINE, "label": p.label, "method": p.method, "k": p.k, "batch_size": p.parallel,
             "temperature": p.temperature, "p_min": p.p_min, "draft_outtype": p.draft_outtype, "draft_threads": p.draft_threads,
             "num_prompts": len(outs), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall if wall > 0 else None,
             "decode_tokens_per_s": tokens / gen if gen > 0 and p.parallel == 1 else None,
-            "tau": tokens / forwards if forwards else None, "tau_ci": [lo, hi],
+            "tau": step_tokens / steps if steps else None, "tau_ci": [lo, hi] if steps else None,
             "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None,
-            "target_forwards": forwards, "speedup": None}
+            "steps": steps, "decode_seconds": gen, "speedup": None}
 
 
 def _fastest(rows: list[dict], method: str) -> dict | None:
@@ -252,7 +252,7 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
         shifted = do(EnginePass("drafter-shifted-taps", k=k_best, draft_outtype=main))
         control = {"k": k_best, "tap_shift": models.shifted_by, "tau": shifted["tau"], "tau_ci": shifted["tau_ci"],
                    "drafter_tau": best["tau"], "drafter_tau_ci": best["tau_ci"],
-                   "separated": shifted["tau_ci"][1] < best["tau_ci"][0]}
+                   "separated": bool(shifted["tau_ci"] and best["tau_ci"] and shifted["tau_ci"][1] < best["tau_ci"][0])}
     ngram_best = max((r for r in rows if r["method"] in st.ngram_types), key=lambda r: r["tokens_per_s"] or 0,
                      default=None)
     for t in [t for t in st.temperatures if t > 0]:
@@ -272,13 +272,16 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
     check = greedy_check(lc, models, prompts, st, outputs, passes, log)
     return {"engine": ENGINE, "llama_cpp_version": lc.version, "settings": dataclasses.asdict(st),
             "num_prompts": len(prompts), "rows": rows, "plain": plain0, "greedy_check": check,
-            "negative_control": control, "best": best_setting(rows, st.ngram_types)}
+            "negative_control": control,
+            "best": best_setting(rows, st.ngram_types, {lab for lab, c in check["passes"].items() if c["failures"]})}
 
 
-def best_setting(rows: list[dict], ngram_types=("ngram-simple", "ngram-mod")) -> dict[str, Any]:
+def best_setting(rows: list[dict], ngram_types=("ngram-simple", "ngram-mod"), failed: set[str] = frozenset(),
+                 ) -> dict[str, Any]:
     """The fastest drafter row at temperature 0 and one slot, against plain decoding and the fastest model-free
-    type there: ``{"row", "plain_tokens_per_s", "ngram_best", "beats_plain", "beats_ngram"}``."""
-    at = [r for r in rows if r["temperature"] == 0 and r["batch_size"] == 1]
+    type there: ``{"row", "plain_tokens_per_s", "ngram_best", "beats_plain", "beats_ngram"}``. Passes in
+    ``failed`` (labels whose greedy outputs failed the check) are never chosen."""
+    at = [r for r in rows if r["temperature"] == 0 and r["batch_size"] == 1 and r["label"] not in failed]
     drafter = _fastest(at, "drafter")
     plain = next(r for r in at if r["method"] == "plain")
     ngram = max((r for r in at if r["method"] in ngram_types), key=lambda r: r["tokens_per_s"] or 0, default=None)
@@ -298,36 +301,37 @@ def first_diff(a: list[int], b: list[int]) -> int:
 def classify_engine_mismatch(srv: LlamaServer, prompt: list[int], plain: list[int], output: list[int]) -> dict:
     """Whether one greedy mismatch sits on a near-tie of the target's logits as the engine computes them.
 
-    At the first differing position ``j`` (plain token ``a``, speculative token ``b``), through the plain
-    server ``srv``: the top log-probabilities at ``j`` from a one-token-at-a-time decode of ``plain[:j + 1]``
-    (``seq``) and from one batched forward over ``prompt + plain[:j]`` (``batch``, the shape of a verify step).
-    ``drift`` = the largest change between the two shapes of any token both list; ``gap`` = the smallest
-    ``|lp[a] - lp[b]|`` over the shapes where both are listed. ``near_tie`` when ``gap <= NEAR_TIE_FACTOR *
-    drift`` or the batched forward itself ranks ``b`` first. A length difference with no differing token, or
-    ``b`` outside both top lists, is not a near-tie.
+    At the first differing position ``j`` (plain token ``a``, the other pass's token ``b``), through the plain
+    server ``srv``, the engine's top log-probabilities at ``j`` in two shapes: ``seq``, a one-token-at-a-time
+    decode of ``j + 1`` tokens (plain decoding's shape; its first ``j`` tokens must replay ``plain``), and
+    ``batch``, one batched forward over ``prompt + plain[:j]`` (a forward over many tokens at once, as a verify
+    step is; not its exact shape: a verify step runs K + 1 tokens on a cached prefix). ``gap = lp_seq[a] -
+    lp_seq[b]`` and ``drift = |gap - (lp_batch[a] - lp_batch[b])|``, how much the forward's shape moved this
+    pair. ``near_tie`` when both tokens are in both top lists and ``gap <= NEAR_TIE_FACTOR * drift`` (in
+    particular whenever the batched forward ranks ``b`` above ``a``). A length difference with no differing
+    token, a token outside the top lists or a replay that differs is not a near-tie: it is a failure.
 
     Returns:
-        ``{"position", "plain_token", "output_token", "near_tie", "gap", "drift", "batch_argmax"}``.
+        ``{"position", "plain_token", "output_token", "near_tie", "gap", "batch_gap", "drift", "replayed"}``.
     """
     j = first_diff(plain, output)
     out: dict[str, Any] = {"position": j, "plain_token": plain[j] if j < len(plain) else None,
                            "output_token": output[j] if j < len(output) else None, "near_tie": False,
-                           "gap": None, "drift": None, "batch_argmax": None}
+                           "gap": None, "batch_gap": None, "drift": None, "replayed": None}
     if out["plain_token"] is None or out["output_token"] is None:
         return out
     a, b = out["plain_token"], out["output_token"]
-    seq = srv.complete(prompt, j + 1, n_probs=N_PROBS).top_logprobs
+    seq = srv.complete(prompt, j + 1, n_probs=N_PROBS)
     batch = srv.complete(prompt + plain[:j], 1, n_probs=N_PROBS).top_logprobs
-    if len(seq) <= j or not batch:
+    out["replayed"] = seq.tokens[:j] == plain[:j]
+    if not out["replayed"] or len(seq.top_logprobs) <= j or not batch:
         return out
-    s, bt = seq[j], batch[0]
-    common = set(s) & set(bt)
-    drift = max((abs(s[t] - bt[t]) for t in common), default=0.0)
-    gaps = [abs(d[a] - d[b]) for d in (s, bt) if a in d and b in d]
-    arg = max(bt, key=bt.get)
-    gap = min(gaps) if gaps else None
-    out.update(gap=gap, drift=drift, batch_argmax=arg,
-               near_tie=arg == b or (gap is not None and gap <= NEAR_TIE_FACTOR * drift))
+    s, bt = seq.top_logprobs[j], batch[0]
+    if not all(t in d for t in (a, b) for d in (s, bt)):
+        return out
+    gap, batch_gap = s[a] - s[b], bt[a] - bt[b]
+    drift = abs(gap - batch_gap)
+    out.update(gap=gap, batch_gap=batch_gap, drift=drift, near_tie=gap <= NEAR_TIE_FACTOR * drift)
     return out
 
 
@@ -438,15 +442,16 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def timings(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The engine's costs behind the best drafter row: plain ms per token, ms per speculative step
-    (decode time / target forwards), and the tau at which the drafter would break even (step ms / token ms)."""
+    """The engine's costs behind the best drafter row: ms per plain decode step (one token), ms per speculative
+    step (the server's generation time over its decode steps), and the tau at which the drafter would break
+    even (step ms / token ms). None when a count is zero."""
     rows = report["rows"]
     plain = next(r for r in rows if r["method"] == "plain" and r["temperature"] == 0 and r["batch_size"] == 1)
     best = next((r for r in rows if r["label"] == report["best"]["row"]), None)
-    if best is None or not plain["decode_tokens_per_s"] or not best["decode_tokens_per_s"] or not best["target_forwards"]:
+    if best is None or not plain["steps"] or not best["steps"] or not plain["decode_seconds"]:
         return None
-    token_ms = 1000.0 / plain["decode_tokens_per_s"]
-    step_ms = 1000.0 * best["tokens"] / best["decode_tokens_per_s"] / best["target_forwards"]
+    token_ms = 1000.0 * plain["decode_seconds"] / plain["steps"]
+    step_ms = 1000.0 * best["decode_seconds"] / best["steps"]
     return {"target_ms_per_token": token_ms, "spec_ms_per_step": step_ms, "tau": best["tau"],
             "break_even_tau": step_ms / token_ms}
 

@@ -9,11 +9,13 @@ model-free type (``ngram-simple``, ``ngram-mod``, ...), with ``--spec-draft-n-ma
 re-tokenised and outputs compare token for token.
 
 Counts are the engine's own (``timings`` of the response): ``predicted_n`` tokens generated in
-``predicted_ms``, ``draft_n`` tokens drafted and ``draft_n_accepted`` accepted. Every verify step of the
-server emits its accepted drafts plus one token of the target, and a step without drafts emits one, so the
-target forwards of a generation are ``predicted_n - draft_n_accepted`` and the engine's tau (tokens per target
-forward, our :data:`speculators.evaluation.report.TAU_DEFINITION`) is ``predicted_n / (predicted_n -
-draft_n_accepted)``.
+``predicted_ms``, ``draft_n`` tokens drafted and ``draft_n_accepted`` accepted. The first token comes from the
+prompt's forward; after it, every decode step of the server emits its accepted drafts plus one token of the
+target (a step without drafts emits one), so a generation takes ``predicted_n - 1 - draft_n_accepted`` decode
+steps and the engine's tau is ``(predicted_n - 1) / steps``: tokens per verification step with the prefill left
+out of both counts, as our loop counts it (:data:`speculators.evaluation.report.TAU_DEFINITION`). One bias is
+the engine's: it adds a step's accepted drafts to ``draft_n_accepted`` before it stops at an end-of-sequence
+token among them, so drafts accepted after a stop are counted though not emitted (steps are clamped at 0).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Completion:
     """One ``/completion`` answer of ``llama-server``.
 
     Attributes:
-        tokens: the generated token ids (stop token excluded by the server when it stops on EOS).
+        tokens: the generated token ids (an end-of-sequence token that stopped the generation included).
         seconds: generation time (``timings.predicted_ms`` / 1000; prompt processing excluded).
         prompt_seconds: prompt processing time (``timings.prompt_ms`` / 1000).
         draft_n / draft_accepted: tokens drafted / accepted by the server's speculative decoding (0 without).
@@ -59,9 +61,26 @@ class Completion:
     top_logprobs: list[dict[int, float]]
 
     @property
-    def target_forwards(self) -> int:
-        """Target forwards of this generation (module docstring): ``len(tokens) - draft_accepted``."""
-        return len(self.tokens) - self.draft_accepted
+    def step_tokens(self) -> int:
+        """Tokens emitted by decode steps: all but the first (which the prompt's forward produced)."""
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def steps(self) -> int:
+        """Decode steps (target forwards after the prompt's; module docstring): ``len(tokens) - 1 - draft_accepted``,
+        at least 0."""
+        return max(self.step_tokens - self.draft_accepted, 0)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM the server when the Python process that started it dies
+    (killed, timed out), so that no orphaned server keeps the cores busy. A no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -114,7 +133,8 @@ class LlamaServer:
     # ---------------------------------------------------------------- lifetime
     def __enter__(self) -> LlamaServer:
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         try:
             self._wait_healthy()
         except BaseException:
@@ -141,13 +161,15 @@ class LlamaServer:
             self._log = None
 
     def log_tail(self, n: int = 8) -> str:
-        """The server log's last ``n`` lines (joined by `` | ``)."""
+        """The server log's first failed assertion or error line when it has one (an abort is followed by a
+        debugger's backtrace), else its last ``n`` lines (joined by `` | ``)."""
         if self._log is None:
             return ""
         self._log.flush()
         self._log.seek(0)
         lines = [ln.rstrip() for ln in self._log.read().splitlines() if ln.strip()]
-        return " | ".join(lines[-n:])
+        fatal = [ln for ln in lines if "GGML_ASSERT" in ln or " E " in ln or ln.startswith("error")]
+        return " | ".join(fatal[:3] if fatal else lines[-n:])
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -173,7 +195,8 @@ class LlamaServer:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise SpeculatorsError(f"llama-server {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:300]}") from None
-        except (urllib.error.URLError, ConnectionError) as e:
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as e:
+            time.sleep(0.5)  # a server that aborted: let its log reach the file
             raise SpeculatorsError(f"llama-server {path}: {e} ({self.log_tail(4)})") from None
 
     def complete(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,

@@ -38,19 +38,22 @@ def _c(tokens, drafted=0, accepted=0, seconds=1.0) -> Completion:
 
 
 def test_engine_row_counts_tau_from_the_servers_own_counts():
-    """tau = generated tokens / target forwards, forwards = tokens - accepted drafts (every verify step emits
-    its accepted drafts plus one target token); acceptance = accepted / drafted; no drafts -> n/a, not 0."""
+    """tau = tokens of decode steps / decode steps, the prompt's forward and its first token left out as our loop
+    counts (steps = tokens - 1 - accepted drafts: every step emits its accepted drafts plus one target token);
+    acceptance = accepted / drafted; no drafts -> n/a, not 0; no step -> tau n/a."""
     p = EnginePass("drafter", k=3, draft_outtype="f16")
     row = engine_row(p, [_c(range(10), drafted=9, accepted=6), _c(range(8), drafted=6, accepted=2)], wall=2.0)
-    assert row["tokens"] == 18 and row["target_forwards"] == (10 - 6) + (8 - 2)
-    assert row["tau"] == pytest.approx(18 / 10) and row["acceptance_rate"] == pytest.approx(8 / 15)
+    assert row["tokens"] == 18 and row["steps"] == (9 - 6) + (7 - 2)
+    assert row["tau"] == pytest.approx(16 / 8) and row["acceptance_rate"] == pytest.approx(8 / 15)
     assert row["tokens_per_s"] == pytest.approx(9.0) and row["decode_tokens_per_s"] == pytest.approx(9.0)
     lo, hi = row["tau_ci"]
     assert lo <= row["tau"] <= hi and row["engine"] == "llama.cpp" and row["label"] == "drafter k=3 t=0"
     plain = engine_row(EnginePass("plain"), [_c(range(5))], wall=1.0)
     assert plain["tau"] == 1.0 and plain["acceptance_rate"] is None
     empty = engine_row(EnginePass("plain"), [_c([])], wall=0.0)
-    assert empty["tau"] is None and empty["tokens_per_s"] is None
+    assert empty["tau"] is None and empty["tau_ci"] is None and empty["tokens_per_s"] is None
+    eos = engine_row(p, [_c(range(3), drafted=3, accepted=3)], wall=1.0)  # drafts counted after a stop
+    assert eos["steps"] == 0 and eos["tau"] is None
 
 
 def test_pass_labels_are_unique_per_setting():
@@ -73,7 +76,8 @@ def _rows():
         p = EnginePass(method, temperature=t, parallel=par, k=k, draft_outtype=outtype)
         return {"label": p.label, "method": method, "temperature": t, "batch_size": par, "k": k, "p_min": None,
                 "draft_outtype": outtype, "draft_threads": None, "tokens_per_s": tps, "decode_tokens_per_s": tps, "tau": tau,
-                "tau_ci": [tau - 0.1, tau + 0.1], "tokens": tokens, "target_forwards": forwards}
+                "tau_ci": [tau - 0.1, tau + 0.1], "tokens": tokens, "steps": forwards,
+                "decode_seconds": tokens / tps}
     return [row("plain", 90.0), row("drafter", 50.0, k=1, outtype="f16", tau=1.3, forwards=77),
             row("drafter", 60.0, k=2, outtype="f16", tau=1.5, forwards=67), row("ngram-simple", 100.0),
             row("drafter", 95.0, t=1.0, k=2, outtype="f16"), row("plain", 80.0, t=1.0)]
@@ -84,7 +88,7 @@ def test_best_setting_is_the_fastest_greedy_single_slot_drafter_row():
     assert b["row"] == "drafter k=2 t=0" and b["tokens_per_s"] == 60.0 and b["plain_tokens_per_s"] == 90.0
     assert b["ngram_best"] == "ngram-simple t=0" and not b["beats_plain"] and not b["beats_ngram"]
     t = timings({"rows": _rows(), "best": b})
-    # 100 tokens in 100/60 s over 67 target forwards: 24.9 ms per step against 11.1 ms per plain token
+    # 100 tokens in 100/60 s over 67 decode steps: 24.9 ms per step against 11.1 ms per plain step
     assert t["spec_ms_per_step"] == pytest.approx(1000 * 100 / 60 / 67)
     assert t["break_even_tau"] == pytest.approx(t["spec_ms_per_step"] / (1000 / 90))
 
@@ -101,28 +105,36 @@ def test_loop_comparison_sets_engine_tau_beside_the_loops_ci():
 
 
 class _FakeServer:
-    """Answers ``complete`` with prepared top log-probabilities: ``seq`` for a decode of ``j + 1`` tokens,
-    ``batch`` for the one-token request after the prefix."""
+    """Answers ``complete``: a decode of ``n > 1`` tokens replays ``tokens`` with the prepared ``seq`` top
+    log-probabilities; the one-token request after the prefix gets ``batch``."""
 
-    def __init__(self, seq, batch):
-        self.seq, self.batch = seq, batch
+    def __init__(self, seq, batch, tokens=(5, 6, 7)):
+        self.seq, self.batch, self.tokens = seq, batch, list(tokens)
 
     def complete(self, prompt, n, n_probs=0, **kw):
-        return Completion([0] * n, 0.0, 0.0, 0, 0, "limit", self.seq if n > 1 else [self.batch])
+        if n > 1:
+            return Completion(self.tokens[:n], 0.0, 0.0, 0, 0, "limit", self.seq)
+        return Completion([0], 0.0, 0.0, 0, 0, "limit", [self.batch])
 
 
 def test_classify_engine_mismatch_near_tie_and_failure():
-    """A gap within twice the engine's own decode-vs-batch drift is a near-tie; the same gap with no drift is a
-    failure; a batched forward that itself ranks the speculative token first is a near-tie."""
+    """A gap within twice what the batch-shaped forward moved that pair is a near-tie (a flip in the batched
+    forward always is); the same gap unmoved is a failure, as is a token outside the top lists or a replay that
+    does not reproduce the plain prefix."""
     plain, spec = [5, 6, 7], [5, 6, 9]
     assert first_diff(plain, spec) == 2 and first_diff([1, 2], [1, 2, 3]) == 2
     seq = [{5: -0.1}, {6: -0.1}, {7: -0.70, 9: -0.72, 3: -3.0}]
-    tie = classify_engine_mismatch(_FakeServer(seq, {7: -0.69, 9: -0.73, 3: -2.99}), [1], plain, spec)
+    tie = classify_engine_mismatch(_FakeServer(seq, {7: -0.70, 9: -0.73, 3: -2.0}), [1], plain, spec)
     assert tie["position"] == 2 and tie["near_tie"] and tie["drift"] == pytest.approx(0.01)
-    fail = classify_engine_mismatch(_FakeServer(seq, {7: -0.70, 9: -0.72, 3: -3.0}), [1], plain, spec)
-    assert not fail["near_tie"] and fail["gap"] == pytest.approx(0.02) and fail["drift"] == 0.0
+    # the tail token moved a lot, the pair did not: not a near-tie
+    fail = classify_engine_mismatch(_FakeServer(seq, {7: -0.80, 9: -0.82, 3: -1.0}), [1], plain, spec)
+    assert not fail["near_tie"] and fail["gap"] == pytest.approx(0.02) and fail["drift"] == pytest.approx(0.0)
     flipped = classify_engine_mismatch(_FakeServer(seq, {7: -0.8, 9: -0.6}), [1], plain, spec)
-    assert flipped["near_tie"] and flipped["batch_argmax"] == 9
+    assert flipped["near_tie"] and flipped["batch_gap"] < 0
+    absent = classify_engine_mismatch(_FakeServer(seq, {7: -0.1, 3: -3.0}), [1], plain, spec)
+    assert not absent["near_tie"]
+    replay = classify_engine_mismatch(_FakeServer(seq, {7: -0.8, 9: -0.6}, tokens=(5, 4, 7)), [1], plain, spec)
+    assert not replay["near_tie"] and replay["replayed"] is False
     short = classify_engine_mismatch(_FakeServer(seq, {}), [1], plain, plain[:2])
     assert not short["near_tie"] and short["output_token"] is None
 
@@ -139,7 +151,7 @@ def test_greedy_check_covers_every_greedy_pass_and_classifies_through_a_plain_se
     @contextlib.contextmanager
     def fake_server(lc, models, p, st):
         served.append(p.label)
-        yield _FakeServer([{5: -0.1}, {6: -0.5, 8: -0.51}], {6: -0.6, 8: -0.4})
+        yield _FakeServer([{5: -0.1}, {6: -0.5, 8: -0.51}], {6: -0.6, 8: -0.4}, tokens=(5, 6))
 
     monkeypatch.setattr(llamacpp_eval, "_server", fake_server)
     passes = {p.label: p for p in [EnginePass("plain"), EnginePass("drafter", k=2, draft_outtype="f16"),
