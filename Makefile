@@ -42,7 +42,7 @@ reference: install
 	$(BIN)/python -m speculators.export.reference_env $(REFERENCE_VENV)
 
 # llama.cpp's llama-server, built once from the llama.cpp source inside the pinned llama-cpp-python sdist into
-# <cache>/llama.cpp/build-<version>-<cpu key>/ (speculators.engines.llamacpp_build; ~15-25 min on two cores, then
+# <cache>/llama.cpp/build-<version>-<cpu key>/ (speculators.engines.llamacpp_build; ~8 min on two cores, then
 # cached). Offline or without cmake / g++ it prints "llama.cpp unavailable: <why>" and the engine tests skip;
 # with CI=true it fails.
 llama-cpp: install

@@ -62,6 +62,8 @@ def tap_shift(num_layers: int) -> int:
 NEAR_TIE_FACTOR = 2.0
 #: top log-probabilities asked for when a mismatch is classified
 N_PROBS = 20
+#: forwards over the last c tokens of a cached prefix that a mismatch is recomputed with: verify steps of K = 1..4
+VERIFY_CHUNKS = (2, 3, 4, 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,36 +304,43 @@ def classify_engine_mismatch(srv: LlamaServer, prompt: list[int], plain: list[in
     """Whether one greedy mismatch sits on a near-tie of the target's logits as the engine computes them.
 
     At the first differing position ``j`` (plain token ``a``, the other pass's token ``b``), through the plain
-    server ``srv``, the engine's top log-probabilities at ``j`` in two shapes: ``seq``, a one-token-at-a-time
-    decode of ``j + 1`` tokens (plain decoding's shape; its first ``j`` tokens must replay ``plain``), and
-    ``batch``, one batched forward over ``prompt + plain[:j]`` (a forward over many tokens at once, as a verify
-    step is; not its exact shape: a verify step runs K + 1 tokens on a cached prefix). ``gap = lp_seq[a] -
-    lp_seq[b]`` and ``drift = |gap - (lp_batch[a] - lp_batch[b])|``, how much the forward's shape moved this
-    pair. ``near_tie`` when both tokens are in both top lists and ``gap <= NEAR_TIE_FACTOR * drift`` (in
-    particular whenever the batched forward ranks ``b`` above ``a``). A length difference with no differing
-    token, a token outside the top lists or a replay that differs is not a near-tie: it is a failure.
+    server ``srv``, the engine's top log-probabilities at ``j`` in several shapes: ``seq``, a one-token-at-a-time
+    decode of ``j + 1`` tokens (plain decoding's shape; its first ``j`` tokens must replay ``plain``); ``prefill``,
+    one forward over ``prompt + plain[:j]``; and ``chunk<c>`` for c in :data:`VERIFY_CHUNKS`, a forward over the
+    last c tokens of that prefix on top of its cached KV (a verify step's shape for K = c - 1 drafts). ``gap =
+    lp_seq[a] - lp_seq[b]``; ``drift`` = the largest ``|gap - (lp[a] - lp[b])|`` over the other shapes, how much a
+    forward's shape moves this pair. ``near_tie`` when both tokens are in every top list and ``gap <=
+    NEAR_TIE_FACTOR * drift`` (in particular whenever some shape ranks ``b`` above ``a``). A length difference
+    with no differing token, a token outside the top lists or a replay that differs is not a near-tie: it is a
+    failure. The server's real steps are not replayed exactly (several slots share a batch; a verify step's
+    chunk ends anywhere in it), so a failure here is a difference these shapes do not explain.
 
     Returns:
-        ``{"position", "plain_token", "output_token", "near_tie", "gap", "batch_gap", "drift", "replayed"}``.
+        ``{"position", "plain_token", "output_token", "near_tie", "gap", "shape_gaps", "drift", "replayed"}``.
     """
     j = first_diff(plain, output)
     out: dict[str, Any] = {"position": j, "plain_token": plain[j] if j < len(plain) else None,
                            "output_token": output[j] if j < len(output) else None, "near_tie": False,
-                           "gap": None, "batch_gap": None, "drift": None, "replayed": None}
+                           "gap": None, "shape_gaps": None, "drift": None, "replayed": None}
     if out["plain_token"] is None or out["output_token"] is None:
         return out
     a, b = out["plain_token"], out["output_token"]
     seq = srv.complete(prompt, j + 1, n_probs=N_PROBS)
-    batch = srv.complete(prompt + plain[:j], 1, n_probs=N_PROBS).top_logprobs
     out["replayed"] = seq.tokens[:j] == plain[:j]
-    if not out["replayed"] or len(seq.top_logprobs) <= j or not batch:
+    if not out["replayed"] or len(seq.top_logprobs) <= j:
         return out
-    s, bt = seq.top_logprobs[j], batch[0]
-    if not all(t in d for t in (a, b) for d in (s, bt)):
+    prefix = prompt + plain[:j]
+    shapes = {"prefill": (srv.complete(prefix, 1, n_probs=N_PROBS).top_logprobs or [{}])[0]}
+    for c in VERIFY_CHUNKS:
+        if c < len(prefix):
+            shapes[f"chunk{c}"] = srv.last_logprobs(prefix, c, N_PROBS)
+    s = seq.top_logprobs[j]
+    if not all(t in d for t in (a, b) for d in (s, *shapes.values())):
         return out
-    gap, batch_gap = s[a] - s[b], bt[a] - bt[b]
-    drift = abs(gap - batch_gap)
-    out.update(gap=gap, batch_gap=batch_gap, drift=drift, near_tie=gap <= NEAR_TIE_FACTOR * drift)
+    gap = s[a] - s[b]
+    gaps = {name: d[a] - d[b] for name, d in shapes.items()}
+    drift = max(abs(gap - g) for g in gaps.values())
+    out.update(gap=gap, shape_gaps=gaps, drift=drift, near_tie=gap <= NEAR_TIE_FACTOR * drift)
     return out
 
 

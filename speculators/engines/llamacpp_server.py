@@ -199,6 +199,23 @@ class LlamaServer:
             time.sleep(0.5)  # a server that aborted: let its log reach the file
             raise SpeculatorsError(f"llama-server {path}: {e} ({self.log_tail(4)})") from None
 
+    def last_logprobs(self, prefix: list[int], chunk: int, n_probs: int) -> dict[int, float]:
+        """The target's top ``n_probs`` log-probabilities for the token after ``prefix``, computed by a forward
+        over only the last ``chunk`` tokens of ``prefix`` on top of the server's cached KV of the rest (the shape
+        of a verify step of ``chunk - 1`` drafts). Uses the prompt cache: the slot first processes
+        ``prefix[:-chunk]`` alone.
+
+        Raises:
+            SpeculatorsError: ``chunk`` not in ``[1, len(prefix) - 1]``, or a failed request.
+        """
+        if not 1 <= chunk < len(prefix):
+            raise SpeculatorsError(f"last_logprobs: chunk {chunk} outside [1, {len(prefix) - 1}]")
+        self._post("/completion", {"prompt": list(map(int, prefix[:-chunk])), "n_predict": 0, "cache_prompt": True})
+        r = self._post("/completion", {"prompt": list(map(int, prefix)), "n_predict": 1, "temperature": 0.0,
+                                       "cache_prompt": True, "n_probs": int(n_probs)})
+        probs = r.get("completion_probabilities") or [{}]
+        return {int(p["id"]): float(p["logprob"]) for p in probs[0].get("top_logprobs", [])}
+
     def complete(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, n_probs: int = 0) -> Completion:
         """Generate from ``prompt_ids`` (token ids, BOS included as the target adds it) through ``/completion``.

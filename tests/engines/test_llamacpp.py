@@ -108,8 +108,13 @@ class _FakeServer:
     """Answers ``complete``: a decode of ``n > 1`` tokens replays ``tokens`` with the prepared ``seq`` top
     log-probabilities; the one-token request after the prefix gets ``batch``."""
 
-    def __init__(self, seq, batch, tokens=(5, 6, 7)):
-        self.seq, self.batch, self.tokens = seq, batch, list(tokens)
+    def __init__(self, seq, batch, tokens=(5, 6, 7), chunk=None):
+        self.seq, self.batch, self.tokens, self.chunk = seq, batch, list(tokens), chunk
+        self.chunks = []
+
+    def last_logprobs(self, prefix, chunk, n_probs):
+        self.chunks.append(chunk)
+        return self.batch if self.chunk is None else self.chunk
 
     def complete(self, prompt, n, n_probs=0, **kw):
         if n > 1:
@@ -130,7 +135,11 @@ def test_classify_engine_mismatch_near_tie_and_failure():
     fail = classify_engine_mismatch(_FakeServer(seq, {7: -0.80, 9: -0.82, 3: -1.0}), [1], plain, spec)
     assert not fail["near_tie"] and fail["gap"] == pytest.approx(0.02) and fail["drift"] == pytest.approx(0.0)
     flipped = classify_engine_mismatch(_FakeServer(seq, {7: -0.8, 9: -0.6}), [1], plain, spec)
-    assert flipped["near_tie"] and flipped["batch_gap"] < 0
+    assert flipped["near_tie"] and flipped["shape_gaps"]["prefill"] < 0
+    # only a verify-shaped forward (a chunk on a cached prefix) moves the pair: still a near-tie, found there
+    srv = _FakeServer(seq, {7: -0.70, 9: -0.72, 3: -3.0}, chunk={7: -0.75, 9: -0.70, 3: -3.0})
+    verify = classify_engine_mismatch(srv, [1, 2, 3, 4], plain, spec)
+    assert verify["near_tie"] and verify["shape_gaps"]["chunk2"] < 0 and srv.chunks == [2, 3, 4, 5]
     absent = classify_engine_mismatch(_FakeServer(seq, {7: -0.1, 3: -3.0}), [1], plain, spec)
     assert not absent["near_tie"]
     replay = classify_engine_mismatch(_FakeServer(seq, {7: -0.8, 9: -0.6}, tokens=(5, 4, 7)), [1], plain, spec)
