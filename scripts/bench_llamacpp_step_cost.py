@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from speculators.engines.gguf_export import export_gguf, spec_type_of, target_files
     from speculators.engines.llamacpp_build import require_llama_cpp
     from speculators.engines.llamacpp_server import LlamaServer
+    from speculators.errors import SpeculatorsError
     from speculators.target import Target
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         gguf, hf = target_files(args.target, lc, tmp, log=lambda m: None)
         target = Target.load(args.target, dtype="float32", log=lambda m: None)
-        cfg = cls.config_class(algorithm=args.algorithm)
+        cfg = cls.config_class(algorithm=cls.algorithm)
         target.aux_layer_ids = cls.serving.default_aux_layer_ids(target.num_layers, cfg)
         torch.manual_seed(0)
         size = args.draft_vocab or None
@@ -92,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         print("| K | ms per speculative step | drafted / step | accepted | break-even tau (step / token) |")
         print("|---|---|---|---|---|")
         for k in ks:
-            t, s, fwd, drafted, acc = run(draft=draft, spec_type=spec, draft_n_max=k, p_min=0.0)
+            try:
+                t, s, fwd, drafted, acc = run(draft=draft, spec_type=spec, draft_n_max=k, p_min=0.0)
+            except SpeculatorsError as e:
+                print(f"llama-server failed with the draft at K={k}: {e}")
+                return 1
             if not fwd:
                 print(f"| {k} | n/a | n/a | {acc} / {drafted} | n/a |")
                 continue
