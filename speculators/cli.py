@@ -193,6 +193,16 @@ def eval_cmd(
 ):
     """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
     real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
+    loop_only = {"--batch-size": batch_size, "--device": device, "--dtype": dtype, "--methods": methods,
+                 "--compare": compare, "--top-p": top_p, "--top-k": top_k, "--tree": tree,
+                 "--confidence-threshold": confidence_threshold, "--cost-aware": cost_aware,
+                 "--hybrid-drafter-k": hybrid_drafter_k}
+    engine_only = {"--slots": slots, "--p-min": p_min, "--draft-outtypes": draft_outtypes,
+                   "--draft-threads": draft_threads}
+    unused = [o for o, v in (loop_only if engine is not None else engine_only).items() if v]
+    if unused:
+        raise SpeculatorsError(f"{', '.join(unused)}: " + ("not used by --engine (our loop's options)" if engine
+                               is not None else "only with --engine llama.cpp"))
     if engine is not None:
         _engine_eval(engine, checkpoint, k=k, temperature=temperature, slots=slots, p_min=p_min,
                      draft_outtypes=draft_outtypes, draft_threads=draft_threads, max_new_tokens=max_new_tokens, num_prompts=num_prompts,

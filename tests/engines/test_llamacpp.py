@@ -265,6 +265,10 @@ def test_cli_refuses_an_unknown_engine(tmp_path):
     assert r.exit_code == 2 and "allowed: llama.cpp" in r.output
     r = CliRunner().invoke(app, ["eval", str(tmp_path), "--engine", "llama.cpp", "--slots", "1,x"])
     assert r.exit_code == 2 and "--slots 1,x" in r.output
+    r = CliRunner().invoke(app, ["eval", str(tmp_path), "--engine", "llama.cpp", "--batch-size", "4", "--tree", "x"])
+    assert r.exit_code == 2 and "--batch-size, --tree: not used by --engine" in r.output
+    r = CliRunner().invoke(app, ["eval", str(tmp_path), "--p-min", "0.5"])
+    assert r.exit_code == 2 and "--p-min: only with --engine llama.cpp" in r.output
 
 
 # ----------------------------------------------------------------------------- with the real llama-server
