@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import SpeculatorsError
-from ..utils import cache_root
+from ..utils import cache_root, install_step_exit
 
 #: The llama-cpp-python sdist whose ``vendor/llama.cpp`` is built (its llama.cpp serves EAGLE-3, DFlash, DSpark).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -233,13 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m speculators.engines.llamacpp_build`` (``make llama-cpp``): fetch and build llama.cpp once.
     Unavailable (offline, no compiler) it prints why and exits 0, except under ``CI=true`` (exit 1)."""
     del argv
-    try:
+
+    def describe() -> str:
         lc = build()
-        print(f"llama.cpp: llama-server of llama-cpp-python {lc.version} at {lc.server}")
-        return 0
-    except LlamaCppUnavailable as e:
-        print(str(e), file=sys.stderr)
-        return 1 if os.environ.get("CI", "").lower() in ("1", "true", "yes") else 0
+        return f"llama.cpp: llama-server of llama-cpp-python {lc.version} at {lc.server}"
+
+    return install_step_exit(describe, LlamaCppUnavailable)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import SpeculatorsError
-from ..utils import cache_root
+from ..utils import cache_root, install_step_exit
 
 #: The reference implementation the gate compares against (PyPI ``speculators``, vllm-project).
 REFERENCE_VERSION = "0.9.0"
@@ -207,13 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     skip, except under ``CI=true``, where an unavailable reference is an error (exit 1)."""
     args = sys.argv[1:] if argv is None else argv
     dest = Path(args[0]) if args else cached_venv_dir()
-    try:
+
+    def describe() -> str:
         python = build_reference_venv(dest)
-        print(f"reference implementation: vllm-project/speculators {probe(python)} at {python}")
-        return 0
-    except ReferenceUnavailable as e:
-        print(str(e), file=sys.stderr)
-        return 1 if os.environ.get("CI", "").lower() in ("1", "true", "yes") else 0
+        return f"reference implementation: vllm-project/speculators {probe(python)} at {python}"
+
+    return install_step_exit(describe, ReferenceUnavailable)
 
 
 if __name__ == "__main__":
