@@ -217,9 +217,23 @@ class DFlashFormat(ServingFormat):
     aux_layer_count = (1, None)  # vLLM's DFlash/DSpark fc takes len(aux layers) x hidden
     aux_layer_count_reason = "vLLM's fc takes one hidden state per tap"
     vllm_method = "dflash"  # vLLM's speculators loader maps `dflash` to DFlashQwen3ForCausalLM
-    llamacpp_note = ("llama.cpp's DFlash converter reads z-lab's flat layout (top-level hidden_size, "
-                     "dflash_config) and has no draft-vocabulary table, while this export nests the layer "
-                     "config and keeps a d2t; no mapping of the two has been checked against llama.cpp's graph yet")
+    llamacpp_spec_type = "draft-dflash"  # llama.cpp's dflash architecture (src/models/dflash.cpp)
+    serving_aux_ids_key = "aux_hidden_state_layer_ids"
+
+    def llamacpp_converter_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Convert with llama.cpp's ``DSparkSpeculator`` class: of its DFlash-lineage converters it is the one
+        that reads vllm-project/speculators' layout (the nested ``transformer_layer_config``,
+        ``aux_hidden_state_layer_ids``, ``d2t``/``t2d``; its ``DFlashDraftModel`` class reads z-lab's flat layout
+        and has no draft vocabulary) and it writes the same ``dflash`` GGUF architecture. With
+        ``sample_from_anchor: false`` and no Markov tensors the GGUF is a plain DFlash draft (block ``[x_n, MASK x
+        K]``, drafts from slots 1..K), which ``--spec-type draft-dflash`` runs."""
+        return {"architectures": ["DSparkSpeculator"]}
+
+    def llamacpp_max_draft(self, config: dict[str, Any]) -> int | None:
+        """``block_size - 1``: llama.cpp's DFlash block is ``[x_n, MASK x K]`` within the trained block."""
+        b = config.get("block_size")
+        return int(b) - 1 if isinstance(b, int) else None
+
     serving_aux_ids_key = "aux_hidden_state_layer_ids"
 
     def default_aux_layer_ids(self, num_layers: int, cfg: DFlashConfig) -> list[int]:

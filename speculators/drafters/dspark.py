@@ -237,11 +237,36 @@ class DSparkFormat(DFlashFormat):
 
     algorithm = "dspark"
     vllm_method = "dspark"  # vLLM's DSparkProposer (vllm/v1/spec_decode/dspark.py) and its DSpark model loader
-    llamacpp_note = ("llama.cpp's converter registers DSparkDraftModel, but its draft-dspark graph has not been "
-                     "checked against this export (confidence head, Markov head, anchor convention)")
+    llamacpp_spec_type = "draft-dspark"  # llama.cpp's dflash architecture with its Markov head (dflash.cpp)
     # the confidence calibration is training-side state: config.json's speculators_training.confidence_calibration,
     # never model.safetensors (vLLM's DSpark loader cannot place it)
     training_state_tensors = ("confidence_temperature", "confidence_bias")
+
+    def llamacpp_max_draft(self, config: dict[str, Any]) -> int | None:
+        """``block_size``: llama.cpp's anchor-first DSpark block is ``[x_n, MASK x (K-1)]``, drafts from slots 0..K-1."""
+        b = config.get("block_size")
+        return int(b) if isinstance(b, int) else None
+
+    def llamacpp_p_min_note(self, config: dict[str, Any]) -> str | None:
+        """llama.cpp's DSpark ``--spec-draft-p-min`` cuts the draft where the confidence head's sigmoid falls below
+        it; without a confidence head the server refuses to start."""
+        if not config.get("enable_confidence_head"):
+            return "this DSpark drafter has no confidence head (llama.cpp's DSpark p_min thresholds its output)"
+        return None
+
+    def check_llamacpp(self, config: dict[str, Any], where: str) -> None:
+        """Refuse a confidence head without the Markov input: llama.cpp's DSpark graph reads ``[h; w1[prev]]``
+        (``H + markov_rank`` wide) and would not load an ``H``-wide head. (Its converter runs the ``vanilla``
+        Markov head only, the only one this config allows.)
+
+        Raises:
+            SpeculatorsError: naming ``where`` and the setting.
+        """
+        if config.get("enable_confidence_head") and not config.get("confidence_head_with_markov", True):
+            raise SpeculatorsError(f"{where}: drafter.confidence_head_with_markov is false; llama.cpp's DSpark "
+                                   "confidence head reads the hidden state and the Markov embedding (H + markov_rank "
+                                   "inputs), so this H-input head cannot load there (train with "
+                                   "confidence_head_with_markov: true, or enable_confidence_head: false)")
 
     def config(self, drafter: DSparkDrafter) -> dict[str, Any]:
         """vllm-project/speculators-style ``dspark`` config (FORMATS.md): DFlash's keys with

@@ -96,6 +96,21 @@ class ServingFormat:
             SpeculatorsError: naming ``where``, the setting and why.
         """
 
+    def llamacpp_converter_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Keys that llama.cpp's ``convert_hf_to_gguf.py`` must read in place of this checkpoint's own (a view
+        of ``config.json``; the checkpoint is never changed), e.g. which of the converter's registered
+        architectures reads this layout. Default: none (the converter reads the export as written)."""
+        return {}
+
+    def llamacpp_max_draft(self, config: dict[str, Any]) -> int | None:
+        """The largest ``--spec-draft-n-max`` llama.cpp serves this checkpoint with (it clamps a larger one
+        silently, so a sweep must stop there); None: no bound of the format's own."""
+        return None
+
+    def llamacpp_p_min_note(self, config: dict[str, Any]) -> str | None:
+        """Why ``--spec-draft-p-min`` cannot be used with this checkpoint in llama.cpp (None: it can)."""
+        return None
+
     def speculative_tokens(self, config: dict[str, Any]) -> int | None:
         """K (``num_speculative_tokens``) that a checkpoint's ``config.json`` declares
         (:func:`speculators.export.speculative_tokens`); ``None`` when the layout does not say. A family

@@ -139,7 +139,9 @@ def export_gguf(checkpoint: str | Path, out: str | Path, target_dir: str | Path,
             draft).
         config_patch: keys replaced in a temporary copy of ``config.json`` before converting (the weights are
             linked, not copied); the checkpoint itself is never changed. Used by the engine eval's negative
-            control (shifted aux layer taps).
+            control (shifted aux layer taps). The family's own
+            :meth:`~speculators.drafters.serving_format.ServingFormat.llamacpp_converter_config` goes in first
+            (DFlash: the converter class that reads our layout).
     Returns:
         ``out``.
     Raises:
@@ -149,7 +151,9 @@ def export_gguf(checkpoint: str | Path, out: str | Path, target_dir: str | Path,
     checkpoint, out = Path(checkpoint), Path(out)
     spec_type_of(checkpoint)
     cfg = _read_config(checkpoint)
-    _serving(cfg, checkpoint).check_llamacpp(cfg, str(checkpoint))
+    serving = _serving(cfg, checkpoint)
+    serving.check_llamacpp(cfg, str(checkpoint))
+    config_patch = {**serving.llamacpp_converter_config(cfg), **(config_patch or {})}
     if not config_patch:
         return _convert(lc, checkpoint, out, outtype, ["--target-model-dir", str(target_dir)], log)
     with tempfile.TemporaryDirectory(prefix="speculators-gguf-") as tmp:

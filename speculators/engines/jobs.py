@@ -138,7 +138,8 @@ def engine_eval(ckpt: Path, rec, settings: EngineSettings, *, num_prompts: int, 
     Returns:
         ``(report, report_dir)``.
     Raises:
-        SpeculatorsError: llama.cpp not built, a family llama.cpp does not serve, no prompts, a server failure.
+        SpeculatorsError: llama.cpp not built, a family llama.cpp does not serve, a K above what it serves (-k),
+            no prompts, a server failure.
     """
     from ..evaluation.loading import eval_prompts
     from ..target import Target
@@ -146,6 +147,14 @@ def engine_eval(ckpt: Path, rec, settings: EngineSettings, *, num_prompts: int, 
     if rec is None and prompts is None:
         raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
     spec = spec_type_of(ckpt)
+    from ..drafters import registry
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    serving = registry.get(cfg["speculators_model_type"]).serving
+    p_min_note = serving.llamacpp_p_min_note(cfg)
+    if p_min_note and settings.p_mins:
+        log(f"engine eval: no --spec-draft-p-min pass: {p_min_note}")
+    settings = settings.for_drafter(serving.speculative_tokens(cfg), serving.llamacpp_max_draft(cfg), p_min_note)
     lc = require_llama_cpp()
     ref = _target_ref(ckpt, rec, target_model)
     target_path, hf = target_files(ref, lc, _gguf_dir(ckpt), log=log)

@@ -104,7 +104,7 @@ class EngineSettings:
     sampling seed of prompt i is ``seed + i``; ``threads`` the server's ``--threads`` (None: all cores);
     ``ctx_size`` per slot."""
 
-    ks: tuple[int, ...] = (1, 2, 3, 4)
+    ks: tuple[int, ...] | None = None  # None: DEFAULT_KS and the drafter's own K, within its bound (for_drafter)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     parallel: tuple[int, ...] = (1, 4)
     ngram_types: tuple[str, ...] = ("ngram-simple", "ngram-mod")
@@ -118,8 +118,8 @@ class EngineSettings:
     negative_control: bool = True
 
     def __post_init__(self):
-        if not self.ks or any(int(k) < 1 for k in self.ks):
-            raise SpeculatorsError(f"engine eval: K values {list(self.ks)} must be >= 1")
+        if self.ks is not None and (not self.ks or any(int(k) < 1 for k in self.ks)):
+            raise SpeculatorsError(f"engine eval: K values (-k) {list(self.ks)} must be >= 1")
         if 0.0 not in [float(t) for t in self.temperatures]:
             raise SpeculatorsError("engine eval: temperatures must include 0 (the greedy check and K choice)")
         if any(float(t) < 0 for t in self.temperatures):
@@ -134,6 +134,30 @@ class EngineSettings:
             raise SpeculatorsError("engine eval: draft_outtypes is empty (the first is the drafter's main GGUF)")
         if int(self.max_new_tokens) < 1:
             raise SpeculatorsError(f"engine eval: max_new_tokens {self.max_new_tokens} must be >= 1")
+
+
+    def for_drafter(self, declared_k: int | None, max_draft: int | None, p_min_note: str | None) -> EngineSettings:
+        """These settings resolved for one drafter: ``ks`` None becomes :data:`DEFAULT_KS` plus the K the checkpoint
+        declares (``declared_k``), all within ``max_draft``; with a ``p_min_note`` (the format cannot threshold
+        drafts in llama.cpp) no p_min pass is run.
+
+        Raises:
+            SpeculatorsError: a K given above ``max_draft`` (llama.cpp would clamp it silently), naming the bound.
+        """
+        if self.ks is None:
+            ks = sorted({*DEFAULT_KS, *([declared_k] if declared_k else [])})
+            ks = tuple(k for k in ks if max_draft is None or k <= max_draft) or (1,)
+        else:
+            over = [int(k) for k in self.ks if max_draft is not None and int(k) > max_draft]
+            if over:
+                raise SpeculatorsError(f"-k {over}: this drafter serves at most K={max_draft} drafts per step in "
+                                       "llama.cpp (which would clamp a larger --spec-draft-n-max silently)")
+            ks = tuple(int(k) for k in self.ks)
+        return dataclasses.replace(self, ks=ks, p_mins=() if p_min_note else self.p_mins)
+
+
+#: the K values measured when none are given (plus the drafter's own K)
+DEFAULT_KS = (1, 2, 3, 4)
 
 
 @dataclasses.dataclass
@@ -237,7 +261,7 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
         return row
 
     plain0 = do(EnginePass("plain"))
-    for k in st.ks:
+    for k in st.ks or DEFAULT_KS:
         do(EnginePass("drafter", k=k, draft_outtype=main))
     for t in st.ngram_types:
         do(EnginePass(t))
