@@ -121,19 +121,19 @@ class EngineSettings:
         if self.ks is not None and (not self.ks or any(int(k) < 1 for k in self.ks)):
             raise SpeculatorsError(f"engine eval: K values (-k) {list(self.ks)} must be >= 1")
         if 0.0 not in [float(t) for t in self.temperatures]:
-            raise SpeculatorsError("engine eval: temperatures must include 0 (the greedy check and K choice)")
+            raise SpeculatorsError("engine eval: temperatures (-t) must include 0 (the greedy check and K choice)")
         if any(float(t) < 0 for t in self.temperatures):
-            raise SpeculatorsError(f"engine eval: temperatures {list(self.temperatures)} must be >= 0")
+            raise SpeculatorsError(f"engine eval: temperatures (-t) {list(self.temperatures)} must be >= 0")
         if 1 not in self.parallel or any(int(p) < 1 for p in self.parallel):
-            raise SpeculatorsError(f"engine eval: parallel {list(self.parallel)} must include 1 and be >= 1")
+            raise SpeculatorsError(f"engine eval: slots (--slots) {list(self.parallel)} must include 1 and be >= 1")
         if any(not 0.0 <= float(p) <= 1.0 for p in self.p_mins):
-            raise SpeculatorsError(f"engine eval: p_min values {list(self.p_mins)} must be in [0, 1]")
+            raise SpeculatorsError(f"engine eval: p_min values (--p-min) {list(self.p_mins)} must be in [0, 1]")
         if any(int(n) < 1 for n in self.draft_threads):
-            raise SpeculatorsError(f"engine eval: draft_threads {list(self.draft_threads)} must be >= 1")
+            raise SpeculatorsError(f"engine eval: draft threads (--draft-threads) {list(self.draft_threads)} must be >= 1")
         if not self.draft_outtypes:
-            raise SpeculatorsError("engine eval: draft_outtypes is empty (the first is the drafter's main GGUF)")
+            raise SpeculatorsError("engine eval: draft GGUF types (--draft-outtypes) are empty (the first is the drafter's main GGUF)")
         if int(self.max_new_tokens) < 1:
-            raise SpeculatorsError(f"engine eval: max_new_tokens {self.max_new_tokens} must be >= 1")
+            raise SpeculatorsError(f"engine eval: max new tokens (--max-new-tokens) {self.max_new_tokens} must be >= 1")
 
 
     def for_drafter(self, declared_k: int | None, max_draft: int | None, p_min_note: str | None) -> EngineSettings:

@@ -63,9 +63,11 @@ def test_pass_labels_are_unique_per_setting():
     assert len({p.label for p in passes}) == len(passes)
 
 
-@pytest.mark.parametrize("bad, match", [({"ks": (0,)}, "K values"), ({"temperatures": (1.0,)}, "include 0"),
-                                        ({"parallel": (2,)}, "include 1"), ({"p_mins": (1.5,)}, "p_min"),
-                                        ({"draft_outtypes": ()}, "draft_outtypes"), ({"max_new_tokens": 0}, "max_new")])
+@pytest.mark.parametrize("bad, match", [({"ks": (0,)}, r"\(-k\)"), ({"temperatures": (1.0,)}, r"\(-t\) must include 0"),
+                                        ({"parallel": (2,)}, "--slots"), ({"p_mins": (1.5,)}, "--p-min"),
+                                        ({"draft_outtypes": ()}, "--draft-outtypes"),
+                                        ({"max_new_tokens": 0}, "--max-new-tokens"),
+                                        ({"draft_threads": (0,)}, "--draft-threads")])
 def test_engine_settings_refuse_bad_values(bad, match):
     with pytest.raises(SpeculatorsError, match=match):
         EngineSettings(**bad)
