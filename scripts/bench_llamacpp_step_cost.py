@@ -32,7 +32,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="target: alias, .gguf file or HF directory")
-    ap.add_argument("--algorithm", default=None, help="drafter family (default: the first llama.cpp serves)")
+    ap.add_argument("--algorithm", default="eagle3", help="drafter family llama.cpp serves (eagle3, dflash, dspark)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--ks", default="1,2,4", help="K values, comma-separated")
     ap.add_argument("--prompts", type=int, default=4, help="prompts (chatterbot questions)")
@@ -51,16 +51,18 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     lc = require_llama_cpp()
-    served = [n for n in registry.names() if registry.get(n).serving.llamacpp_spec_type]
-    cls = registry.get(args.algorithm or served[0])
+    cls = registry.get(args.algorithm)
+    if cls.serving.llamacpp_spec_type is None:
+        raise SystemExit(f"--algorithm {args.algorithm}: {cls.serving.llamacpp_note}")
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         tmp = Path(tmp)
         gguf, hf = target_files(args.target, lc, tmp, log=lambda m: None)
         target = Target.load(args.target, dtype="float32", log=lambda m: None)
-        cfg = cls.config_class(algorithm=cls.algorithm)
+        size = args.draft_vocab or None
+        over = {"draft_vocab_size": size} if size and "draft_vocab_size" in cls.config_class.model_fields else {}
+        cfg = cls.config_class(algorithm=cls.algorithm, **over)
         target.aux_layer_ids = cls.serving.default_aux_layer_ids(target.num_layers, cfg)
         torch.manual_seed(0)
-        size = args.draft_vocab or None
         vocab = DraftVocab.from_counts(torch.arange(target.vocab_size, 0, -1), size)
         ckpt = cls.from_target(cfg, target, vocab).save_pretrained(tmp / "drafter")
         spec = spec_type_of(ckpt)
