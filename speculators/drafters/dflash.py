@@ -43,12 +43,8 @@ forward over ``[x_n, MASK x k]`` at positions ``n..n+k`` against the cache (the 
 drafts of slots ``1..k``, without writing anything (rejected drafts leave no trace);
 ``advance`` appends the K/V of the newly verified positions' features.
 
-Export (``speculators_model_type: dflash``, FORMATS.md): ``block_size``, ``aux_hidden_state_layer_ids``
-(vLLM ids = ours + 1), ``mask_token_id``, ``sample_from_anchor: false``, ``draft_vocab_size``,
-``transformer_layer_config`` (``model_type: qwen3``: the layers have q/k norms), speculative tokens
-``B - 1``; weights ``fc.weight``, ``hidden_norm.weight``, ``layers.i.*``, ``norm.weight`` (+ ``lm_head``,
-``d2t``, ``t2d`` with a draft vocabulary); never a ``mask_hidden`` weight. The token embedding is the
-target's (vLLM shares it when the checkpoint has none).
+Export (``speculators_model_type: dflash``; vLLM and llama.cpp): :class:`DFlashFormat` and FORMATS.md; never a
+``mask_hidden`` weight, and the token embedding is the target's (the engines share it).
 """
 
 from __future__ import annotations
@@ -221,18 +217,13 @@ class DFlashFormat(ServingFormat):
     serving_aux_ids_key = "aux_hidden_state_layer_ids"
 
     def llamacpp_converter_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Convert with llama.cpp's ``DSparkSpeculator`` class: of its DFlash-lineage converters it is the one
-        that reads vllm-project/speculators' layout (the nested ``transformer_layer_config``,
-        ``aux_hidden_state_layer_ids``, ``d2t``/``t2d``; its ``DFlashDraftModel`` class reads z-lab's flat layout
-        and has no draft vocabulary) and it writes the same ``dflash`` GGUF architecture. With
-        ``sample_from_anchor: false`` and no Markov tensors the GGUF is a plain DFlash draft (block ``[x_n, MASK x
-        K]``, drafts from slots 1..K), which ``--spec-type draft-dflash`` runs."""
+        """llama.cpp's ``DSparkSpeculator`` converter class reads this (speculators) layout and writes the ``dflash``
+        GGUF; ``sample_from_anchor: false`` and no Markov tensors make it plain DFlash (FORMATS.md, "llama.cpp")."""
         return {"architectures": ["DSparkSpeculator"]}
 
     def llamacpp_max_draft(self, config: dict[str, Any]) -> int | None:
-        """``block_size - 1``: llama.cpp's DFlash block is ``[x_n, MASK x K]`` within the trained block."""
-        b = config.get("block_size")
-        return int(b) - 1 if isinstance(b, int) else None
+        """``block_size - 1`` (llama.cpp's DFlash block ``[x_n, MASK x K]``)."""
+        return int(config["block_size"]) - 1 if isinstance(config.get("block_size"), int) else None
 
     serving_aux_ids_key = "aux_hidden_state_layer_ids"
 
