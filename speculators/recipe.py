@@ -135,6 +135,51 @@ class SourceSpec(Strict):
         return self
 
 
+class RegenerationServerSpec(Strict):
+    """Regenerate through an inference server instead of our PyTorch loop (:mod:`speculators.data.server_regen`):
+    exactly one of ``url`` (a running vLLM, SGLang or llama-server) or ``engine: llama.cpp`` (llama-server started
+    on the target's GGUF for the duration of the regeneration, ``concurrency`` parallel slots)."""
+
+    url: str | None = Field(default=None, description="base URL of a running server (`http://host:port`); its "
+                                                      "`api` says how to talk to it")
+    engine: Literal["llama.cpp"] | None = Field(
+        default=None, description="`llama.cpp`: start llama-server on the target's GGUF (`make llama-cpp` builds it) "
+                                  "with `concurrency` parallel slots, stopped when the regeneration ends")
+    api: Literal["openai", "sglang", "llama.cpp"] | None = Field(
+        default=None, description="wire protocol of `url`: `openai` (vLLM `/v1/completions` with `return_token_ids`; "
+                                  "the default), `sglang` (`/generate`), `llama.cpp` (`/completion`); token ids in "
+                                  "and out")
+    model: str | None = Field(default=None, description="the served model's name (`openai`'s `model` field); null = "
+                                                        "the one the server reports")
+    outtype: Literal["f16", "bf16", "q8_0"] | None = Field(
+        default=None, description="`engine` only: serve the target converted to this GGUF type (from its HF "
+                                  "weights); null = the target's GGUF as it is (an HF target: f16)")
+    concurrency: int = Field(default=8, gt=0, description="requests in flight (llama-server's parallel slots for "
+                                                          "`engine`)")
+    timeout_s: float = Field(default=600.0, gt=0, description="seconds per request")
+    retries: int = Field(default=4, ge=0, description="further tries after a connection error, a timeout, HTTP 429 "
+                                                      "or 5xx (exponential backoff from 1 s)")
+    threads: int | None = Field(default=None, gt=0, description="`engine` only: llama-server's `--threads` (null = "
+                                                                "every core)")
+
+    @model_validator(mode="after")
+    def _one_server(self):
+        if (self.url is None) == (self.engine is None):
+            raise ValueError("set exactly one of url (a running server) or engine: llama.cpp (started for the "
+                             "regeneration)")
+        if self.engine is not None:
+            for name in ("api", "model"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only with url (engine: {self.engine} serves the target itself)")
+        else:
+            for name in ("outtype", "threads"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only with engine (a server at url is configured where it runs)")
+            if self.api is None:
+                self.__dict__["api"] = "openai"  # not setattr: validate_assignment would re-enter
+        return self
+
+
 class RegenerationSpec(Strict):
     max_new_tokens: int = Field(default=256, gt=0, description="longest regenerated answer (tokens)")
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature of the regenerated answers; "
@@ -145,6 +190,16 @@ class RegenerationSpec(Strict):
                                         "memory (`speculators.data.batching.generation_batches`)")
     seed: int = Field(default=0, description="seed of sampled regeneration (one generator per prompt, seeded from "
                                              "this seed and the prompt's content)")
+    server: RegenerationServerSpec | None = Field(
+        default=None, description="regenerate through an inference server (a running vLLM / SGLang / llama-server, "
+                                  "or llama-server started on the target's GGUF); null = our PyTorch loop")
+
+    @model_validator(mode="after")
+    def _server_batches(self):
+        if self.server is not None and self.batch_size is not None:
+            raise ValueError("batch_size: our PyTorch loop's batches; with server, requests in flight are "
+                             "server.concurrency")
+        return self
 
 
 class HeldOutSpec(Strict):

@@ -70,6 +70,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     import torch
 
     from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
+    from .engines.llamacpp_regen import regeneration_engine
     from .drafters import registry
     from .drafters.checkpoint import init_from_checkpoint
     from .target import Target, process_device_map
@@ -115,7 +116,8 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
         log(f"--resume: {out} records no data identity (older run): the data cannot be checked")
     with state.main_process_first(), _progress_scope(progress) as make:  # the other ranks read rank 0's cache
         data = prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
-                            progress=make, loaded=loaded)
+                            progress=make, loaded=loaded,
+                            regen_server=regeneration_engine(recipe.data.regeneration.server))
     torch.manual_seed(recipe.train.seed)  # drafter init does not depend on what the data step consumed
     drafter = family.from_target(recipe.drafter, target, data.vocab)
     if recipe.train.init_from:
@@ -206,6 +208,7 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
     """
     from .data.pipeline import prepare_data
     from .drafters import registry
+    from .engines.llamacpp_regen import regeneration_engine
     from .target import Target
 
     target = Target.load(recipe.target.model, resolve_target_dtype(recipe.target.dtype, log=log), recipe.target.aux_layer_ids,
@@ -215,7 +218,7 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
             target.num_layers, recipe.drafter)
     with _progress_scope(progress) as make:
         return prepare_data(recipe.data, target, draft_vocab_size=recipe.drafter.draft_vocab_size, log=log,
-                            progress=make)
+                            progress=make, regen_server=regeneration_engine(recipe.data.regeneration.server))
 
 
 def resolve_checkpoint(path: str | Path, *, allow_hub: bool = True,

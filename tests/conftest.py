@@ -128,3 +128,23 @@ def cli_train_then_eval(recipe, target_dir, out, *overrides, eval_args=("--tempe
     reports = sorted(out.glob("eval-*/report.json"))
     assert len(reports) == 1, reports
     return cfg, log, json.loads(reports[0].read_text())
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """The built llama.cpp (``make llama-cpp``); skips saying why when there is none, fails under ``CI=true``."""
+    import os
+
+    from speculators.engines import llamacpp_build
+
+    try:
+        found = llamacpp_build.find_llama_cpp()
+        why = None if found else f"llama.cpp is not built (make llama-cpp; expected {llamacpp_build.build_dir()})"
+    except llamacpp_build.LlamaCppUnavailable as e:
+        found, why = None, str(e)
+    if found is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: {why}")
+        pytest.skip(why)
+    return found
+

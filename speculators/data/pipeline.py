@@ -26,6 +26,7 @@ from ..utils import atomic_write_text
 from .chat import prompt_messages, render_prompt, render_with_mask
 from .features import DEFAULT_FEATURE_DTYPE, FeatureStore, TokenizedExample, extract_features
 from .regenerate import regenerate
+from .server_regen import PYTORCH_PRODUCER, regeneration_server
 from .selfsynth import SELF_SOURCE, synthesis_identity, synthesize_prompts
 from .sources import (Conversation, conversations_identity, has_textless_assistant_turn, held_out_split,
                       load_source, split_group)
@@ -52,6 +53,8 @@ class PreparedData:
             in the run directory so that ``--resume`` refuses changed data.
         report: per recipe source (its label, :func:`source_labels`), what it contributed and what was
             dropped: :func:`data_report` (logged by :func:`prepare_data`, written in the run card).
+        producer: who regenerated the answers (:data:`speculators.data.server_regen.PYTORCH_PRODUCER` or a
+            server's identity; None when nothing was regenerated): the run card and ``config.json`` record it.
     """
 
     train: FeatureStore
@@ -61,6 +64,7 @@ class PreparedData:
     token_counts: torch.Tensor
     identity: dict[str, str] = field(default_factory=dict)
     report: dict[str, dict] = field(default_factory=dict)
+    producer: dict[str, Any] | None = None
 
 
 def _source_label(spec) -> str:
@@ -382,9 +386,9 @@ def held_out_prompts(data_spec: DataSpec, tokenizer: Any, loaded_pairs: list[tup
     return unique_prompts([c for c, _ in held], tokenizer, data_spec.chat_template, limit=limit)
 
 
-def _materialise(target, pairs, data_spec: DataSpec, log, progress) -> list[Conversation]:
+def _materialise(target, pairs, data_spec: DataSpec, log, progress, server=None) -> list[Conversation]:
     """Regenerate the flagged conversations (per source: pre-tokenized, exactly the ids the target
-    produced), keep the others' own assistant text."""
+    produced; through ``server`` when given), keep the others' own assistant text."""
     spec = data_spec.regeneration
     by_source: dict[str, list[Conversation]] = {}
     out: dict[str, Conversation] = {}
@@ -401,7 +405,7 @@ def _materialise(target, pairs, data_spec: DataSpec, log, progress) -> list[Conv
         for c in regenerate(target, convs, source, spec.max_new_tokens, spec.temperature, spec.top_p,
                             spec.batch_size, spec.seed, data_spec.chat_template, log=log,
                             progress=progress(f"regenerating {source}") if progress else None,
-                            max_length=data_spec.max_length):
+                            max_length=data_spec.max_length, server=server):
             out[c.id] = c
     return [out[c.id] for c, _ in pairs]
 
@@ -495,7 +499,7 @@ def _features(target, examples: list[TokenizedExample], data_spec: DataSpec, log
 
 
 def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, log=print, progress=None,
-                 loaded=None) -> PreparedData:
+                 loaded=None, regen_server=None) -> PreparedData:
     """Run the whole data pipeline of ``data_spec`` (a recipe's ``data`` section) for ``target``
     (all steps cached on disk).
 
@@ -510,6 +514,8 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
             the target's whole vocabulary).
         log: callable for log lines. progress: ``make(description) -> callable(done, total)`` or None.
         loaded: the result of :func:`load_data` when the caller already loaded the sources.
+        regen_server: a started :class:`speculators.data.server_regen.RegenerationServer` for
+            ``data.regeneration.server.engine`` (None: a ``url`` is talked to directly, no server: our loop).
 
     Raises:
         SpeculatorsError: no chat template, a source with zero examples, no trainable tokens, or a
@@ -534,7 +540,8 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
     unweighted = train_pairs
     train_pairs = apply_weights(train_pairs, data_spec, log)
     drop_counts: Counter = Counter()
-    train_convs = _materialise(target, train_pairs, data_spec, log, progress)
+    server = regeneration_server(getattr(data_spec.regeneration, "server", None), regen_server)
+    train_convs = _materialise(target, train_pairs, data_spec, log, progress, server)
     train_ex = tokenize(target, train_convs, data_spec, log=log, split="train", drop_counts=drop_counts)
     if not train_ex:
         raise SpeculatorsError("data: the sources yield zero training examples with assistant tokens")
@@ -547,7 +554,7 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
     if held_pairs:
         # the held-out examples are what the drafter is trained on: the target's own answers for the
         # regenerated sources (cached like the train side's), the data's answers for the others
-        held_convs = _materialise(target, held_pairs, data_spec, log, progress)
+        held_convs = _materialise(target, held_pairs, data_spec, log, progress, server)
         held_ex, seen_ids = [], set()
         held_drops: Counter = Counter()
         label = {c.id: c.label or c.source for c in held_convs}
@@ -570,7 +577,8 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
         log(line)
     log(f"data: {train.num_tokens} train tokens ({train.num_loss_tokens} assistant), draft vocab "
         f"{vocab.size} covering {covered:.1%} of assistant tokens, {len(eval_prompts)} held-out prompts")
-    return PreparedData(train, held, eval_prompts, vocab, counts, identity, report)
+    producer = None if not any(r for _, r in pairs) else server.identity(target, log) if server else PYTORCH_PRODUCER
+    return PreparedData(train, held, eval_prompts, vocab, counts, identity, report, producer)
 
 
 def data_report(data_spec: DataSpec, stats: dict, train_pairs, weighted_pairs, held_pairs,

@@ -422,7 +422,8 @@ def checkpoint_config(drafter: "Drafter", dtype: torch.dtype | None = None) -> d
 
 def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | None = None,
                     extra_files: dict[str, str] | None = None, overwrite: bool = True, extra=None,
-                    target=None, dtype: str | None = None, frozen_copies: bool = True) -> Path:
+                    target=None, dtype: str | None = None, frozen_copies: bool = True,
+                    provenance: dict | None = None) -> Path:
     """Write ``config.json`` (:func:`checkpoint_config`), ``model.safetensors`` (``serving.state_dict``),
     ``recipe.yaml`` (when given) and ``extra_files`` (name -> text) atomically to ``path``.
 
@@ -431,7 +432,8 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
     training checkpoints keep None so that ``--resume`` continues from the exact weights.
     ``frozen_copies=False`` (published checkpoints) leaves out the frozen target copies the serving format
     does not need (:func:`frozen_target_weights`; listed under ``speculators_training.omitted_target_weights``);
-    :func:`from_pretrained` then takes them from the target at ``attach_target``.
+    :func:`from_pretrained` then takes them from the target at ``attach_target``. ``provenance`` adds keys to
+    the ``speculators_training`` block (the trainer records ``data_producer``: who regenerated the answers).
 
     ``extra(tmp_dir)`` may write more files (e.g. optimizer state) inside the same atomic rename. A drafter
     trained jointly with its target (``drafter.trains_target``) is only valid with the fine-tuned target, so
@@ -466,6 +468,7 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
                                    "(TrainingUnit(drafter, target).save(path), or "
                                    "save_pretrained(path, target=target))")
     cfg = checkpoint_config(drafter, dt)
+    cfg[TRAINING_KEY].update(provenance or {})
     if omitted:
         cfg[TRAINING_KEY][OMITTED_KEY] = omitted
     with atomic_dir(path, overwrite=overwrite) as tmp:

@@ -75,12 +75,13 @@ def _unprefixed(ev: dict[str, float], prefix: str = "held_out/") -> dict[str, fl
 
 
 def model_card(unit, steps: int, tokens: int, seconds: float, before: dict[str, float],
-               after: dict[str, float], data_report: dict | None = None) -> str:
+               after: dict[str, float], data_report: dict | None = None, data_producer: dict | None = None) -> str:
     """``final/README.md``: what was trained, on what, how long, the unit's own lines
     (``TrainingUnit.card_lines``: for a joint run the adapter and the target's held-out perplexity before
     and after training), the last held-out metrics (``before`` / ``after``: ``held_out/`` names) and the
     training data per source with the rows each filter dropped (``data_report``:
-    :func:`speculators.data.pipeline.report_markdown`)."""
+    :func:`speculators.data.pipeline.report_markdown`) and who regenerated its answers (``data_producer``:
+    :func:`speculators.data.server_regen.producer_line`)."""
     m = unit.drafter.meta
     lines = [f"# {unit.drafter.algorithm} drafter for {m.name_or_path}", "",
              f"Trained by speculators from `{RECIPE_NAME}` (in this directory): {steps} steps, {tokens} tokens, "
@@ -99,6 +100,10 @@ def model_card(unit, steps: int, tokens: int, seconds: float, before: dict[str, 
         from ..data.pipeline import report_markdown
 
         lines += [""] + report_markdown(data_report)
+    from ..data.server_regen import producer_line
+
+    if producer_line(data_producer):
+        lines += [producer_line(data_producer), ""]
     return "\n".join(lines) + "\n"
 
 

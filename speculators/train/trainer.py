@@ -675,12 +675,14 @@ class Trainer:
         """Write ``OUTPUT_DIR/final`` (rank 0; published: ``train.save_dtype``, no frozen target copies, the
         model card), full weights under FSDP; returns its path."""
         final = self.output_dir / "final"
+        producer = getattr(self.data, "producer", None)  # who regenerated the answers (a server or our loop)
         card = model_card(self.unit, self.step, tokens_seen, seconds, self.held_out_before, self.held_out_last,
-                          data_report=getattr(self.data, "report", None))
+                          data_report=getattr(self.data, "report", None), data_producer=producer)
         with self._full_weights():
             if self.is_main:
                 self.unit.save(final, recipe_yaml=dump_recipe(self.recipe), extra_files={"README.md": card},
-                               dtype=self.spec.save_dtype, frozen_copies=False)  # published; step-N stay exact
+                               dtype=self.spec.save_dtype, frozen_copies=False,  # published; step-N stay exact
+                               provenance={"data_producer": producer} if producer else None)
         if self.fsdp_cpu:  # the unit in memory is the trained model on every rank, as after one process
             keep_full_parameters(self.unit)
         self.accelerator.wait_for_everyone()

@@ -201,7 +201,8 @@ class TrainingUnit(nn.Module):
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str | Path, recipe_yaml: str | None = None, extra_files: dict[str, str] | None = None,
-             extra=None, overwrite: bool = True, dtype: str | None = None, frozen_copies: bool = True) -> Path:
+             extra=None, overwrite: bool = True, dtype: str | None = None, frozen_copies: bool = True,
+             provenance: dict | None = None) -> Path:
         """Write the drafter checkpoint ``path`` atomically (:func:`speculators.drafters.checkpoint.save_pretrained`),
         with the target's LoRA adapter in ``target_adapter/`` for joint training. Never writes the frozen
         target (online features) nor its frozen weights.
@@ -212,6 +213,7 @@ class TrainingUnit(nn.Module):
                 resumable ``checkpoints/step-N`` (read back by :meth:`load`) are written in.
             frozen_copies: False for a published checkpoint: leave out the frozen target copies its serving
                 format does not need (e.g. EAGLE-3's ``embed_tokens``; ``ServingFormat.frozen_target_weights``).
+            provenance: more keys of ``config.json``'s ``speculators_training`` block (e.g. ``data_producer``).
         Raises:
             SpeculatorsError: ``path`` exists and ``overwrite`` is False, or is not a directory; an unknown
                 ``dtype``.
@@ -220,7 +222,7 @@ class TrainingUnit(nn.Module):
 
         return save_pretrained(self.drafter, path, recipe_yaml=recipe_yaml, extra_files=extra_files,
                                overwrite=overwrite, extra=extra, target=self.target, dtype=dtype,
-                               frozen_copies=frozen_copies)
+                               frozen_copies=frozen_copies, provenance=provenance)
 
     def load(self, path: str | Path) -> None:
         """Load the trained weights of checkpoint ``path`` written by :meth:`save` (resume): the drafter's

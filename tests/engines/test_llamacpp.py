@@ -10,7 +10,6 @@ plain ones. Without a build those tests skip saying why; under ``CI=true`` they 
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -309,18 +308,9 @@ def test_cli_refuses_an_unknown_engine(tmp_path):
 # ----------------------------------------------------------------------------- with the real llama-server
 
 
-@pytest.fixture(scope="module")
-def lc():
-    try:
-        found = find_llama_cpp()
-        why = None if found else f"llama.cpp is not built (make llama-cpp; expected {llamacpp_build.build_dir()})"
-    except LlamaCppUnavailable as e:
-        found, why = None, str(e)
-    if found is None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI: {why}")
-        pytest.skip(why)
-    return found
+@pytest.fixture()
+def lc(llama_cpp):
+    return llama_cpp
 
 
 @pytest.mark.slow
