@@ -233,34 +233,39 @@ def generate_all(client: ServerClient, requests: dict[str, dict[str, Any]], conc
                  on_result: Callable[[str, Generated], None]) -> None:
     """Run ``requests`` (key -> :meth:`ServerClient.generate` keyword arguments), ``concurrency`` in flight;
     ``on_result(key, generated)`` is called in THIS thread as each finishes (so the caller appends to its cache
-    without locks). On an error or Ctrl-C the queued requests are dropped and the first error is raised after
-    the ones in flight return."""
+    without locks). After a failed request nothing more is sent; the requests already in flight are waited for
+    and their answers kept (``on_result``), then the first error is raised. On Ctrl-C the queued requests are
+    dropped at once."""
     items = iter(requests.items())
-    with ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
-        pending: dict[Any, str] = {}
+    n = max(1, int(concurrency))
+    pool = ThreadPoolExecutor(max_workers=n)
+    pending: dict[Any, str] = {}
+    first_error: BaseException | None = None
 
-        def submit() -> bool:
-            try:
-                key, kw = next(items)
-            except StopIteration:
-                return False
-            pending[pool.submit(client.generate, **kw)] = key
-            return True
+    def submit() -> None:
+        item = next(items, None)
+        if item is not None:
+            pending[pool.submit(client.generate, **item[1])] = item[0]
 
-        for _ in range(max(1, int(concurrency))):
-            if not submit():
-                break
-        try:
-            while pending:
-                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    key = pending.pop(fut)
-                    on_result(key, fut.result())
+    try:
+        for _ in range(n):
+            submit()
+        while pending:
+            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                key = pending.pop(fut)
+                try:
+                    gen = fut.result()
+                except BaseException as e:  # noqa: BLE001 - raised below, after the answers in flight are kept
+                    first_error = first_error or e
+                    continue
+                on_result(key, gen)
+                if first_error is None:
                     submit()
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if first_error is not None:
+        raise first_error
 
 
 class RegenerationServer:
