@@ -89,6 +89,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "dflash": ("DFlash: one bidirectional block `[anchor, MASK x (B-1)]`, the target's context injected as "
                "keys/values", "at most `block_size - 1`"),
     "dspark": ("DSpark: the DFlash backbone + a Markov head + a confidence head", "at most `block_size`"),
+    "mlp_speculator": ("MLP speculator (IBM, vLLM `MLPSpeculator`): stages chained through a state, each reading "
+                       "the previous token", "at most `n_predict`"),
 }
 
 #: Text after a family's table.

@@ -5,7 +5,7 @@ Written from vLLM's source at commit ``00bd1493b3e8`` (the v0.33.0 line; :data:`
 ``d2t`` becomes ``draft_id_to_target_id``, ``t2d`` is dropped, ``mask_hidden`` is a ``[1, 3H]`` buffer
 required with parallel drafting, everything else must reach a parameter through ``AutoWeightsLoader``,
 which raises "There is no module or parameter named ..."), ``llama_eagle.py`` (EAGLE-1), ``medusa.py``,
-``deepseek_mtp.py`` (the module layout our MTP export follows), the DFlash / DSpark drafter models and
+``deepseek_mtp.py`` (the module layout our MTP export follows), ``mlp_speculator.py``, the DFlash / DSpark drafter models and
 ``transformers_utils/configs/speculators/*`` (which config keys they read). vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` itself: the file keeps
 the unfused Hugging Face names.
@@ -88,6 +88,8 @@ def expected_layout(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] |
     try:
         if family == "medusa" and "speculators_model_type" not in config:
             return _medusa_vllm(config) + (problems,)
+        if family == "mlp_speculator":
+            return _mlp_speculator(config) + (problems,)
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise SpeculatorsError("config.json has no `transformer_layer_config` dict")
@@ -241,11 +243,34 @@ def _medusa_vllm(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | No
     return shapes, required
 
 
+def _mlp_speculator(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
+    """vLLM's ``MLPSpeculator`` (``mlp_speculator.py``; ``load_weights`` drops a ``speculator.`` prefix and looks
+    each name up in ``named_parameters()``): per stage i < ``n_predict`` ``emb.{i}.weight [V, D]``,
+    ``proj.{i}.weight [D, emb_dim if i == 0 else D]``, ``head.{i}.weight [V, D]``, ``ln.{i}.weight|bias [D]``
+    (``inner_dim`` 0 -> D = ``emb_dim``). With ``tie_weights`` the stages share one module, so
+    ``named_parameters()`` holds only index 0 (``proj`` 0 and 1): the other indices are silently skipped by
+    its loader (listed with any shape), and only the shared ones are required."""
+    V, E, K = int(config["vocab_size"]), int(config["emb_dim"]), int(config["n_predict"])
+    D = int(config.get("inner_dim") or 0) or E
+    tied = bool(config.get("tie_weights"))
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    required = set()
+    for i in range(K):
+        stage = {f"emb.{i}.weight": (V, D), f"proj.{i}.weight": (D, E if i == 0 else D), f"head.{i}.weight": (V, D),
+                 f"ln.{i}.weight": (D,), f"ln.{i}.bias": (D,)}
+        for name, shape in stage.items():
+            placed = not tied or i == 0 or (name.startswith("proj.") and i == 1)
+            shapes[name] = shape if placed else None
+            if placed:
+                required.add(name)
+    return shapes, required
+
+
 def known_layout(config: dict[str, Any]) -> bool:
     """Whether this check knows vLLM's loader for the ``config.json`` (its ``speculators_model_type``, or
-    vLLM's native Medusa ``model_type``). A family vLLM has no loader for (a new family) is not checked."""
+    vLLM's native Medusa / MLP speculator ``model_type``). A family vLLM has no loader for is not checked."""
     family = config.get("speculators_model_type") or config.get("model_type")
-    return family in _LAYOUTS
+    return family in _LAYOUTS or family == "mlp_speculator"
 
 
 def check_layout(path: str | Path) -> list[str]:

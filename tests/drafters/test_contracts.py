@@ -109,7 +109,7 @@ def build_drafter(name: str, joint: bool, train_steps: int = 15):
     target = new_target()
     family = registry.get(name)
     kw: dict = {"algorithm": name}
-    for depth in ("num_depths", "num_heads"):  # P-EAGLE, Medusa: trained as deep as the largest K below
+    for depth in ("num_depths", "num_heads", "n_predict"):  # P-EAGLE, Medusa, MLP speculator: as deep as the largest K
         if depth in family.config_class.model_fields:  # (a K above the trained depth is refused, not capped)
             kw[depth] = 5
     if joint:

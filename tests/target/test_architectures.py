@@ -188,7 +188,7 @@ def train_drafter(family: str, target: Target, joint: bool = False, steps: int =
     """A drafter of ``family`` for ``target`` after ``steps`` AdamW steps on the target's own greedy text."""
     fam = registry.get(family)
     kw: dict = {"algorithm": family}
-    for depth in ("num_depths", "num_heads"):
+    for depth in ("num_depths", "num_heads", "n_predict"):
         if depth in fam.config_class.model_fields:
             kw[depth] = 4
     if joint:
