@@ -164,6 +164,8 @@ class RegenerationServerSpec(Strict):
 
     @model_validator(mode="after")
     def _one_server(self):
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url: {self.url!r} is not an http:// or https:// URL (e.g. http://gpu-node:8000)")
         if (self.url is None) == (self.engine is None):
             raise ValueError("set exactly one of url (a running server) or engine: llama.cpp (started for the "
                              "regeneration)")

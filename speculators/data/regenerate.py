@@ -113,6 +113,9 @@ def regenerate(target, convs: list[Conversation], source: str, max_new_tokens: i
         (render_prompt) + response ids + [stop id if the target stopped]``, ``loss_mask`` = 1 on the
         response ids and the stop id (and on earlier assistant turns of the prompt, see
         :func:`_prompt_mask`).
+    Raises:
+        ServerError: (with ``server``) a request failed after its retries or its answer cannot be trained on
+            (:mod:`speculators.data.server_regen`); the answers that arrived before are kept in the cache.
     """
     tok = target.tokenizer
     stops = target.stop_ids_for(chat_template)
@@ -211,7 +214,7 @@ def _regenerate_via_server(server: RegenerationServer, target, todo: dict[str, l
     tok = target.tokenizer
     ctx = max(len(p) for p in todo.values()) + max_new_tokens + 8
     reqs = {k: {"prompt": p, "max_new_tokens": max_new_tokens, "stops": stops, "temperature": temperature,
-                "top_p": top_p, "seed": prompt_seed(seed, k)} for k, p in todo.items()}
+                "top_p": top_p, "seed": prompt_seed(seed, k), "vocab_size": target.vocab_size} for k, p in todo.items()}
     t0, stats = time.time(), {"new": 0, "cut": 0, "done": 0}
     with server.open(target, ctx, log) as client, open_jsonl_append(path) as f:
         def on_result(key: str, gen: Generated) -> None:

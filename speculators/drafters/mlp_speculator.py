@@ -29,8 +29,8 @@ sampler too) and fed to the next stage. Trees: a node's children come from the s
 its parent's state and its own token (:func:`speculators.drafters.tree_drafting.expand_tree`).
 
 Initialisation: with ``inner_dim == H`` every ``emb_i`` starts as the target's token embedding and every
-``head_i`` as the target's output head (as our Medusa heads do: at step 0 the drafter predicts like the target
-would); ``proj_i`` ~ N(0, 1/inner_dim) as IBM's ``reset_parameters``; LN weight 1, bias 0.
+``head_i`` as the target's output head (as our Medusa heads start from it), otherwise N(0, 1/inner_dim);
+``proj_i`` ~ N(0, 1/inner_dim) as IBM's ``reset_parameters``; LN weight 1, bias 0.
 """
 
 from __future__ import annotations
@@ -225,11 +225,14 @@ class MLPSpeculatorDrafter(Drafter):
         with torch.no_grad():
             for p in d.proj:
                 nn.init.normal_(p.weight, 0.0, 1 / math.sqrt(d.inner_dim))
-            if d.inner_dim == d.meta.hidden_size:
-                emb = target.model.get_input_embeddings().weight
-                for e, h in zip(d.emb, d.head):
+            emb = target.model.get_input_embeddings().weight
+            for e, h in zip(d.emb, d.head):
+                if d.inner_dim == d.meta.hidden_size:  # start as the target's embedding and head
                     e.weight.copy_(emb.detach().float()[: d.meta.vocab_size])
                     h.weight.copy_(target.lm_head_weight.detach().float()[: d.meta.vocab_size])
+                else:  # IBM's reset_parameters
+                    nn.init.normal_(e.weight, 0.0, 1 / math.sqrt(d.inner_dim))
+                    nn.init.normal_(h.weight, 0.0, 1 / math.sqrt(d.inner_dim))
         d.attach_target(target)
         return d
 

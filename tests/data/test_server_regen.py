@@ -143,14 +143,30 @@ def test_a_server_that_returns_no_token_ids_is_refused(fake, api):
         ServerClient(srv.url, api).generate([1, 2, 3], 8, [STOP])
 
 
-def test_the_stop_token_is_cut_at_the_first_stop_and_a_foreign_stop_is_refused():
-    assert _finish([5, 6, STOP, 8, STOP], [STOP], True, None, "w") == Generated([5, 6], STOP)  # our loop stops there
-    assert _finish([5, 6], [STOP], True, STOP, "w") == Generated([5, 6], STOP)  # stripped, reported
-    assert _finish([5, 6, 7], [STOP], False, None, "w") == Generated([5, 6, 7], None)  # cut by max_new_tokens
+def test_only_a_stop_token_or_max_new_tokens_ends_a_trained_answer():
+    assert _finish([5, 6, STOP, 8, STOP], [STOP], "stop", None, 8, "w") == Generated([5, 6], STOP)  # first stop
+    assert _finish([5, 6], [STOP], "stop", STOP, 8, "w") == Generated([5, 6], STOP)  # stripped, reported
+    assert _finish([5, 6, 7], [STOP], "length", None, 3, "w") == Generated([5, 6, 7], None)  # cut by max_new_tokens
+    assert _finish([5, STOP, 7], [STOP], "length", None, 3, "w") == Generated([5], STOP)  # a stop it did not honour
     with pytest.raises(ServerError, match="token 9, which is not one of the target's stop ids"):
-        _finish([5, 6], [STOP], True, 9, "w")
+        _finish([5, 6], [STOP], "stop", 9, 8, "w")
+    with pytest.raises(ServerError, match="token 6, which is not one"):  # kept in the ids, unreported: the last
+        _finish([5, 6], [STOP], "stop", None, 8, "w")
     with pytest.raises(ServerError, match="returned no stop token id"):
-        _finish([5, 6], [STOP], True, "</s>", "w")
+        _finish([5, 6], [STOP], "stop", "</s>", 8, "w")
+    with pytest.raises(ServerError, match="finish reason 'abort'.*not trained"):
+        _finish([5, 6], [STOP], "abort", None, 8, "w")
+    with pytest.raises(ServerError, match="ended at 2 of max_new_tokens=8 tokens"):  # a full context, not the limit
+        _finish([5, 6], [STOP], "length", None, 8, "w")
+
+
+def test_every_request_pins_the_sampling_and_foreign_ids_are_refused(fake):
+    srv = fake(answer_as("sglang"))
+    ServerClient(srv.url, "sglang").generate([1, 2], 8, [STOP], temperature=0.7, top_p=0.9)
+    sp = srv.bodies[-1][1]["sampling_params"]
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["min_p"], sp["repetition_penalty"]) == (0.7, 0.9, -1, 0.0, 1.0)
+    with pytest.raises(ServerError, match="outside the target's vocabulary"):
+        ServerClient(srv.url, "sglang").generate([1, 2], 8, [STOP], vocab_size=104)  # the fake answers 103, 104, 105
 
 
 def test_server_errors_are_retried_then_reported_with_the_url_and_status(fake):
@@ -259,6 +275,8 @@ def test_the_server_settings_are_checked_by_the_recipe():
     r = load_recipe(tiny, ["data.regeneration.batch_size=null", "data.regeneration.server.url=http://h:8000"])
     assert r.data.regeneration.server.api == "openai"  # vLLM's protocol unless told
     for bad, msg in [(["data.regeneration.server.concurrency=4"], "exactly one of url"),
+                     (["data.regeneration.batch_size=null", "data.regeneration.server.url=gpu-node:8000"],
+                      "not an http:// or https:// URL"),
                      (["data.regeneration.server.engine=llama.cpp"], "batch_size"),
                      (["data.regeneration.batch_size=null", "data.regeneration.server.engine=llama.cpp",
                        "data.regeneration.server.api=openai"], "api: only with url"),

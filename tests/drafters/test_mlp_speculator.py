@@ -83,15 +83,18 @@ def test_export_matches_vllms_loader_and_the_published_equations(target, tmp_pat
     assert d.propose([state], [d.n_predict])[0].token_ids.tolist() == ref_tokens
 
 
-def test_the_layout_check_catches_a_renamed_or_misshapen_tensor(target, tmp_path):
+def test_the_layout_check_reads_names_as_vllms_loader_does(target, tmp_path):
     path = make(target).save_pretrained(tmp_path / "ckpt")
     w = load_file(str(path / "model.safetensors"))
-    w["speculator.head.0.weight"] = w.pop("head.0.weight")
+    w["speculator.emb.0.weight"] = w.pop("emb.0.weight")  # IBM's prefix: vLLM drops it
+    save_file(w, str(path / "model.safetensors"))
+    assert check_layout(path) == []
+    w["heads.0.weight"] = w.pop("head.0.weight")  # a name vLLM skips silently: head 0 would stay unloaded
     w["proj.1.weight"] = w["proj.1.weight"][:, :-1].contiguous()
     save_file(w, str(path / "model.safetensors"))
     problems = "\n".join(check_layout(path))
-    assert "`speculator.head.0.weight`" in problems and "`head.0.weight` is missing" in problems
-    assert "`proj.1.weight`: shape" in problems
+    assert "`heads.0.weight`" in problems and "skips it silently" in problems
+    assert "`head.0.weight` is missing" in problems and "`proj.1.weight`: shape" in problems
 
 
 def test_teacher_forced_loss_by_hand(target):
