@@ -189,7 +189,10 @@ class LlamaCppApi(ServerApi):
                 "seed": seed, "return_tokens": True, "cache_prompt": False, "stream": False}
 
     def parse(self, answer, stops, max_new_tokens, where):
-        ids = _int_ids(answer.get("tokens"), "tokens", where)
+        tokens = answer.get("tokens")
+        if tokens == [] and answer.get("content"):  # text without ids: a request without return_tokens
+            tokens = None
+        ids = _int_ids(tokens, "tokens", where)
         finish = {"eos": "stop", "limit": "length"}.get(answer.get("stop_type"), str(answer.get("stop_type")))
         return _finish(ids, stops, finish, None, max_new_tokens, where)
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from speculators.data.regenerate import regenerate
+from speculators.data.server_regen import LlamaCppApi, ServerClient, ServerError
 from speculators.data.sources import Conversation
 from speculators.engines import llamacpp_build
 from speculators.engines.llamacpp_regen import LlamaServerRegeneration
@@ -85,6 +86,30 @@ def test_ids_round_trip_exactly_and_a_killed_run_resumes(served, llama_cpp, isol
             direct = srv.complete(prompt, 12, temperature=0.0).tokens
             cut = next((i + 1 for i, t in enumerate(direct) if t in stops), len(direct))
             assert answer == direct[:cut], (answer, direct)
+
+
+class NoIdsApi(LlamaCppApi):
+    """llama-server's protocol without ``return_tokens``: the server answers text only."""
+
+    def body(self, *a, **kw):
+        b = super().body(*a, **kw)
+        del b["return_tokens"]
+        return b
+
+
+def test_a_real_server_without_ids_or_gone_is_refused_with_its_url(served, llama_cpp):
+    gguf = LlamaServerRegeneration(SPEC, llama_cpp).gguf(served)
+    prompt = [int(t) for t in served.tokenizer("hello there", add_special_tokens=False)["input_ids"]]
+    with LlamaServer(llama_cpp, gguf, ctx_size=512) as srv:
+        client = ServerClient(srv.url, "llama.cpp", retries=1, backoff_s=0.01)
+        assert client.generate(prompt, 4, served.stop_token_ids).ids  # the protocol works with ids
+        client.api = NoIdsApi()
+        with pytest.raises(ServerError, match="no token ids.*never re-tokenizes"):
+            client.generate(prompt, 4, served.stop_token_ids)
+        url = srv.url
+    gone = ServerClient(url, "llama.cpp", retries=2, backoff_s=0.01)  # the server has exited: retried, then named
+    with pytest.raises(ServerError, match=rf"{url}/completion: .* after 3 tries"):
+        gone.generate(prompt, 4, served.stop_token_ids)
 
 
 @pytest.mark.slow
