@@ -157,8 +157,8 @@ class RegenerationServerSpec(Strict):
     concurrency: int = Field(default=8, gt=0, description="requests in flight (llama-server's parallel slots for "
                                                           "`engine`)")
     timeout_s: float = Field(default=600.0, gt=0, description="seconds per request")
-    retries: int = Field(default=4, ge=0, description="further tries after a connection error, a timeout, HTTP 429 "
-                                                      "or 5xx (exponential backoff from 1 s)")
+    retries: int = Field(default=4, ge=0, description="further tries after a connection error, a timeout, HTTP 408, "
+                                                      "429 or 5xx other than 501 (exponential backoff from 1 s)")
     threads: int | None = Field(default=None, gt=0, description="`engine` only: llama-server's `--threads` (null = "
                                                                 "every core)")
 
