@@ -225,7 +225,7 @@ class MLPSpeculatorDrafter(Drafter):
         with torch.no_grad():
             for p in d.proj:
                 nn.init.normal_(p.weight, 0.0, 1 / math.sqrt(d.inner_dim))
-            emb = target.model.get_input_embeddings().weight
+            emb = target.embed_tokens.weight
             for e, h in zip(d.emb, d.head):
                 if d.inner_dim == d.meta.hidden_size:  # start as the target's embedding and head
                     e.weight.copy_(emb.detach().float()[: d.meta.vocab_size])

@@ -61,7 +61,9 @@ def _serving(cfg: dict[str, Any], checkpoint):
     """The serving format of the family a checkpoint's ``config.json`` names."""
     from ..drafters import registry  # importing the package registers every family
 
-    algo = cfg.get("speculators_model_type")
+    # vLLM's native layouts (Medusa's, the MLP speculator's) have no speculators block: our own block names the family
+    algo = cfg.get("speculators_model_type") or ((cfg.get("speculators_training") or {}).get("drafter") or {}).get(
+        "algorithm")
     if not isinstance(algo, str):
         raise SpeculatorsError(f"{checkpoint}/config.json: no 'speculators_model_type' (not a drafter export)")
     return registry.get(algo).serving
