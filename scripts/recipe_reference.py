@@ -91,6 +91,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "dspark": ("DSpark: the DFlash backbone + a Markov head + a confidence head", "at most `block_size`"),
     "mlp_speculator": ("MLP speculator (IBM, vLLM `MLPSpeculator`): stages chained through a state, each reading "
                        "the previous token", "at most `n_predict`"),
+    "draft_model": ("Draft model: a small LM of the target's architecture (layer-skip init), distilled to the "
+                    "target's distribution; reads no target features", "any (autoregressive, own KV cache)"),
 }
 
 #: Text after a family's table.

@@ -7,6 +7,8 @@ trainer can normalise every term by its count over a whole gradient-accumulation
 * :func:`soft_cross_entropy`: ``-sum_v p(v) log softmax(z)(v)`` to a teacher distribution ``p``
   (EAGLE-1/-3's token loss, Medusa / MTP self-distillation);
 * :func:`hard_cross_entropy`: CE to one label id (Medusa-1, MTP);
+* :func:`total_variation`: ``0.5 * sum_v |p(v) - q(v)|`` to a teacher distribution ``p``, one minus the chance
+  that a draft sampled from ``q`` is accepted against ``p`` at temperature 1 (DistillSpec, arXiv 2310.08461);
 * :func:`smooth_l1_feature_loss`: EAGLE-1's feature regression (smooth L1, beta 1, averaged over the
   hidden dimension of a position, as SafeAILab/EAGLE ``eagle/train/main.py`` does).
 
@@ -59,6 +61,7 @@ __all__ = [
     "sampling_values",
     "smooth_l1_feature_loss",
     "soft_cross_entropy",
+    "total_variation",
     "target_to_draft",
 ]
 
@@ -162,6 +165,33 @@ def hard_cross_entropy(logits: Tensor, labels: Tensor, valid: Tensor | None = No
                                f"got {int(lbl.min())}..{int(lbl.max())}")
     nll = -torch.log_softmax(logits.float(), dim=-1).gather(-1, lbl.unsqueeze(-1)).squeeze(-1)
     return _masked_sum(nll, valid)
+
+
+def total_variation(logits: Tensor, teacher_probs: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Total variation distance to a teacher distribution, summed over the valid positions.
+
+    ``sum_{valid positions} 0.5 * sum_v |teacher_probs[..., v] - softmax(logits)[..., v]|``, which equals
+    ``1 - sum_v min(p, q)``: one minus the probability that a draft drawn from ``q`` survives speculative
+    sampling against ``p`` (Leviathan et al., arXiv 2211.17192, Theorem 3.5; DistillSpec, arXiv 2310.08461, uses
+    it as a distillation loss). In ``[0, 1]`` per position.
+
+    Args:
+        logits: ``[..., N]`` float student logits (computed in float32).
+        teacher_probs: ``[..., N]`` float teacher probabilities (rows sum to 1), no gradient needed.
+        valid: ``[...]`` bool positions to sum over; ``None`` = all.
+    Returns:
+        scalar float32 SUM (divide by the term's count yourself).
+    Raises:
+        SpeculatorsError: shapes that do not match.
+    """
+    if logits.shape != teacher_probs.shape:
+        raise SpeculatorsError(f"total_variation: logits {tuple(logits.shape)} and teacher_probs "
+                               f"{tuple(teacher_probs.shape)} must have the same shape")
+    teacher = teacher_probs.float()
+    if valid is not None and valid.shape == teacher.shape[:-1]:  # a padded teacher row (NaN) stays out of the grad
+        teacher = torch.where(valid.unsqueeze(-1), teacher, teacher.new_zeros(()))
+    tv = 0.5 * (teacher - torch.softmax(logits.float(), dim=-1)).abs().sum(-1)
+    return _masked_sum(tv, valid)
 
 
 def smooth_l1_feature_loss(pred: Tensor, target: Tensor, valid: Tensor | None = None,

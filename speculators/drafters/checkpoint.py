@@ -474,6 +474,7 @@ def save_pretrained(drafter: "Drafter", path: str | Path, recipe_yaml: str | Non
     with atomic_dir(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, default=str))
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        drafter.serving.write_companion_files(drafter, tmp)
         if recipe_yaml is not None:
             (tmp / RECIPE_NAME).write_text(recipe_yaml)
         for name, text in (extra_files or {}).items():

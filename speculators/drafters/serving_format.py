@@ -20,6 +20,7 @@ checks) is :mod:`speculators.drafters.checkpoint`'s.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -231,6 +232,11 @@ class ServingFormat:
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         if legacy:
             load_training_state(drafter, {}, legacy)
+
+    def write_companion_files(self, drafter: Drafter, directory: Path) -> None:
+        """Write the files a serving engine reads beside ``config.json`` and ``model.safetensors`` into
+        ``directory`` (inside :func:`speculators.drafters.checkpoint.save_pretrained`'s atomic write). Default:
+        none; a draft model writes the target's tokenizer files."""
 
     def reference_parity_step(self, drafter: Drafter, config: dict[str, Any], ids: list[int], feats_ours,
                               feats_ref):

@@ -20,6 +20,8 @@ decoding loop need. One concern per module:
 * ``architecture``: what differs between decoder-only architectures (decoder stack, layers, final norm,
   logit rules, attention kinds) and the refusal of unsupported ones; ``masks``: attention masks that keep
   each layer's sliding window in the ragged sessions;
+* ``small_lm``: a small causal LM of the target's own architecture (fewer layers, layer-skip initialised from
+  the target) decoded over its own croppable KV cache and draft trees: the draft model family's model;
 * ``tiny``: :func:`build_tiny_target`, a random Llama from a config for tests, and one tiny random model
   per supported architecture (:data:`~speculators.target.tiny.TINY_ARCHITECTURES`).
 
