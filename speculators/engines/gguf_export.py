@@ -50,15 +50,21 @@ def spec_type_of(checkpoint: str | Path) -> str:
             says why: the family's ``llamacpp_note``).
     """
     cfg = _read_config(Path(checkpoint))
-    serving = _serving(cfg, checkpoint)
+    serving = serving_of(cfg, checkpoint)
     spec = serving.llamacpp_spec_type
     if spec is None:
         raise SpeculatorsError(f"{checkpoint}: no llama.cpp path for {serving.algorithm}, because {serving.llamacpp_note}")
     return spec
 
 
-def _serving(cfg: dict[str, Any], checkpoint):
-    """The serving format of the family a checkpoint's ``config.json`` names."""
+def serving_of(cfg: dict[str, Any], checkpoint):
+    """The serving format of the family a checkpoint's ``config.json`` names (``speculators_model_type``, else our
+    own ``speculators_training.drafter.algorithm``: vLLM's native layouts and plain transformers models carry no
+    speculators block).
+
+    Raises:
+        SpeculatorsError: the config names no family.
+    """
     from ..drafters import registry  # importing the package registers every family
 
     # vLLM's native layouts (Medusa's, the MLP speculator's) have no speculators block: our own block names the family
@@ -153,7 +159,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, target_dir: str | Path,
     checkpoint, out = Path(checkpoint), Path(out)
     spec_type_of(checkpoint)
     cfg = _read_config(checkpoint)
-    serving = _serving(cfg, checkpoint)
+    serving = serving_of(cfg, checkpoint)
     serving.check_llamacpp(cfg, str(checkpoint))
     config_patch = {**serving.llamacpp_converter_config(cfg), **(config_patch or {})}
     if not config_patch:
@@ -167,4 +173,4 @@ def export_gguf(checkpoint: str | Path, out: str | Path, target_dir: str | Path,
         return _convert(lc, view, out, outtype, ["--target-model-dir", str(target_dir)], log)
 
 
-__all__ = ["OUTTYPES", "export_gguf", "spec_type_of", "target_files"]
+__all__ = ["OUTTYPES", "export_gguf", "serving_of", "spec_type_of", "target_files"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import SpeculatorsError
-from .gguf_export import export_gguf, spec_type_of, target_files
+from .gguf_export import export_gguf, serving_of, spec_type_of, target_files
 from .llamacpp_build import LlamaCpp, require_llama_cpp
 from .llamacpp_eval import (EngineModels, EngineSettings, loop_comparison, render_markdown,
                             run_engine_eval, tap_shift, timings, write_engine_report)
@@ -58,10 +58,8 @@ def shifted_taps_gguf(lc: LlamaCpp, ckpt: Path, target_hf: Path, outtype: str, l
     """The negative control's draft GGUF and its shift: the drafter converted with every aux layer tap
     :func:`speculators.engines.llamacpp_eval.tap_shift` layers deeper (clipped to the target's last layer), or
     None when the format has no aux taps."""
-    from ..drafters import registry
-
     cfg = json.loads((ckpt / "config.json").read_text())
-    key = registry.get(cfg["speculators_model_type"]).serving.serving_aux_ids_key
+    key = serving_of(cfg, ckpt).serving_aux_ids_key
     if key is None or not cfg.get(key):
         return None
     layers = json.loads((target_hf / "config.json").read_text())
@@ -100,10 +98,8 @@ def export_run(ckpt: Path, rec, target_model: str | None = None, outtypes: tuple
     lc = require_llama_cpp()
     target, hf = target_files(_target_ref(ckpt, rec, target_model), lc, _gguf_dir(ckpt), log=log)
     drafts = {o: draft_gguf(lc, ckpt, hf, o, log) for o in outtypes}
-    from ..drafters import registry
-
     cfg = json.loads((ckpt / "config.json").read_text())
-    k = registry.get(cfg["speculators_model_type"]).serving.speculative_tokens(cfg) or 3
+    k = serving_of(cfg, ckpt).speculative_tokens(cfg) or 3
     return {"target": target, "drafts": drafts, "spec_type": spec,
             "serve": serve_command(lc, target, drafts[outtypes[0]], spec, k)}
 
@@ -147,10 +143,8 @@ def engine_eval(ckpt: Path, rec, settings: EngineSettings, *, num_prompts: int, 
     if rec is None and prompts is None:
         raise SpeculatorsError("no recipe in the checkpoint: pass --prompts SOURCE")
     spec = spec_type_of(ckpt)
-    from ..drafters import registry
-
     cfg = json.loads((ckpt / "config.json").read_text())
-    serving = registry.get(cfg["speculators_model_type"]).serving
+    serving = serving_of(cfg, ckpt)
     p_min_note = serving.llamacpp_p_min_note(cfg)
     if p_min_note and settings.p_mins:
         log(f"engine eval: no --spec-draft-p-min pass: {p_min_note}")

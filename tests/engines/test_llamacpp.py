@@ -383,3 +383,32 @@ def test_tiny_block_drafter_serves_in_llamacpp_as_our_loop_drafts(lc, tmp_path, 
     cmp = next(c for c in rep["loop_comparison"] if c["k"] == k)
     assert cmp["engine_tau"] == pytest.approx(cmp["loop_tau"], abs=0.05), cmp
     assert rep["greedy_check"]["passed"], rep["greedy_check"]
+
+
+@pytest.mark.slow
+def test_tiny_draft_model_converts_and_serves_as_draft_simple(lc, tmp_path, tiny_target_dir, isolated_cache,
+                                                              monkeypatch):
+    """Draft model: our export (a plain transformers Llama + the target's tokenizer) through llama.cpp's own
+    converter, served with ``-md draft.gguf --spec-type draft-simple`` beside the target: llama.cpp accepts its
+    vocabulary (it would otherwise serve without drafting), drafts and verifies (its counts), accepts what our
+    loop accepts on the same prompts, and stays lossless."""
+    from conftest import cli_train_then_eval
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    monkeypatch.setenv(llamacpp_build.ENV_VAR, str(lc.server.parent.parent))
+    monkeypatch.setenv(llamacpp_build.SOURCE_ENV_VAR, str(lc.source))
+    run = tmp_path / "run"
+    cli_train_then_eval(ROOT / "recipes" / "tiny-draft_model.yaml", tiny_target_dir, run, "train.steps=30",
+                        eval_args=("--temperature", "0", "-k", "3"))
+    r = CliRunner().invoke(app, ["eval", str(run), "--engine", "llama.cpp", "-k", "3", "--slots", "1",
+                                 "--temperature", "0", "--draft-outtypes", "f32"])
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    rep = json.loads((run / "eval-llamacpp" / "report.json").read_text())
+    assert rep["draft_spec_type"] == "draft-simple" and "--spec-type draft-simple" in rep["best"]["serve"]
+    row = next(x for x in rep["rows"] if x["label"] == "drafter k=3 f32 t=0")
+    assert row["drafted"] > 0 and row["accepted"] > 0, row
+    cmp = next(c for c in rep["loop_comparison"] if c["k"] == 3)
+    assert cmp["engine_tau"] == pytest.approx(cmp["loop_tau"], abs=0.05), cmp
+    assert rep["greedy_check"]["passed"], rep["greedy_check"]
