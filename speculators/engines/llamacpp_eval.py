@@ -258,6 +258,13 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
         passes[p.label] = p
         log(f"engine eval: {p.label}: {_fmt(row['tokens_per_s'], '.1f')} tok/s, tau {_fmt(row['tau'], '.3f')}, "
             f"accepted {row['accepted']}/{row['drafted']}")
+        if p.method.startswith("drafter") and p.p_min is None and row["drafted"] == 0:
+            # llama-server logs a draft it cannot use (draft-simple: a vocabulary it finds incompatible) and serves
+            # on without speculation: a row of plain decoding must not be reported as the drafter's
+            raise SpeculatorsError(f"engine eval: llama-server drafted no token in pass {p.label!r} over "
+                                   f"{len(prompts)} prompts: it did not use the draft GGUF (--spec-type "
+                                   f"{models.spec_type}; for draft-simple, llama.cpp requires the target's vocabulary "
+                                   f"type, BOS/EOS, a size within 128 tokens and equal token texts from id 5)")
         return row
 
     plain0 = do(EnginePass("plain"))

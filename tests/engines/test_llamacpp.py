@@ -176,6 +176,22 @@ def test_greedy_check_covers_every_greedy_pass_and_classifies_through_a_plain_se
     assert g["mismatches"][0]["position"] == 1 and g["passed"] and served == ["plain t=0"]
 
 
+def test_a_drafter_pass_that_drafted_nothing_is_refused_not_reported(monkeypatch):
+    """llama-server serves on without speculation when it cannot use the draft GGUF (draft-simple: a vocabulary it
+    finds incompatible): such a pass is plain decoding and must not be reported as the drafter's."""
+    from speculators.engines import llamacpp_eval
+    from speculators.engines.llamacpp_eval import EngineModels
+
+    def fake_pass(lc, models, p, prompts, st):
+        outs = [_c([5, 6, 7])]  # the server's counts: nothing drafted
+        return engine_row(p, outs, 1.0), outs
+
+    monkeypatch.setattr(llamacpp_eval, "run_pass", fake_pass)
+    models = EngineModels(target=Path("t.gguf"), drafts={"f16": Path("d.gguf")}, spec_type="draft-simple")
+    with pytest.raises(SpeculatorsError, match=r"drafted no token in pass 'drafter k=1 t=0'.*draft-simple"):
+        llamacpp_eval.run_engine_eval(None, models, [[1, 2]], EngineSettings(ks=(1,), draft_outtypes=("f16",)))
+
+
 def test_render_markdown_has_every_row_and_the_verdicts():
     rows = [dict(r, speedup=None, accepted=0, drafted=0) for r in _rows()]
     b = best_setting(rows)
