@@ -74,8 +74,12 @@ def checked_lines(ckpt: str | Path) -> list[str]:
     except (OSError, ValueError):
         return [f"`{PARITY_NAME}` is unreadable: run `speculators check DIR`."]
     bad = g.get("layout_problems") or []
-    out = [f"- vLLM {g.get('vllm_version', '?')} weight layout: "
-           + ("every tensor is one its loader places, at its shape." if not bad else f"{len(bad)} problem(s): {bad[0]}")]
+    if g.get("layout_checked", True) is False:  # no vLLM loader known for the layout: nothing was checked
+        out = [f"- vLLM {g.get('vllm_version', '?')} weight layout: not checked (no vLLM loader is known for it)."]
+    else:
+        out = [f"- vLLM {g.get('vllm_version', '?')} weight layout: "
+               + ("every tensor is one its loader places, at its shape." if not bad else
+                  f"{len(bad)} problem(s): {bad[0]}")]
     p = g.get("parity") or {}
     ref = f"vllm-project/speculators {p.get('reference_version', '?')}"
     if p.get("passed") is None:

@@ -330,3 +330,20 @@ def test_card_of_a_foreign_training_block(target_block, run_dir, tmp_path):
     cfg["speculators_config"]["verifier"] = {"name_or_path": "me/base", "architectures": ["LlamaForCausalLM"]}
     (ckpt / "config.json").write_text(json.dumps(cfg))
     assert "(`eagle3`) for `me/base`" in hub_card(ckpt, "me/x")
+
+
+def test_checked_lines_say_when_no_vllm_loader_checked_the_layout(tmp_path):
+    """A layout no vLLM loader is known for (a draft model, a new family) was not checked: the card must not say
+    every tensor was placed."""
+    import json
+
+    from speculators.hub import checked_lines
+
+    gate = {"vllm_version": "0.33.0", "layout_problems": [], "layout_checked": False,
+            "parity": {"passed": None, "skipped": "no model", "reference_version": "0.9.0"}}
+    (tmp_path / "parity.json").write_text(json.dumps(gate))
+    lines = checked_lines(tmp_path)
+    assert lines[0] == "- vLLM 0.33.0 weight layout: not checked (no vLLM loader is known for it)."
+    gate["layout_checked"] = True
+    (tmp_path / "parity.json").write_text(json.dumps(gate))
+    assert "every tensor is one its loader places" in checked_lines(tmp_path)[0]

@@ -305,7 +305,8 @@ def check_parity(checkpoint: str | Path, target=None, sequences: list[list[int]]
 
     checkpoint = Path(checkpoint)
     cfg = read_checkpoint_config(checkpoint)
-    family = cfg.get("speculators_model_type") or "?"
+    family = cfg.get("speculators_model_type") or ((cfg.get("speculators_training") or {}).get("drafter") or {}).get(
+        "algorithm") or "?"  # vLLM's native layouts and plain transformers models carry no speculators block
     result = ParityResult(str(checkpoint), family)
     if not reference_implements(family):
         result.skipped = f"vllm-project/speculators {REFERENCE_VERSION} has no `{family}` model in this layout"

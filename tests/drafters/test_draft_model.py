@@ -174,6 +174,11 @@ def test_a_recipe_run_exports_the_tokenizer(tiny_target_dir, tmp_path, isolated_
     assert {"loss_forward_kl", "loss_tv", "accept_t1", "sim_tau"} <= {k.split("/", 1)[1] for r in log for k in r
                                                                         if k.startswith("train/")}
     assert rep["greedy_mismatches"] == []
+    from speculators.hub import hub_card
+
+    card = hub_card(final, "me/draft")  # both serving commands
+    assert '"num_speculative_tokens": 3, "method": "draft_model"' in card
+    assert "-md draft-f16.gguf --spec-type draft-simple" in card
 
 
 @pytest.mark.parametrize("kw, field", [
