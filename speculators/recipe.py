@@ -256,7 +256,25 @@ class TrainSpec(Strict):
     max_minutes: float | None = Field(default=None, gt=0, description="stop training after this wall time (what is "
                                       "trained then depends on the machine's speed and load; the shipped recipes "
                                       "use steps / epochs only)")
-    lr: float = Field(default=3e-4, gt=0.0, description="peak learning rate (AdamW)")
+    lr: float = Field(default=3e-4, gt=0.0, description="peak learning rate (AdamW; Muon's too unless muon_lr)")
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw", description="adamw, or muon: torch.optim.Muon on the hidden weight matrices, AdamW on "
+                                     "embeddings, heads, norms and biases (as vllm-project/speculators splits them)")
+    muon_lr: float | None = Field(default=None, gt=0.0, description="Muon's peak learning rate (null = lr)")
+    muon_momentum: float = Field(default=0.95, gt=0.0, lt=1.0, description="Muon's (Nesterov) momentum")
+    muon_weight_decay: float = Field(default=0.1, ge=0.0, description="Muon's decoupled weight decay")
+    muon_ns_steps: int = Field(default=5, ge=1, description="Muon's Newton-Schulz iterations")
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(
+        default="match_rms_adamw", description="Muon's update scale: match_rms_adamw (0.2 sqrt(max(A, B)): AdamW's "
+                                               "update RMS, so one lr suits both) or original (sqrt(max(1, A/B)))")
+    loss: str | dict[str, float] = Field(
+        default="forward_kl", description="the divergence to the target's distribution of the families that distil "
+        "it: forward_kl (soft CE), reverse_kl, jsd, tv (= 1 - acceptance at T = 1), nla (-log acceptance), lk_hybrid, "
+        "ce (hard CE to the target's top token), or {name: weight, ...} (a weighted sum)")
+    jsd_beta: float = Field(default=0.5, gt=0.0, lt=1.0, description="jsd: beta KL(p||m) + (1-beta) KL(q||m), "
+                                                                     "m = beta p + (1-beta) q")
+    lk_eta: float = Field(default=3.0, gt=0.0, description="lk_hybrid: lambda = exp(-lk_eta * acceptance) weighs KL "
+                                                           "against TV")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
     schedule: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="learning-rate schedule after the linear warmup")
@@ -290,6 +308,23 @@ class TrainSpec(Strict):
                                   "drafting step against the reference implementation (vllm-project/speculators, "
                                   "in its own cached venv) on a few held-out sequences; a failure fails the run, an "
                                   "unavailable reference is reported and the run succeeds (docs/FORMATS.md)")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: Any) -> Any:
+        from .divergences import LossMix
+
+        try:
+            LossMix(v if isinstance(v, dict) else {v: 1.0})
+        except SpeculatorsError as e:  # names train.loss and what is allowed
+            raise ValueError(str(e)) from None
+        return v
+
+    def loss_mix(self):
+        """``train.loss`` as a :class:`speculators.divergences.LossMix`."""
+        from .divergences import LossMix
+
+        return LossMix(self.loss if isinstance(self.loss, dict) else {self.loss: 1.0}, self.jsd_beta, self.lk_eta)
 
     @model_validator(mode="after")
     def _length(self) -> "TrainSpec":

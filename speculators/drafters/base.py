@@ -46,6 +46,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from ..divergences import LossMix
 from ..errors import SpeculatorsError
 from ..verify import SamplingParams
 from . import checkpoint
@@ -101,6 +102,9 @@ class Drafter(nn.Module):
         self.last_own_loss: float | None = None
         # joint runs: directory of the target's LoRA adapter that came with a loaded checkpoint
         self.target_adapter_dir: Path | None = None
+        #: the divergence(s) to the target's distribution the family's distillation terms use (``train.loss``,
+        #: :class:`speculators.divergences.LossMix`; set by the trainer; default forward KL = soft cross-entropy)
+        self.distill_loss: LossMix = LossMix()
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -145,6 +149,9 @@ class Drafter(nn.Module):
     #: (:meth:`speculators.train.unit.TrainingUnit.loss_counts`). A family whose answer depends on its
     #: config overrides it with a property.
     counts_use_argmax: ClassVar[bool] = False
+    #: True when :meth:`loss` distils the target's distribution through :attr:`distill_loss` (so ``train.loss``
+    #: applies); families whose config switches to hard labels override it with a property
+    distills: ClassVar[bool] = False
     #: weight of :meth:`loss` in the joint loss ``lm_weight * L_LM + w * loss`` (1.0; Medusa-2 reads its config)
     joint_loss_weight: ClassVar[float] = 1.0
 

@@ -15,13 +15,13 @@ and best-initialised tensors.
 
 Loss (knowledge distillation on the target's own responses): at every position ``t`` whose next token
 ``x_{t+1}`` is an assistant token, the draft model's next-token distribution ``q_t`` is pulled towards the
-target's ``p_t = softmax(target head(h_top[t]))`` (the teacher, logit rule included) by the weighted terms of
-``kd_loss``: ``forward_kl`` (soft cross-entropy ``-sum_v p log q``, KL(p || q) plus the teacher's entropy, which
-has no gradient), ``tv`` (total variation ``0.5 * sum_v |p - q|``, which is exactly one minus the chance that
-a draft sampled from q is accepted against p at temperature 1: DistillSpec's case for it), ``ce`` (hard CE to
-the data token ``x_{t+1}``). Each term is averaged over the valid positions. Metrics: ``accept_t1 = 1 - TV``
-(mean), and ``full_acc_j`` / ``sim_tau`` of the teacher-forced greedy chain of ``num_speculative_tokens`` drafts
-(draft j at chain start t is the top-1 at ``t + j`` against the target's greedy token there).
+target's ``p_t = softmax(target head(h_top[t]))`` (the teacher, logit rule included) by ``train.loss``
+(:class:`speculators.divergences.LossMix`): forward KL by default, or total variation (exactly one minus the
+chance that a draft sampled from q is accepted against p at temperature 1: DistillSpec's case for it), reverse KL,
+JSD, the LK losses, hard CE to the target's top token, or a weighted mix, averaged over the valid positions.
+Metrics: ``accept_t1 = 1 - TV`` (mean), and ``full_acc_j`` / ``sim_tau`` of the teacher-forced greedy chain of
+``num_speculative_tokens`` drafts (draft j at chain start t is the top-1 at ``t + j`` against the target's
+greedy token there).
 
 Inference. The state is the model's KV cache over ``x_0..x_n`` (every verified token) and its logits at
 ``x_n``; ``propose`` drafts token by token (each draft fed back through the cache, drawn with the request's
@@ -47,17 +47,14 @@ from pydantic import Field, field_validator, model_validator
 from ..data.vocab import DraftVocab
 from ..decode.proposal import Proposal, check_batch
 from ..errors import SpeculatorsError
-from ..losses import (chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, soft_cross_entropy,
-                      total_variation)
+from ..divergences import masked_sum, per_position
+from ..losses import chained_acceptance, combine_terms, sample_draft
 from ..target.small_lm import SmallLMDecoder, build_small_lm, layer_skip_init
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig
 from .checkpoint import TRAINING_KEY, TargetMeta
 from .registry import register
 from .serving_format import ServingFormat
-
-KD_TERMS = ("forward_kl", "tv", "ce")
-
 
 class DraftModelConfig(DrafterConfig):
     """``drafter:`` section of a draft-model recipe."""
@@ -72,10 +69,6 @@ class DraftModelConfig(DrafterConfig):
                                           "model's layers (init: target); null = the first num_layers")
     train_embeddings: bool = Field(default=False, description="also train the embedding and output head (frozen at "
                                                               "their initial values by default)")
-    kd_loss: dict[Literal["forward_kl", "tv", "ce"], float] = Field(
-        default_factory=lambda: {"forward_kl": 1.0}, description="weighted distillation terms: forward_kl (soft CE "
-        "to the target's distribution), tv (total variation = 1 - acceptance at temperature 1), ce (hard CE to "
-        "the data token)")
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K the serving commands of the card "
                                         "use and the depth of the training metric sim_tau (any K can be drafted)")
 
@@ -85,13 +78,6 @@ class DraftModelConfig(DrafterConfig):
         if v is not None:
             raise ValueError("a draft model has the target's vocabulary (vLLM and llama.cpp require it): leave "
                              "drafter.draft_vocab_size unset")
-        return v
-
-    @field_validator("kd_loss")
-    @classmethod
-    def _weights(cls, v):
-        if not v or any(not (w > 0) for w in v.values()):
-            raise ValueError(f"kd_loss: give one or more of {', '.join(KD_TERMS)} with weights > 0, got {v}")
         return v
 
     @model_validator(mode="after")
@@ -189,6 +175,7 @@ class DraftModelDrafter(Drafter):
     algorithm = "draft_model"
     config_class = DraftModelConfig
     serving = DraftModelFormat()
+    distills = True  # its whole loss is a divergence to the target's distribution (train.loss)
 
     def __init__(self, cfg: DraftModelConfig, meta: TargetMeta):
         """An uninitialised draft model (transformers' init) of ``cfg.layers_for(target layers)`` layers, built from
@@ -239,22 +226,22 @@ class DraftModelDrafter(Drafter):
         return (batch.loss_mask & batch.attention_mask)[:, 1:]
 
     def loss_counts(self, batch) -> torch.Tensor:
-        """``[len(kd_loss)]`` int64: every term counts the same valid positions."""
-        n = self._valid(batch).sum()
-        return torch.stack([n] * len(self.cfg.kd_loss))
+        """``[1]`` int64: the valid positions (:meth:`_valid`)."""
+        return self._valid(batch).sum().reshape(1)
 
     def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The weighted ``kd_loss`` terms (module docstring), each a sum over the valid positions divided by
-        ``norm[i]`` (default: their count).
+        """The distillation loss :attr:`distill_loss` (``train.loss``; default forward KL) summed over the valid
+        positions and divided by ``norm[0]`` (default: their count).
 
         Args:
             batch: :class:`speculators.data.dataset.Batch` (``input_ids``, ``attention_mask``, ``loss_mask``,
                 ``top`` for the teacher, ``argmax``).
-            norm: ``[len(kd_loss)]`` divisors (:meth:`loss_counts` of the accumulation window).
+            norm: ``[1]`` divisor (:meth:`loss_counts` of the accumulation window).
         Returns:
-            loss and metrics ``loss_<term>``, ``accept_t1``, ``full_acc_j``, ``cond_acc_j``, ``sim_tau``.
+            loss and metrics ``loss_<divergence>`` per term of ``train.loss``, ``accept_t1``, ``full_acc_j``,
+            ``cond_acc_j``, ``sim_tau``.
         Raises:
-            RuntimeError: a teacher term without ``attach_target``.
+            RuntimeError: without ``attach_target``.
         """
         cfg: DraftModelConfig = self.cfg
         valid = self._valid(batch)
@@ -264,28 +251,22 @@ class DraftModelDrafter(Drafter):
             raise RuntimeError("attach_target(target) first: the target's output head is missing")
         with torch.no_grad():
             teacher = torch.softmax(self.frozen_target.teacher_logits(batch.top[:, :-1]).float(), dim=-1)
-        counts = torch.stack([valid.sum()] * len(cfg.kd_loss))
-        n = counts[0].clamp(min=1)
-        sums, metrics = [], {}
-        tv = None
-        for name in cfg.kd_loss:
-            if name == "forward_kl":
-                s = soft_cross_entropy(logits, teacher, valid)
-            elif name == "tv":
-                s = tv = total_variation(logits, teacher, valid)
-            else:
-                s = hard_cross_entropy(logits, batch.input_ids[:, 1:], valid)
-            sums.append(s)
-            metrics[f"loss_{name}"] = float(s.detach() / n)
+        counts = valid.sum().reshape(1)
+        mix = self.distill_loss
+        total_sum = mix.sum(logits, teacher, valid)
+        metrics = {}
         with torch.no_grad():
-            tv = total_variation(logits, teacher, valid) if tv is None else tv.detach()
-            metrics["accept_t1"] = 1.0 - float(tv / n)
+            n = counts[0].clamp(min=1)
+            for name in mix.terms:
+                metrics[f"loss_{name}"] = float(masked_sum(per_position(name, logits, teacher, valid, jsd_beta=mix.jsd_beta,
+                                                                        lk_eta=mix.lk_eta), valid) / n)
+            metrics["accept_t1"] = 1.0 - float(masked_sum(per_position("tv", logits, teacher, valid), valid) / n)
             correct = logits.argmax(-1) == batch.argmax[:, :-1]
             assistant = batch.loss_mask & batch.attention_mask
             D = cfg.num_speculative_tokens
             metrics.update(chained_acceptance([correct[:, j:] for j in range(D)],
                                               [assistant[:, j + 1:] for j in range(D)]))
-        total, self.last_own_loss = combine_terms(sums, list(cfg.kd_loss.values()), counts, norm, where=self.algorithm)
+        total, self.last_own_loss = combine_terms([total_sum], [1.0], counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

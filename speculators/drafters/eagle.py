@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import export
 from ..data.vocab import DraftVocab
-from ..losses import chained_acceptance, combine_terms, sample_draft, smooth_l1_feature_loss, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, sample_draft, smooth_l1_feature_loss
 from ..decode.proposal import check_batch
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, full_vocab_drafter
@@ -137,6 +137,7 @@ class EagleDrafter(Drafter):
 
     algorithm = "eagle"
     config_class = EagleConfig
+    distills = True  # the token loss is a divergence to the target's distribution (train.loss)
     serving = EagleFormat()
 
     def __init__(self, cfg: EagleConfig, meta: TargetMeta):
@@ -301,7 +302,7 @@ class EagleDrafter(Drafter):
             target_feat = shift_left(batch.top, 1)[rows0]
             teacher_p = torch.softmax(self.frozen_target.teacher_logits(target_feat).float(), dim=-1)
         sum_feat = smooth_l1_feature_loss(f0[rows0], target_feat, beta=1.0)
-        sum_tok = soft_cross_entropy(logits0, teacher_p)
+        sum_tok = self.distill_loss.sum(logits0, teacher_p)
         loss_feat, loss_tok = sum_feat.detach() / n_valid, sum_tok.detach() / n_valid
         # one count for both terms: (w_feat * S_feat + w_tok * S_tok) / norm[0]
         total, self.last_own_loss = combine_terms([cfg.w_feat * sum_feat + cfg.w_tok * sum_tok], [1.0],

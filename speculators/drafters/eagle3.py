@@ -54,7 +54,6 @@ from ..losses import (
     combine_terms,
     hard_cross_entropy,
     sample_draft,
-    soft_cross_entropy,
     target_to_draft,
 )
 from ..verify import SamplingParams
@@ -203,6 +202,12 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
 
     algorithm = "eagle3"
     config_class = Eagle3Config
+
+    @property
+    def distills(self) -> bool:
+        """``loss: kl``: each TTT step's loss is a divergence to the target's distribution (``train.loss``)."""
+        return self.cfg.loss == "kl"
+
     serving = Eagle3Format()
 
     def __init__(self, cfg: Eagle3Config, meta: TargetMeta, draft_vocab_size: int):
@@ -340,7 +345,7 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
             hidden, logits = self._head(self._run_layers(emb, hidden, cos, sin, attend))  # fed to j+1; [B, T, N]
             goal = shift_left(batch.argmax, 1 + j)  # the target's greedy token at t + 1 + j
             if cfg.loss == "kl":
-                sums.append(soft_cross_entropy(logits, shift_left(teacher_p, 1 + j), valids[j]))
+                sums.append(self.distill_loss.sum(logits, shift_left(teacher_p, 1 + j), valids[j]))
             else:
                 sums.append(hard_cross_entropy(logits, target_to_draft(goal, self.t2d)[0], valids[j]))
             with torch.no_grad():

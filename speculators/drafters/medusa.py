@@ -54,7 +54,6 @@ from ..losses import (
     combine_terms,
     hard_cross_entropy,
     sample_draft,
-    soft_cross_entropy,
     target_to_draft,
 )
 from ..decode.proposal import check_batch
@@ -212,6 +211,12 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
 
     algorithm = "medusa"
     config_class = MedusaConfig
+
+    @property
+    def distills(self) -> bool:
+        """``distill: true``: the stages' loss is a divergence to the target's distribution (``train.loss``)."""
+        return bool(self.cfg.distill)
+
     serving = MedusaFormat()
 
     def __init__(self, cfg: MedusaConfig, meta: TargetMeta, draft_vocab_size: int):
@@ -345,7 +350,7 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
             L = max(T - k - 1, 0)  # positions t = 0..L-1 have a label at t+k+1 < T (empty when T is short)
             logits = self.lm_heads[k - 1](self.blocks[k - 1](batch.top[:, :L])).float()  # [B, L, N]
             if cfg.distill:
-                sums.append(soft_cross_entropy(logits, teacher_p[:, k:T - 1], valids[k - 1]))
+                sums.append(self.distill_loss.sum(logits, teacher_p[:, k:T - 1], valids[k - 1]))
             else:
                 sums.append(hard_cross_entropy(logits, tok_draft[:, k + 1:], valids[k - 1]))
             with torch.no_grad():

@@ -47,7 +47,7 @@ from torch import nn
 from ..data.vocab import DraftVocab
 from ..decode.proposal import Proposal, check_batch
 from ..errors import SpeculatorsError
-from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig
 from .checkpoint import TargetMeta
@@ -182,6 +182,12 @@ class MLPSpeculatorDrafter(Drafter):
 
     algorithm = "mlp_speculator"
     config_class = MLPSpeculatorConfig
+
+    @property
+    def distills(self) -> bool:
+        """``distill: true``: the stages' loss is a divergence to the target's distribution (``train.loss``)."""
+        return bool(self.cfg.distill)
+
     serving = MLPSpeculatorFormat()
     max_speculative_tokens_source = "drafter.n_predict"
 
@@ -299,7 +305,7 @@ class MLPSpeculatorDrafter(Drafter):
             s = self.stage(k - 1, s[:, :L], ids[:, k:k + L])  # reads x_{t+k}: [B, L, D]
             logits = self.stage_logits(k - 1, s).float()  # predicts x_{t+k+1}
             if cfg.distill:
-                sums.append(soft_cross_entropy(logits, teacher_p[:, k:k + L], valids[k - 1]))
+                sums.append(self.distill_loss.sum(logits, teacher_p[:, k:k + L], valids[k - 1]))
             else:
                 sums.append(hard_cross_entropy(logits, ids[:, k + 1:k + 1 + L], valids[k - 1]))
             with torch.no_grad():

@@ -75,7 +75,7 @@ from torch import nn
 
 from .. import export
 from ..data.vocab import DraftVocab
-from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, hard_cross_entropy, sample_draft
 from ..decode.proposal import check_batch
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig, full_vocab_drafter
@@ -238,6 +238,12 @@ class MTPDrafter(Drafter):
 
     algorithm = "mtp"
     config_class = MTPConfig
+
+    @property
+    def distills(self) -> bool:
+        """``distill: true``: the stages' loss is a divergence to the target's distribution (``train.loss``)."""
+        return bool(self.cfg.distill)
+
     serving = MTPFormat()
 
     def __init__(self, cfg: MTPConfig, meta: TargetMeta):
@@ -344,7 +350,7 @@ class MTPDrafter(Drafter):
             if cfg.distill:
                 with torch.no_grad():
                     teacher = torch.softmax(self.frozen_target.teacher_logits(shift_left(batch.top, k)[sel]).float(), dim=-1)
-                sums.append(soft_cross_entropy(logits, teacher))
+                sums.append(self.distill_loss.sum(logits, teacher))
             else:
                 sums.append(hard_cross_entropy(logits, shift_left(ids, k + 1)[sel]))
             with torch.no_grad():

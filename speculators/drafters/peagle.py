@@ -60,7 +60,7 @@ from torch import nn
 from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
-from ..losses import chained_acceptance, combine_terms, sample_draft, soft_cross_entropy
+from ..losses import chained_acceptance, combine_terms, sample_draft
 from ..decode.proposal import check_batch, check_int, check_speculative_tokens
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig
@@ -245,6 +245,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
 
     algorithm = "peagle"
     config_class = PEagleConfig
+    distills = True  # every depth is trained on the target's distribution (train.loss)
     serving = PEagleFormat()
 
     def __init__(self, cfg: PEagleConfig, meta: TargetMeta, draft_vocab_size: int):
@@ -506,7 +507,7 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
             if d > 0:
                 valid_d = valid_d & torch.cat([plan.kept[d], pad], 1).gather(1, anchor.clamp(max=T))
             teach = teacher_p.gather(1, tgt[..., None].expand(-1, -1, teacher_p.shape[-1]))
-            sums.append(soft_cross_entropy(logits[:, s:e], teach, valid_d))
+            sums.append(self.distill_loss.sum(logits[:, s:e], teach, valid_d))
             with torch.no_grad():
                 pred = draft_ids[logits[:, s:e].argmax(-1)]
                 ok = (pred == goal_all.gather(1, tgt)) & out["exists"][:, s:e]

@@ -77,7 +77,8 @@ from .run_dir import (
     model_card,
 )
 from .tracking import TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to
-from .unit import TrainingUnit
+from .optimizers import build_optimizer, vocab_sizes
+from .unit import TrainingUnit, set_distill_loss
 from ..utils import atomic_write_text
 
 class Trainer:
@@ -136,10 +137,9 @@ class Trainer:
         torch.manual_seed(self.spec.seed)
         if self.fsdp_cpu:  # before the optimizer: it must hold the sharded parameters
             unit = shard_unit(unit.to(self.device))
-        groups = unit.param_groups(self.spec.lr)
-        self.group_names = [g.get("name", f"group{i}") for i, g in enumerate(groups)]  # train/lr_<name>
-        self.optimizer = torch.optim.AdamW(groups, lr=self.spec.lr, weight_decay=self.spec.weight_decay,
-                                           betas=(0.9, 0.95))
+        set_distill_loss(unit.drafter, self.spec)
+        self.optimizer, self.group_names = build_optimizer(  # group names: train/lr_<name>
+            unit, unit.param_groups(self.spec.lr), self.spec, vocab_sizes(unit.drafter), sharded=self._sharded)
         self.scheduler = self._scheduler()
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None:  # one micro-batch per backward (ours hold train.batch_tokens tokens); the recipe clips

@@ -303,4 +303,19 @@ class TrainingUnit(nn.Module):
         return lines
 
 
-__all__ = ["TrainingUnit"]
+def set_distill_loss(drafter, spec) -> None:
+    """Give ``drafter`` the recipe's ``train.loss`` (:meth:`speculators.recipe.TrainSpec.loss_mix`).
+
+    Raises:
+        SpeculatorsError: a loss other than the default for a drafter that does not distil the target's
+            distribution (``Drafter.distills`` False: hard labels, e.g. DFlash, or ``distill: false``).
+    """
+    mix = spec.loss_mix()
+    if not mix.is_default and not drafter.distills:
+        raise SpeculatorsError(f"train.loss: {spec.loss} applies to drafters trained on the target's distribution; "
+                               f"this {drafter.algorithm} drafter trains on hard labels (its own config: e.g. "
+                               f"distill: true, or a loss: kl setting)")
+    drafter.distill_loss = mix
+
+
+__all__ = ["TrainingUnit", "set_distill_loss"]

@@ -1,5 +1,6 @@
 """Kill + resume: a run killed right after its step-4 checkpoint leaves only complete checkpoints, and
-``--resume`` finishes it with exactly the weights of an uninterrupted run (CPU fp32 is deterministic).
+``--resume`` finishes it with exactly the weights of an uninterrupted run (CPU fp32 is deterministic), with
+AdamW and the forward-KL loss, and with Muon and another divergence (``train.optimizer: muon``, ``train.loss``).
 
 The kill is simulated by the trainer's test hook ``SPECULATORS_TEST_CRASH_AT_STEP=4`` (``os._exit(3)``
 right after the step-4 checkpoint is written). Training runs in subprocesses with one torch thread; the
@@ -90,24 +91,33 @@ def warm_cache(tmp_path_factory, tiny_target_dir) -> Path:
     return cache
 
 
+VARIANTS = {"adamw": (), "muon+jsd": ("train.optimizer=muon", "train.loss=jsd")}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request) -> tuple[str, ...]:
+    """The recipe overrides of the optimizer / loss under test."""
+    return VARIANTS[request.param]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_target_dir, warm_cache):
+def runs(tmp_path_factory, tiny_target_dir, warm_cache, variant):
     """A run killed after step 4 and an uninterrupted run of the same recipe (run in parallel)."""
     root = tmp_path_factory.mktemp("resume-runs")
     crashed, full = root / "crashed", root / "uninterrupted"
-    pc = _start(crashed, tiny_target_dir, warm_cache, crash_at=4)
-    pf = _start(full, tiny_target_dir, warm_cache)
+    pc = _start(crashed, tiny_target_dir, warm_cache, *variant, crash_at=4)
+    pf = _start(full, tiny_target_dir, warm_cache, *variant)
     return _finish(pc, crashed), _finish(pf, full)
 
 
 @pytest.fixture(scope="module")
-def resumed(runs, tiny_target_dir, warm_cache) -> Proc:
+def resumed(runs, tiny_target_dir, warm_cache, variant) -> Proc:
     """``--resume`` of a copy of the killed run (the killed run itself stays as it was for inspection)."""
     crashed, _ = runs
     assert crashed.returncode == 3, crashed.output
     out = crashed.dir.parent / "resumed"
     shutil.copytree(crashed.dir, out)
-    return _finish(_start(out, tiny_target_dir, warm_cache, "--resume"), out)
+    return _finish(_start(out, tiny_target_dir, warm_cache, *variant, "--resume"), out)
 
 
 # ----------------------------------------------------------------------------- the killed run
@@ -165,15 +175,21 @@ def test_resumed_run_equals_uninterrupted_run(runs, resumed):
     assert not diff, f"max abs differences: {diff}"
 
 
-def test_resumed_optimizer_state_equals_uninterrupted(runs, resumed):
+def test_resumed_optimizer_state_equals_uninterrupted(runs, resumed, variant):
     _, full = runs
     sa = torch.load(resumed.dir / "checkpoints" / "step-000006" / "trainer_state.pt", weights_only=False)
     sb = torch.load(full.dir / "checkpoints" / "step-000006" / "trainer_state.pt", weights_only=False)
     assert (sa["step"], sa["epoch"], sa["batch_idx"]) == (sb["step"], sb["epoch"], sb["batch_idx"])
     assert sa["scheduler"] == sb["scheduler"]
-    oa, ob = sa["optimizer"]["state"], sb["optimizer"]["state"]
-    assert oa.keys() == ob.keys() and oa
-    for i in oa:
-        for k in oa[i]:
-            assert torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k])), (i, k)
+    # AdamW's state dict, or Muon + AdamW's (speculators.train.optimizers.MuonAdamW: one state per part)
+    parts_a = sa["optimizer"].get("states", [sa["optimizer"]])
+    parts_b = sb["optimizer"].get("states", [sb["optimizer"]])
+    assert len(parts_a) == len(parts_b) == len(sa["optimizer"].get("parts", ["AdamW"]))
+    assert sa["optimizer"].get("parts") == (["Muon", "AdamW"] if "train.optimizer=muon" in variant else None)
+    for pa, pb in zip(parts_a, parts_b):
+        oa, ob = pa["state"], pb["state"]
+        assert oa.keys() == ob.keys() and oa
+        for i in oa:
+            for k in oa[i]:
+                assert torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k])), (i, k)
     assert torch.equal(sa["torch_rng"], sb["torch_rng"])

@@ -1,0 +1,113 @@
+"""Every family trains with every ``train.loss`` that applies to it (the ones that distil the target's
+distribution) and with Muon; a family trained on hard labels refuses another loss. Exact resume with Muon and
+another divergence is in test_resume.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from speculators.data.vocab import DraftVocab
+from speculators.divergences import DIVERGENCES
+from speculators.drafters import registry
+from speculators.errors import SpeculatorsError
+from speculators.recipe import TrainSpec
+from speculators.target import build_tiny_target
+from speculators.train.optimizers import MuonAdamW, build_optimizer, vocab_sizes
+from speculators.train.unit import TrainingUnit, set_distill_loss
+from conftest import batch_for
+
+V, H = 128, 32
+FAMILIES = registry.names()
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = build_tiny_target(vocab_size=V, hidden_size=H, num_layers=3, seed=2)
+    with torch.no_grad():  # a smoother target distribution than the peaked default: the divergences then differ
+        t.model.get_input_embeddings().weight.mul_(0.1)
+    return t
+
+
+@pytest.fixture(scope="module")
+def batch(target):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (2, 24), generator=g)
+    mask = torch.zeros(2, 24, dtype=torch.bool)
+    mask[:, 6:] = True
+    return batch_for(target, ids, mask, [24, 20])[0]
+
+
+def drafter(name: str, target):
+    """A fresh drafter of family ``name`` that distils the target's distribution where its config can (``distill:
+    true``), with a reduced draft vocabulary where the family takes one."""
+    family = registry.get(name)
+    fields = family.config_class.model_fields
+    kw: dict = {"algorithm": name, **({"distill": True} if "distill" in fields else {})}
+    for depth in ("num_depths", "num_heads", "n_predict"):
+        if depth in fields:
+            kw[depth] = 3
+    torch.manual_seed(0)
+    try:
+        return family.from_target(family.config_class(**kw, draft_vocab_size=64), target,
+                                  DraftVocab.from_counts(torch.arange(V, 0, -1), 64))
+    except (ValueError, SpeculatorsError):
+        return family.from_target(family.config_class(**kw), target, DraftVocab.full(V))
+
+
+def _train(unit: TrainingUnit, opt, batch, steps: int = 3) -> list[float]:
+    before = {n: p.detach().clone() for n, p in unit.named_parameters() if p.requires_grad}
+    losses = []
+    unit.train()
+    for _ in range(steps):
+        loss, _ = unit.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    moved = [n for n, p in unit.named_parameters() if p.requires_grad and not torch.equal(p.detach(), before[n])]
+    assert moved, "no parameter changed"
+    return losses
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_trains_with_every_loss_that_applies(name, target, batch):
+    base = drafter(name, target)
+    if not base.distills:  # hard labels (DFlash, DSpark): only the default, and a clear refusal otherwise
+        with pytest.raises(SpeculatorsError, match="train.loss"):
+            set_distill_loss(base, TrainSpec(loss="tv"))
+        set_distill_loss(base, TrainSpec())
+        return
+    first = {}
+    for loss in DIVERGENCES:
+        d = copy.deepcopy(base)
+        d.attach_target(target)
+        set_distill_loss(d, TrainSpec(loss=loss))
+        assert d.distill_loss.terms == {loss: 1.0}
+        unit = TrainingUnit(d)
+        first[loss] = _train(unit, torch.optim.AdamW(unit.param_groups(3e-3)[0]["params"], lr=3e-3), batch)[0]
+    assert len(set(first.values())) == len(first), first  # each loss is its own objective
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_trains_with_muon(name, target, batch):
+    d = drafter(name, target)
+    unit = TrainingUnit(d)
+    opt, names = build_optimizer(unit, unit.param_groups(1e-3), TrainSpec(optimizer="muon", lr=1e-3),
+                                 vocab_sizes(d))
+    assert isinstance(opt, MuonAdamW) and len(names) == len(opt.param_groups)
+    muon = [p for g in opt.parts[0].param_groups for p in g["params"]] if type(opt.parts[0]).__name__ == "Muon" else []
+    assert muon, "no hidden matrix went to Muon"
+    sizes = vocab_sizes(d)
+    embeddings = {id(m.weight) for m in unit.modules() if isinstance(m, torch.nn.Embedding)}
+    for p in muon:  # hidden matrices only: never an embedding or a vocabulary-sized head
+        assert p.dim() == 2 and min(p.shape) > 1 and not set(p.shape) & sizes and id(p) not in embeddings
+    trained = {id(p) for p in unit.parameters() if p.requires_grad}
+    placed = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == placed  # every trainable parameter has exactly one optimizer
+    _train(unit, opt, batch)
+    sd = opt.state_dict()
+    assert sd["parts"][0] == "Muon" and len(sd["states"]) == len(opt.parts)
