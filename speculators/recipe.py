@@ -220,6 +220,9 @@ class DataSpec(Strict):
                                            description="generation settings of the regenerated answers")
     max_length: int = Field(default=1024, gt=8, description="tokens per conversation (truncated)")
     held_out: HeldOutSpec = Field(default=HeldOutSpec(), description="the held-out split")
+    train_fraction: float = Field(default=1.0, gt=0.0, le=1.0, description="train on this seeded fraction of the "
+                                  "training conversations (after the held-out split, which stays the same: a "
+                                  "learning curve's sizes, scripts/learning_curve.py)")
     chat_template: str | None = Field(default=None, description="Jinja chat template for targets without one")
     feature_batch_tokens: int = Field(default=4096, gt=0, description="padded tokens per feature-extraction forward")
     mix_seed: int = Field(default=0, description="seed of the per-source weight draws (`data.sources[i].weight`)")

@@ -23,12 +23,14 @@ Callbacks shared by the workflows:
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import SpeculatorsError
+from .utils import atomic_write_text
 from .recipe import EvalSpec, Recipe, eval_spec_with, load_recipe
 from .evaluation.loading import check_eval_k, dtype_warning, eval_batch_size, eval_prompts, load_for_eval, load_target
 from .hardware import resolve_target_dtype
@@ -135,6 +137,8 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     if state.is_main_process:
         prepare_output_dir(out, resume, overwrite)
         record_run_identity(out, identity)
+        # per source: conversations, held-out and train rows, examples, tokens (scripts/learning_curve.py reads it)
+        atomic_write_text(out / "data_report.json", json.dumps(data.report, indent=1, default=str) + "\n")
     state.wait_for_everyone()
     groups = unit.param_groups(recipe.train.lr)
     n_train = sum(p.numel() for p in groups[0]["params"])

@@ -337,6 +337,20 @@ def split_conversations(pairs: list[tuple[Conversation, bool]], held_out_spec: H
     return [(c, flags[c.id]) for c in train], [(c, flags[c.id]) for c in held]
 
 
+def train_subset(train_pairs: list, fraction: float, seed: int) -> list:
+    """``data.train_fraction``: ``round(fraction * n)`` (at least one) of the ``n`` training pairs, drawn with
+    ``random.Random(seed)`` and kept in their order; all of them at 1.0. A smaller fraction's subset is a prefix
+    of the same seeded permutation, so the sizes of a learning curve are nested."""
+    if fraction >= 1.0 or not train_pairs:
+        return train_pairs
+    import random
+
+    order = list(range(len(train_pairs)))
+    random.Random(seed).shuffle(order)
+    keep = set(order[:max(1, round(fraction * len(train_pairs)))])
+    return [p for i, p in enumerate(train_pairs) if i in keep]
+
+
 def unique_prompts(convs: list[Conversation], tokenizer: Any, chat_template: str | None = None,
                    limit: int | None = None) -> list[dict]:
     """One generation prompt per distinct prompt of ``convs`` (first occurrence wins, order kept).
@@ -535,6 +549,7 @@ def prepare_data(data_spec: DataSpec, target, *, draft_vocab_size: int | None, l
         pairs = list(pairs) + synthesize_self_sources(data_spec, target, stats, log, progress)
     dropped_groups = getattr(loaded, "dropped_groups", frozenset())
     train_pairs, held_pairs = split_conversations(pairs, data_spec.held_out, dropped_groups)
+    train_pairs = train_subset(train_pairs, getattr(data_spec, "train_fraction", 1.0), data_spec.held_out.seed)
     log(f"data: {len(pairs)} conversations from {len(data_spec.sources)} source(s): "
         f"{len(train_pairs)} train, {len(held_pairs)} held-out (split by prompt)")
     unweighted = train_pairs

@@ -351,6 +351,26 @@ def test_compare_families(cache, tiny_target_dir, tmp_path):
     assert "+ " not in again.stdout and table_rows(again.stdout) == [header, row], again.stdout  # nothing rerun
 
 
+@covers("learning_curve.py")
+def test_learning_curve(cache, tiny_target_dir, tmp_path):
+    """Two data sizes of the tiny EAGLE-3 recipe: a row per fraction, the smaller one on fewer training examples
+    (a nested seeded subset) and the same held-out prompts; a rerun reuses both runs."""
+    out = tmp_path / "lc"
+    args = [RECIPES / "tiny-eagle3.yaml", "--fractions", "0.5,1", "--outputs", out, "--set",
+            f"target.model={tiny_target_dir}", "--set", "train.steps=2"]
+    r = run_script(cache, "learning_curve.py", *args)
+    assert r.stdout.count("data.train_fraction=") == 2, r.stdout
+    header, half, full = table_rows((out / "tiny-eagle3-learning-curve.md").read_text())
+    assert header[:3] == ["fraction", "train examples", "assistant tokens"] and header[4].startswith("tau (K="), header
+    assert half[0] == "0.5" and full[0] == "1" and 0 < int(half[1]) < int(full[1]), (half, full)
+    assert float(half[4].split()[0]) >= 1.0 and "[" in half[4] and full[-1].endswith(" min"), (half, full)
+    a = json.loads((out / "tiny-eagle3-lc-0.5" / "eval-lc" / "report.json").read_text())
+    b = json.loads((out / "tiny-eagle3-lc-1" / "eval-lc" / "report.json").read_text())
+    assert a["prompts"] == b["prompts"] and a["num_prompts"] == b["num_prompts"]  # the same held-out prompts
+    again = run_script(cache, "learning_curve.py", *args)
+    assert "+ " not in again.stdout and table_rows(again.stdout)[1:] == [half, full], again.stdout
+
+
 @covers("export_held_out.py")
 def test_export_held_out(cache, eagle3_run, tmp_path):
     """The demo's run directories record ``target.dtype: auto`` (the recipe default): the script resolves it

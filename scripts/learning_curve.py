@@ -1,0 +1,108 @@
+"""Train one recipe on several fractions of its training data and print held-out tau per size: what more data buys.
+
+Usage:
+    python scripts/learning_curve.py recipes/smollm2-eagle3.yaml                       # fractions 0.25, 0.5, 1
+    python scripts/learning_curve.py recipes/smollm2-eagle3.yaml --fractions 0.1,0.3,1 --set train.steps=90
+    python scripts/learning_curve.py recipes/tiny-eagle3.yaml --set target.model=DIR --outputs /tmp/lc   # tiny
+
+Each size is ``speculators train RECIPE data.train_fraction=F`` (a seeded subset of the training conversations;
+the held-out split stays the same, so every row is measured on the same prompts; the subsets are nested) into
+``OUTPUTS/<recipe>-lc-<F>``, then ``speculators eval`` of that run (batch 1, the recipe's K, temperature and
+held-out prompts, drafter only). A run with a ``final/`` and an eval report is reused (``--retrain`` trains
+again). The recipe's training length applies to every size: with ``train.epochs`` a smaller size trains fewer
+steps (each example is seen as often); ``--set train.steps=N`` fixes the steps instead. The Markdown table
+(fraction, training examples and assistant tokens from the run's data report, held-out sim_tau at the end of
+training, eval tau with its 95% CI, acceptance rate, training minutes) is printed and written to
+``OUTPUTS/<recipe>-learning-curve.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(cmd: list[str]) -> float:
+    t0 = time.time()
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return time.time() - t0
+
+
+def fractions(text: str) -> list[float]:
+    out = sorted({float(x) for x in text.split(",") if x.strip()})
+    if not out or any(not 0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"--fractions {text!r}: comma-separated values in (0, 1]")
+    return out
+
+
+def data_totals(run_dir: Path) -> tuple[int | None, int | None]:
+    """Training examples and assistant (loss) tokens of a run, from its data report (``data_report.json``)."""
+    f = run_dir / "data_report.json"
+    if not f.is_file():
+        return None, None
+    rep = json.loads(f.read_text())
+    return (sum(int(r.get("train_examples", 0)) for r in rep.values()),
+            sum(int(r.get("train_loss_tokens", 0)) for r in rep.values()))
+
+
+def last_held_out(run_dir: Path, key: str = "held_out/sim_tau") -> float | None:
+    rows = [json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()] \
+        if (run_dir / "train_log.jsonl").is_file() else []
+    vals = [r[key] for r in rows if key in r]
+    return vals[-1] if vals else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe", type=Path)
+    ap.add_argument("--fractions", type=fractions, default=[0.25, 0.5, 1.0], help="comma-separated, in (0, 1]")
+    ap.add_argument("--outputs", type=Path, default=ROOT / "outputs", help="where the runs and the table go")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for every train (repeatable), e.g. train.steps=90")
+    ap.add_argument("--retrain", action="store_true", help="train and evaluate again even if a run exists")
+    args = ap.parse_args()
+    cli = [sys.executable, "-m", "speculators.cli"]
+    outputs = args.outputs.resolve()
+    rows = []
+    for f in args.fractions:
+        run_dir = outputs / f"{args.recipe.stem}-lc-{f:g}"
+        report = run_dir / "eval-lc" / "report.json"
+        secs_file = run_dir / "train_seconds.json"
+        if args.retrain or not (run_dir / "final").is_dir() or not report.is_file():
+            secs = run([*cli, "train", str(args.recipe), f"data.train_fraction={f}", *args.overrides,
+                        "--output-dir", str(run_dir), "--overwrite"])
+            secs_file.write_text(json.dumps({"seconds": secs}))
+            run([*cli, "eval", str(run_dir), "--batch-size", "1", "--methods", "drafter", "--output",
+                 str(report.parent)])
+        rep = json.loads(report.read_text())
+        examples, tokens = data_totals(run_dir)
+        secs = json.loads(secs_file.read_text())["seconds"] if secs_file.is_file() else None
+        rows.append((f, examples, tokens, last_held_out(run_dir), rep))
+        rows[-1] += (secs,)
+    d0 = rows[0][4]
+    lines = [f"| fraction | train examples | assistant tokens | held-out sim_tau | tau (K={d0['k']}) [95% CI] | "
+             "acc. rate | train time |", "|---|---|---|---|---|---|---|"]
+    for f, examples, tokens, sim, rep, secs in rows:
+        d = rep["drafter"]
+        lo, hi = d.get("tau_ci") or (None, None)
+        ci = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""
+        rate = d.get("acceptance_rate")
+        lines.append(f"| {f:g} | {examples if examples is not None else '-'} | {tokens if tokens is not None else '-'} "
+                     f"| {'-' if sim is None else f'{sim:.3f}'} | {d['tau']:.3f}{ci} | "
+                     f"{'n/a' if rate is None else f'{rate:.3f}'} | {'-' if secs is None else f'{secs / 60:.1f} min'} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    outputs.mkdir(parents=True, exist_ok=True)
+    (outputs / f"{args.recipe.stem}-learning-curve.md").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
