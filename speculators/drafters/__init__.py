@@ -12,7 +12,7 @@ from .serving_format import ServingFormat
 __all__ = ["Drafter", "DrafterConfig", "ServingFormat", "registry"]
 
 # shared infrastructure, not families
-INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "dflash_tree", "joint", "layers",
+INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "dflash_format", "dflash_tree", "joint", "layers",
                             "parity_inputs", "registry", "serving_format", "training_state", "tree_drafting"})
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):

@@ -94,7 +94,8 @@ from ..verify import SamplingParams
 from ..decode.proposal import Proposal, calibrated_confidence_logits
 from .checkpoint import TargetMeta
 from .registry import register
-from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashFormat, DFlashState
+from .dflash import DFlashBlockConfig, DFlashDrafter, DFlashState
+from .dflash_format import DFlashFormat
 
 MARKOV_HEAD_TYPES = ("vanilla",)  # implemented; the paper's "gated" and "rnn" variants are not
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from speculators.drafters import Drafter, registry
 from speculators.data.vocab import DraftVocab
-from speculators.drafters.dflash import DFlashConfig, DFlashDrafter, default_gamma, dflash_aux_layer_ids
+from speculators.drafters.dflash import DFlashConfig, DFlashDrafter, default_gamma
+from speculators.drafters.dflash_format import dflash_aux_layer_ids
 from speculators.errors import SpeculatorsError
 from speculators.recipe import recipe_from_dict
 from speculators.target import TargetFeatures, build_tiny_target
