@@ -135,6 +135,33 @@ def masked_sum(values: Tensor, valid: Tensor | None) -> Tensor:
     return torch.where(valid, values, values.new_zeros(())).sum()
 
 
+def dpace_weights(nll: Tensor, valid: Tensor, alpha: float = 0.5) -> Tensor:
+    """D-PACE per-position weights of a block's slots (vllm-project/speculators' ``dpace_loss_decay``, DFlash's
+    default there): with the slot's confidence ``c_k = exp(-nll_k)`` (the draft's probability of its label),
+    ``s_k = (1 - alpha) c_k + alpha`` on valid slots and 1 elsewhere, the prefix products ``P_j = prod_{i<=j} s_i``
+    (how likely the chain still stands at slot j) and ``w_k = valid_k * sum_{j>=k} valid_j P_j``: a slot weighs
+    as much as the expected acceptances it can still enable. Not differentiated; not normalised.
+
+    Args:
+        nll: ``[..., K]`` per-slot negative log-likelihood (any value on invalid slots). valid: ``[..., K]`` bool.
+        alpha: smoothing in (0, 1] (``dpace_alpha``; 1 makes every weight the count of valid slots from k on).
+    Returns:
+        ``[..., K]`` float32 weights (0 on invalid slots).
+    Raises:
+        SpeculatorsError: ``alpha`` outside (0, 1] or shapes that differ.
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise SpeculatorsError(f"dpace_alpha: {alpha} must lie in (0, 1]")
+    if nll.shape != valid.shape:
+        raise SpeculatorsError(f"dpace_weights: nll {tuple(nll.shape)} and valid {tuple(valid.shape)} differ")
+    with torch.no_grad():
+        v = valid.float()
+        c = torch.exp(-torch.where(valid, nll.float(), nll.new_zeros(()).float()))
+        s = torch.where(valid, (1.0 - alpha) * c + alpha, torch.ones_like(c))
+        reach = v * torch.cumprod(s, dim=-1)
+        return v * torch.flip(torch.cumsum(torch.flip(reach, [-1]), -1), [-1])
+
+
 class LossMix:
     """``train.loss``: weighted divergences to the target's distribution (module docstring).
 
@@ -187,5 +214,5 @@ class LossMix:
         return masked_sum(self.per_position(logits, teacher_probs, valid), valid)
 
 
-__all__ = ["DIVERGENCES", "LossMix", "acceptance", "ce", "forward_kl", "jsd", "lk_hybrid", "masked_sum", "nla",
+__all__ = ["DIVERGENCES", "LossMix", "acceptance", "ce", "dpace_weights", "forward_kl", "jsd", "lk_hybrid", "masked_sum", "nla",
            "per_position", "reverse_kl", "tv"]

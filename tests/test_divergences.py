@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from speculators.divergences import DIVERGENCES, LossMix, per_position
+from speculators.divergences import DIVERGENCES, LossMix, dpace_weights, per_position
 from speculators.errors import SpeculatorsError
 from speculators.recipe import TrainSpec
 
@@ -114,3 +114,23 @@ def test_the_recipe_refuses_unknown_losses_and_bad_weights(loss, match):
     with pytest.raises(ValueError):
         TrainSpec(jsd_beta=1.0)
     assert TrainSpec(loss={"ce": 0.1, "tv": 0.9}).loss_mix().terms == {"ce": 0.1, "tv": 0.9}
+
+
+def test_dpace_weights_by_hand():
+    """w_k = valid_k * sum_{j >= k} valid_j * prod_{i <= j} s_i, s_i = (1 - a) exp(-nll_i) + a on valid slots, 1 else."""
+    g = torch.Generator().manual_seed(5)
+    nll = 3 * torch.rand(4, 6, generator=g)
+    valid = torch.rand(4, 6, generator=g) > 0.25
+    nll[~valid] = float("nan")  # never read
+    for alpha in (0.5, 1.0, 0.1):
+        w = dpace_weights(nll, valid, alpha)
+        for r in range(4):
+            s = [((1 - alpha) * math.exp(-float(nll[r, i])) + alpha) if valid[r, i] else 1.0 for i in range(6)]
+            reach = [math.prod(s[:j + 1]) for j in range(6)]
+            for k in range(6):
+                want = sum(reach[j] for j in range(k, 6) if valid[r, j]) if valid[r, k] else 0.0
+                assert float(w[r, k]) == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert torch.equal(dpace_weights(nll, valid, 1.0)[0], torch.where(  # alpha 1: valid slots left from k on
+        valid[0], valid[0].flip(0).float().cumsum(0).flip(0), torch.zeros(6)))
+    with pytest.raises(SpeculatorsError, match="dpace_alpha"):
+        dpace_weights(nll, valid, 0.0)

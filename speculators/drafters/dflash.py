@@ -60,6 +60,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from ..data.vocab import DraftVocab
+from ..divergences import dpace_weights
 from ..errors import SpeculatorsError
 from ..losses import chained_acceptance, combine_terms, draft_to_target, hard_cross_entropy, sample_draft, target_to_draft
 from ..verify import SamplingParams
@@ -142,6 +143,10 @@ class DFlashConfig(DFlashBlockConfig):
     algorithm: Literal["dflash"] = "dflash"
     gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight `exp(-(k-1)/gamma)`; null = 4 "
                                 "for B <= 8, 7 for B >= 16, linear in between")
+    position_weights: Literal["exp_decay", "dpace"] = Field(
+        default="exp_decay", description="exp_decay: slot k weighs exp(-(k-1)/gamma); dpace: D-PACE's per-position "
+        "weights from the draft's own confidence along the block (vllm-project/speculators' DFlash default)")
+    dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0, description="D-PACE's smoothing s = (1-a) c + a")
 
     @model_validator(mode="after")
     def _default_gamma(self) -> "DFlashConfig":
@@ -443,7 +448,9 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
 
     def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """``sum_k exp(-(k-1)/gamma) * CE_k / norm[k-1]`` over slots k = 1..Bs-1 (see the module docstring;
-        ``norm`` default: this batch's counts, i.e. each term is a mean).
+        ``norm`` default: this batch's counts, i.e. each term is a mean). With ``position_weights: dpace`` each
+        (anchor, slot) CE is weighted by :func:`speculators.divergences.dpace_weights` of its block instead, and
+        every slot term by 1.
 
         CE_k: cross entropy of slot k's logits (draft vocabulary) against its label (the data token
         ``x_{a+k}``, or the target's argmax at ``a+k-1`` with ``labels: argmax``), summed over the
@@ -469,7 +476,16 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
             lbl = target_to_draft(lbl, self.t2d)[0]
         slot = torch.arange(1, self.block_size, device=h.device).expand_as(sel)[sel]  # [n_sel] slot k
         ce_valid = valid[sel]
-        sums = [hard_cross_entropy(logits, lbl, ce_valid & (slot == k)) for k in range(1, self.block_size)]
+        weights = self.slot_weights()
+        if self.cfg.position_weights == "dpace":  # CE_k of each (anchor, slot) weighted by D-PACE, slots weigh 1
+            nll = -torch.log_softmax(logits, -1).gather(-1, torch.where(ce_valid, lbl, 0)[:, None]).squeeze(-1)
+            grid = torch.zeros(sel.shape, device=nll.device)
+            grid[sel] = nll.detach()
+            w = dpace_weights(grid, valid & sel, self.cfg.dpace_alpha)[sel]
+            sums = [torch.where(ce_valid & (slot == k), w * nll, 0.0).sum() for k in range(1, self.block_size)]
+            weights = [1.0] * (self.block_size - 1)
+        else:
+            sums = [hard_cross_entropy(logits, lbl, ce_valid & (slot == k)) for k in range(1, self.block_size)]
         metrics: dict[str, float] = {}
         with torch.no_grad():
             pred = torch.zeros_like(labels)
@@ -483,7 +499,7 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
             metrics.update(chained_acceptance([correct[..., j] for j in range(self.block_size - 1)],
                                               [labelled[..., j] for j in range(self.block_size - 1)]))
             metrics["num_anchors"] = float(ok.sum()) / max(1, ok.shape[0])
-        total, self.last_own_loss = combine_terms(sums, self.slot_weights(), counts, norm, where=self.algorithm)
+        total, self.last_own_loss = combine_terms(sums, weights, counts, norm, where=self.algorithm)
         return total, metrics
 
     # ------------------------------------------------------------------ inference

@@ -216,6 +216,42 @@ def test_loss_by_hand(vocab, labels, monkeypatch):
     assert {"full_acc_0", "cond_acc_2", "sim_tau"} <= metrics.keys()
 
 
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_dpace_loss_by_hand(alpha, monkeypatch):
+    """position_weights: dpace: slot k's term is sum over anchors of w_{a,k} * CE_{a,k} / count_k with D-PACE's
+    weights of each block (s_k = (1 - alpha) exp(-CE_k) + alpha on supervised slots, w_k = sum_{j >= k} of the
+    prefix products over supervised slots), every slot term weighted 1."""
+    target, d = make(vocab=None, position_weights="dpace", dpace_alpha=alpha)
+    batch = make_batch(target)
+    anchors = torch.tensor([[4, 10, 17, 18], [5, 9, 11, 4]])
+    valid_anchor = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    monkeypatch.setattr(d, "_anchors", lambda b, for_counts: (anchors, valid_anchor))
+    with torch.no_grad():
+        logits = d.head(d.slot_logits(batch, anchors)).float()
+    T = batch.input_ids.shape[1]
+    lm = batch.loss_mask & batch.attention_mask
+    sums, counts = [0.0] * (BS - 1), [0] * (BS - 1)
+    for b in range(2):
+        for i in range(4):
+            a = int(anchors[b, i])
+            ce = {}
+            for k in range(1, BS):
+                p = a + k
+                if valid_anchor[b, i] and p < T and lm[b, p]:
+                    ce[k] = float(F.cross_entropy(logits[b, i, k][None], batch.input_ids[b, p][None]))
+            s = {k: (1 - alpha) * math.exp(-ce[k]) + alpha if k in ce else 1.0 for k in range(1, BS)}
+            reach = {j: math.prod(s[i2] for i2 in range(1, j + 1)) for j in range(1, BS)}
+            for k in ce:
+                w = sum(reach[j] for j in range(k, BS) if j in ce)
+                sums[k - 1] += w * ce[k]
+                counts[k - 1] += 1
+    loss, _ = d.loss(batch)
+    assert float(loss.detach()) == pytest.approx(sum(x / c for x, c in zip(sums, counts)), rel=1e-5)
+    _, exp_decay = make(vocab=None)
+    monkeypatch.setattr(exp_decay, "_anchors", lambda b, for_counts: (anchors, valid_anchor))
+    assert float(exp_decay.loss(batch)[0].detach()) != pytest.approx(float(loss.detach()), rel=1e-3)
+
+
 def test_loss_backward_reaches_every_trained_weight_and_not_the_frozen_ones():
     target, d = make(vocab=48)
     d.train()
