@@ -371,6 +371,26 @@ def test_learning_curve(cache, tiny_target_dir, tmp_path):
     assert "+ " not in again.stdout and table_rows(again.stdout)[1:] == [half, full], again.stdout
 
 
+@covers("compare_losses.py")
+def test_compare_losses(cache, tiny_target_dir, tmp_path):
+    """Two variants of the tiny EAGLE-3 recipe (the recipe, and train.loss=tv with Muon): a row each, trained with
+    what the variant says (recorded in the run's recipe), measured on the same held-out prompts."""
+    out = tmp_path / "cl"
+    r = run_script(cache, "compare_losses.py", RECIPES / "tiny-eagle3.yaml", "--variant", "forward_kl=",
+                   "--variant", "tv_muon=train.loss=tv,train.optimizer=muon", "--outputs", out,
+                   "--set", f"target.model={tiny_target_dir}", "--set", "train.steps=2")
+    assert r.stdout.count(" train ") >= 2, r.stdout
+    header, base, tv = table_rows((out / "tiny-eagle3-losses.md").read_text())
+    assert header[:3] == ["variant", "overrides", "held-out sim_tau"] and header[4].startswith("tau (K="), header
+    assert base[:2] == ["forward_kl", "`(recipe)`"] and tv[:2] == ["tv_muon", "`train.loss=tv train.optimizer=muon`"]
+    assert float(tv[4].split()[0]) >= 1.0 and "[" in tv[4], tv
+    rec = yaml.safe_load((out / "tiny-eagle3-tv_muon" / "recipe.yaml").read_text())
+    assert rec["train"]["loss"] == "tv" and rec["train"]["optimizer"] == "muon", rec["train"]
+    a = json.loads((out / "tiny-eagle3-forward_kl" / "eval-losses" / "report.json").read_text())
+    b = json.loads((out / "tiny-eagle3-tv_muon" / "eval-losses" / "report.json").read_text())
+    assert a["prompts"] == b["prompts"]
+
+
 @covers("export_held_out.py")
 def test_export_held_out(cache, eagle3_run, tmp_path):
     """The demo's run directories record ``target.dtype: auto`` (the recipe default): the script resolves it
