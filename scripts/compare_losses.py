@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from learning_curve import ROOT, last_held_out, run
+from learning_curve import ROOT, eval_cells, last_held_out, run
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid", "ce")
 DEFAULT_VARIANTS = [f"{n}=" if n == "forward_kl" else f"{n}=train.loss={n}" for n in LOSSES] + \
@@ -69,13 +69,10 @@ def main() -> int:
     lines = [f"| variant | overrides | held-out sim_tau | held-out full_acc_0 | tau (K={k}) [95% CI] | acc. rate | "
              "train time |", "|---|---|---|---|---|---|---|"]
     for name, over, sim, acc0, rep, secs in rows:
-        d = rep["drafter"]
-        lo, hi = d.get("tau_ci") or (None, None)
-        ci = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""
-        rate = d.get("acceptance_rate")
+        tau, rate = eval_cells(rep)
         lines.append(f"| {name} | `{over}` | {'-' if sim is None else f'{sim:.3f}'} | "
-                     f"{'-' if acc0 is None else f'{acc0:.3f}'} | {d['tau']:.3f}{ci} | "
-                     f"{'n/a' if rate is None else f'{rate:.3f}'} | {'-' if secs is None else f'{secs / 60:.1f} min'} |")
+                     f"{'-' if acc0 is None else f'{acc0:.3f}'} | {tau} | {rate} | "
+                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} |")
     table = "\n".join(lines) + "\n"
     print(table)
     outputs.mkdir(parents=True, exist_ok=True)

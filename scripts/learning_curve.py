@@ -59,6 +59,15 @@ def last_held_out(run_dir: Path, key: str = "held_out/sim_tau") -> float | None:
     return vals[-1] if vals else None
 
 
+def eval_cells(rep: dict) -> tuple[str, str]:
+    """``("tau [lo, hi]", "acceptance rate")`` of an eval report's drafter (``n/a`` for a rate with no draft)."""
+    d = rep["drafter"]
+    lo, hi = d.get("tau_ci") or (None, None)
+    rate = d.get("acceptance_rate")
+    return (f"{d['tau']:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""),
+            "n/a" if rate is None else f"{rate:.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
@@ -90,13 +99,10 @@ def main() -> int:
     lines = [f"| fraction | train examples | assistant tokens | held-out sim_tau | tau (K={d0['k']}) [95% CI] | "
              "acc. rate | train time |", "|---|---|---|---|---|---|---|"]
     for f, examples, tokens, sim, rep, secs in rows:
-        d = rep["drafter"]
-        lo, hi = d.get("tau_ci") or (None, None)
-        ci = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""
-        rate = d.get("acceptance_rate")
+        tau, rate = eval_cells(rep)
         lines.append(f"| {f:g} | {examples if examples is not None else '-'} | {tokens if tokens is not None else '-'} "
-                     f"| {'-' if sim is None else f'{sim:.3f}'} | {d['tau']:.3f}{ci} | "
-                     f"{'n/a' if rate is None else f'{rate:.3f}'} | {'-' if secs is None else f'{secs / 60:.1f} min'} |")
+                     f"| {'-' if sim is None else f'{sim:.3f}'} | {tau} | {rate} | "
+                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} |")
     table = "\n".join(lines) + "\n"
     print(table)
     outputs.mkdir(parents=True, exist_ok=True)

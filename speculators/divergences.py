@@ -25,9 +25,9 @@ All are computed in float32 from logits (``log_softmax``); ``log p`` is taken of
 normal float32 (a target probability that underflowed to 0 costs at most ~87 nats per unit of q there). A padded
 position's teacher row may hold NaN: it is zeroed before use, so it enters neither the sum nor the gradient.
 
-:class:`LossMix` is ``train.loss``: one name, or ``{name: weight}``; :meth:`LossMix.sum` is a drop-in for
-:func:`speculators.losses.soft_cross_entropy` (the SUM over valid positions of ``sum_i w_i * divergence_i``),
-so every family's per-term normalisation (window counts, TTT-step weights) stays as it is.
+:class:`LossMix` is ``train.loss``: one name, or ``{name: weight}``; :meth:`LossMix.sum` returns the SUM over the
+valid positions of ``sum_i w_i * divergence_i``, so every family's per-term normalisation (window counts,
+TTT-step weights) stays as it is.
 """
 
 from __future__ import annotations
@@ -205,8 +205,7 @@ class LossMix:
         return out
 
     def sum(self, logits: Tensor, teacher_probs: Tensor, valid: Tensor | None = None) -> Tensor:
-        """The mix summed over the valid positions: a scalar float32 SUM (a drop-in for
-        :func:`speculators.losses.soft_cross_entropy`; divide by the term's count yourself).
+        """The mix summed over the valid positions: a scalar float32 SUM (divide by the term's count yourself).
 
         Raises:
             SpeculatorsError: shapes that do not match.

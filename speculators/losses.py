@@ -4,11 +4,9 @@ Losses (each returns the SUM over its valid positions; the caller divides by its
 trainer can normalise every term by its count over a whole gradient-accumulation window, see
 :meth:`speculators.drafters.base.Drafter.loss` and :func:`combine_terms`):
 
-* :func:`soft_cross_entropy`: ``-sum_v p(v) log softmax(z)(v)`` to a teacher distribution ``p``
-  (EAGLE-1/-3's token loss, Medusa / MTP self-distillation);
+* divergences to the target's distribution (forward KL = soft cross-entropy, TV, JSD, ...) live in
+  :mod:`speculators.divergences` (``train.loss``);
 * :func:`hard_cross_entropy`: CE to one label id (Medusa-1, MTP);
-* :func:`total_variation`: ``0.5 * sum_v |p(v) - q(v)|`` to a teacher distribution ``p``, one minus the chance
-  that a draft sampled from ``q`` is accepted against ``p`` at temperature 1 (DistillSpec, arXiv 2310.08461);
 * :func:`smooth_l1_feature_loss`: EAGLE-1's feature regression (smooth L1, beta 1, averaged over the
   hidden dimension of a position, as SafeAILab/EAGLE ``eagle/train/main.py`` does).
 
@@ -60,8 +58,6 @@ __all__ = [
     "sample_draft",
     "sampling_values",
     "smooth_l1_feature_loss",
-    "soft_cross_entropy",
-    "total_variation",
     "target_to_draft",
 ]
 
@@ -116,32 +112,6 @@ def combine_terms(sums: list[Tensor], weights: list[float], counts: Tensor, norm
     return scale * total, scale * own
 
 
-def soft_cross_entropy(logits: Tensor, teacher_probs: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Soft cross entropy to a teacher distribution, summed over the valid positions.
-
-    ``sum_{valid positions} -sum_v teacher_probs[..., v] * log_softmax(logits)[..., v]`` (equal to
-    ``KL(teacher || student)`` plus the teacher's entropy, which has no gradient). Used by EAGLE-1/-3
-    (Li et al., arXiv 2401.15077 / 2503.01840) and by Medusa/MTP self-distillation.
-
-    Args:
-        logits: ``[..., N]`` float student logits (computed in float32).
-        teacher_probs: ``[..., N]`` float teacher probabilities (rows sum to 1), no gradient needed.
-        valid: ``[...]`` bool positions to sum over; ``None`` = all.
-    Returns:
-        scalar float32 SUM (divide by the term's count yourself).
-    Raises:
-        SpeculatorsError: shapes that do not match.
-    """
-    if logits.shape != teacher_probs.shape:
-        raise SpeculatorsError(f"soft_cross_entropy: logits {tuple(logits.shape)} and teacher_probs "
-                               f"{tuple(teacher_probs.shape)} must have the same shape")
-    teacher = teacher_probs.float()
-    if valid is not None and valid.shape == teacher.shape[:-1]:  # a padded teacher row (NaN) stays out of the grad
-        teacher = torch.where(valid.unsqueeze(-1), teacher, teacher.new_zeros(()))
-    ce = -(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-    return _masked_sum(ce, valid)
-
-
 def hard_cross_entropy(logits: Tensor, labels: Tensor, valid: Tensor | None = None) -> Tensor:
     """Cross entropy to one label index per position, summed over the valid positions.
 
@@ -165,33 +135,6 @@ def hard_cross_entropy(logits: Tensor, labels: Tensor, valid: Tensor | None = No
                                f"got {int(lbl.min())}..{int(lbl.max())}")
     nll = -torch.log_softmax(logits.float(), dim=-1).gather(-1, lbl.unsqueeze(-1)).squeeze(-1)
     return _masked_sum(nll, valid)
-
-
-def total_variation(logits: Tensor, teacher_probs: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Total variation distance to a teacher distribution, summed over the valid positions.
-
-    ``sum_{valid positions} 0.5 * sum_v |teacher_probs[..., v] - softmax(logits)[..., v]|``, which equals
-    ``1 - sum_v min(p, q)``: one minus the probability that a draft drawn from ``q`` survives speculative
-    sampling against ``p`` (Leviathan et al., arXiv 2211.17192, Theorem 3.5; DistillSpec, arXiv 2310.08461, uses
-    it as a distillation loss). In ``[0, 1]`` per position.
-
-    Args:
-        logits: ``[..., N]`` float student logits (computed in float32).
-        teacher_probs: ``[..., N]`` float teacher probabilities (rows sum to 1), no gradient needed.
-        valid: ``[...]`` bool positions to sum over; ``None`` = all.
-    Returns:
-        scalar float32 SUM (divide by the term's count yourself).
-    Raises:
-        SpeculatorsError: shapes that do not match.
-    """
-    if logits.shape != teacher_probs.shape:
-        raise SpeculatorsError(f"total_variation: logits {tuple(logits.shape)} and teacher_probs "
-                               f"{tuple(teacher_probs.shape)} must have the same shape")
-    teacher = teacher_probs.float()
-    if valid is not None and valid.shape == teacher.shape[:-1]:  # a padded teacher row (NaN) stays out of the grad
-        teacher = torch.where(valid.unsqueeze(-1), teacher, teacher.new_zeros(()))
-    tv = 0.5 * (teacher - torch.softmax(logits.float(), dim=-1)).abs().sum(-1)
-    return _masked_sum(tv, valid)
 
 
 def smooth_l1_feature_loss(pred: Tensor, target: Tensor, valid: Tensor | None = None,

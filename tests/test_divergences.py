@@ -97,11 +97,10 @@ def test_the_mix_is_the_weighted_sum_over_valid_positions_and_nan_safe():
     s.backward()
     assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[1, 5], torch.zeros(9))
     assert LossMix().is_default and not mix.is_default
-    # forward_kl is exactly today's soft cross-entropy
-    from speculators.losses import soft_cross_entropy
-
-    assert float(LossMix().sum(logits.detach(), p, valid)) == pytest.approx(
-        float(soft_cross_entropy(logits.detach(), p, valid)), rel=1e-6)
+    # forward_kl is the soft cross-entropy -sum p log softmax(z), every family's loss before train.loss existed
+    q_log = torch.log_softmax(logits.detach().double(), -1)
+    soft_ce = float(torch.where(valid, -(torch.nan_to_num(p.double()) * q_log).sum(-1), 0.0).sum())
+    assert float(LossMix().sum(logits.detach(), p, valid)) == pytest.approx(soft_ce, rel=1e-6)
 
 
 @pytest.mark.parametrize("loss, match", [("kl", "unknown|one or more"), ({"tv": 0.0}, "weights > 0"),
@@ -134,3 +133,38 @@ def test_dpace_weights_by_hand():
         valid[0], valid[0].flip(0).float().cumsum(0).flip(0), torch.zeros(6)))
     with pytest.raises(SpeculatorsError, match="dpace_alpha"):
         dpace_weights(nll, valid, 0.0)
+
+
+def test_forward_kl_by_hand_and_its_gradient():
+    """row 0: logits [ln2, 0, 0] -> q = [1/2, 1/4, 1/4], teacher [1, 0, 0] -> ln 2; row 1: uniform q, teacher
+    [1/2, 1/2, 0] -> ln 3; row 2: padded, a NaN teacher that must not leak into the sum or the gradient."""
+    ln2, ln3 = math.log(2), math.log(3)
+    logits = torch.tensor([[ln2, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, 1.0, 0.0]], requires_grad=True)
+    teacher = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [float("nan"), 0.0, 0.0]])
+    valid = torch.tensor([True, True, False])
+    s = LossMix().sum(logits, teacher, valid)
+    assert float(s.detach()) == pytest.approx(ln2 + ln3)
+    s.backward()
+    # d/dz of -sum p log softmax(z) = softmax(z) - p: row 0 -> [-1/2, 1/4, 1/4]; row 2 -> 0
+    torch.testing.assert_close(logits.grad[0], torch.tensor([-0.5, 0.25, 0.25]))
+    assert torch.equal(logits.grad[2], torch.zeros(3))
+    assert float(LossMix().sum(logits[:2].detach(), teacher[:2])) == pytest.approx(ln2 + ln3)  # valid=None: all
+    with pytest.raises(SpeculatorsError, match="same shape"):
+        LossMix().sum(logits, teacher[:, :2])
+
+
+def test_tv_on_random_distributions_with_padding():
+    """TV summed over the valid positions = sum of 1 - sum min(p, q) there; a NaN teacher row stays out."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        logits = (3 * torch.randn(4, 7, 50, generator=g)).requires_grad_()
+        p = torch.softmax(3 * torch.randn(4, 7, 50, generator=g), -1)
+        p[0, 0] = float("nan")
+        valid = torch.rand(4, 7, generator=g) > 0.3
+        valid[0, 0] = False
+        q = torch.softmax(logits.detach().double(), -1)
+        overlap = 1 - torch.minimum(torch.nan_to_num(p.double()), q).sum(-1)
+        s = LossMix({"tv": 1.0}).sum(logits, p, valid)
+        assert float(s.detach()) == pytest.approx(float(overlap[valid].sum()), rel=1e-5)
+        s.backward()
+        assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[0, 0], torch.zeros(50))

@@ -16,9 +16,7 @@ from speculators.losses import (
     sample_draft,
     sampling_values,
     smooth_l1_feature_loss,
-    soft_cross_entropy,
     target_to_draft,
-    total_variation,
 )
 from speculators.verify import SamplingParams
 
@@ -26,24 +24,6 @@ LN2, LN3 = math.log(2), math.log(3)
 
 
 # ----------------------------------------------------------------------------- losses
-
-
-def test_soft_cross_entropy_sums_the_valid_positions():
-    # row 0: logits [ln2, 0, 0] -> q = [1/2, 1/4, 1/4]; teacher [1, 0, 0] -> -ln(1/2) = ln 2
-    # row 1: logits [0, 0, 0]   -> q = 1/3 each;     teacher [1/2, 1/2, 0] -> ln 3
-    # row 2: padded (invalid), holds a NaN teacher that must not leak into the sum or the gradient
-    logits = torch.tensor([[LN2, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, 1.0, 0.0]], requires_grad=True)
-    teacher = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [float("nan"), 0.0, 0.0]])
-    valid = torch.tensor([True, True, False])
-    s = soft_cross_entropy(logits, teacher, valid)
-    assert float(s.detach()) == pytest.approx(LN2 + LN3)
-    s.backward()
-    # d/dz of -sum p log softmax(z) = softmax(z) - p: row 0 -> [-1/2, 1/4, 1/4]; row 2 -> 0
-    torch.testing.assert_close(logits.grad[0], torch.tensor([-0.5, 0.25, 0.25]))
-    assert torch.equal(logits.grad[2], torch.zeros(3))
-    assert float(soft_cross_entropy(logits[:2].detach(), teacher[:2])) == pytest.approx(LN2 + LN3)  # valid=None: all
-    with pytest.raises(SpeculatorsError, match="same shape"):
-        soft_cross_entropy(logits, teacher[:, :2])
 
 
 def test_hard_cross_entropy_reads_only_valid_labels():
@@ -56,30 +36,6 @@ def test_hard_cross_entropy_reads_only_valid_labels():
         hard_cross_entropy(logits, labels)  # the -5 is read when every position is valid
     with pytest.raises(SpeculatorsError, match="without the last dim"):
         hard_cross_entropy(logits, labels[0])
-
-
-def test_total_variation_is_one_minus_the_overlap_on_random_distributions():
-    """TV(p, q) = 0.5 * sum |p - q| = 1 - sum min(p, q) (the rejection rate of speculative sampling at T = 1),
-    summed over the valid positions; a padded NaN teacher stays out of the sum and the gradient."""
-    g = torch.Generator().manual_seed(0)
-    for trial in range(5):
-        logits = (3 * torch.randn(4, 7, 50, generator=g)).requires_grad_()
-        p = torch.softmax(3 * torch.randn(4, 7, 50, generator=g), -1)
-        p[0, 0] = float("nan")
-        valid = torch.rand(4, 7, generator=g) > 0.3
-        valid[0, 0] = False
-        q = torch.softmax(logits.detach().double(), -1)
-        overlap = 1 - torch.minimum(p.double(), q).sum(-1)
-        s = total_variation(logits, p, valid)
-        assert float(s.detach()) == pytest.approx(float(overlap[valid].sum()), rel=1e-5)
-        s.backward()
-        assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[0, 0], torch.zeros(50))
-    # the two extremes: equal distributions -> 0, disjoint supports -> 1
-    assert float(total_variation(torch.log(torch.tensor([0.5, 0.5, 1e-30])), torch.tensor([0.5, 0.5, 0.0]))) \
-        == pytest.approx(0.0, abs=1e-6)
-    assert float(total_variation(torch.tensor([30.0, -30.0]), torch.tensor([0.0, 1.0]))) == pytest.approx(1.0)
-    with pytest.raises(SpeculatorsError, match="same shape"):
-        total_variation(logits, p[..., :3])
 
 
 def test_smooth_l1_feature_loss_is_the_per_position_mean_summed():

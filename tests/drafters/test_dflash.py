@@ -173,13 +173,19 @@ def test_anchors_resampled_every_step_shared_with_counts_and_reproducible(monkey
 # ----------------------------------------------------------------------------- (3) loss by hand
 
 
+def pin_anchors(d, monkeypatch):
+    """Fix ``d``'s anchors of :func:`make_batch`'s two rows (the last anchor of row 1 invalid)."""
+    anchors = torch.tensor([[4, 10, 17, 18], [5, 9, 11, 4]])
+    valid_anchor = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    monkeypatch.setattr(d, "_anchors", lambda b, for_counts: (anchors, valid_anchor))
+    return anchors, valid_anchor
+
+
 @pytest.mark.parametrize("vocab,labels", [(None, "token"), (100, "token"), (None, "argmax"), (100, "argmax")])
 def test_loss_by_hand(vocab, labels, monkeypatch):
     target, d = make(vocab=vocab, labels=labels, gamma=2.5)
     batch = make_batch(target)
-    anchors = torch.tensor([[4, 10, 17, 18], [5, 9, 11, 4]])
-    valid_anchor = torch.tensor([[True, True, True, True], [True, True, True, False]])
-    monkeypatch.setattr(d, "_anchors", lambda b, for_counts: (anchors, valid_anchor))
+    anchors, valid_anchor = pin_anchors(d, monkeypatch)
     with torch.no_grad():
         logits = d.head(d.slot_logits(batch, anchors)).float()
     T = batch.input_ids.shape[1]
@@ -223,9 +229,7 @@ def test_dpace_loss_by_hand(alpha, monkeypatch):
     prefix products over supervised slots), every slot term weighted 1."""
     target, d = make(vocab=None, position_weights="dpace", dpace_alpha=alpha)
     batch = make_batch(target)
-    anchors = torch.tensor([[4, 10, 17, 18], [5, 9, 11, 4]])
-    valid_anchor = torch.tensor([[True, True, True, True], [True, True, True, False]])
-    monkeypatch.setattr(d, "_anchors", lambda b, for_counts: (anchors, valid_anchor))
+    anchors, valid_anchor = pin_anchors(d, monkeypatch)
     with torch.no_grad():
         logits = d.head(d.slot_logits(batch, anchors)).float()
     T = batch.input_ids.shape[1]
@@ -248,7 +252,7 @@ def test_dpace_loss_by_hand(alpha, monkeypatch):
     loss, _ = d.loss(batch)
     assert float(loss.detach()) == pytest.approx(sum(x / c for x, c in zip(sums, counts)), rel=1e-5)
     _, exp_decay = make(vocab=None)
-    monkeypatch.setattr(exp_decay, "_anchors", lambda b, for_counts: (anchors, valid_anchor))
+    pin_anchors(exp_decay, monkeypatch)
     assert float(exp_decay.loss(batch)[0].detach()) != pytest.approx(float(loss.detach()), rel=1e-3)
 
 
