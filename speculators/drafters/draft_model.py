@@ -206,7 +206,7 @@ class DraftModelDrafter(Drafter):
                                    f"layers (0-based); use fewer num_layers or name the layers")
         d = cls(cfg, TargetMeta.from_target(target))
         if cfg.init == "target":
-            layer_skip_init(d.lm, target.model, layers)
+            layer_skip_init(d.lm, target, layers)
         d.attach_target(target)
         return d
 

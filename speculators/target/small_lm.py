@@ -67,7 +67,8 @@ def layer_skip_init(lm, source, layer_ids: list[int]) -> None:
     final norm, output head) by name, decoder layer ``i`` of ``lm`` from ``source``'s layer ``layer_ids[i]``.
 
     Args:
-        lm: the small model (:func:`build_small_lm`). source: the target's ``*ForCausalLM`` (any dtype).
+        lm: the small model (:func:`build_small_lm`). source: a :class:`~speculators.target.Target` or its
+            ``*ForCausalLM`` (any dtype).
         layer_ids: one 0-based source layer per layer of ``lm``.
     Raises:
         SpeculatorsError: a weight of ``lm`` that ``source`` lacks or holds in another shape (naming it), or
@@ -76,7 +77,7 @@ def layer_skip_init(lm, source, layer_ids: list[int]) -> None:
     n = int(lm.config.num_hidden_layers)
     if len(layer_ids) != n:
         raise SpeculatorsError(f"drafter.init_layers: {len(layer_ids)} layer ids for a draft model of {n} layers")
-    src = source.state_dict()
+    src = (source if isinstance(source, torch.nn.Module) else source.model).state_dict()
     with torch.no_grad():
         for name, p in lm.state_dict().items():
             m = _LAYER_RE.match(name)
