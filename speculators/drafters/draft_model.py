@@ -49,7 +49,8 @@ from ..decode.proposal import Proposal, check_batch
 from ..errors import SpeculatorsError
 from ..divergences import masked_sum, per_position
 from ..losses import chained_acceptance, combine_terms, sample_draft
-from ..target.small_lm import SmallLMDecoder, build_small_lm, layer_skip_init
+from ..target.small_lm import (SmallLMDecoder, build_small_lm, checkpoint_state_dict, layer_skip_init,
+                               load_checkpoint_state_dict)
 from ..verify import SamplingParams
 from .base import Drafter, DrafterConfig
 from .checkpoint import TRAINING_KEY, TargetMeta
@@ -130,35 +131,18 @@ class DraftModelFormat(ServingFormat):
         return d
 
     def state_dict(self, drafter: DraftModelDrafter) -> dict[str, torch.Tensor]:
-        """transformers' weight names (``model.layers.{i}...``, ``lm_head.weight``); a tied head is written once,
-        as the embedding, exactly as ``save_pretrained`` writes it."""
-        seen, out = set(), {}
-        for name, t in drafter.lm.state_dict().items():
-            if t.data_ptr() in seen:  # the tied output head: the same tensor as the embedding
-                continue
-            seen.add(t.data_ptr())
-            out[name] = t.detach().clone().contiguous()
-        return out
+        """transformers' checkpoint names and shapes, as ``save_pretrained`` writes them
+        (:func:`~speculators.target.small_lm.checkpoint_state_dict`: ``model.layers.{i}...``, per-expert MoE
+        weights, a tied head once, as the embedding)."""
+        return checkpoint_state_dict(drafter.lm)
 
     def load_state_dict(self, drafter: DraftModelDrafter, sd: dict[str, torch.Tensor]) -> None:
-        """Load :meth:`state_dict`'s names.
+        """Load :meth:`state_dict`'s names (:func:`~speculators.target.small_lm.load_checkpoint_state_dict`).
 
         Raises:
             SpeculatorsError: a missing or unexpected name, or a shape this config does not have.
         """
-        want = self.state_dict(drafter)
-        missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
-        if missing or unexpected:
-            raise SpeculatorsError(f"checkpoint weights do not match {self.algorithm}: missing {missing[:5]}, "
-                                   f"unexpected {unexpected[:5]}")
-        for name, t in sd.items():
-            if tuple(t.shape) != tuple(want[name].shape):
-                raise SpeculatorsError(f"checkpoint weights do not match this {self.algorithm} config: {name} is "
-                                       f"{list(t.shape)}, expected {list(want[name].shape)}")
-        own = drafter.lm.state_dict()
-        with torch.no_grad():
-            for name, t in sd.items():
-                own[name].copy_(t)
+        load_checkpoint_state_dict(drafter.lm, sd)
 
     def write_companion_files(self, drafter: DraftModelDrafter, directory: Path) -> None:
         """The target's tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ...), which vLLM and

@@ -5,7 +5,8 @@ Written from vLLM's source at commit ``00bd1493b3e8`` (the v0.33.0 line; :data:`
 ``d2t`` becomes ``draft_id_to_target_id``, ``t2d`` is dropped, ``mask_hidden`` is a ``[1, 3H]`` buffer
 required with parallel drafting, everything else must reach a parameter through ``AutoWeightsLoader``,
 which raises "There is no module or parameter named ..."), ``llama_eagle.py`` (EAGLE-1), ``medusa.py``,
-``deepseek_mtp.py`` (the module layout our MTP export follows), ``mlp_speculator.py``, the DFlash / DSpark drafter models and
+``deepseek_mtp.py`` (the module layout our MTP export follows), ``mlp_speculator.py``, the DFlash / DSpark drafter models,
+``registry.py`` (the causal-LM classes a ``draft_model`` checkpoint may name) and
 ``transformers_utils/configs/speculators/*`` (which config keys they read). vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` itself: the file keeps
 the unfused Hugging Face names.
@@ -90,6 +91,8 @@ def expected_layout(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] |
             return _medusa_vllm(config) + (problems,)
         if family == "mlp_speculator":
             return _mlp_speculator(config) + (problems,)
+        if _plain_causal_lm(config):
+            return _hf_causal_lm(config) + (problems,)
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise SpeculatorsError("config.json has no `transformer_layer_config` dict")
@@ -266,11 +269,64 @@ def _mlp_speculator(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] |
     return shapes, required
 
 
+#: Hugging Face causal-LM classes in vLLM's model registry (``model_executor/models/registry.py``,
+#: ``_TEXT_GENERATION_MODELS``) among the architectures this project trains for: vLLM loads each from the
+#: Hugging Face checkpoint layout (its ``load_weights`` maps transformers' names, fuses q/k/v and gate/up
+#: itself, skips ``rotary_emb.inv_freq`` and, with tied embeddings, ``lm_head.weight``). A distilled draft model
+#: is exported as such a checkpoint (``method: draft_model`` loads it with the class ``architectures`` names).
+VLLM_CAUSAL_LMS = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM",
+    "Llama4ForCausalLM", "DeepseekV3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GPTNeoXForCausalLM",
+})
+
+
+#: keys of a ``config.json`` that describe the file, not the model
+_FILE_KEYS = ("_name_or_path", "transformers_version", "quantization_config", "architectures", "dtype",
+              "torch_dtype", "auto_map", "speculators_training")
+
+
+def _plain_causal_lm(config: dict[str, Any]) -> bool:
+    """A plain Hugging Face model (no speculators block) of a class vLLM registers (:data:`VLLM_CAUSAL_LMS`)."""
+    arch = (config.get("architectures") or [None])[0]
+    return "speculators_model_type" not in config and arch in VLLM_CAUSAL_LMS
+
+
+def _hf_causal_lm(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
+    """A plain causal LM: every tensor transformers' ``save_pretrained`` writes for this config (the class
+    ``architectures`` names, built on the meta device, its weight conversions reverted: per-expert MoE names),
+    all required;
+    with ``tie_word_embeddings`` the ``lm_head.weight`` vLLM skips may be present or absent."""
+    import torch
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    d = {k: v for k, v in config.items() if k not in _FILE_KEYS}
+    model_type, arch = d.pop("model_type", None), config["architectures"][0]
+    cls = getattr(transformers, arch, None)
+    if not isinstance(model_type, str) or cls is None:
+        raise SpeculatorsError(f"vLLM layout check: config.json model_type {model_type!r} / architectures "
+                               f"{arch!r}: transformers has no such class")
+    with torch.device("meta"):  # names and shapes only: no memory, no weights
+        lm = cls(transformers.AutoConfig.for_model(model_type, **d))
+    own = dict(lm.state_dict())
+    if config.get("tie_word_embeddings"):
+        own.pop("lm_head.weight", None)
+    shapes: dict[str, tuple[int, ...] | None] = {
+        k: tuple(v.shape) for k, v in revert_weight_conversion(lm, own).items()}
+    required = set(shapes)
+    if config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = None
+        required.discard("lm_head.weight")
+    return shapes, required
+
+
 def known_layout(config: dict[str, Any]) -> bool:
-    """Whether this check knows vLLM's loader for the ``config.json`` (its ``speculators_model_type``, or
-    vLLM's native Medusa / MLP speculator ``model_type``). A family vLLM has no loader for is not checked."""
+    """Whether this check knows vLLM's loader for the ``config.json`` (its ``speculators_model_type``, vLLM's
+    native Medusa / MLP speculator ``model_type``, or a plain causal LM of a class in :data:`VLLM_CAUSAL_LMS`).
+    A family vLLM has no loader for is not checked."""
     family = config.get("speculators_model_type") or config.get("model_type")
-    return family in _LAYOUTS or family == "mlp_speculator"
+    return family in _LAYOUTS or family == "mlp_speculator" or _plain_causal_lm(config)
 
 
 def check_layout(path: str | Path) -> list[str]:
@@ -310,4 +366,4 @@ def check_layout(path: str | Path) -> list[str]:
 
 
 
-__all__ = ["EAGLE3_TAPS", "VLLM_VERSION", "check_layout", "expected_layout"]
+__all__ = ["EAGLE3_TAPS", "VLLM_CAUSAL_LMS", "VLLM_VERSION", "check_layout", "expected_layout", "known_layout"]

@@ -9,7 +9,8 @@
   drafts, and level-by-level draft trees over the same cache with a 4-D tree mask (each node sees the
   context, its ancestors and itself), windowed layers included (:class:`~.masks.AttentionLayout`).
 
-Everything here is a plain transformers model: what is exported is ``save_pretrained``'s layout, which
+Everything here is a plain transformers model: what is exported is ``save_pretrained``'s layout
+(:func:`checkpoint_state_dict`, read back by :func:`load_checkpoint_state_dict`), which
 ``AutoModelForCausalLM``, vLLM's ``draft_model`` method and llama.cpp's converter read as they read any model
 of that architecture.
 """
@@ -88,6 +89,74 @@ def layer_skip_init(lm, source, layer_ids: list[int]) -> None:
                 raise SpeculatorsError(f"draft model init: the target's {sname} is {got}, the draft model's "
                                        f"{name} is {list(p.shape)} (not the same architecture)")
             p.copy_(s.detach().to(device=p.device, dtype=p.dtype))
+
+
+def _own_weights(lm) -> dict[str, torch.Tensor]:
+    """``lm``'s state dict, a tensor shared under two names (a tied output head) kept under its first name."""
+    seen, out = set(), {}
+    for name, t in lm.state_dict().items():
+        if t.data_ptr() in seen and t.device.type != "meta":
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
+def checkpoint_state_dict(lm) -> dict[str, torch.Tensor]:
+    """``lm``'s weights under the names and shapes ``save_pretrained`` writes (transformers' checkpoint layout,
+    which vLLM's loader of the architecture and llama.cpp's converter read): the in-memory layout with
+    transformers' weight conversions reverted (``core_model_loading.revert_weight_conversion``: e.g. the fused
+    ``experts.gate_up_proj [E, 2I, H]`` of Qwen3-MoE / DeepSeek-V3 / Mixtral back to per-expert
+    ``experts.{e}.gate_proj.weight [I, H]``), a tied output head written once (as the embedding).
+
+    Returns:
+        name -> a contiguous copy (``lm``'s dtype and device).
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(lm, dict(_own_weights(lm)))
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def load_checkpoint_state_dict(lm, sd: dict[str, torch.Tensor]) -> None:
+    """Load weights named as :func:`checkpoint_state_dict` writes them into ``lm`` (in place), undoing the
+    reverted conversions exactly: every in-memory weight whose name the checkpoint renames or reshapes gets a
+    distinct float64 index per element, the same reversal maps those indices to checkpoint tensors, and each
+    checkpoint element is written back at its index.
+
+    Raises:
+        SpeculatorsError: a missing or unexpected name, or a shape ``lm`` does not have (naming it).
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    own = _own_weights(lm)
+    want = revert_weight_conversion(lm, {k: torch.empty(v.shape, device="meta") for k, v in own.items()})
+    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise SpeculatorsError(f"draft model checkpoint: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in sd.items():
+        if tuple(t.shape) != tuple(want[name].shape):
+            raise SpeculatorsError(f"draft model checkpoint: {name} is {list(t.shape)}, this config's is "
+                                   f"{list(want[name].shape)}")
+    direct = {k for k, v in own.items() if k in want and tuple(want[k].shape) == tuple(v.shape)}
+    converted = [k for k in own if k not in direct]
+    with torch.no_grad():
+        for k in direct:
+            own[k].copy_(sd[k])
+        if not converted:
+            return
+        offsets, index, start = {}, {}, 0
+        for k in converted:
+            n = own[k].numel()
+            offsets[k] = (start, n)
+            index[k] = torch.arange(start, start + n, dtype=torch.float64).view(own[k].shape)
+            start += n
+        flat = torch.empty(start, dtype=torch.float64)  # exact for every float dtype a weight is held in
+        for name, idx in revert_weight_conversion(lm, index).items():
+            flat[idx.reshape(-1).long()] = sd[name].detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+        for k in converted:
+            a, n = offsets[k]
+            own[k].copy_(flat[a:a + n].view(own[k].shape))
 
 
 class SmallLMDecoder:

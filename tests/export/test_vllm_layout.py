@@ -20,6 +20,7 @@ FAMILIES = {  # family -> drafter config overrides (the variants whose names dif
     "medusa": {}, "medusa-vllm": {"export": "vllm-medusa", "draft_vocab_size": 64}, "eagle": {},
     "eagle3": {"draft_vocab_size": 64}, "eagle3-nbf": {"norm_before_fc": True}, "peagle": {},
     "dflash": {"draft_vocab_size": 64}, "dspark": {"enable_confidence_head": True}, "mtp": {},
+    "draft_model": {"num_layers": 2},
 }
 
 
@@ -45,7 +46,7 @@ def test_every_family_export_is_placed_by_vllm(target, tmp_path, name):
     assert check_layout(export(target, name, tmp_path / name)) == []
 
 
-@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark", "mtp", "medusa-vllm"])
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark", "mtp", "medusa-vllm", "draft_model"])
 def test_extra_and_misshapen_tensors_are_named(target, tmp_path, name):
     path = export(target, name, tmp_path / name)
     w = load_file(path / "model.safetensors")
@@ -133,3 +134,26 @@ def test_gate_says_how_vllm_serves_the_layout(target, tmp_path):
     assert "no loader for it as written" in g.to_markdown()
     g = check_checkpoint(export(target, "medusa-vllm", tmp_path / "mv"), parity=False)
     assert "method `medusa`" in g.serving
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_moe_draft_model_is_written_per_expert(arch, tmp_path):
+    """transformers holds MoE experts fused (``experts.gate_up_proj [E, 2I, H]``); the checkpoint vLLM's loader and
+    llama.cpp's converter read names them per expert, as ``save_pretrained`` does. The fused in-memory names are
+    flagged, each one by name."""
+    from speculators.target.tiny import build_tiny_architecture
+
+    moe = build_tiny_architecture(arch, V, 32, 2)
+    cls = registry.get("draft_model")
+    d = cls.from_target(cls.config_class(algorithm="draft_model", num_layers=1), moe, DraftVocab.full(V))
+    path = save_pretrained(d, tmp_path / "final", frozen_copies=False, dtype="bfloat16")
+    w = load_file(path / "model.safetensors")
+    assert any(".experts.0." in k for k in w) and not any(k.endswith("gate_up_proj") for k in w), sorted(w)
+    assert check_layout(path) == []
+    fused = {k: v for k, v in d.lm.state_dict().items() if "experts" not in k or "gate_up_proj" in k
+             or "down_proj" in k}  # the in-memory names, as an export that skipped transformers' conversion
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in fused.items() if k != "lm_head.weight"},
+              path / "model.safetensors")
+    problems = check_layout(path)
+    assert any("gate_up_proj`" in p and "no module or parameter" in p for p in problems), problems
+    assert any(".experts.0." in p and "missing" in p for p in problems), problems

@@ -78,6 +78,9 @@ def make_drafter(target, algorithm: str, overrides: dict, joint: bool, counts: t
         raw.update(r=1.0, r_min=1.0)
     if "num_anchors" in family_fields(algorithm):
         raw["num_anchors"] = 100_000
+    if "init" in family_fields(algorithm):
+        # a layer-skip copy of the tiny random target reproduces it (loss ~1e-15): no gradient to compare
+        raw["init"] = "random"
     if joint:
         raw["joint"] = True
     family = registry.get(algorithm)
@@ -149,7 +152,7 @@ def test_accumulated_gradient_equals_the_big_batch_gradient(case, tmp_path):
     assert len(window) == 1 and window[0].input_ids.shape[0] == 2  # both conversations, one micro-batch
     loss_big, _ = big._backward_window(window)
     g_big = grads(d)
-    assert g_big.abs().sum() > 0
+    assert float(g_big.norm()) > 1e-3  # a gradient worth comparing (cosine's eps would swamp a ~1e-16 one)
     zero_grads(d)
 
     acc = trainer(tmp_path, algorithm, d, store, grad_accum=2, batch_tokens=64)
