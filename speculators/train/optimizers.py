@@ -5,10 +5,11 @@ update of a 2-D weight matrix is orthogonalised by Newton-Schulz iterations. It 
 only, so, as vllm-project/speculators splits them (its ``split_named_params_for_muon``), a parameter goes to
 Muon when it is trainable, 2-D with both dimensions > 1, and not an embedding or an output head; everything else
 (embeddings, heads, norms, biases, vectors) keeps AdamW. Embeddings are found by module (``nn.Embedding``),
-heads by shape (a dimension equal to the target's vocabulary or the drafter's draft vocabulary) and by DSpark's
-Markov factor names. Defaults follow the reference: ``muon_lr`` = ``train.lr``, momentum 0.95 (Nesterov), 5
-Newton-Schulz steps, weight decay 0.1, ``adjust_lr_fn: match_rms_adamw`` (the update scaled to AdamW's RMS,
-``0.2 * sqrt(max(A, B))``, so one learning rate suits both).
+heads by role (an ``nn.Linear`` named ``*head*`` whose output is the target's vocabulary or the drafter's draft
+vocabulary, so a hidden matrix of the same size stays on Muon) and DSpark's Markov factors by name. Defaults
+follow the reference: ``muon_lr`` = ``train.lr``, momentum 0.95 (Nesterov), 5 Newton-Schulz steps, weight decay
+0.1, ``adjust_lr_fn: match_rms_adamw`` (the update scaled to AdamW's RMS, ``0.2 * sqrt(max(A, B))``, so one
+learning rate suits both).
 
 :class:`MuonAdamW` steps both as one optimizer (one ``param_groups`` list for the learning-rate schedule, one
 ``state_dict`` for exact resume). Sharded training (FSDP / DeepSpeed) keeps AdamW: torch's Muon needs whole
@@ -29,14 +30,19 @@ MARKOV_NAMES = ("markov_w1", "markov_w2")
 
 
 def _not_muon(unit: nn.Module, vocab_sizes: set[int]) -> set[int]:
-    """ids of the parameters Muon must not take: embeddings (by module), heads (a vocabulary-sized dimension),
-    DSpark's Markov factors."""
+    """ids of the parameters Muon must not take: embeddings (every ``nn.Embedding``), output heads (an ``nn.Linear``
+    whose name has ``head`` and whose ``out_features`` is a vocabulary size), DSpark's Markov factors (by name).
+
+    A head is found by its role, not by shape alone: a hidden matrix whose size happens to equal the (draft)
+    vocabulary (EAGLE-3's ``fc`` ``3H -> H`` with ``draft_vocab_size == H``) is still a hidden matrix."""
     out = set()
-    for module in unit.modules():
+    for name, module in unit.named_modules():
         if isinstance(module, nn.Embedding):
             out.update(id(p) for p in module.parameters(recurse=False))
+        elif isinstance(module, nn.Linear) and module.out_features in vocab_sizes and "head" in name:
+            out.update(id(p) for p in module.parameters(recurse=False))
     for name, p in unit.named_parameters():
-        if any(n in name for n in MARKOV_NAMES) or (p.dim() == 2 and set(p.shape) & vocab_sizes):
+        if any(n in name for n in MARKOV_NAMES):
             out.add(id(p))
     return out
 

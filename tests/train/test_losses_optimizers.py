@@ -15,7 +15,7 @@ from speculators.drafters import registry
 from speculators.errors import SpeculatorsError
 from speculators.recipe import TrainSpec
 from speculators.target import build_tiny_target
-from speculators.train.optimizers import MuonAdamW, build_optimizer, vocab_sizes
+from speculators.train.optimizers import MuonAdamW, build_optimizer, muon_split, vocab_sizes
 from speculators.train.unit import TrainingUnit, set_distill_loss
 from conftest import batch_for
 
@@ -92,6 +92,26 @@ def test_every_family_trains_with_every_loss_that_applies(name, target, batch):
     assert len(set(first.values())) == len(first), first  # each loss is its own objective
 
 
+def test_muon_takes_a_hidden_matrix_the_size_of_the_draft_vocabulary():
+    """A hidden matrix whose output equals the draft vocabulary (fc 3H -> H with draft_vocab_size == H) is still a
+    hidden matrix; only the embedding, the output heads and DSpark's Markov factors stay on AdamW."""
+    H = 8
+    unit = torch.nn.Module()
+    unit.embed_tokens = torch.nn.Embedding(32, H)
+    unit.fc = torch.nn.Linear(3 * H, H, bias=False)
+    unit.mlp = torch.nn.Linear(H, 32, bias=False)  # an up-projection the size of the full vocabulary
+    unit.lm_head = torch.nn.Linear(H, H, bias=False)  # draft vocabulary of H tokens
+    unit.heads = torch.nn.ModuleList([torch.nn.Linear(H, 32, bias=False)])
+    unit.markov_w2 = torch.nn.Linear(2, H, bias=False)
+    unit.norm = torch.nn.LayerNorm(H)
+    groups = [{"params": list(unit.parameters()), "lr": 1.0, "name": "all"}]
+    muon, adamw = muon_split(unit, groups, {32, H})
+    on_muon = {id(p) for g in muon for p in g["params"]}
+    assert on_muon == {id(unit.fc.weight), id(unit.mlp.weight)}
+    assert [g["name"] for g in muon] == ["all_muon"]
+    assert {id(p) for g in adamw for p in g["params"]} == {id(p) for p in unit.parameters()} - on_muon
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_trains_with_muon(name, target, batch):
     d = drafter(name, target)
@@ -101,10 +121,11 @@ def test_every_family_trains_with_muon(name, target, batch):
     assert isinstance(opt, MuonAdamW) and len(names) == len(opt.param_groups)
     muon = [p for g in opt.parts[0].param_groups for p in g["params"]] if type(opt.parts[0]).__name__ == "Muon" else []
     assert muon, "no hidden matrix went to Muon"
-    sizes = vocab_sizes(d)
     embeddings = {id(m.weight) for m in unit.modules() if isinstance(m, torch.nn.Embedding)}
-    for p in muon:  # hidden matrices only: never an embedding or a vocabulary-sized head
-        assert p.dim() == 2 and min(p.shape) > 1 and not set(p.shape) & sizes and id(p) not in embeddings
+    pname = {id(p): n for n, p in unit.named_parameters()}
+    for p in muon:  # hidden matrices only: never an embedding, an output head or a Markov factor
+        assert p.dim() == 2 and min(p.shape) > 1 and id(p) not in embeddings
+        assert not any(k in pname[id(p)] for k in ("embed", "head", "markov")), pname[id(p)]
     trained = {id(p) for p in unit.parameters() if p.requires_grad}
     placed = {id(p) for g in opt.param_groups for p in g["params"]}
     assert trained == placed  # every trainable parameter has exactly one optimizer
