@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _terminate(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise SystemExit(128 + signum)
+
+
 def run(cmd: list[str]) -> float:
+    """Run ``cmd`` from the repository root; seconds taken. A SIGTERM to this script stops the child too
+    (``subprocess.run`` kills it on the exception the handler raises), so no training is left running."""
+    signal.signal(signal.SIGTERM, _terminate)
     t0 = time.time()
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)

@@ -32,6 +32,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -369,6 +370,34 @@ def test_learning_curve(cache, tiny_target_dir, tmp_path):
     assert a["prompts"] == b["prompts"] and a["num_prompts"] == b["num_prompts"]  # the same held-out prompts
     again = run_script(cache, "learning_curve.py", *args)
     assert "+ " not in again.stdout and table_rows(again.stdout)[1:] == [half, full], again.stdout
+
+
+def test_a_terminated_learning_curve_leaves_no_training_running(tmp_path):
+    """learning_curve.py / compare_losses.py run `speculators train` as a child: a SIGTERM to the script stops the
+    child too (without the handler the child outlives it and keeps both cores busy)."""
+    marker = tmp_path / "child.pid"
+    child_py = tmp_path / "child.py"
+    child_py.write_text(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    code = f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); from learning_curve import run; " \
+           f"run([sys.executable, {str(child_py)!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    for _ in range(200):
+        if marker.is_file() and marker.read_text():
+            break
+        parent.poll()
+        assert parent.returncode is None, parent.returncode
+        time.sleep(0.05)
+    child = int(marker.read_text())
+    parent.terminate()
+    assert parent.wait(timeout=10) == 128 + 15
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    raise AssertionError(f"the child {child} outlived its terminated parent")
 
 
 @covers("compare_losses.py")
