@@ -25,6 +25,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import SpeculatorsError
+from ..utils import model_config_fields
 
 #: The vLLM release whose loaders these rules follow.
 VLLM_VERSION = "0.33.0"
@@ -281,11 +282,6 @@ VLLM_CAUSAL_LMS = frozenset({
 })
 
 
-#: keys of a ``config.json`` that describe the file, not the model
-_FILE_KEYS = ("_name_or_path", "transformers_version", "quantization_config", "architectures", "dtype",
-              "torch_dtype", "auto_map", "speculators_training")
-
-
 def _plain_causal_lm(config: dict[str, Any]) -> bool:
     """A plain Hugging Face model (no speculators block) of a class vLLM registers (:data:`VLLM_CAUSAL_LMS`)."""
     arch = (config.get("architectures") or [None])[0]
@@ -301,7 +297,7 @@ def _hf_causal_lm(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] | N
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
 
-    d = {k: v for k, v in config.items() if k not in _FILE_KEYS}
+    d = model_config_fields(config)
     model_type, arch = d.pop("model_type", None), config["architectures"][0]
     cls = getattr(transformers, arch, None)
     if not isinstance(model_type, str) or cls is None:

@@ -22,12 +22,11 @@ import re
 import torch
 
 from ..errors import SpeculatorsError
+from ..utils import model_config_fields
 from .cache import _CACHE_KW, _CROP_TAKES_COUNT, _TAKES_CACHE_POSITION
 from .masks import AttentionLayout, as_attention_mask, causal_by_slot
 
 #: keys of a saved HF config that describe a file, not the model (never copied into a new config)
-_NOT_MODEL_KEYS = ("_name_or_path", "transformers_version", "quantization_config", "architectures", "dtype",
-                   "torch_dtype", "auto_map")
 _LAYER_RE = re.compile(r"^(.*\.layers\.)(\d+)(\..+)$")
 
 
@@ -48,7 +47,7 @@ def build_small_lm(target_config: dict, num_layers: int, attn_implementation: st
 
     if int(num_layers) < 1:
         raise SpeculatorsError(f"drafter.num_layers: {num_layers}; a draft model needs at least one decoder layer")
-    d = {k: v for k, v in dict(target_config).items() if k not in _NOT_MODEL_KEYS}
+    d = model_config_fields(target_config)
     model_type = d.pop("model_type", None)
     if not isinstance(model_type, str):
         raise SpeculatorsError("draft model: the target config has no model_type (cannot build its architecture)")
