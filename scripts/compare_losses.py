@@ -20,11 +20,10 @@ its 95% CI, acceptance rate, training minutes) is printed and written to ``OUTPU
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from learning_curve import ROOT, eval_cells, last_held_out, run
+from learning_curve import ROOT, eval_cells, fmt, last_held_out, train_and_eval, write_table
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid", "ce")
 DEFAULT_VARIANTS = [f"{n}=" if n == "forward_kl" else f"{n}=train.loss={n}" for n in LOSSES] + \
@@ -48,37 +47,22 @@ def main() -> int:
     ap.add_argument("--retrain", action="store_true", help="train and evaluate again even if a run exists")
     args = ap.parse_args()
     variants = args.variants or [variant(v) for v in DEFAULT_VARIANTS]
-    cli = [sys.executable, "-m", "speculators.cli"]
     outputs = args.outputs.resolve()
     rows = []
     for name, overrides in variants:
         run_dir = outputs / f"{args.recipe.stem}-{name}"
-        report = run_dir / "eval-losses" / "report.json"
-        secs_file = run_dir / "train_seconds.json"
-        if args.retrain or not (run_dir / "final").is_dir() or not report.is_file():
-            secs = run([*cli, "train", str(args.recipe), *overrides, *args.overrides, "--output-dir", str(run_dir),
-                        "--overwrite"])
-            secs_file.write_text(json.dumps({"seconds": secs}))
-            run([*cli, "eval", str(run_dir), "--batch-size", "1", "--methods", "drafter", "--output",
-                 str(report.parent)])
-        rep = json.loads(report.read_text())
-        secs = json.loads(secs_file.read_text())["seconds"] if secs_file.is_file() else None
+        rep, secs = train_and_eval([str(args.recipe), *overrides, *args.overrides], run_dir, "eval-losses",
+                                   args.retrain)
         rows.append((name, " ".join(overrides) or "(recipe)", last_held_out(run_dir),
                      last_held_out(run_dir, "held_out/full_acc_0"), rep, secs))
-    k = rows[0][4]["k"]
-    lines = [f"| variant | overrides | held-out sim_tau | held-out full_acc_0 | tau (K={k}) [95% CI] | acc. rate | "
-             "train time |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | overrides | held-out sim_tau | held-out full_acc_0 | tau (K={rows[0][4]['k']}) [95% CI] | "
+             "acc. rate | train time |", "|---|---|---|---|---|---|---|"]
     for name, over, sim, acc0, rep, secs in rows:
         tau, rate = eval_cells(rep)
-        lines.append(f"| {name} | `{over}` | {'-' if sim is None else f'{sim:.3f}'} | "
-                     f"{'-' if acc0 is None else f'{acc0:.3f}'} | {tau} | {rate} | "
-                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    outputs.mkdir(parents=True, exist_ok=True)
-    (outputs / f"{args.recipe.stem}-losses.md").write_text(table)
+        lines.append(f"| {name} | `{over}` | {fmt(sim)} | {fmt(acc0)} | {tau} | {rate} | "
+                     f"{fmt(None if secs is None else secs / 60, '.1f', ' min')} |")
+    write_table(lines, outputs / f"{args.recipe.stem}-losses.md")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -76,6 +76,34 @@ def eval_cells(rep: dict) -> tuple[str, str]:
             "n/a" if rate is None else f"{rate:.3f}")
 
 
+def train_and_eval(train_args: list[str], run_dir: Path, report_dir: str, retrain: bool) -> tuple[dict, float | None]:
+    """``speculators train <train_args> --output-dir RUN_DIR`` then ``speculators eval RUN_DIR`` (batch 1, drafter
+    only) into ``RUN_DIR/REPORT_DIR``, unless the run has a ``final/`` and that report (``retrain`` forces both).
+    Returns the eval report and the training seconds (None when the run was reused without a time on record)."""
+    cli = [sys.executable, "-m", "speculators.cli"]
+    report = run_dir / report_dir / "report.json"
+    secs_file = run_dir / "train_seconds.json"
+    if retrain or not (run_dir / "final").is_dir() or not report.is_file():
+        secs = run([*cli, "train", *train_args, "--output-dir", str(run_dir), "--overwrite"])
+        secs_file.write_text(json.dumps({"seconds": secs}))
+        run([*cli, "eval", str(run_dir), "--batch-size", "1", "--methods", "drafter", "--output", str(report.parent)])
+    secs = json.loads(secs_file.read_text())["seconds"] if secs_file.is_file() else None
+    return json.loads(report.read_text()), secs
+
+
+def fmt(x: float | None, spec: str = ".3f", unit: str = "") -> str:
+    """A table cell: ``-`` for a value not on record."""
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
+def write_table(lines: list[str], path: Path) -> None:
+    """Print the Markdown table and write it to ``path``."""
+    table = "\n".join(lines) + "\n"
+    print(table)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
@@ -85,38 +113,21 @@ def main() -> int:
                     help="a recipe override for every train (repeatable), e.g. train.steps=90")
     ap.add_argument("--retrain", action="store_true", help="train and evaluate again even if a run exists")
     args = ap.parse_args()
-    cli = [sys.executable, "-m", "speculators.cli"]
     outputs = args.outputs.resolve()
     rows = []
     for f in args.fractions:
         run_dir = outputs / f"{args.recipe.stem}-lc-{f:g}"
-        report = run_dir / "eval-lc" / "report.json"
-        secs_file = run_dir / "train_seconds.json"
-        if args.retrain or not (run_dir / "final").is_dir() or not report.is_file():
-            secs = run([*cli, "train", str(args.recipe), f"data.train_fraction={f}", *args.overrides,
-                        "--output-dir", str(run_dir), "--overwrite"])
-            secs_file.write_text(json.dumps({"seconds": secs}))
-            run([*cli, "eval", str(run_dir), "--batch-size", "1", "--methods", "drafter", "--output",
-                 str(report.parent)])
-        rep = json.loads(report.read_text())
-        examples, tokens = data_totals(run_dir)
-        secs = json.loads(secs_file.read_text())["seconds"] if secs_file.is_file() else None
-        rows.append((f, examples, tokens, last_held_out(run_dir), rep))
-        rows[-1] += (secs,)
-    d0 = rows[0][4]
-    lines = [f"| fraction | train examples | assistant tokens | held-out sim_tau | tau (K={d0['k']}) [95% CI] | "
+        rep, secs = train_and_eval([str(args.recipe), f"data.train_fraction={f}", *args.overrides], run_dir,
+                                   "eval-lc", args.retrain)
+        rows.append((f, *data_totals(run_dir), last_held_out(run_dir), rep, secs))
+    lines = [f"| fraction | train examples | assistant tokens | held-out sim_tau | tau (K={rows[0][4]['k']}) [95% CI] | "
              "acc. rate | train time |", "|---|---|---|---|---|---|---|"]
     for f, examples, tokens, sim, rep, secs in rows:
         tau, rate = eval_cells(rep)
-        lines.append(f"| {f:g} | {examples if examples is not None else '-'} | {tokens if tokens is not None else '-'} "
-                     f"| {'-' if sim is None else f'{sim:.3f}'} | {tau} | {rate} | "
-                     f"{'-' if secs is None else f'{secs / 60:.1f} min'} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    outputs.mkdir(parents=True, exist_ok=True)
-    (outputs / f"{args.recipe.stem}-learning-curve.md").write_text(table)
+        lines.append(f"| {f:g} | {fmt(examples, 'd')} | {fmt(tokens, 'd')} | {fmt(sim)} | {tau} | {rate} | "
+                     f"{fmt(None if secs is None else secs / 60, '.1f', ' min')} |")
+    write_table(lines, outputs / f"{args.recipe.stem}-learning-curve.md")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
