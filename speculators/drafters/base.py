@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from ..divergences import LossMix
@@ -65,8 +65,20 @@ class DrafterConfig(BaseModel):
     algorithm: str
     draft_vocab_size: int | None = Field(
         default=None, gt=0, description="size of the draft vocabulary (`d2t`/`t2d`, the most frequent assistant "
-                                        "tokens); null = the full target vocabulary; `eagle` and `mtp` draft "
-                                        "through the target's own full-vocabulary head: there it must stay null")
+                                        "tokens); null = the full target vocabulary; it must stay null for the "
+                                        "families that draft over the full vocabulary only: `eagle`, `mtp`, "
+                                        "`mlp_speculator`, `draft_model`")
+    #: why the family drafts over the full vocabulary only, said in the error ("" = it takes a draft vocabulary);
+    #: a non-empty reason makes a set ``draft_vocab_size`` a validation error
+    full_vocab_only: ClassVar[str] = ""
+
+    @field_validator("draft_vocab_size")
+    @classmethod
+    def _draft_vocab_allowed(cls, v):
+        if v is not None and cls.full_vocab_only:
+            raise ValueError(f"must be null, got {v}: {cls.full_vocab_only} (no d2t/t2d); leave "
+                             "drafter.draft_vocab_size unset")
+        return v
 
 
 class Drafter(nn.Module):

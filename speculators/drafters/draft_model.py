@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from ..data.vocab import DraftVocab
 from ..decode.proposal import Proposal, check_batch
@@ -73,13 +73,7 @@ class DraftModelConfig(DrafterConfig):
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K the serving commands of the card "
                                         "use and the depth of the training metric sim_tau (any K can be drafted)")
 
-    @field_validator("draft_vocab_size")
-    @classmethod
-    def _full_vocab(cls, v):
-        if v is not None:
-            raise ValueError("a draft model has the target's vocabulary (vLLM and llama.cpp require it): leave "
-                             "drafter.draft_vocab_size unset")
-        return v
+    full_vocab_only: ClassVar[str] = "a draft model has the target's full vocabulary (vLLM and llama.cpp require it)"
 
     @model_validator(mode="after")
     def _layers(self):

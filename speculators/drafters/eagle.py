@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 from torch import nn
 
 from .. import export
@@ -79,13 +79,7 @@ class EagleConfig(DrafterConfig):
     intermediate_size: int | None = Field(default=None, gt=0, description="MLP width; default: the target's")
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K written to the vLLM config")
 
-    @field_validator("draft_vocab_size")
-    @classmethod
-    def _full_vocab_only(cls, v):
-        if v is not None:
-            raise ValueError(f"must be null for EAGLE-1, got {v}: it drafts through the target's own lm_head "
-                             "over the full vocabulary (no d2t/t2d)")
-        return v
+    full_vocab_only: ClassVar[str] = "EAGLE-1 drafts through the target's own lm_head over the full vocabulary"
 
 
 @dataclass

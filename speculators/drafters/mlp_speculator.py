@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from torch import nn
 
 from ..data.vocab import DraftVocab
@@ -73,13 +73,7 @@ class MLPSpeculatorConfig(DrafterConfig):
     distill: bool = Field(default=False, description="soft CE to the target's distribution at t+k instead of hard "
                                                      "CE to the data token x_{t+k+1}")
 
-    @field_validator("draft_vocab_size")
-    @classmethod
-    def _full_vocab(cls, v):
-        if v is not None:
-            raise ValueError("the MLP speculator's heads cover the full vocabulary (vLLM's loader has no draft "
-                             "vocabulary for it): leave drafter.draft_vocab_size unset")
-        return v
+    full_vocab_only: ClassVar[str] = "the MLP speculator's heads cover the full vocabulary (vLLM's loader has no draft vocabulary for it)"
 
     @model_validator(mode="after")
     def _tie(self):

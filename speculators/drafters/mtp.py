@@ -66,7 +66,7 @@ DeepSeekMTP expects a DeepSeek (MLA/MoE) block: serving this Llama-block drafter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -126,13 +126,7 @@ class MTPConfig(JointConfig, DrafterConfig):
         default=None, ge=1, le=64, description="K written to the vLLM config; null = `num_modules` (any K works "
                                                "at inference: drafts beyond D reuse the last module)")
 
-    @field_validator("draft_vocab_size")
-    @classmethod
-    def _full_vocab(cls, v):
-        if v is not None:
-            raise ValueError("MTP drafts through the target's shared lm_head over the full vocabulary; "
-                             "leave drafter.draft_vocab_size unset")
-        return v
+    full_vocab_only: ClassVar[str] = "MTP drafts through the target's shared lm_head over the full vocabulary"
 
     @model_validator(mode="after")
     def _default_lambda(self) -> "MTPConfig":

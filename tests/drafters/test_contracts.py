@@ -490,3 +490,21 @@ def test_tree_drafting_leaves_the_states_unchanged(family):
     assert int(trees[0].depths().max()) == 3 and int(trees[1].depths().max()) == 1
     for a, b in zip(states, before):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_a_full_vocabulary_family_refuses_a_draft_vocabulary_and_the_schema_says_so(name):
+    """A family with ``full_vocab_only`` refuses ``draft_vocab_size`` with its reason; the others take one. The
+    field's description (the recipe reference of docs/USAGE.md) names exactly the refusing families."""
+    from pydantic import ValidationError
+
+    cls = registry.get(name).config_class
+    described = cls.model_fields["draft_vocab_size"].description
+    if cls.full_vocab_only:
+        with pytest.raises(ValidationError, match="draft_vocab_size") as e:
+            cls(algorithm=name, draft_vocab_size=8)
+        assert cls.full_vocab_only in str(e.value) and "full vocabulary" in cls.full_vocab_only
+        assert f"`{name}`" in described, described
+    else:
+        assert cls(algorithm=name, draft_vocab_size=8).draft_vocab_size == 8
+        assert f"`{name}`" not in described, described
