@@ -4,8 +4,8 @@ Usage:
     python scripts/compare_losses.py recipes/smollm2-eagle3.yaml            # the default variants below
     python scripts/compare_losses.py recipes/smollm2-eagle3.yaml --variant tv=train.loss=tv \\
         --variant muon=train.optimizer=muon
-    python scripts/compare_losses.py recipes/smollm2-dflash.yaml --variant exp_decay= \\
-        --variant dpace=drafter.position_weights=dpace
+    python scripts/compare_losses.py recipes/smollm2-dflash.yaml --variant dpace= \\
+        --variant exp_decay=drafter.position_weights=exp_decay
     python scripts/compare_losses.py recipes/tiny-eagle3.yaml --set target.model=DIR --outputs /tmp/cl   # tiny
 
 A variant is ``NAME=OVERRIDE[,OVERRIDE...]`` (recipe overrides by dotted path; ``NAME=`` is the recipe as written).

@@ -30,10 +30,11 @@ resumed run draws the same anchors); :meth:`loss_counts` and the following :meth
 batch content share the draw. In eval mode the anchors are a pure function of the batch content
 (held-out metrics are deterministic and consume no RNG). All blocks of a batch go through ONE forward:
 queries ``[A*B]``, keys ``[T context; A*B block]`` and one boolean SDPA mask in which block a sees the
-context keys ``< anchor_a`` (real tokens) and its own block only. Loss: sum over slots k of
-``exp(-(k-1)/gamma) * CE_k``, CE_k summed over the supervised (anchor, slot k) pairs (slot inside the
-sequence, loss-masked, label in the draft vocabulary) and divided by ``norm[k-1]`` (per-slot terms for
-the count normalisation, :meth:`Drafter.loss`). Memory: the mask and SDPA scores are
+context keys ``< anchor_a`` (real tokens) and its own block only. Loss: sum over slots k of CE_k, the CE of
+the supervised (anchor, slot k) pairs (slot inside the sequence, loss-masked, label in the draft vocabulary)
+each weighted by D-PACE's weight of its block (``position_weights: dpace``, the default), or of
+``exp(-(k-1)/gamma) * CE_k`` (``exp_decay``, the DFlash paper's), each slot's sum divided by ``norm[k-1]``
+(per-slot terms for the count normalisation, :meth:`Drafter.loss`). Memory: the mask and SDPA scores are
 ``O(A*B * (T + A*B))`` per sequence and head.
 
 Inference: the state holds, per draft layer, the context K/V cache of the verified positions
@@ -136,16 +137,20 @@ class DFlashConfig(DFlashBlockConfig):
     ``block_size - 1`` tokens; ``labels: token`` is the data token ``x_{a+k}``, ``argmax`` the target's
     greedy token at ``a+k-1``) plus
 
-        gamma: loss weight ``exp(-(k-1)/gamma)`` of slot k; default :func:`default_gamma` (4 for B=8,
-            7 for B=16).
+        position_weights: ``dpace`` (default; D-PACE, :func:`speculators.divergences.dpace_weights`) or
+            ``exp_decay`` (the DFlash paper's fixed slot weights).
+        gamma: with ``exp_decay``, loss weight ``exp(-(k-1)/gamma)`` of slot k; default :func:`default_gamma` (4
+            for B=8, 7 for B=16).
+        dpace_alpha: with ``dpace``, D-PACE's smoothing.
     """
 
     algorithm: Literal["dflash"] = "dflash"
     gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight `exp(-(k-1)/gamma)`; null = 4 "
                                 "for B <= 8, 7 for B >= 16, linear in between")
     position_weights: Literal["exp_decay", "dpace"] = Field(
-        default="exp_decay", description="exp_decay: slot k weighs exp(-(k-1)/gamma); dpace: D-PACE's per-position "
-        "weights from the draft's own confidence along the block (vllm-project/speculators' DFlash default)")
+        default="dpace", description="dpace: D-PACE's per-position weights from the draft's own confidence along the "
+        "block (vllm-project/speculators' DFlash default; measured better than exp_decay, docs/RESULTS.md); "
+        "exp_decay: slot k weighs exp(-(k-1)/gamma) (the DFlash paper's)")
     dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0, description="D-PACE's smoothing s = (1-a) c + a")
 
     @model_validator(mode="after")
@@ -447,10 +452,10 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
         return [math.exp(-(k - 1) / self.cfg.gamma) for k in range(1, self.block_size)]
 
     def loss(self, batch, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """``sum_k exp(-(k-1)/gamma) * CE_k / norm[k-1]`` over slots k = 1..Bs-1 (see the module docstring;
-        ``norm`` default: this batch's counts, i.e. each term is a mean). With ``position_weights: dpace`` each
-        (anchor, slot) CE is weighted by :func:`speculators.divergences.dpace_weights` of its block instead, and
-        every slot term by 1.
+        """``sum_k CE_k / norm[k-1]`` over slots k = 1..Bs-1 (see the module docstring; ``norm`` default: this
+        batch's counts, i.e. each term is a mean), each (anchor, slot) CE weighted by
+        :func:`speculators.divergences.dpace_weights` of its block (``position_weights: dpace``, the default),
+        or each slot term by ``exp(-(k-1)/gamma)`` (``exp_decay``).
 
         CE_k: cross entropy of slot k's logits (draft vocabulary) against its label (the data token
         ``x_{a+k}``, or the target's argmax at ``a+k-1`` with ``labels: argmax``), summed over the
