@@ -34,12 +34,28 @@ def _terminate(signum, frame):  # noqa: ARG001 - signal handler signature
 
 
 def run(cmd: list[str]) -> float:
-    """Run ``cmd`` from the repository root; seconds taken. A SIGTERM to this script stops the child too
-    (``subprocess.run`` kills it on the exception the handler raises), so no training is left running."""
+    """Run ``cmd`` from the repository root; seconds taken. A SIGTERM or Ctrl-C of this script stops the child
+    too (SIGTERM first, SIGKILL after 30 s), so no training is left running.
+
+    Raises:
+        subprocess.CalledProcessError: the command failed.
+    """
     signal.signal(signal.SIGTERM, _terminate)
     t0 = time.time()
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        rc = proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    if rc:
+        raise subprocess.CalledProcessError(rc, cmd)
     return time.time() - t0
 
 

@@ -1,4 +1,4 @@
-"""Small helpers shared across the package: cache locations, hashing, atomic writes, config.json keys."""
+"""Small helpers shared across the package: cache locations, hashing, atomic writes."""
 
 from __future__ import annotations
 
@@ -11,17 +11,6 @@ import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
-
-
-#: keys of a Hugging Face ``config.json`` that describe the file (its writer, dtype, class names, quantization,
-#: this project's training block), not the model: left out when a model config is rebuilt from one
-CONFIG_FILE_KEYS = ("_name_or_path", "transformers_version", "quantization_config", "architectures", "dtype",
-                    "torch_dtype", "auto_map", "speculators_training")
-
-
-def model_config_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` without :data:`CONFIG_FILE_KEYS`: the fields ``AutoConfig.for_model`` builds the model from."""
-    return {k: v for k, v in dict(config).items() if k not in CONFIG_FILE_KEYS}
 
 
 def cache_root() -> Path:

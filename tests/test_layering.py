@@ -401,8 +401,8 @@ def test_every_family_file_is_registered_without_a_list_to_edit():
 # the model a family specialises, and nothing else (docs/ARCHITECTURE.md, "The Drafter interface"); what is not the
 # model lives beside it: the serving format (drafters/serving_format.py), checkpoint and training-state functions
 DRAFTER_METHODS = {"__init__", "from_target", "_build", "attach_target", "loss", "loss_counts", "start", "propose",
-                   "advance", "confidence_calibration", "set_confidence_calibration", "save_pretrained",
-                   "from_pretrained"}
+                   "advance", "output_heads", "confidence_calibration", "set_confidence_calibration",
+                   "save_pretrained", "from_pretrained"}
 
 
 def test_the_drafter_base_class_stays_the_model_interface():

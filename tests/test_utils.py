@@ -174,13 +174,3 @@ def test_atomic_dir_overwrite_keeps_the_replaced_directorys_mode(tmp_path):
         (tmp / "a").write_text("2")
     assert (final / "a").read_text() == "2" and mode(final) == 0o750
 
-
-def test_model_config_fields_drops_what_describes_the_file():
-    """A config.json rebuilt into a model config keeps the model's fields and none that describe the file."""
-    from speculators.utils import CONFIG_FILE_KEYS, model_config_fields
-
-    config = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"],
-              "torch_dtype": "bfloat16", "transformers_version": "5.0", "speculators_training": {"x": 1}}
-    fields = model_config_fields(config)
-    assert fields == {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2}
-    assert not set(fields) & set(CONFIG_FILE_KEYS) and "architectures" in config  # the input is not changed

@@ -224,6 +224,17 @@ class Drafter(nn.Module):
         advance_each(self._advance_one, states, new_ids, features)
 
     # ---------------------------------------------------------------- training-side state
+    def output_heads(self) -> list[nn.Module]:
+        """The drafter's own modules that turn a hidden state into (draft-)vocabulary logits, trained or frozen
+        (a head borrowed from the target is not the drafter's and is not listed). Shared code asks this
+        declaration instead of probing names or shapes: Muon (``train.optimizer: muon``) never takes these
+        matrices (:func:`speculators.train.optimizers.muon_split`). Every family declares its own.
+
+        Raises:
+            NotImplementedError: a family that does not declare its heads.
+        """
+        raise NotImplementedError(f"{type(self).__name__}: declare output_heads() (its vocabulary-logit modules)")
+
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-position calibration of the confidence head (:class:`Proposal` ``.confidence_logits``):
         ``(temperature [B] float32 > 0, bias [B] float32)`` (copies, CPU), with the calibrated confidence

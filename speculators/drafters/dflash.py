@@ -145,8 +145,9 @@ class DFlashConfig(DFlashBlockConfig):
     """
 
     algorithm: Literal["dflash"] = "dflash"
-    gamma: float | None = Field(default=None, gt=0.0, description="slot-k loss weight `exp(-(k-1)/gamma)`; null = 4 "
-                                "for B <= 8, 7 for B >= 16, linear in between")
+    gamma: float | None = Field(default=None, gt=0.0, description="with position_weights: exp_decay only: slot-k "
+                                "loss weight `exp(-(k-1)/gamma)`; null = 4 for B <= 8, 7 for B >= 16, linear in "
+                                "between")
     position_weights: Literal["exp_decay", "dpace"] = Field(
         default="dpace", description="dpace: D-PACE's per-position weights from the draft's own confidence along the "
         "block (vllm-project/speculators' DFlash default; measured better than exp_decay, docs/RESULTS.md); "
@@ -231,6 +232,11 @@ class DFlashDrafter(DraftVocabBuffers, Drafter):
         self._anchor_seeds = AnchorSeeds()
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """The frozen draft-vocabulary ``lm_head``; none at the full vocabulary, where the target's is borrowed
+        (:meth:`Drafter.output_heads`)."""
+        return [self.lm_head] if self.reduced_vocab else []
+
     @classmethod
     def from_target(cls, cfg: DFlashConfig, target, vocab: DraftVocab) -> "DFlashDrafter":
         """A fresh drafter for ``target``: the target's embedding and head are attached (frozen, not

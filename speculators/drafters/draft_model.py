@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
+from torch import nn
 from pydantic import Field, model_validator
 
 from ..data.vocab import DraftVocab
@@ -167,6 +168,10 @@ class DraftModelDrafter(Drafter):
                 m.weight.requires_grad_(False)
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """The small LM's output embeddings (its ``lm_head``, tied or not) (:meth:`Drafter.output_heads`)."""
+        return [self.lm.get_output_embeddings()]
+
     @classmethod
     def from_target(cls, cfg: DraftModelConfig, target, vocab: DraftVocab) -> DraftModelDrafter:
         """A draft model for ``target`` (initialisation: module docstring).

@@ -357,6 +357,11 @@ class DSparkDrafter(DFlashDrafter):
                                  persistent=False)
 
     # ------------------------------------------------------------------ calibration (training-side state)
+    def output_heads(self) -> list[nn.Module]:
+        """DFlash's heads plus the Markov head's ``markov_w2`` (``r -> N`` logits added to the head's;
+        ``markov_w1`` is an embedding) (:meth:`Drafter.output_heads`)."""
+        return [*super().output_heads(), self.markov_head.markov_w2]
+
     def confidence_calibration(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(confidence_temperature [Bs], confidence_bias [Bs])`` float32 CPU copies (ones / zeros until
         calibrated), or None without a confidence head (:meth:`Drafter.confidence_calibration`)."""

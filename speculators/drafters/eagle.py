@@ -146,6 +146,10 @@ class EagleDrafter(Drafter):
         self.rotary = Rotary(self.layer_cfg)
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """None: the features are read by the target's own ``lm_head`` (:meth:`Drafter.output_heads`)."""
+        return []
+
     @classmethod
     def from_target(cls, cfg: EagleConfig, target, vocab: DraftVocab) -> EagleDrafter:
         """Fresh drafter: embedding copied from the target (frozen), target head attached.

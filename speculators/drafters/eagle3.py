@@ -230,6 +230,10 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         self.rotary = Rotary(self.layer_cfg)
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """The draft-vocabulary ``lm_head`` (:meth:`Drafter.output_heads`)."""
+        return [self.lm_head]
+
     @classmethod
     def from_target(cls, cfg: Eagle3Config, target, vocab: DraftVocab) -> "Eagle3Drafter":
         """Fresh drafter: embedding copied (frozen), lm_head from the target's rows of the draft vocab."""

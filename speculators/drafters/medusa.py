@@ -227,6 +227,10 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
         self.register_draft_vocab(draft_vocab_size, V)
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """The K ``lm_heads`` (:meth:`Drafter.output_heads`)."""
+        return list(self.lm_heads)
+
     @classmethod
     def from_target(cls, cfg: MedusaConfig, target, vocab: DraftVocab) -> MedusaDrafter:
         """Fresh drafter: zero residual blocks (W and b), each head's lm_head = the target's rows of the

@@ -211,6 +211,10 @@ class MLPSpeculatorDrafter(Drafter):
         return self.n_predict
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """Each stage's ``head`` (one module when ``tie_weights``) (:meth:`Drafter.output_heads`)."""
+        return list(dict.fromkeys(self.head))
+
     @classmethod
     def from_target(cls, cfg: MLPSpeculatorConfig, target, vocab: DraftVocab) -> MLPSpeculatorDrafter:
         """A fresh speculator for ``target`` (initialisation: module docstring).

@@ -250,6 +250,10 @@ class MTPDrafter(Drafter):
         self.rotary = Rotary(self.layer_cfg)
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """None: the modules share the target's ``lm_head`` (:meth:`Drafter.output_heads`)."""
+        return []
+
     @classmethod
     def from_target(cls, cfg: MTPConfig, target, vocab: DraftVocab) -> MTPDrafter:
         """Fresh modules; embedding copied from the target (frozen); target head and norm attached.

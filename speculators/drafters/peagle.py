@@ -276,6 +276,10 @@ class PEagleDrafter(DraftVocabBuffers, Drafter):
         self._cod_uses: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------ construction
+    def output_heads(self) -> list[nn.Module]:
+        """The draft-vocabulary ``lm_head`` (:meth:`Drafter.output_heads`)."""
+        return [self.lm_head]
+
     @classmethod
     def from_target(cls, cfg: PEagleConfig, target, vocab: DraftVocab) -> "PEagleDrafter":
         """Fresh drafter: embedding copied (frozen), ``mask_embedding`` = the target's row

@@ -12,7 +12,9 @@ common blocks, the layer-id offset and the serving facts are defined in one plac
   that exports aux layer ids (DFlash/DSpark ``aux_hidden_state_layer_ids``, P-EAGLE);
 * :func:`vllm_serving`, :func:`speculative_tokens`: how vLLM serves a written ``config.json`` (the
   ``--speculative-config`` ``method``, or why it cannot) and the K it declares;
-* :func:`with_lora_verifier`: a joint run's config, whose verifier is the base model plus a LoRA adapter.
+* :func:`with_lora_verifier`: a joint run's config, whose verifier is the base model plus a LoRA adapter;
+* :func:`model_config_fields`: a ``config.json`` without the keys that describe the file (:data:`CONFIG_FILE_KEYS`),
+  what a model (the draft model, the layout check's meta-device model) is rebuilt from.
 
 This module is a leaf: it imports nothing from speculators but the error type. The package's other
 modules check exported directories (imported by name, never from here): ``vllm_layout`` (every tensor's
@@ -33,9 +35,19 @@ from ..errors import SpeculatorsError
 AUX_LAYER_IDS_CONVENTION = ("0-based index of the decoder layer whose OUTPUT is tapped (pre-norm residual, also "
                             "for L-1; HF hidden_states[i+1] for i < L-1); vLLM ids = these + 1")
 
-#: HF config keys that describe a saved model rather than the layer (dropped from ``transformer_layer_config``).
-_BOOKKEEPING_KEYS = ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-                     "_model_name_or_path", "quantization_config", "tie_word_embeddings")
+#: keys of a Hugging Face ``config.json`` that describe the file (its writer, dtype, class names, quantization, remote
+#: code, this project's training block), not the model: left out when a model config is rebuilt from one
+CONFIG_FILE_KEYS = ("_name_or_path", "_model_name_or_path", "transformers_version", "quantization_config",
+                    "architectures", "dtype", "torch_dtype", "auto_map", "speculators_training")
+
+#: dropped from ``transformer_layer_config``: the file keys, and the tie of a whole model's head (a layer has none)
+_BOOKKEEPING_KEYS = CONFIG_FILE_KEYS + ("tie_word_embeddings",)
+
+
+def model_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.json`` dict; not modified) without :data:`CONFIG_FILE_KEYS`: the fields
+    ``AutoConfig.for_model`` builds the model from. Returns a new dict (values shared, not copied)."""
+    return {k: v for k, v in dict(config).items() if k not in CONFIG_FILE_KEYS}
 
 
 def vllm_aux_layer_ids(ids: Iterable[int]) -> list[int]:
@@ -141,5 +153,6 @@ def with_lora_verifier(config: dict[str, Any], adapter_dir: str) -> dict[str, An
     return config
 
 
-__all__ = ["AUX_LAYER_IDS_CONVENTION", "speculative_tokens", "speculators_config", "transformer_layer_config",
-           "vllm_aux_layer_ids", "vllm_serving", "with_lora_verifier"]
+__all__ = ["AUX_LAYER_IDS_CONVENTION", "CONFIG_FILE_KEYS", "model_config_fields", "speculative_tokens",
+           "speculators_config", "transformer_layer_config", "vllm_aux_layer_ids", "vllm_serving",
+           "with_lora_verifier"]

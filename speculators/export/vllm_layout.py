@@ -25,7 +25,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import SpeculatorsError
-from ..utils import model_config_fields
+from . import model_config_fields
 
 #: The vLLM release whose loaders these rules follow.
 VLLM_VERSION = "0.33.0"

@@ -22,7 +22,7 @@ import re
 import torch
 
 from ..errors import SpeculatorsError
-from ..utils import model_config_fields
+from ..export import model_config_fields
 from .cache import _CACHE_KW, _CROP_TAKES_COUNT, _TAKES_CACHE_POSITION
 from .masks import AttentionLayout, as_attention_mask, causal_by_slot
 

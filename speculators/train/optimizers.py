@@ -5,11 +5,11 @@ update of a 2-D weight matrix is orthogonalised by Newton-Schulz iterations. It 
 only, so, as vllm-project/speculators splits them (its ``split_named_params_for_muon``), a parameter goes to
 Muon when it is trainable, 2-D with both dimensions > 1, and not an embedding or an output head; everything else
 (embeddings, heads, norms, biases, vectors) keeps AdamW. Embeddings are found by module (``nn.Embedding``),
-heads by role (an ``nn.Linear`` named ``*head*`` whose output is the target's vocabulary or the drafter's draft
-vocabulary, so a hidden matrix of the same size stays on Muon) and DSpark's Markov factors by name. Defaults
-follow the reference: ``muon_lr`` = ``train.lr``, momentum 0.95 (Nesterov), 5 Newton-Schulz steps, weight decay
-0.1, ``adjust_lr_fn: match_rms_adamw`` (the update scaled to AdamW's RMS, ``0.2 * sqrt(max(A, B))``, so one
-learning rate suits both).
+heads by the drafter's declaration (:meth:`speculators.drafters.Drafter.output_heads`: the modules that produce
+vocabulary logits), never by a name or a shape, so a hidden matrix whose size equals a vocabulary stays on Muon.
+Defaults follow the reference: ``muon_lr`` = ``train.lr``, momentum 0.95 (Nesterov), 5 Newton-Schulz steps,
+weight decay 0.1, ``adjust_lr_fn: match_rms_adamw`` (the update scaled to AdamW's RMS, ``0.2 * sqrt(max(A, B))``,
+so one learning rate suits both).
 
 :class:`MuonAdamW` steps both as one optimizer (one ``param_groups`` list for the learning-rate schedule, one
 ``state_dict`` for exact resume). Sharded training (FSDP / DeepSpeed) keeps AdamW: torch's Muon needs whole
@@ -18,6 +18,7 @@ matrices.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,39 +27,30 @@ from torch import nn
 from ..errors import SpeculatorsError
 
 ADAMW_BETAS = (0.9, 0.95)
-MARKOV_NAMES = ("markov_w1", "markov_w2")
 
 
-def _not_muon(unit: nn.Module, vocab_sizes: set[int]) -> set[int]:
-    """ids of the parameters Muon must not take: embeddings (every ``nn.Embedding``), output heads (an ``nn.Linear``
-    whose name has ``head`` and whose ``out_features`` is a vocabulary size), DSpark's Markov factors (by name).
-
-    A head is found by its role, not by shape alone: a hidden matrix whose size happens to equal the (draft)
-    vocabulary (EAGLE-3's ``fc`` ``3H -> H`` with ``draft_vocab_size == H``) is still a hidden matrix."""
-    out = set()
-    for name, module in unit.named_modules():
+def _not_muon(unit: nn.Module, heads: Iterable[nn.Module]) -> set[int]:
+    """ids of the parameters Muon must not take: every ``nn.Embedding``'s and the declared heads'."""
+    out = {id(p) for h in heads for p in h.parameters()}
+    for module in unit.modules():
         if isinstance(module, nn.Embedding):
             out.update(id(p) for p in module.parameters(recurse=False))
-        elif isinstance(module, nn.Linear) and module.out_features in vocab_sizes and "head" in name:
-            out.update(id(p) for p in module.parameters(recurse=False))
-    for name, p in unit.named_parameters():
-        if any(n in name for n in MARKOV_NAMES):
-            out.add(id(p))
     return out
 
 
-def muon_split(unit: nn.Module, groups: list[dict[str, Any]], vocab_sizes: set[int]) -> tuple[list[dict], list[dict]]:
+def muon_split(unit: nn.Module, groups: list[dict[str, Any]],
+               heads: Iterable[nn.Module]) -> tuple[list[dict], list[dict]]:
     """Split each parameter group into its Muon part (trainable hidden matrices) and its AdamW part.
 
     Args:
         unit: the module whose parameters ``groups`` holds (for the embedding modules and names).
         groups: the training unit's named groups (``{"params", "lr", "name"}``).
-        vocab_sizes: the vocabulary sizes whose matrices are heads or embeddings.
+        heads: the modules that produce vocabulary logits (the drafter's ``output_heads()``); AdamW keeps them.
     Returns:
         ``(muon_groups, adamw_groups)``, each keeping its group's name (``<name>_muon`` for the Muon part) and
         lr; empty groups dropped.
     """
-    skip = _not_muon(unit, vocab_sizes)
+    skip = _not_muon(unit, heads)
     muon, adamw = [], []
     for g in groups:
         m = [p for p in g["params"] if p.requires_grad and p.dim() == 2 and min(p.shape) > 1 and id(p) not in skip]
@@ -136,17 +128,7 @@ class MuonAdamW(torch.optim.Optimizer):
             o.load_state_dict(s)
 
 
-def vocab_sizes(drafter) -> set[int]:
-    """The vocabulary sizes of ``drafter``'s embeddings and heads: the target's and, with a reduced draft vocabulary,
-    its size (``d2t``)."""
-    sizes = {int(drafter.meta.vocab_size)}
-    d2t = getattr(drafter, "d2t", None)
-    if isinstance(d2t, torch.Tensor) and d2t.dim() == 1:
-        sizes.add(int(d2t.numel()))
-    return sizes
-
-
-def build_optimizer(unit: nn.Module, groups: list[dict[str, Any]], spec, vocab_sizes: set[int],
+def build_optimizer(unit: nn.Module, groups: list[dict[str, Any]], spec, heads: Iterable[nn.Module],
                     sharded: bool = False) -> tuple[torch.optim.Optimizer, list[str]]:
     """The optimizer of ``train.optimizer`` over the unit's parameter groups, and the groups' names in
     ``param_groups`` order (``train/lr_<name>``).
@@ -154,7 +136,7 @@ def build_optimizer(unit: nn.Module, groups: list[dict[str, Any]], spec, vocab_s
     Args:
         unit: the training unit (parameter names and embedding modules). groups: its named parameter groups.
         spec: the recipe's ``train`` section (:class:`speculators.recipe.TrainSpec`).
-        vocab_sizes: vocabulary sizes whose matrices stay with AdamW (:func:`muon_split`).
+        heads: the drafter's ``output_heads()``, kept on AdamW (:func:`muon_split`).
         sharded: FSDP / DeepSpeed training.
     Raises:
         SpeculatorsError: Muon with sharded training.
@@ -164,7 +146,7 @@ def build_optimizer(unit: nn.Module, groups: list[dict[str, Any]], spec, vocab_s
         return opt, [g.get("name", f"group{i}") for i, g in enumerate(groups)]
     if sharded:
         raise SpeculatorsError("train.optimizer: muon needs whole weight matrices; with FSDP / DeepSpeed use adamw")
-    muon_groups, adamw_groups = muon_split(unit, groups, vocab_sizes)
+    muon_groups, adamw_groups = muon_split(unit, groups, heads)
     lr = spec.muon_lr if spec.muon_lr is not None else spec.lr
     muon = None
     if muon_groups:
@@ -177,4 +159,4 @@ def build_optimizer(unit: nn.Module, groups: list[dict[str, Any]], spec, vocab_s
     return opt, [g.get("name", f"group{i}") for i, g in enumerate(opt.param_groups)]
 
 
-__all__ = ["MuonAdamW", "build_optimizer", "muon_split", "vocab_sizes"]
+__all__ = ["MuonAdamW", "build_optimizer", "muon_split"]

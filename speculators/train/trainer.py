@@ -77,7 +77,7 @@ from .run_dir import (
     model_card,
 )
 from .tracking import TRACKING_NAME, _markdown_table, _tracking_ids, _wandb_project, check_report_to
-from .optimizers import build_optimizer, vocab_sizes
+from .optimizers import build_optimizer
 from .unit import TrainingUnit, set_distill_loss
 from ..utils import atomic_write_text
 
@@ -139,7 +139,7 @@ class Trainer:
             unit = shard_unit(unit.to(self.device))
         set_distill_loss(unit.drafter, self.spec)
         self.optimizer, self.group_names = build_optimizer(  # group names: train/lr_<name>
-            unit, unit.param_groups(self.spec.lr), self.spec, vocab_sizes(unit.drafter), sharded=self._sharded)
+            unit, unit.param_groups(self.spec.lr), self.spec, unit.drafter.output_heads(), sharded=self._sharded)
         self.scheduler = self._scheduler()
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None:  # one micro-batch per backward (ours hold train.batch_tokens tokens); the recipe clips

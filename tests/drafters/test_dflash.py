@@ -271,7 +271,7 @@ def test_default_gamma_and_slot_weights():
     assert default_gamma(8) == 4.0 and default_gamma(16) == 7.0 and default_gamma(4) == 4.0
     assert DFlashConfig(block_size=16).gamma == 7.0 and DFlashConfig().gamma == 4.0
     assert DFlashConfig().position_weights == "dpace"  # the default since it measured better (docs/RESULTS.md)
-    _, d = make(block_size=8)
+    _, d = make(block_size=8, position_weights="exp_decay")
     assert d.slot_weights() == pytest.approx([math.exp(-(k - 1) / 4) for k in range(1, 8)])
 
 

@@ -404,3 +404,12 @@ def test_tap_convention_problem_falls_back_to_the_target_config_layer_count(targ
     assert meta.num_layers is None and meta.target_config["num_hidden_layers"] == 4
     assert meta.tap_convention_problem()[0] == 3
     assert TargetMeta.from_json(dict(tb, aux_layer_ids=[0, 1])).tap_convention_problem() is None
+
+
+def test_model_config_fields_drops_what_describes_the_file():
+    """A config.json rebuilt into a model config keeps the model's fields and none that describe the file."""
+    config = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"],
+              "torch_dtype": "bfloat16", "transformers_version": "5.0", "speculators_training": {"x": 1}}
+    fields = export.model_config_fields(config)
+    assert fields == {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2}
+    assert not set(fields) & set(export.CONFIG_FILE_KEYS) and "architectures" in config  # the input is not changed

@@ -15,7 +15,7 @@ from speculators.drafters import registry
 from speculators.errors import SpeculatorsError
 from speculators.recipe import TrainSpec
 from speculators.target import build_tiny_target
-from speculators.train.optimizers import MuonAdamW, build_optimizer, muon_split, vocab_sizes
+from speculators.train.optimizers import MuonAdamW, build_optimizer, muon_split
 from speculators.train.unit import TrainingUnit, set_distill_loss
 from conftest import batch_for
 
@@ -92,20 +92,20 @@ def test_every_family_trains_with_every_loss_that_applies(name, target, batch):
     assert len(set(first.values())) == len(first), first  # each loss is its own objective
 
 
-def test_muon_takes_a_hidden_matrix_the_size_of_the_draft_vocabulary():
-    """A hidden matrix whose output equals the draft vocabulary (fc 3H -> H with draft_vocab_size == H) is still a
-    hidden matrix; only the embedding, the output heads and DSpark's Markov factors stay on AdamW."""
+def test_muon_takes_every_hidden_matrix_and_leaves_embeddings_and_declared_heads():
+    """Only the embeddings and the declared heads stay on AdamW, whatever their names and sizes: a hidden matrix
+    whose output equals the draft vocabulary (fc 3H -> H with draft_vocab_size == H) or the full vocabulary is
+    still a hidden matrix, and a declared head of any name (``proj_out``) is still a head."""
     H = 8
     unit = torch.nn.Module()
     unit.embed_tokens = torch.nn.Embedding(32, H)
     unit.fc = torch.nn.Linear(3 * H, H, bias=False)
     unit.mlp = torch.nn.Linear(H, 32, bias=False)  # an up-projection the size of the full vocabulary
-    unit.lm_head = torch.nn.Linear(H, H, bias=False)  # draft vocabulary of H tokens
+    unit.proj_out = torch.nn.Linear(H, H, bias=False)  # a head over a draft vocabulary of H tokens
     unit.heads = torch.nn.ModuleList([torch.nn.Linear(H, 32, bias=False)])
-    unit.markov_w2 = torch.nn.Linear(2, H, bias=False)
     unit.norm = torch.nn.LayerNorm(H)
     groups = [{"params": list(unit.parameters()), "lr": 1.0, "name": "all"}]
-    muon, adamw = muon_split(unit, groups, {32, H})
+    muon, adamw = muon_split(unit, groups, [unit.proj_out, *unit.heads])
     on_muon = {id(p) for g in muon for p in g["params"]}
     assert on_muon == {id(unit.fc.weight), id(unit.mlp.weight)}
     assert [g["name"] for g in muon] == ["all_muon"]
@@ -113,19 +113,55 @@ def test_muon_takes_a_hidden_matrix_the_size_of_the_draft_vocabulary():
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_declares_exactly_its_vocabulary_heads(name, target):
+    """``output_heads()`` lists exactly the drafter's linear maps onto a vocabulary: with a draft vocabulary of 37
+    tokens (a size no hidden matrix of the tiny target has), every ``nn.Linear`` whose output is 37 or the target's
+    vocabulary is declared, and nothing else is."""
+    family = registry.get(name)
+    torch.manual_seed(0)
+    try:
+        d = family.from_target(family.config_class(algorithm=name, draft_vocab_size=37), target,
+                               DraftVocab.from_counts(torch.arange(V, 0, -1), 37))
+    except (ValueError, SpeculatorsError):  # a family that drafts over the full vocabulary only
+        d = family.from_target(family.config_class(algorithm=name), target, DraftVocab.full(V))
+    by_shape = {id(m) for m in d.modules() if isinstance(m, torch.nn.Linear) and m.out_features in (37, V)}
+    declared = {id(m) for m in d.output_heads()}
+    assert declared == by_shape, (name, [type(m).__name__ for m in d.output_heads()])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_muon_splits_a_family_the_same_whether_or_not_the_draft_vocabulary_equals_the_hidden_size(name, target):
+    """The split is by role: with ``draft_vocab_size == hidden_size`` every hidden matrix of that size (fc, o_proj,
+    ...) is a head-sized matrix, and the same parameters must still go to Muon as with a draft vocabulary of
+    another size (the split is compared by parameter name between the two builds)."""
+    family = registry.get(name)
+    if family.config_class.full_vocab_only:
+        pytest.skip(f"{name} drafts over the full vocabulary only")
+    split = {}
+    for n in (64, H):
+        torch.manual_seed(0)
+        d = family.from_target(family.config_class(algorithm=name, draft_vocab_size=n), target,
+                               DraftVocab.from_counts(torch.arange(V, 0, -1), n))
+        unit = TrainingUnit(d)
+        muon, _ = muon_split(unit, unit.param_groups(1e-3), d.output_heads())
+        ids = {id(p) for g in muon for p in g["params"]}
+        split[n] = sorted(k for k, p in unit.named_parameters() if id(p) in ids)
+    assert split[64] and split[H] == split[64], (split[64], split[H])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_trains_with_muon(name, target, batch):
     d = drafter(name, target)
     unit = TrainingUnit(d)
     opt, names = build_optimizer(unit, unit.param_groups(1e-3), TrainSpec(optimizer="muon", lr=1e-3),
-                                 vocab_sizes(d))
+                                 d.output_heads())
     assert isinstance(opt, MuonAdamW) and len(names) == len(opt.param_groups)
     muon = [p for g in opt.parts[0].param_groups for p in g["params"]] if type(opt.parts[0]).__name__ == "Muon" else []
     assert muon, "no hidden matrix went to Muon"
-    embeddings = {id(m.weight) for m in unit.modules() if isinstance(m, torch.nn.Embedding)}
-    pname = {id(p): n for n, p in unit.named_parameters()}
-    for p in muon:  # hidden matrices only: never an embedding, an output head or a Markov factor
-        assert p.dim() == 2 and min(p.shape) > 1 and id(p) not in embeddings
-        assert not any(k in pname[id(p)] for k in ("embed", "head", "markov")), pname[id(p)]
+    kept = {id(m.weight) for m in unit.modules() if isinstance(m, torch.nn.Embedding)}
+    kept |= {id(p) for h in d.output_heads() for p in h.parameters()}
+    for p in muon:  # hidden matrices only: never an embedding or an output head
+        assert p.dim() == 2 and min(p.shape) > 1 and id(p) not in kept
     trained = {id(p) for p in unit.parameters() if p.requires_grad}
     placed = {id(p) for g in opt.param_groups for p in g["params"]}
     assert trained == placed  # every trainable parameter has exactly one optimizer
