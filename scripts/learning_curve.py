@@ -136,7 +136,8 @@ def main() -> int:
         rep, secs = train_and_eval([str(args.recipe), f"data.train_fraction={f}", *args.overrides], run_dir,
                                    "eval-lc", args.retrain)
         rows.append((f, *data_totals(run_dir), last_held_out(run_dir), rep, secs))
-    lines = [f"| fraction | train examples | assistant tokens | held-out sim_tau | tau (K={rows[0][4]['k']}) [95% CI] | "
+    k = rows[0][4]["k"]
+    lines = [f"| fraction | train examples | assistant tokens | held-out sim_tau | tau (K={k}) [95% CI] | "
              "acc. rate | train time |", "|---|---|---|---|---|---|---|"]
     for f, examples, tokens, sim, rep, secs in rows:
         tau, rate = eval_cells(rep)

@@ -74,7 +74,8 @@ class DraftModelConfig(DrafterConfig):
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description="K the serving commands of the card "
                                         "use and the depth of the training metric sim_tau (any K can be drafted)")
 
-    full_vocab_only: ClassVar[str] = "a draft model has the target's full vocabulary (vLLM and llama.cpp require it)"
+    full_vocab_only: ClassVar[str] = ("a draft model has the target's full vocabulary (vLLM and llama.cpp "
+                                      "require it)")
 
     @model_validator(mode="after")
     def _layers(self):

@@ -73,7 +73,8 @@ class MLPSpeculatorConfig(DrafterConfig):
     distill: bool = Field(default=False, description="soft CE to the target's distribution at t+k instead of hard "
                                                      "CE to the data token x_{t+k+1}")
 
-    full_vocab_only: ClassVar[str] = "the MLP speculator's heads cover the full vocabulary (vLLM's loader has no draft vocabulary for it)"
+    full_vocab_only: ClassVar[str] = ("the MLP speculator's heads cover the full vocabulary (vLLM's loader has no "
+                                      "draft vocabulary for it)")
 
     @model_validator(mode="after")
     def _tie(self):
