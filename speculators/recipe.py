@@ -311,6 +311,12 @@ class TrainSpec(Strict):
                                   "drafting step against the reference implementation (vllm-project/speculators, "
                                   "in its own cached venv) on a few held-out sequences; a failure fails the run, an "
                                   "unavailable reference is reported and the run succeeds (docs/FORMATS.md)")
+    vllm_check: bool = Field(
+        default=True, description="with parity_check: also serve final/ in vLLM itself (`make vllm` installs it) "
+                                  "and decode the held-out prompts at temperature 0: lossless against vLLM's plain "
+                                  "output, vLLM's accepted drafts per step equal to our loop's, a perturbed copy "
+                                  "told apart; a failure fails the run, a family vLLM has no method for or no vLLM "
+                                  "installed is reported and the run succeeds")
 
     @field_validator("loss")
     @classmethod

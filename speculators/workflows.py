@@ -151,7 +151,8 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
         # several processes (DDP, FSDP, DeepSpeed ZeRO) may leave this rank's drafter sharded: the gate then
         # compares the published file alone (our loader reads final/), not the file against the drafter in memory
         export_gate(final, target, drafter if state.num_processes == 1 else None, data.held_out, log=log,
-                    parity_skip=JOINT_PARITY_NOTE if joint else None)
+                    parity_skip=JOINT_PARITY_NOTE if joint else None,
+                    prompts=[p["input_ids"] for p in data.eval_prompts] if recipe.train.vllm_check else None)
     return final
 
 
@@ -162,12 +163,14 @@ JOINT_PARITY_NOTE = ("parity with the reference implementation not run: a joint 
 
 
 def export_gate(final: Path, target, drafter, held_out, log: Callable[[str], None] = print,
-                num_sequences: int = 3, max_tokens: int = 64, parity_skip: str | None = None):
+                num_sequences: int = 3, max_tokens: int = 64, parity_skip: str | None = None,
+                prompts: list[list[int]] | None = None):
     """The end step of ``speculators train`` (``train.parity_check``): :func:`speculators.export.gate.check_checkpoint`
     on ``final`` with the run's target and trained drafter on its first held-out sequences (at most
-    ``max_tokens`` tokens each; built-in texts when the run has none). Writes ``final/parity.json`` and
-    appends the result to ``final/README.md`` (the run card, which ``speculators push`` publishes).
-    ``parity_skip``: run the layout check only, and say why (a joint run).
+    ``max_tokens`` tokens each; built-in texts when the run has none) and, with ``prompts`` (the run's held-out
+    prompt ids; ``train.vllm_check``), ``final/`` served by vLLM on the first ``num_sequences`` of them. Writes
+    ``final/parity.json`` and appends the result to ``final/README.md`` (the run card, which ``speculators push``
+    publishes). ``parity_skip``: run the layout check only, and say why (a joint run).
 
     Returns:
         The :class:`speculators.export.gate.GateResult`.
@@ -185,7 +188,8 @@ def export_gate(final: Path, target, drafter, held_out, log: Callable[[str], Non
     if held_out is not None and len(held_out):
         seqs = [held_out.example(i)["input_ids"][:max_tokens].tolist() for i in range(min(num_sequences, len(held_out)))]
     res = check_checkpoint(final, target=target, sequences=seqs, num_sequences=num_sequences, drafter=drafter,
-                           log=log, parity=parity_skip is None)
+                           log=log, parity=parity_skip is None, serve=prompts is not None and parity_skip is None,
+                           prompts=prompts or None)
     if parity_skip is not None:
         res.notes.append(parity_skip)
         log(f"export gate: {parity_skip}")
@@ -196,9 +200,32 @@ def export_gate(final: Path, target, drafter, held_out, log: Callable[[str], Non
     if res.parity is not None:
         log(res.parity.summary())
     if res.passed is False:
-        raise SpeculatorsError(f"export gate failed on {final}: "
-                               + "; ".join(res.layout_problems[:3] or [res.parity.first_divergence or "parity"]))
+        why = res.layout_problems[:3] or ([res.parity.first_divergence or "parity"]
+                                          if res.parity is not None and res.parity.passed is False else
+                                          [res.served.summary() if res.served is not None else "?"])
+        raise SpeculatorsError(f"export gate failed on {final}: " + "; ".join(why))
     return res
+
+
+def held_out_prompt_ids(checkpoint: Path, target, n: int, log: Callable[[str], None] = print) -> list[list[int]] | None:
+    """The first ``n`` held-out prompts (token ids, chat template applied) of the recipe beside ``checkpoint`` (a
+    run's ``final/``), as ``speculators eval`` measures them; None (the caller then uses built-in chat prompts)
+    when there is no recipe or it cannot give them (its data is not on this machine: logged)."""
+    from .evaluation.loading import eval_prompts
+    from .recipe import load_recipe
+    from .target import Target
+
+    rec_file = Path(checkpoint) / "recipe.yaml"
+    if not rec_file.is_file():
+        return None
+    try:
+        rec = load_recipe(rec_file)
+        tok_target = target or Target.load(rec.target.model, dtype="float32", log=log)
+        plist, _ = eval_prompts(None, rec, tok_target, n, log)
+    except SpeculatorsError as e:
+        log(f"check: the recipe's held-out prompts are not available ({e}); using built-in chat prompts")
+        return None
+    return [list(map(int, p["input_ids"])) for p in plist]
 
 
 def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=None):

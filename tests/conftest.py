@@ -106,6 +106,18 @@ def batch_for(target, ids, loss_mask=None, lengths=None):
     return collate(rows), f
 
 
+def cli_train(recipe, target_dir, out, *overrides):
+    """``speculators train RECIPE target.model=TARGET_DIR OVERRIDES -o OUT`` through typer's CliRunner (exit 0
+    asserted). Returns ``out``."""
+    from typer.testing import CliRunner
+
+    from speculators.cli import app
+
+    r = CliRunner().invoke(app, ["train", str(recipe), f"target.model={target_dir}", *overrides, "-o", str(out)])
+    assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
+    return out
+
+
 def cli_train_then_eval(recipe, target_dir, out, *overrides, eval_args=("--temperature", "0")):
     """``speculators train RECIPE target.model=TARGET_DIR OVERRIDES -o OUT`` then ``speculators eval OUT
     EVAL_ARGS`` through typer's CliRunner; both must exit 0 and eval must write one ``OUT/eval-*`` report.
@@ -128,6 +140,19 @@ def cli_train_then_eval(recipe, target_dir, out, *overrides, eval_args=("--tempe
     reports = sorted(out.glob("eval-*/report.json"))
     assert len(reports) == 1, reports
     return cfg, log, json.loads(reports[0].read_text())
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The vLLM venv's python (``make vllm``); skips saying why when there is none, fails under ``CI=true``."""
+    from speculators.engines import vllm_env
+
+    try:
+        return vllm_env.ensure_vllm_python()
+    except vllm_env.VllmUnavailable as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: {e}")
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,10 @@ verifies against the adapted target.
 Formats. ``export: speculators`` (default) writes the vllm-project/speculators ``medusa`` config (which
 vLLM maps to its ``MedusaModel``) with ``lm_heads`` over the draft vocabulary, ``d2t``/``t2d`` and, for a
 truncated vocabulary, vLLM's ``token_map`` + ``truncated_vocab_size``. ``export: vllm-medusa`` writes
-vLLM's native Medusa config and full-vocabulary ``lm_heads`` (see :meth:`MedusaFormat.state_dict`).
+vLLM's native Medusa config and full-vocabulary ``lm_heads`` (see :meth:`MedusaFormat.state_dict`), for the full
+vocabulary only: vLLM 0.32's Medusa builds every head at ``vocab_size`` rows and cuts a loaded head to its
+``token_map`` rows, which fails its shape check, so a reduced draft vocabulary is refused when training starts
+(vLLM itself raised on such a file). An older checkpoint written that way still loads here.
 """
 
 from __future__ import annotations
@@ -127,8 +130,8 @@ class MedusaFormat(ServingFormat):
         Both carry what vLLM's ``MedusaConfig``/``Medusa`` read: ``num_heads``, ``num_hidden_layers``
         (residual blocks per head), hidden/vocab sizes, ``medusa_fc_bias: true`` (our blocks have a bias;
         vLLM's default is no bias) and, for a draft vocabulary of N < V tokens, ``truncated_vocab_size: N``
-        (vLLM then reads the ``token_map`` weight and scatters each head's N logits into the full vocab,
-        -inf elsewhere).
+        (the speculators layout; the vllm-medusa layout has N = V for every checkpoint trained now: module
+        docstring).
         """
         m, cfg = drafter.meta, drafter.cfg
         H, V, N = m.hidden_size, m.vocab_size, int(drafter.d2t.numel())
@@ -235,6 +238,12 @@ class MedusaDrafter(DraftVocabBuffers, Drafter):
     def from_target(cls, cfg: MedusaConfig, target, vocab: DraftVocab) -> MedusaDrafter:
         """Fresh drafter: zero residual blocks (W and b), each head's lm_head = the target's rows of the
         draft vocabulary (so every head starts as the target's own next-token head)."""
+        if cfg.export == "vllm-medusa" and vocab.size < target.vocab_size:
+            raise SpeculatorsError(
+                f"drafter.export: vllm-medusa needs the full vocabulary (drafter.draft_vocab_size: null; here "
+                f"{vocab.size} of {target.vocab_size}): vLLM 0.32's Medusa builds every head's lm_head with vocab_size "
+                "rows and cuts a loaded head to its token_map rows, which then fails the shape check, so it cannot "
+                "load per-head heads over a reduced vocabulary; keep export: speculators for a reduced vocabulary")
         d = cls(cfg, TargetMeta.from_target(target), vocab.size)
         d.init_draft_vocab(target, vocab, list(d.lm_heads))
         with torch.no_grad():

@@ -1,6 +1,8 @@
-"""The export gate: the static vLLM layout check plus the parity check, on one checkpoint directory.
+"""The export gate on one checkpoint directory: the static vLLM layout check (fast, first), the parity check
+against the reference implementation, and the export served by vLLM itself (:mod:`.vllm_served`).
 
-Used by ``speculators check DIR`` and at the end of ``speculators train`` (``train.parity_check``).
+Used by ``speculators check DIR`` and at the end of ``speculators train`` (``train.parity_check``; the vLLM step
+with ``train.vllm_check``).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from typing import Any
 
 from .parity import ParityResult, check_parity
 from .vllm_layout import VLLM_VERSION, check_layout, known_layout
+from .vllm_served import ServedResult, check_served
 
 
 @dataclass
 class GateResult:
-    """``layout_problems`` (:func:`.vllm_layout.check_layout`) and ``parity`` (:func:`.parity.check_parity`).
-    ``passed``: no layout problem and parity passed; None when parity could not run (layout clean).
+    """``layout_problems`` (:func:`.vllm_layout.check_layout`), ``parity`` (:func:`.parity.check_parity`) and
+    ``served`` (:func:`.vllm_served.check_served`). ``passed``: False on a layout problem or a failed check; else
+    True when parity passed and vLLM's check passed or was not run for a named reason; None when parity could
+    not run.
     ``layout_checked``: False when no vLLM loader is known for the layout (a new family: not checked);
     ``notes``: why a check did not run."""
 
@@ -26,10 +31,11 @@ class GateResult:
     serving: str = ""
     layout_checked: bool = True
     notes: list[str] = field(default_factory=list)
+    served: ServedResult | None = None
 
     @property
     def passed(self) -> bool | None:
-        if self.layout_problems:
+        if self.layout_problems or (self.served is not None and self.served.passed is False):
             return False
         return None if self.parity is None or self.parity.passed is None else self.parity.passed
 
@@ -50,20 +56,26 @@ class GateResult:
         lines.append("")
         if self.parity is not None:
             lines.append(self.parity.to_markdown())
+        if self.served is not None:
+            lines += ["", self.served.to_markdown()]
         lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "vllm_version": VLLM_VERSION, "layout_problems": self.layout_problems,
                 "layout_checked": self.layout_checked, "notes": self.notes, "serving": self.serving,
-                "parity": None if self.parity is None else self.parity.to_json(), "passed": self.passed}
+                "parity": None if self.parity is None else self.parity.to_json(),
+                "served": None if self.served is None else self.served.to_json(), "passed": self.passed}
 
 
 def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_sequences: int = 3,
                      reference_python=None, build: bool = True, parity: bool = True, log=print,
-                     inputs_label: str | None = None, drafter=None) -> GateResult:
-    """Run the static layout check and (``parity``) the parity gate on ``checkpoint``; arguments as
-    :func:`.parity.check_parity`.
+                     inputs_label: str | None = None, drafter=None, serve: bool = False, prompts=None,
+                     vllm_python=None) -> GateResult:
+    """Run the static layout check, (``parity``) the parity gate and (``serve``) vLLM's serving check on
+    ``checkpoint``; arguments as :func:`.parity.check_parity`, and ``prompts`` (prompt token ids; None: built-in
+    chat prompts) / ``vllm_python`` as :func:`.vllm_served.check_served`. vLLM serves only a checkpoint whose
+    layout check is clean.
 
     Raises:
         SpeculatorsError: the directory is not a readable checkpoint, or the target cannot be loaded.
@@ -79,6 +91,9 @@ def check_checkpoint(checkpoint: str | Path, target=None, sequences=None, num_se
         res.parity = check_parity(checkpoint, target=target, sequences=sequences, num_sequences=num_sequences,
                                   reference_python=reference_python, build=build, log=log,
                                   inputs_label=inputs_label, drafter=drafter)
+    if serve and not res.layout_problems:
+        res.served = check_served(checkpoint, target=target, prompts=prompts, num_prompts=num_sequences,
+                                  python=vllm_python, log=log)
     return res
 
 

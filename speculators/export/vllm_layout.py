@@ -89,6 +89,12 @@ def expected_layout(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...] |
     family = config.get("speculators_model_type") or config.get("model_type")
     try:
         if family == "medusa" and "speculators_model_type" not in config:
+            trunc, V = int(config.get("truncated_vocab_size") or 0), int(config["vocab_size"])
+            if 0 < trunc < V and not config.get("original_lm_head"):
+                problems.append(f"config `truncated_vocab_size` {trunc} < `vocab_size` {V} with per-head lm_heads "
+                                "(`original_lm_head` false): vLLM 0.32's Medusa sizes each head at vocab_size rows "
+                                "and cuts a loaded head to the token_map rows, which then fails its shape check "
+                                "(seen when the real engine loaded such a file); only the full vocabulary loads")
             return _medusa_vllm(config) + (problems,)
         if family == "mlp_speculator":
             return _mlp_speculator(config) + (problems,)

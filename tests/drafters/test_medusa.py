@@ -330,8 +330,7 @@ def vllm_like_logits(cfg: dict, w: dict, h: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("export, vocab", [("speculators", 40), ("speculators", None),
-                                           ("vllm-medusa", 40), ("vllm-medusa", None)])
+@pytest.mark.parametrize("export, vocab", [("speculators", 40), ("speculators", None), ("vllm-medusa", None)])
 def test_save_load_round_trip_and_formats(target, tmp_path, export, vocab):
     d = make_drafter(target, vocab_size=vocab, export=export, num_layers=2).eval()
     path = d.save_pretrained(tmp_path / "ckpt", recipe_yaml="x: 1\n")
@@ -381,6 +380,13 @@ def test_save_load_round_trip_and_formats(target, tmp_path, export, vocab):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
+def test_vllm_medusa_layout_refuses_a_reduced_vocabulary(target):
+    """vLLM's Medusa loader cannot load per-head heads over a reduced vocabulary (the real engine raised on such
+    a file): the layout is refused before training, naming the field and what is allowed."""
+    with pytest.raises(SpeculatorsError, match=r"vllm-medusa needs the full vocabulary \(drafter.draft_vocab_size: null"):
+        make_drafter(target, vocab_size=40, export="vllm-medusa")
+
+
 def test_load_rejects_mismatched_weights(target, tmp_path):
     d = make_drafter(target, vocab_size=40)
     sd = d.serving.state_dict(d)
@@ -402,10 +408,10 @@ def test_cli_vllm_medusa_layout_trains_and_evaluates(tmp_path, isolated_cache, t
     runner = CliRunner()
     out = tmp_path / "run-vllm"
     r = runner.invoke(app, ["train", str(TINY), f"target.model={tiny_target_dir}", "drafter.export=vllm-medusa",
-                            "train.steps=2", "-o", str(out)])
+                            "drafter.draft_vocab_size=null", "train.steps=2", "-o", str(out)])
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     cfg = json.loads((out / "final" / "config.json").read_text())
-    assert cfg["model_type"] == "medusa" and cfg["truncated_vocab_size"] == 512
+    assert cfg["model_type"] == "medusa" and "truncated_vocab_size" not in cfg
     r = runner.invoke(app, ["eval", str(out), "--temperature", "0.7", "--num-prompts", "1", "-k", "5",
                             "--output", str(tmp_path / "rep")])
     assert r.exit_code == 2 and "-k 5" in r.output and "drafter.num_heads = 4" in r.output, r.output  # not capped

@@ -17,7 +17,7 @@ from speculators.target import build_tiny_target
 
 V = 96
 FAMILIES = {  # family -> drafter config overrides (the variants whose names differ)
-    "medusa": {}, "medusa-vllm": {"export": "vllm-medusa", "draft_vocab_size": 64}, "eagle": {},
+    "medusa": {}, "medusa-vllm": {"export": "vllm-medusa"}, "eagle": {},
     "eagle3": {"draft_vocab_size": 64}, "eagle3-nbf": {"norm_before_fc": True}, "peagle": {},
     "dflash": {"draft_vocab_size": 64}, "dspark": {"enable_confidence_head": True}, "mtp": {},
     "draft_model": {"num_layers": 2},

@@ -1,0 +1,118 @@
+"""The export served by vLLM itself (speculators.export.vllm_served): the pieces without vLLM, then the real engine
+(vLLM's CPU build, ``make vllm``) serving every family that has a vLLM method, on a tiny target whose head_dim (32)
+vLLM's CPU attention accepts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculators.export.vllm_served import _compare, check_served, emitted_accepted, perturbed_copy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- pieces, no vLLM
+
+
+def test_emitted_accepted_counts_what_each_step_emitted():
+    # 1 token from the prefill, then steps of accepted + 1 tokens; 10 tokens out in all
+    assert emitted_accepted([2, 3, 0, 1], 11) == [2, 3, 0, 1]  # 1 + 3 + 4 + 1 + 2 = 11
+    assert emitted_accepted([2, 3, 0, 1], 10) == [2, 3, 0, 0]  # the last step emits 1 token: no draft of it counts
+    # the last step emitted only 1 token (max_tokens): its drafts beyond do not count, as our loop drafts none there
+    assert emitted_accepted([4, 4], 7) == [4, 0]
+    # a stop token inside the step: its accepted drafts up to the stop are emitted
+    assert emitted_accepted([3, 3], 4) == [2]
+    # steps after the end (vLLM's record of a step whose tokens were all cut) are dropped
+    assert emitted_accepted([0, 0, 5], 3) == [0, 0]
+
+
+def test_compare_finds_the_first_differing_step_and_stops_where_outputs_part():
+    compared, equal, diffs = _compare([[1, 0, 2], [0, 0]], [[1, 1, 2], [0, 0]], [None, None])
+    assert (compared, equal) == (5, 4) and diffs == [{"prompt": 0, "step": 1, "loop": 0, "vllm": 1}]
+    # outputs part at token 3: steps from the one holding it on are not compared
+    compared, equal, diffs = _compare([[1, 0, 2]], [[1, 0, 0]], [3])
+    assert (compared, equal, diffs) == (1, 1, [])
+
+
+def _write(path: Path, cfg: dict, sd: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(path / "model.safetensors"))
+    return path
+
+
+def test_perturbed_copy_rolls_the_head_and_unties_a_tied_one(tmp_path):
+    head = torch.randn(8, 4)
+    src = _write(tmp_path / "a", {"draft_vocab_size": 8}, {"lm_head.weight": head, "fc.weight": torch.randn(4, 12),
+                                                          "embed_tokens.weight": torch.randn(16, 4)})
+    out, what = perturbed_copy(src, tmp_path / "a-control")
+    sd = load_file(str(out / "model.safetensors"))
+    assert torch.equal(sd["lm_head.weight"], torch.roll(head, 1, 0)) and "lm_head.weight" in what
+    assert torch.equal(sd["embed_tokens.weight"], load_file(str(src / "model.safetensors"))["embed_tokens.weight"])
+    assert torch.equal(load_file(str(src / "model.safetensors"))["lm_head.weight"], head)  # the source is untouched
+    emb = torch.randn(16, 4)  # a tied draft model: rolling the tied matrix would relabel inputs and outputs alike
+    src = _write(tmp_path / "b", {"tie_word_embeddings": True}, {"model.embed_tokens.weight": emb})
+    out, what = perturbed_copy(src, tmp_path / "b-control")
+    sd = load_file(str(out / "model.safetensors"))
+    assert torch.equal(sd["model.embed_tokens.weight"], emb) and torch.equal(sd["lm_head.weight"], torch.roll(emb, 1, 0))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False and "untied" in what
+
+
+@pytest.mark.parametrize("family", ["eagle1", "mtp", "mlp_speculator"])
+def test_a_family_without_a_vllm_method_is_skipped_by_name(tmp_path, tiny_target_dir, family, isolated_cache):
+    """No vLLM is needed to say so: the format's own note names why."""
+    from conftest import cli_train
+
+    out = cli_train(ROOT / f"recipes/tiny-{family}.yaml", tiny_target_dir, tmp_path / family, "train.steps=1")
+    res = check_served(out / "final")
+    assert res.passed is None and res.skipped.startswith("vLLM has no method for this layout")
+
+
+# ----------------------------------------------------------------------------- the real engine
+
+#: family -> overrides: the tiny recipe as it trains, in the layout vLLM loads
+SERVED = {"eagle3": [], "peagle": [], "dflash": [], "draft_model": [],
+          "medusa": ["drafter.export=vllm-medusa", "drafter.draft_vocab_size=null"]}
+
+
+@pytest.fixture(scope="module")
+def vllm_target_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama with head_dim 32 (vLLM's CPU attention refuses 16) and the SmolLM2 tokenizer."""
+    from conftest import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("vllm-target"), smol_tokenizer, hidden=128, layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(SERVED))
+def test_vllm_serves_the_export_losslessly_with_our_acceptance(vllm_python, vllm_target_dir, tmp_path, family,
+                                                              isolated_cache):
+    """(a) vLLM's speculative output equals its plain output, (b) vLLM's accepted drafts per step equal our loop's,
+    (c) the head-perturbed copy is told apart: on the real engine, for every family it has a method for."""
+    from conftest import cli_train
+
+    out = cli_train(ROOT / f"recipes/tiny-{family}.yaml", vllm_target_dir, tmp_path / family, "train.steps=20",
+                    *SERVED[family])
+    res = check_served(out / "final", num_prompts=2, max_tokens=24, python=vllm_python)
+    assert res.skipped is None and res.error is None, res.to_markdown()
+    assert res.lossless["equal"] == 2 and res.lossless["failures"] == 0
+    a = res.acceptance
+    assert a["steps_compared"] > 0 and a["steps_equal"] == a["steps_compared"], a
+    assert a["vllm_per_pos"] == a["loop_per_pos"] and sum(a["loop_per_pos"]) > 0, a
+    assert res.control["informative"] and res.control["breaks"], res.control
+    assert res.passed is True
+
+
+@pytest.mark.slow
+def test_vllm_refusing_a_method_is_reported_not_failed(vllm_python, vllm_target_dir, tmp_path, isolated_cache):
+    """vLLM's CPU build runs the V1 model runner, which has no DSpark: the check says so in vLLM's words."""
+    from conftest import cli_train
+
+    out = cli_train(ROOT / "recipes/tiny-dspark.yaml", vllm_target_dir, tmp_path / "dspark", "train.steps=1")
+    res = check_served(out / "final", num_prompts=1, max_tokens=8, python=vllm_python)
+    assert res.passed is None and "refuses method `dspark`" in res.skipped and "does not support" in res.skipped
