@@ -181,9 +181,10 @@ def eval_cmd(
     engine: Optional[str] = typer.Option(
         None, "--engine", help="measure inside a serving engine instead of our loop: llama.cpp (llama-server, "
         "built by `make llama-cpp`; plain, the drafter at each K, ngram-simple and ngram-mod, quantized draft, "
-        "p_min, several slots; report in RUN_DIR/eval-llamacpp)"),
-    slots: Optional[str] = typer.Option(None, "--slots", help="--engine: server slots (parallel requests), "
-                                        "comma-separated, e.g. 1,4 (default 1,4)"),
+        "p_min, several slots; report in RUN_DIR/eval-llamacpp) or vllm (vLLM's CPU build, `make vllm`; plain, the "
+        "drafter at each K, vLLM's ngram, 1 and 4 requests in flight; report in RUN_DIR/eval-vllm)"),
+    slots: Optional[str] = typer.Option(None, "--slots", help="--engine: server slots (parallel requests; vllm: "
+                                        "requests in flight), comma-separated, e.g. 1,4 (default 1,4)"),
     p_min: Optional[str] = typer.Option(None, "--p-min", help="--engine: --spec-draft-p-min values measured at the "
                                         "best K, comma-separated (default 0.5)"),
     draft_outtypes: Optional[str] = typer.Option(None, "--draft-outtypes", help="--engine: draft GGUF types, the "
@@ -249,11 +250,18 @@ def _csv(value: str | None, cast, option: str) -> tuple | None:
 def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min, draft_outtypes, draft_threads,
                  max_new_tokens,
                  num_prompts, prompts, target_model, output) -> None:
-    """``speculators eval RUN --engine llama.cpp`` (:func:`speculators.workflows.engine_eval_run`)."""
+    """``speculators eval RUN --engine llama.cpp`` (:func:`speculators.workflows.engine_eval_run`) or ``--engine vllm``
+    (:func:`speculators.workflows.vllm_eval_run`)."""
     from .workflows import engine_eval_run
 
+    if engine.lower() == "vllm":
+        _vllm_eval(checkpoint, k=k, temperature=temperature, slots=slots, unused={
+            "--p-min": p_min, "--draft-outtypes": draft_outtypes, "--draft-threads": draft_threads},
+            max_new_tokens=max_new_tokens, num_prompts=num_prompts, prompts=prompts, target_model=target_model,
+            output=output)
+        return
     if engine.lower() not in ("llama.cpp", "llamacpp", "llama-cpp"):
-        raise SpeculatorsError(f"--engine {engine}: not a supported engine; allowed: llama.cpp")
+        raise SpeculatorsError(f"--engine {engine}: not a supported engine; allowed: llama.cpp, vllm")
     ks = _parse_k(k)
     given = {"ks": tuple(ks.get("k_sweep", [ks["k"]] if "k" in ks else [])) or None,
              "temperatures": None if temperature is None else (0.0,) if temperature == 0 else (0.0, temperature),
@@ -276,6 +284,34 @@ def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min,
                       "cannot show that the engine reads the layers the drafter was trained on (an untrained drafter?)")
     if not report["greedy_check"]["passed"]:
         console.print("[bold red]error:[/bold red] an engine output with the drafter differs from the engine's plain "
+                      f"greedy output beyond a near-tie: {[m for m in report['greedy_check']['mismatches'] if not m['near_tie']]}")
+        raise typer.Exit(1)
+
+
+def _vllm_eval(checkpoint: Path, *, k, temperature, slots, unused: dict, max_new_tokens, num_prompts, prompts,
+               target_model, output) -> None:
+    """``speculators eval RUN --engine vllm`` (:func:`speculators.workflows.vllm_eval_run`)."""
+    from .workflows import vllm_eval_run
+
+    given_unused = [o for o, v in unused.items() if v]
+    if given_unused:
+        raise SpeculatorsError(f"{', '.join(given_unused)}: only with --engine llama.cpp")
+    if temperature not in (None, 0, 0.0):
+        raise SpeculatorsError(f"--temperature {temperature}: --engine vllm measures temperature 0 (its greedy check "
+                               "and per-step acceptance); sampled acceptance is measured by our loop")
+    ks = _parse_k(k)
+    given = {"ks": tuple(ks.get("k_sweep", [ks["k"]] if "k" in ks else [])) or None,
+             "concurrency": _csv(slots, int, "--slots"), "max_new_tokens": max_new_tokens}
+    report, out = vllm_eval_run(checkpoint, {f: v for f, v in given.items() if v is not None}, num_prompts=num_prompts,
+                                prompts=prompts or None, target_model=target_model, output=output, log=log)
+    best = report["best"]
+    if report.get("serve"):
+        console.print(f"best drafter setting in vLLM here: {best['row']} ({best['tokens_per_s']:.1f} tok/s; plain "
+                      f"{best['plain_tokens_per_s']:.1f}; {best['ngram_best']} {best['ngram_tokens_per_s'] or 0:.1f}):\n"
+                      f"  {report['serve']}")
+    log(f"report written to {out}/report.json and report.md")
+    if not report["greedy_check"]["passed"]:
+        console.print("[bold red]error:[/bold red] a vLLM output with a speculative method differs from vLLM's plain "
                       f"greedy output beyond a near-tie: {[m for m in report['greedy_check']['mismatches'] if not m['near_tie']]}")
         raise typer.Exit(1)
 

@@ -228,6 +228,29 @@ def held_out_prompt_ids(checkpoint: Path, target, n: int, log: Callable[[str], N
     return [list(map(int, p["input_ids"])) for p in plist]
 
 
+def vllm_eval_run(checkpoint: str | Path, settings: Mapping[str, Any] | None = None, *, num_prompts: int | None = None,
+                  prompts: list[str] | None = None, target_model: str | None = None,
+                  output: str | Path | None = None, log: Callable[[str], None] = print) -> tuple[dict, Path]:
+    """``speculators eval RUN --engine vllm``: the drafter measured inside vLLM
+    (:func:`speculators.engines.vllm_eval.engine_eval`) on the recipe's held-out prompts (at most ``num_prompts``,
+    default the recipe's ``eval.num_prompts``) or ``prompts``.
+
+    Args:
+        settings: fields of :class:`speculators.engines.vllm_eval.VllmEvalSettings` that differ from its defaults;
+            ``max_new_tokens`` defaults to the recipe's ``eval.max_new_tokens``.
+    Raises:
+        SpeculatorsError: as :func:`speculators.engines.vllm_eval.engine_eval`, a bad setting, a bad checkpoint path.
+    """
+    from .engines.vllm_eval import VllmEvalSettings, engine_eval
+
+    ckpt = resolve_checkpoint(checkpoint, allow_hub=False, log=log)
+    rec = load_recipe(ckpt / RUN_RECIPE) if (ckpt / RUN_RECIPE).is_file() else None
+    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, {}, None)
+    n = num_prompts if num_prompts is not None else ev.num_prompts
+    st = VllmEvalSettings(**{"max_new_tokens": ev.max_new_tokens, **(settings or {})})
+    return engine_eval(ckpt, rec, st, num_prompts=n, prompts=prompts, target_model=target_model, output=output, log=log)
+
+
 def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=None):
     """Run only the data pipeline of ``recipe`` (``speculators data``): load the target, regenerate and
     extract features into the on-disk cache.

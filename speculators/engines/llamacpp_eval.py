@@ -418,10 +418,11 @@ def loop_comparison(engine: dict[str, Any], loop_report: dict[str, Any] | None) 
     if not loop_report or float(loop_report.get("temperature", 0.0) or 0.0) != 0.0:
         return []
     out = []
+    main = (engine.get("settings") or {}).get("draft_outtypes", [None])[0]
     for r in engine["rows"]:
-        if (r["method"], r["temperature"], r["batch_size"], r["p_min"], r.get("draft_threads")) != ("drafter", 0.0, 1, None, None):
+        if (r["method"], r["temperature"], r["batch_size"], r.get("p_min"), r.get("draft_threads")) != ("drafter", 0.0, 1, None, None):
             continue
-        if r["draft_outtype"] != engine["settings"]["draft_outtypes"][0]:
+        if r.get("draft_outtype") != main:
             continue
         lr = next((x for x in loop_report.get("rows", []) if x.get("method") == "drafter" and x.get("k") == r["k"]
                    and x.get("batch_size") == 1), None)

@@ -116,23 +116,46 @@ def engine(label: str, speculative_config: dict[str, Any] | None = None, jobs: l
             "max_num_seqs": int(max_num_seqs)}
 
 
+#: speculative methods whose engine runs in a worker process of its own: after vLLM 0.32's ``ngram`` proposer has
+#: loaded (numba), the next engine started in the same process fails in its Triton-kernel rebinding
+#: (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``, vllm/triton_utils/dispatcher.py)
+ISOLATED_METHODS = ("ngram",)
+
+
 def run_vllm(target_dir: str | Path, engines: list[dict[str, Any]], *, dtype: str = "float32",
              max_model_len: int = 1024, seed: int = 0, python: str | Path | None = None, timeout: float = 3600,
              kv_cache_gib: int = 1, log: Callable[[str], None] = print) -> tuple[str, list[EngineRun]]:
-    """Run ``engines`` on the target at ``target_dir`` in one vLLM worker process.
+    """Run ``engines`` on the target at ``target_dir``: one vLLM worker process for all of them, except that each
+    engine of a method in :data:`ISOLATED_METHODS` gets a process of its own (results keep the order of ``engines``).
 
     Args:
         target_dir: a Hugging Face directory or hub id (:func:`vllm_target_dir`).
-        engines: :func:`engine` dicts, run in order.
+        engines: :func:`engine` dicts.
         dtype: vLLM's ``--dtype`` (``float32``, ``bfloat16``). max_model_len: vLLM's context (at most the target's
             ``max_position_embeddings``). kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
         python: the vLLM venv's interpreter (default :func:`.vllm_env.ensure_vllm_python`).
     Returns:
         ``(vLLM version, one EngineRun per engine)``.
     Raises:
-        VllmUnavailable: no vLLM venv. SpeculatorsError: the worker died (its last lines of output are quoted) or
-            ran past ``timeout`` seconds.
+        VllmUnavailable: no vLLM venv. SpeculatorsError: a worker died (its last lines of output are quoted) or ran
+            past ``timeout`` seconds.
     """
+    alone = [i for i, e in enumerate(engines) if (e.get("speculative_config") or {}).get("method") in ISOLATED_METHODS]
+    groups = [[i for i in range(len(engines)) if i not in alone]] + [[i] for i in alone]
+    out: list[EngineRun | None] = [None] * len(engines)
+    version = ""
+    for g in (g for g in groups if g):
+        version, runs = _run_worker(target_dir, [engines[i] for i in g], dtype=dtype, max_model_len=max_model_len,
+                                    seed=seed, python=python, timeout=timeout, kv_cache_gib=kv_cache_gib, log=log)
+        for i, r in zip(g, runs):
+            out[i] = r
+    return version, [r for r in out if r is not None]
+
+
+def _run_worker(target_dir: str | Path, engines: list[dict[str, Any]], *, dtype: str = "float32",
+             max_model_len: int = 1024, seed: int = 0, python: str | Path | None = None, timeout: float = 3600,
+             kv_cache_gib: int = 1, log: Callable[[str], None] = print) -> tuple[str, list[EngineRun]]:
+    """:func:`run_vllm` in ONE worker process, engines in order."""
     py = ensure_vllm_python(python)
     req = {"target": str(target_dir), "dtype": dtype, "max_model_len": int(max_model_len), "seed": int(seed),
            "kv_cache_gib": int(kv_cache_gib), "engines": engines}
