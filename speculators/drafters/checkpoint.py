@@ -211,6 +211,29 @@ class TargetMeta(BaseModel):
         return out
 
     @property
+    def target_refs(self) -> tuple[str, ...]:
+        """Where the recorded target may be loaded from, in order: :attr:`reference` (how training referenced it:
+        an alias, a path or a GGUF file, which load offline on the machine that trained), then
+        :attr:`name_or_path` (the verifier's name, e.g. a Hub id)."""
+        return tuple(dict.fromkeys(r for r in (self.reference, self.name_or_path) if r))
+
+    def load_target(self, dtype: str = "float32", log=print):
+        """The recorded target (:attr:`target_refs`, the first that loads) tapping :attr:`aux_layer_ids`.
+
+        Raises:
+            SpeculatorsError: none of the references loads (the last error, with every reference tried).
+        """
+        from ..target import Target
+
+        errors = []
+        for ref in self.target_refs:
+            try:
+                return Target.load(ref, dtype=dtype, aux_layer_ids=list(self.aux_layer_ids), log=log)
+            except SpeculatorsError as e:
+                errors.append(f"{ref!r}: {e}")
+        raise SpeculatorsError("the recorded target cannot be loaded: " + "; ".join(errors))
+
+    @property
     def target_num_layers(self) -> int | None:
         """L, the target's decoder layers: :attr:`num_layers`, else ``target_config["num_hidden_layers"]``
         (None when neither is recorded)."""

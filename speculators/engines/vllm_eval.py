@@ -371,8 +371,9 @@ def engine_eval(ckpt: Path, rec, settings: VllmEvalSettings, *, num_prompts: int
             raise SpeculatorsError(f"-k {over}: this drafter drafts at most K={cap} per step")
         ks = tuple(int(k) for k in settings.ks)
     dtype = settings.dtype or str(resolve_target_dtype(drafter.meta.dtype or "auto", "cpu", log)).removeprefix("torch.")
-    ref = target_model or (rec.target.model if rec is not None else drafter.meta.name_or_path)
-    target = Target.load(ref, dtype="float32", aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
+    ref = target_model or (rec.target.model if rec is not None else None)
+    target = Target.load(ref, dtype="float32", aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log) if ref else \
+        drafter.meta.load_target("float32", log=log)
     if rec is not None and rec.data.chat_template is not None:
         target.chat_template = rec.data.chat_template
     plist, label = eval_prompts(prompts, rec, target, num_prompts, log)

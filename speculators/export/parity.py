@@ -369,13 +369,11 @@ def _our_side(checkpoint: Path, drafter, target, problems: list[str], log):
         ours = copy.deepcopy(drafter).float()
     synthetic = None
     if target is None:
-        from ..target import Target
-
         name = ours.meta.name_or_path
         try:
-            target = Target.load(name, aux_layer_ids=list(ours.meta.aux_layer_ids), log=log)
+            target = ours.meta.load_target(log=log)
         except SpeculatorsError as e:
-            log(f"parity: the target {name!r} cannot be loaded ({e}); using SYNTHETIC inputs")
+            log(f"parity: {e}; using SYNTHETIC inputs")
             target = synthetic_target(ours.meta)
             synthetic = (f"SYNTHETIC: a random target of the recorded config (the real target {name!r} could not "
                          "be loaded)")

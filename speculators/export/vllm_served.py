@@ -353,8 +353,9 @@ def _float32_target(target, drafter, log):
 
     if target is not None and target.dtype == torch.float32:
         return target
-    ref = target.name_or_path if target is not None else drafter.meta.name_or_path
-    return Target.load(ref, dtype="float32", aux_layer_ids=list(drafter.meta.aux_layer_ids), log=log)
+    if target is not None:
+        return Target.load(target.name_or_path, dtype="float32", aux_layer_ids=list(target.aux_layer_ids), log=log)
+    return drafter.meta.load_target("float32", log=log)
 
 
 __all__ = ["DEFAULT_PROMPTS", "NEAR_TIE_LOGPROB", "ServedResult", "check_served", "default_prompt_ids",
