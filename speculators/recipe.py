@@ -137,14 +137,17 @@ class SourceSpec(Strict):
 
 class RegenerationServerSpec(Strict):
     """Regenerate through an inference server instead of our PyTorch loop (:mod:`speculators.data.server_regen`):
-    exactly one of ``url`` (a running vLLM, SGLang or llama-server) or ``engine: llama.cpp`` (llama-server started
-    on the target's GGUF for the duration of the regeneration, ``concurrency`` parallel slots)."""
+    exactly one of ``url`` (a running vLLM, SGLang or llama-server) or ``engine`` (``llama.cpp``: llama-server
+    started on the target's GGUF; ``vllm``: ``vllm serve`` started on the target in its compute dtype; for the
+    duration of the regeneration, ``concurrency`` requests decoded together)."""
 
     url: str | None = Field(default=None, description="base URL of a running server (`http://host:port`); its "
                                                       "`api` says how to talk to it")
-    engine: Literal["llama.cpp"] | None = Field(
+    engine: Literal["llama.cpp", "vllm"] | None = Field(
         default=None, description="`llama.cpp`: start llama-server on the target's GGUF (`make llama-cpp` builds it) "
-                                  "with `concurrency` parallel slots, stopped when the regeneration ends")
+                                  "with `concurrency` parallel slots; `vllm`: start `vllm serve` on the target (`make "
+                                  "vllm` installs it) with `concurrency` requests in flight; stopped when the "
+                                  "regeneration ends")
     api: Literal["openai", "sglang", "llama.cpp"] | None = Field(
         default=None, description="wire protocol of `url`: `openai` (vLLM `/v1/completions` with `return_token_ids`; "
                                   "the default), `sglang` (`/generate`), `llama.cpp` (`/completion`); token ids in "
@@ -167,12 +170,17 @@ class RegenerationServerSpec(Strict):
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: {self.url!r} is not an http:// or https:// URL (e.g. http://gpu-node:8000)")
         if (self.url is None) == (self.engine is None):
-            raise ValueError("set exactly one of url (a running server) or engine: llama.cpp (started for the "
+            raise ValueError("set exactly one of url (a running server) or engine: llama.cpp / vllm (started for the "
                              "regeneration)")
         if self.engine is not None:
             for name in ("api", "model"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only with url (engine: {self.engine} serves the target itself)")
+            if self.engine == "vllm":
+                for name in ("outtype", "threads"):
+                    if getattr(self, name) is not None:
+                        raise ValueError(f"{name}: only with engine: llama.cpp (vLLM serves the target in its "
+                                         "compute dtype, with the cores its CPU backend takes)")
         else:
             for name in ("outtype", "threads"):
                 if getattr(self, name) is not None:

@@ -72,7 +72,7 @@ def train_run(recipe: Recipe, output_dir: str | Path | None = None, *, resume: b
     import torch
 
     from .data.pipeline import check_run_identity, load_data, prepare_data, record_run_identity
-    from .engines.llamacpp_regen import regeneration_engine
+    from .engines import regeneration_engine
     from .drafters import registry
     from .drafters.checkpoint import init_from_checkpoint
     from .target import Target, process_device_map
@@ -262,7 +262,7 @@ def data_run(recipe: Recipe, *, log: Callable[[str], None] = print, progress=Non
     """
     from .data.pipeline import prepare_data
     from .drafters import registry
-    from .engines.llamacpp_regen import regeneration_engine
+    from .engines import regeneration_engine
     from .target import Target
 
     target = Target.load(recipe.target.model, resolve_target_dtype(recipe.target.dtype, log=log), recipe.target.aux_layer_ids,

@@ -413,7 +413,7 @@ def regeneration_server(spec, server: RegenerationServer | None = None) -> Regen
         return None
     if getattr(spec, "engine", None):
         raise SpeculatorsError(f"data.regeneration.server.engine: {spec.engine!r} is started by the workflow "
-                               "(speculators.engines.llamacpp_regen.regeneration_engine); the data layer only "
+                               "(speculators.engines.regeneration_engine); the data layer only "
                                "talks to a running server")
     return RunningServer(spec)
 

@@ -95,12 +95,4 @@ class LlamaServerRegeneration(RegenerationServer):
             yield self.client(srv.url, "llama.cpp")
 
 
-def regeneration_engine(spec) -> LlamaServerRegeneration | None:
-    """The server to start for ``data.regeneration.server`` (``spec``): a :class:`LlamaServerRegeneration` for
-    ``engine: llama.cpp``, None otherwise (no server, or a ``url`` the data layer talks to itself)."""
-    if spec is not None and getattr(spec, "engine", None) == "llama.cpp":
-        return LlamaServerRegeneration(spec)
-    return None
-
-
-__all__ = ["LlamaServerRegeneration", "engine_gguf", "regeneration_engine"]
+__all__ = ["LlamaServerRegeneration", "engine_gguf"]

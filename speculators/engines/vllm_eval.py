@@ -317,13 +317,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_command(target_dir, checkpoint: Path, method: str, k: int, dtype: str) -> str:
-    """The ``vllm serve`` command line that serves ``checkpoint`` for the target with K drafts per step."""
-    import json
+def serve_command(target_dir, checkpoint: Path, method: str, k: int, dtype: str, python: str = "python") -> str:
+    """The command line that serves ``checkpoint`` for the target with K drafts per step: vLLM's OpenAI server as
+    :class:`.vllm_server.VllmServer` starts it (``vllm serve`` with the GPU build takes the same arguments)."""
     import shlex
 
-    spec = json.dumps({"method": method, "model": str(checkpoint), "num_speculative_tokens": int(k)})
-    return shlex.join(["vllm", "serve", str(target_dir), "--dtype", dtype, "--speculative-config", spec])
+    from .vllm_server import SERVER_MODULE, server_args
+
+    spec = {"method": method, "model": str(checkpoint), "num_speculative_tokens": int(k)}
+    return shlex.join([str(python), "-m", SERVER_MODULE, *server_args(target_dir, dtype=dtype, max_model_len=2048,
+                                                                       speculative_config=spec)])
 
 
 #: the vLLM engine eval's report directory under the run directory
@@ -388,7 +391,7 @@ def engine_eval(ckpt: Path, rec, settings: VllmEvalSettings, *, num_prompts: int
     report["loop_report"] = loop.get("path") if loop else None
     report["loop_comparison"] = loop_comparison(report, loop)
     if report["best"]["k"] is not None:
-        report["serve"] = serve_command(target_dir, ckpt, method, report["best"]["k"], dtype)
+        report["serve"] = serve_command(target_dir, ckpt, method, report["best"]["k"], dtype, python)
     out = Path(output) if output is not None else ckpt.parent / REPORT_DIR
     write_report(report, out)
     log(render_markdown(report).rstrip())

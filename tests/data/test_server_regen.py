@@ -257,7 +257,8 @@ def test_kill_and_resume_regenerates_nothing_twice(fake, tiny_target_dir, isolat
 
 
 def test_an_engine_is_not_started_by_the_data_layer():
-    from speculators.engines.llamacpp_regen import LlamaServerRegeneration, regeneration_engine
+    from speculators.engines import regeneration_engine
+    from speculators.engines.llamacpp_regen import LlamaServerRegeneration
 
     engine = SimpleNamespace(url=None, engine="llama.cpp")
     with pytest.raises(SpeculatorsError, match="started by the workflow"):
@@ -265,6 +266,12 @@ def test_an_engine_is_not_started_by_the_data_layer():
     assert regeneration_server(None) is None
     assert isinstance(regeneration_server(_spec("http://h:1")), RunningServer)
     assert isinstance(regeneration_engine(engine), LlamaServerRegeneration)
+    from speculators.engines.vllm_regen import VllmServeRegeneration
+
+    vllm = SimpleNamespace(url=None, engine="vllm", concurrency=3)
+    with pytest.raises(SpeculatorsError, match="started by the workflow"):
+        regeneration_server(vllm)
+    assert isinstance(regeneration_engine(vllm), VllmServeRegeneration) and regeneration_engine(vllm).concurrency == 3
     assert regeneration_engine(_spec("http://h:1")) is None and regeneration_engine(None) is None
 
 
@@ -281,7 +288,10 @@ def test_the_server_settings_are_checked_by_the_recipe():
                      (["data.regeneration.batch_size=null", "data.regeneration.server.engine=llama.cpp",
                        "data.regeneration.server.api=openai"], "api: only with url"),
                      (["data.regeneration.batch_size=null", "data.regeneration.server.url=http://h",
-                       "data.regeneration.server.outtype=q8_0"], "outtype: only with engine")]:
+                       "data.regeneration.server.outtype=q8_0"], "outtype: only with engine"),
+                     (["data.regeneration.batch_size=null", "data.regeneration.server.engine=vllm",
+                       "data.regeneration.server.threads=2"], "threads: only with engine: llama.cpp"),
+                     (["data.regeneration.batch_size=null", "data.regeneration.server.engine=sglang"], "engine")]:
         with pytest.raises(SpeculatorsError, match=msg):
             load_recipe(tiny, bad)
 

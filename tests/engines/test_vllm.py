@@ -119,7 +119,7 @@ def test_eval_engine_vllm_measures_plain_the_drafter_and_ngram(vllm_python, tmp_
     assert d["drafted"] > 0 and 1.0 <= d["tau"] <= 3.0 and d["vllm_counters"]["num_draft_tokens"] == d["drafted"]
     assert rep["greedy_check"]["passed"] and rep["greedy_check"]["failures"] == 0
     assert rep["dtype"] == "float32" and rep["threads"] >= 1
-    assert "vllm serve" in rep["serve"] and '"num_speculative_tokens": 2' in rep["serve"]
+    assert "-m vllm.entrypoints.openai.api_server --model" in rep["serve"] and '"num_speculative_tokens": 2' in rep["serve"]
     assert (run / "eval-vllm" / "report.md").read_text().startswith("# speculators eval --engine vllm")
 
 
