@@ -65,7 +65,8 @@ PARITY_NAME = "parity.json"
 def checked_lines(ckpt: str | Path) -> list[str]:
     """Model-card lines saying what the export gate checked on ``ckpt`` (its ``parity.json``): the vLLM
     version of the layout check and its verdict, the reference implementation and version, the max
-    |delta logit| and argmax agreement; or that nothing was checked (and how to check)."""
+    |delta logit| and argmax agreement, what vLLM did when it served the directory (lossless, acceptance
+    against our loop's, the negative control); or that nothing was checked (and how to check)."""
     f = Path(ckpt) / PARITY_NAME
     if not f.is_file():
         return ["Not checked against vLLM's loader or the reference implementation: run `speculators check DIR`."]
@@ -91,6 +92,21 @@ def checked_lines(ckpt: str | Path) -> list[str]:
                    f"(tolerance {p.get('tolerance', 1e-4):.0e}), argmax agreement "
                    f"{'n/a' if a is None else f'{100 * a:.1f}%'}"
                    + (f"; first divergence: {p['first_divergence']}" if p.get("first_divergence") else "") + ".")
+    v = g.get("served")
+    if v is None:
+        out.append("- served by vLLM: not run (`speculators check DIR` serves it when `make vllm` installed vLLM).")
+    elif v.get("skipped"):
+        out.append(f"- served by vLLM: not run ({v['skipped']}).")
+    elif v.get("error"):
+        out.append(f"- served by vLLM {v.get('vllm_version', '?')}: FAIL, it could not serve the export: {v['error']}")
+    else:
+        a, c, ls = v.get("acceptance") or {}, v.get("control") or {}, v.get("lossless") or {}
+        out.append(f"- served by vLLM {v.get('vllm_version', '?')} (method `{v.get('method')}`, K={v.get('k')}, "
+                   f"float32, {v.get('num_prompts')} prompts, temperature 0): {'PASS' if v.get('passed') else 'FAIL'}; "
+                   f"{ls.get('equal')} of {v.get('num_prompts')} outputs equal vLLM's plain output; accepted drafts "
+                   f"per position {a.get('vllm_per_pos')} (vLLM) against {a.get('loop_per_pos')} (our loop), "
+                   f"{a.get('steps_equal')} of {a.get('steps_compared')} steps equal; a copy with its head perturbed "
+                   f"{'told apart' if c.get('breaks') else 'not told apart' if c.get('informative') else 'not informative'}.")
     return out
 
 

@@ -93,6 +93,7 @@ def module_cache(tmp_path_factory):
 def trained(module_cache, tiny_target_dir, tmp_path_factory) -> Run:
     out = tmp_path_factory.mktemp("cli-run") / "run"
     r = invoke("train", TINY, f"target.model={tiny_target_dir}", "train.parity_check=true", "-o", out)  # + the end gate
+    # (vLLM's step of the gate: tests/export/test_vllm_served.py; it reports this head_dim-16 target as not served)
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"
     return Run(out, r.output)
 
@@ -545,6 +546,11 @@ def test_train_end_gate_and_check_command(trained, tmp_path):
 
     hub = hub_card(trained.dir / "final", "me/drafter")
     assert "parity with vllm-project/speculators 0.9.0" in hub and ": PASS, max |delta logit|" in hub
+    # vLLM's CPU attention has no head_dim 16: vLLM's step of the gate says so (when vLLM is installed) and passes
+    served = g.get("served") or {}
+    assert served.get("passed") is None and ("cannot serve the target" in (served.get("skipped") or "")
+                                              or "vLLM unavailable" in (served.get("skipped") or "")), served
+    assert "- served by vLLM: not run (" in hub
     assert "parity.json" in checkpoint_files(trained.dir / "final")
     r = CliRunner().invoke(app, ["check", str(trained.dir), "-n", "2", "--reference-python", str(python)])
     assert r.exit_code == 0, r.output

@@ -25,8 +25,9 @@ directory exactly as written as its speculative model (``--speculative-config`` 
    export from a correct one. Informative only when our loop accepted something.
 
 A family with no vLLM method (the format's ``vllm_serving`` says why), a vLLM build that refuses the method
-(vLLM's words: e.g. its CPU model runner lacks a drafter type), no vLLM venv, or a joint run's fine-tuned
-verifier: the check is skipped and says so by name; vLLM failing to LOAD the export is a failure.
+(vLLM's words: e.g. its CPU model runner lacks a drafter type), a target vLLM cannot serve here (e.g. its CPU
+attention needs a head size of at least 32), no vLLM venv, or a joint run's fine-tuned verifier: the check is
+skipped and says so by name; vLLM failing to LOAD the export is a failure.
 """
 
 from __future__ import annotations
@@ -224,6 +225,23 @@ def default_prompt_ids(target, n: int) -> tuple[list[list[int]], str]:
     return out, f"{len(out)} built-in chat prompts"
 
 
+@dataclass
+class _Plan:
+    """One checkpoint ready to be served: its result so far, drafter, float32 target, prompt ids, K, stop ids, the
+    directory vLLM loads the target from, its negative-control copy."""
+
+    res: ServedResult
+    checkpoint: Path
+    drafter: Any
+    target: Any
+    ids: list[list[int]]
+    k: int
+    stops: list[int]
+    target_dir: Any
+    control_dir: Path
+    what: str
+
+
 def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] | None = None,
                  num_prompts: int = 3, max_tokens: int = 48, k: int | None = None, python=None,
                  inputs_label: str | None = None, log: Callable[[str], None] = print) -> ServedResult:
@@ -240,16 +258,74 @@ def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] |
     Returns:
         A :class:`ServedResult`.
     Raises:
-        SpeculatorsError: our own loader refuses the checkpoint, or the target cannot be loaded.
+        SpeculatorsError: our own loader refuses the checkpoint, or the target cannot be loaded. vLLM unable to
+            serve the TARGET (e.g. a head size its CPU attention lacks) is a skip that quotes vLLM, not a failure.
     """
-    from ..decode.loop import speculative_generate
+    return check_served_many([checkpoint], target=target, prompts=prompts, num_prompts=num_prompts,
+                             max_tokens=max_tokens, k=k, python=python, inputs_label=inputs_label, log=log)[0]
+
+
+def check_served_many(checkpoints: list[str | Path], target=None, prompts: list[list[int]] | None = None,
+                      num_prompts: int = 3, max_tokens: int = 48, k: int | None = None, python=None,
+                      inputs_label: str | None = None, log: Callable[[str], None] = print) -> list[ServedResult]:
+    """:func:`check_served` for several checkpoints, the engines of those that share a target served by ONE vLLM
+    worker process (its import and its plain engine paid once per target). Arguments as :func:`check_served`."""
+    from ..engines import vllm_runner
+
+    out: list[ServedResult | None] = [None] * len(checkpoints)
+    with tempfile.TemporaryDirectory(prefix="speculators-served-") as tmp:
+        plans: dict[int, _Plan] = {}
+        for i, ckpt in enumerate(checkpoints):
+            p = _plan(Path(ckpt), target, prompts, num_prompts, max_tokens, k, python, inputs_label,
+                      Path(tmp) / f"control-{i}", log)
+            if isinstance(p, ServedResult):
+                out[i] = p
+            else:
+                plans[i] = p
+        by_target: dict[str, list[int]] = {}
+        for i, p in plans.items():
+            by_target.setdefault(str(p.target_dir), []).append(i)
+        for tdir, idx in by_target.items():
+            jobs = [vllm_runner.generate_job(plans[i].ids, max_tokens, plans[i].stops, warmup=False) for i in idx]
+            engines = [vllm_runner.engine("plain", None, jobs, max_num_seqs=1)]
+            for n, i in enumerate(idx):
+                p = plans[i]
+                spec = {"method": p.res.method, "model": str(p.checkpoint.resolve()), "num_speculative_tokens": p.k}
+                engines += [vllm_runner.engine(f"spec-{n}", spec, [jobs[n]], max_num_seqs=1),
+                            vllm_runner.engine(f"control-{n}", {**spec, "model": str(p.control_dir)}, [jobs[n]],
+                                               max_num_seqs=1)]
+            need = max(len(q) + max_tokens + plans[i].k + 8 for i in idx for q in plans[i].ids)
+            version, runs = vllm_runner.run_vllm(tdir, engines, dtype="float32", python=python, log=log,
+                                                 max_model_len=vllm_runner.max_model_len(tdir, need))
+            if not runs[0].ok:  # the target, not the export: e.g. a head_dim vLLM's CPU attention lacks
+                said = _vllm_said(runs[0].error)
+                for i in idx:
+                    plans[i].res.vllm_version = version
+                    plans[i].res.skipped = f"vLLM {version} cannot serve the target {tdir} here: {said}"
+                    out[i] = plans[i].res
+                continue
+            for n, i in enumerate(idx):
+                plans[i].res.vllm_version = version
+                out[i] = _judge(plans[i], runs[0].jobs[n].outputs, runs[1 + 2 * n], runs[2 + 2 * n], max_tokens, log)
+    return [r for r in out if r is not None]
+
+
+def _vllm_said(error: str | None) -> str:
+    """The line of vLLM's error that says what it refused (its last non-empty line otherwise)."""
+    lines = [ln.strip() for ln in (error or "").splitlines() if ln.strip()]
+    pick = [ln for ln in lines if any(m in ln for m in ("Unsupported", "not supported", "does not support"))]
+    return (pick or lines or ["(no message)"])[0 if pick else -1]
+
+
+def _plan(checkpoint: Path, target, prompts, num_prompts: int, max_tokens: int, k: int | None, python,
+          inputs_label: str | None, control_dest: Path, log) -> ServedResult | _Plan:
+    """A :class:`_Plan` for ``checkpoint``, or its :class:`ServedResult` when it is skipped (module docstring)."""
+    from ..decode.inputs import resolve_stop_ids
     from ..drafters import Drafter, registry
     from ..drafters.checkpoint import read_checkpoint_config
-    from ..decode.inputs import resolve_stop_ids
     from ..engines import vllm_runner
     from ..engines.vllm_env import VllmUnavailable, ensure_vllm_python
 
-    checkpoint = Path(checkpoint)
     cfg = read_checkpoint_config(checkpoint)
     algo = ((cfg.get("speculators_training") or {}).get("drafter") or {}).get("algorithm")
     res = ServedResult(str(checkpoint))
@@ -262,7 +338,7 @@ def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] |
         res.skipped = f"vLLM has no method for this layout ({note})"
         return res
     try:
-        python = ensure_vllm_python(python)
+        ensure_vllm_python(python)
     except VllmUnavailable as e:
         res.skipped = str(e)
         return res
@@ -270,32 +346,27 @@ def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] |
     if drafter.target_adapter_dir is not None:
         res.skipped = "a joint checkpoint's verifier is the base model with its LoRA adapter, which vLLM is not given"
         return res
-    target = _float32_target(target, drafter, log)
-    drafter.attach_target(target)
+    tgt = _float32_target(target, drafter, log)
+    drafter.attach_target(tgt)
     drafter.eval()
     if prompts:
         ids, res.inputs = [list(map(int, p)) for p in prompts[:num_prompts]], inputs_label or "held-out prompts of the run"
     else:
-        ids, res.inputs = default_prompt_ids(target, num_prompts)
+        ids, res.inputs = default_prompt_ids(tgt, num_prompts)
     cap = getattr(drafter, "max_speculative_tokens", None)
-    k = int(k or serving.speculative_tokens(cfg) or 3)
-    k = min(k, cap) if cap else k
-    res.k, res.num_prompts, res.max_tokens = k, len(ids), int(max_tokens)
-    stops = sorted(resolve_stop_ids(target))
-    target_dir = vllm_runner.vllm_target_dir(target, log)
-    job = vllm_runner.generate_job(ids, max_tokens, stops, warmup=False)
-    with tempfile.TemporaryDirectory(prefix="speculators-served-") as tmp:
-        control_dir, what = perturbed_copy(checkpoint, Path(tmp) / "control")
-        spec = {"method": res.method, "model": str(checkpoint.resolve()), "num_speculative_tokens": k}
-        engines = [vllm_runner.engine("plain", None, [job], max_num_seqs=1),
-                   vllm_runner.engine("spec", spec, [job], max_num_seqs=1),
-                   vllm_runner.engine("control", {**spec, "model": str(control_dir)}, [job], max_num_seqs=1)]
-        need = max(len(p) for p in ids) + max_tokens + k + 8
-        res.vllm_version, runs = vllm_runner.run_vllm(target_dir, engines, dtype="float32", python=python, log=log,
-                                                      max_model_len=vllm_runner.max_model_len(target_dir, need))
-    plain, spec_run, control = runs
-    if not plain.ok:
-        raise SpeculatorsError(f"vLLM could not serve the target {target_dir}: {plain.error}")
+    kk = int(k or serving.speculative_tokens(cfg) or 3)
+    kk = min(kk, cap) if cap else kk
+    res.k, res.num_prompts, res.max_tokens = kk, len(ids), int(max_tokens)
+    control_dir, what = perturbed_copy(checkpoint, control_dest)
+    return _Plan(res, checkpoint, drafter, tgt, ids, kk, sorted(resolve_stop_ids(tgt)),
+                 vllm_runner.vllm_target_dir(tgt, log), control_dir, what)
+
+
+def _judge(plan: _Plan, plain_outputs, spec_run, control, max_tokens: int, log) -> ServedResult:
+    """(a), (b), (c) of the module docstring for one plan, from vLLM's plain outputs and its spec / control engines."""
+    from ..decode.loop import speculative_generate
+
+    res, target, ids, k = plan.res, plan.target, plan.ids, plan.k
     if not spec_run.ok:
         said = next((ln.strip() for ln in (spec_run.error or "").splitlines() if any(m in ln for m in REFUSAL_MARKERS)),
                     None)
@@ -304,7 +375,7 @@ def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] |
         else:
             res.error, res.passed = spec_run.error, False
         return res
-    plain_out = [o.token_ids for o in plain.jobs[0].outputs]
+    plain_out = [o.token_ids for o in plain_outputs]
     spec_out = spec_run.jobs[0].outputs
     # (a) lossless in the engine
     mism = [{"prompt": i, **_near_tie(target, ids[i], plain_out[i], o.token_ids)}
@@ -313,7 +384,7 @@ def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] |
     res.lossless = {"equal": len(ids) - len(mism), "near_tie": n_tie, "failures": len(mism) - n_tie,
                     "mismatches": mism}
     # (b) our loop on the same ids
-    ours = speculative_generate(target, drafter, ids, k, max_tokens, batch_size=1, eos_ids=set(stops))
+    ours = speculative_generate(target, plan.drafter, ids, k, max_tokens, batch_size=1, eos_ids=set(plan.stops))
     loop_steps, vllm_steps, stop_at = [], [], []
     for i, (r, o) in enumerate(zip(ours.results, spec_out)):
         loop_steps.append(emitted_accepted(r.verifier_accepted, len(r.tokens)))
@@ -330,7 +401,7 @@ def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] |
                       "differences": diffs, "outputs_part": [s for s in stop_at if s is not None]}
     # (c) the negative control
     informative = sum(map(sum, loop_steps)) > 0
-    res.control = {"what": what, "informative": informative, "ok": control.ok, "error": control.error}
+    res.control = {"what": plan.what, "informative": informative, "ok": control.ok, "error": control.error}
     if control.ok:
         c_steps = [emitted_accepted(o.per_step_accepted or [], len(o.token_ids)) for o in control.jobs[0].outputs]
         same = sum(1 for a, b in zip(loop_steps, c_steps) if a == b)
@@ -358,5 +429,5 @@ def _float32_target(target, drafter, log):
     return drafter.meta.load_target("float32", log=log)
 
 
-__all__ = ["DEFAULT_PROMPTS", "NEAR_TIE_LOGPROB", "ServedResult", "check_served", "default_prompt_ids",
+__all__ = ["DEFAULT_PROMPTS", "NEAR_TIE_LOGPROB", "ServedResult", "check_served", "check_served_many", "default_prompt_ids",
            "emitted_accepted", "perturbed_copy"]
