@@ -17,6 +17,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = {"eagle3": ["train.steps=20"], "dflash": ["train.steps=20"], "draft_model": ["train.steps=1"]}
+#: tiny configs brought to what the real models of the architecture have and vLLM's CPU build needs: a head size of
+#: 32 (its CPU attention takes no smaller), Gemma's tied head (vLLM's Gemma loaders place no lm_head), Llama 4's
+#: attention chunk a multiple of vLLM's 128-token KV block
+CONFIG = {"gemma2": {"head_dim": 32, "tie_word_embeddings": True}, "gemma3": {"head_dim": 32, "tie_word_embeddings": True},
+          "gpt_oss": {"head_dim": 32}, "llama4_text": {"attention_chunk_size": 128}}
 
 
 def main() -> None:
@@ -39,7 +44,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vllm-arch-") as tmp:
         for name in args.arch:
             d = Path(tmp) / name
-            model = tiny_architecture_model(name, vocab_size=len(tok), hidden_size=128, num_layers=args.layers)
+            model = tiny_architecture_model(name, vocab_size=len(tok), hidden_size=128, num_layers=args.layers,
+                                            config_overrides=CONFIG.get(name))
             model.config.eos_token_id = tok.eos_token_id
             model.save_pretrained(d / "target")
             tok.save_pretrained(d / "target")

@@ -135,7 +135,7 @@ def run_vllm_eval(target_dir, checkpoint: Path, method: str, prompts: list[list[
     if not prompts:
         raise SpeculatorsError("vLLM eval: no prompts")
     need = max(len(p) for p in prompts) + st.max_new_tokens + max(ks) + 8
-    mml = vllm_runner.max_model_len(target_dir, need)
+    mml = vllm_runner.fit_context(target_dir, need)
     spec = {"method": method, "model": str(Path(checkpoint).resolve())}
     job1 = vllm_runner.generate_job(prompts, st.max_new_tokens, stop_ids)
     engines = [vllm_runner.engine("plain", None, [job1], max_num_seqs=max(st.concurrency))]

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..data.server_regen import RegenerationServer, ServerClient
 from .vllm_env import ensure_vllm_python, probe
-from .vllm_runner import max_model_len, vllm_target_dir
+from .vllm_runner import fit_context, vllm_target_dir
 from .vllm_server import VllmServer
 
 
@@ -52,7 +52,7 @@ class VllmServeRegeneration(RegenerationServer):
     @contextlib.contextmanager
     def open(self, target, ctx_per_slot: int, log=print) -> Iterator[ServerClient]:
         d = vllm_target_dir(target, log)
-        with VllmServer(d, dtype=self._dtype(target), max_model_len=max_model_len(d, int(ctx_per_slot)),
+        with VllmServer(d, dtype=self._dtype(target), max_model_len=fit_context(d, int(ctx_per_slot)),
                         max_num_seqs=self.concurrency, served_name="target", python=self.python) as srv:
             log(f"regeneration: vllm serve on {d} ({self._dtype(target)}) at {srv.url}, {self.concurrency} requests "
                 "in flight")

@@ -123,7 +123,7 @@ ISOLATED_METHODS = ("ngram",)
 
 
 def run_vllm(target_dir: str | Path, engines: list[dict[str, Any]], *, dtype: str = "float32",
-             max_model_len: int = 1024, seed: int = 0, python: str | Path | None = None, timeout: float = 3600,
+             max_model_len: int | None = None, seed: int = 0, python: str | Path | None = None, timeout: float = 3600,
              kv_cache_gib: int = 1, log: Callable[[str], None] = print) -> tuple[str, list[EngineRun]]:
     """Run ``engines`` on the target at ``target_dir``: one vLLM worker process for all of them, except that each
     engine of a method in :data:`ISOLATED_METHODS` gets a process of its own (results keep the order of ``engines``).
@@ -131,8 +131,9 @@ def run_vllm(target_dir: str | Path, engines: list[dict[str, Any]], *, dtype: st
     Args:
         target_dir: a Hugging Face directory or hub id (:func:`vllm_target_dir`).
         engines: :func:`engine` dicts.
-        dtype: vLLM's ``--dtype`` (``float32``, ``bfloat16``). max_model_len: vLLM's context (at most the target's
-            ``max_position_embeddings``). kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
+        dtype: vLLM's ``--dtype`` (``float32``, ``bfloat16``). max_model_len: vLLM's context (default: 1024 tokens
+            within the target's ``max_position_embeddings``, :func:`fit_context`). kv_cache_gib:
+            ``VLLM_CPU_KVCACHE_SPACE``.
         python: the vLLM venv's interpreter (default :func:`.vllm_env.ensure_vllm_python`).
     Returns:
         ``(vLLM version, one EngineRun per engine)``.
@@ -140,6 +141,8 @@ def run_vllm(target_dir: str | Path, engines: list[dict[str, Any]], *, dtype: st
         VllmUnavailable: no vLLM venv. SpeculatorsError: a worker died (its last lines of output are quoted) or ran
             past ``timeout`` seconds.
     """
+    if max_model_len is None:
+        max_model_len = fit_context(target_dir, 1024)
     alone = [i for i, e in enumerate(engines) if (e.get("speculative_config") or {}).get("method") in ISOLATED_METHODS]
     groups = [[i for i in range(len(engines)) if i not in alone]] + [[i] for i in alone]
     out: list[EngineRun | None] = [None] * len(engines)
@@ -214,7 +217,7 @@ def vllm_target_dir(target, log: Callable[[str], None] = print) -> Path | str:
     return out
 
 
-def max_model_len(target_dir: str | Path, needed: int) -> int:
+def fit_context(target_dir: str | Path, needed: int) -> int:
     """``needed`` tokens of context, within the target's ``max_position_embeddings`` (vLLM refuses more)."""
     cfg_path = Path(target_dir) / "config.json"
     if not cfg_path.is_file():
@@ -225,5 +228,5 @@ def max_model_len(target_dir: str | Path, needed: int) -> int:
     return int(min(needed, mpe)) if mpe else int(needed)
 
 
-__all__ = ["EngineRun", "Job", "Output", "engine", "generate_job", "max_model_len", "prompt_logprobs_job",
+__all__ = ["EngineRun", "Job", "Output", "engine", "generate_job", "fit_context", "prompt_logprobs_job",
            "run_vllm", "vllm_target_dir"]

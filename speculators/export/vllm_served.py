@@ -296,7 +296,7 @@ def check_served_many(checkpoints: list[str | Path], target=None, prompts: list[
                                                max_num_seqs=1)]
             need = max(len(q) + max_tokens + plans[i].k + 8 for i in idx for q in plans[i].ids)
             version, runs = vllm_runner.run_vllm(tdir, engines, dtype="float32", python=python, log=log,
-                                                 max_model_len=vllm_runner.max_model_len(tdir, need))
+                                                 max_model_len=vllm_runner.fit_context(tdir, need))
             if not runs[0].ok:  # the target, not the export: e.g. a head_dim vLLM's CPU attention lacks
                 said = _vllm_said(runs[0].error)
                 for i in idx:

@@ -158,9 +158,11 @@ TINY_ARCHITECTURES: dict[str, Callable] = {
 
 
 def tiny_architecture_model(name: str, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 3,
-                            seed: int = 0):
+                            seed: int = 0, config_overrides: dict | None = None):
     """A random transformers ``*ForCausalLM`` of architecture ``name`` (a key of :data:`TINY_ARCHITECTURES`)
-    with an untied output head and an embedding drawn from N(0, 1), so that its greedy continuations vary.
+    with an untied output head (unless ``config_overrides`` ties it) and an embedding drawn from N(0, 1), so that
+    its greedy continuations vary. ``config_overrides``: config attributes set before the model is built (e.g.
+    ``head_dim``).
 
     Raises:
         SpeculatorsError: an unknown ``name``.
@@ -170,6 +172,8 @@ def tiny_architecture_model(name: str, vocab_size: int = 128, hidden_size: int =
     if name not in TINY_ARCHITECTURES:
         raise SpeculatorsError(f"tiny architecture {name!r}: known are {sorted(TINY_ARCHITECTURES)}")
     cfg = TINY_ARCHITECTURES[name](vocab_size, hidden_size, num_layers)
+    for key, value in (config_overrides or {}).items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
