@@ -21,7 +21,8 @@ OVERRIDES = {"eagle3": ["train.steps=20"], "dflash": ["train.steps=20"], "draft_
 #: 32 (its CPU attention takes no smaller), Gemma's tied head (vLLM's Gemma loaders place no lm_head), Llama 4's
 #: attention chunk a multiple of vLLM's 128-token KV block
 CONFIG = {"gemma2": {"head_dim": 32, "tie_word_embeddings": True}, "gemma3": {"head_dim": 32, "tie_word_embeddings": True},
-          "gpt_oss": {"head_dim": 32}, "llama4_text": {"attention_chunk_size": 128}}
+          "gpt_oss": {"head_dim": 32}, "qwen3": {"head_dim": 32}, "qwen3_moe": {"head_dim": 32},
+          "llama4_text": {"attention_chunk_size": 128}}
 
 
 def main() -> None:

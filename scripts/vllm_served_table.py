@@ -16,6 +16,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="run directories (their final/ is served) or checkpoint directories")
     ap.add_argument("--prompts", type=int, default=6, help="held-out prompts of each run's recipe")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None, help="also write every result (ServedResult.to_json) to this file")
     args = ap.parse_args()
 
     from speculators.export.vllm_served import check_served_many
@@ -32,6 +33,10 @@ def main() -> None:
                                                num_prompts=args.prompts, max_tokens=args.max_tokens,
                                                log=lambda m: print(m, flush=True))):
             res[i] = r
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps([r.to_json() for r in res], indent=1, default=str))
     print("\n| run | method | K | lossless (equal to vLLM plain) | vLLM accepted per position | our loop's | "
           "steps equal | negative control | verdict |")
     print("|---|---|---|---|---|---|---|---|---|")
