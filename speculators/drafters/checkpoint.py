@@ -218,10 +218,11 @@ class TargetMeta(BaseModel):
         return tuple(dict.fromkeys(r for r in (self.reference, self.name_or_path) if r))
 
     def load_target(self, dtype: str = "float32", log=print):
-        """The recorded target (:attr:`target_refs`, the first that loads) tapping :attr:`aux_layer_ids`.
+        """The recorded target (:attr:`target_refs`, the first that loads) in ``dtype`` (a
+        :meth:`speculators.target.Target.load` dtype name), tapping :attr:`aux_layer_ids`.
 
         Raises:
-            SpeculatorsError: none of the references loads (the last error, with every reference tried).
+            SpeculatorsError: none of the references loads (every reference tried, with its error).
         """
         from ..target import Target
 

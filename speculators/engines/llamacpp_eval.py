@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
+from ..evaluation.greedy_check import first_diff
 from .llamacpp_build import LlamaCpp
 from .llamacpp_server import Completion, LlamaServer
 
@@ -325,12 +326,6 @@ def best_setting(rows: list[dict], ngram_types=("ngram-simple", "ngram-mod"), fa
             "beats_ngram": bool(drafter and (ngram is None or drafter["tokens_per_s"] > ngram["tokens_per_s"]))}
 
 
-def first_diff(a: list[int], b: list[int]) -> int:
-    """The first index where ``a`` and ``b`` differ (``min(len)`` when one is a prefix of the other)."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 def classify_engine_mismatch(srv: LlamaServer, prompt: list[int], plain: list[int], output: list[int]) -> dict:
     """Whether one greedy mismatch sits on a near-tie of the target's logits as the engine computes them.
 
@@ -497,8 +492,9 @@ def timings(report: dict[str, Any]) -> dict[str, Any] | None:
             "break_even_tau": step_ms / token_ms}
 
 
-def write_engine_report(report: dict[str, Any], out: str | Path) -> Path:
-    """``report.json`` and ``report.md`` of the engine eval in ``out`` (written atomically). Returns ``out``."""
+def write_engine_report(report: dict[str, Any], out: str | Path, render: Callable[[dict], str] | None = None) -> Path:
+    """``report.json`` and ``report.md`` of an engine eval in ``out`` (written atomically); ``render``: the markdown
+    renderer (default: :func:`render_markdown`, llama.cpp's). Returns ``out``."""
     import json
 
     from ..utils import atomic_write_text
@@ -506,10 +502,10 @@ def write_engine_report(report: dict[str, Any], out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
-    atomic_write_text(out / "report.md", render_markdown(report))
+    atomic_write_text(out / "report.md", (render or render_markdown)(report))
     return out
 
 
 __all__ = ["ENGINE", "EngineModels", "EnginePass", "EngineSettings", "NEAR_TIE_FACTOR", "best_setting",
-           "classify_engine_mismatch", "engine_row", "first_diff", "greedy_check", "loop_comparison",
+           "classify_engine_mismatch", "engine_row", "greedy_check", "loop_comparison",
            "render_markdown", "run_engine_eval", "run_pass", "tap_shift", "timings", "write_engine_report"]

@@ -23,10 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import socket
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +31,7 @@ from typing import Any
 
 from ..errors import SpeculatorsError
 from .llamacpp_build import LlamaCpp, cpu_flags
+from .server_process import ServerProcess
 
 
 @dataclasses.dataclass
@@ -72,25 +69,7 @@ class Completion:
         return max(self.step_tokens - self.draft_accepted, 0)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGTERM the server when the Python process that started it dies
-    (killed, timed out), so that no orphaned server keeps the cores busy. A no-op elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """A running ``llama-server`` (use as ``with LlamaServer(...) as srv: srv.complete(...)``).
 
     Args:
@@ -110,8 +89,8 @@ class LlamaServer:
                  spec_type: str | None = None, draft_n_max: int | None = None, p_min: float | None = None,
                  parallel: int = 1, ctx_size: int = 4096, threads: int | None = None,
                  extra: list[str] | tuple[str, ...] = (), startup_timeout: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(startup_timeout)
+        self.name = "llama-server"
         cmd = [str(lc.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "--parallel", str(parallel), "--ctx-size", str(ctx_size), "--threads", str(threads or os.cpu_count()), "--no-webui"]
         if {"amx_int8", "amx_tile"} & cpu_flags():
@@ -126,66 +105,14 @@ class LlamaServer:
         if p_min is not None:
             cmd += ["--spec-draft-p-min", str(p_min)]
         self.cmd = cmd + list(extra)
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-
-    # ---------------------------------------------------------------- lifetime
-    def __enter__(self) -> LlamaServer:
-        self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the server (SIGTERM to its process group, SIGKILL after 10 s); idempotent."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def log_tail(self, n: int = 8) -> str:
         """The server log's first failed assertion or error line when it has one (an abort is followed by a
         debugger's backtrace), else its last ``n`` lines (joined by `` | ``)."""
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        lines = [ln.rstrip() for ln in self._log.read().splitlines() if ln.strip()]
+        lines = self.log_lines()
         fatal = [ln for ln in lines if ("GGML_ASSERT" in ln or " E " in ln or ln.startswith("error"))
                  and "warning is normal" not in ln]  # a DFlash draft's memory-fitting probe logs one benign E line
         return " | ".join(fatal[:3] if fatal else lines[-n:])
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SpeculatorsError(f"llama-server exited with status {self.proc.returncode} at start "
-                                       f"({' '.join(self.cmd)}): {self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise SpeculatorsError(f"llama-server was not healthy within {self.startup_timeout:.0f} s: {self.log_tail()}")
 
     # ---------------------------------------------------------------- requests
     def _post(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -242,4 +169,4 @@ class LlamaServer:
                           top_logprobs=probs)
 
 
-__all__ = ["Completion", "LlamaServer", "free_port"]
+__all__ = ["Completion", "LlamaServer"]

@@ -20,8 +20,8 @@ wall time (prompt processing included, as a client sees it); ``ms_per_step`` is 
 the decode steps (engine-core timestamps), which gives the break-even tau (a speculative step's ms over a plain
 token's ms, :func:`timings`).
 
-Greedy losslessness (:func:`greedy_check`): every speculative output must equal vLLM's plain one-request output
-token for token, or its first difference must sit on a near-tie of the target's logits AS vLLM COMPUTES THEM: the
+Greedy losslessness (:func:`greedy_check`): every other output (speculative passes, and plain decoding with
+several requests in flight) must equal vLLM's plain one-request output token for token, or its first difference must sit on a near-tie of the target's logits AS vLLM COMPUTES THEM: the
 engine's own top log-probabilities at that position from a one-token-at-a-time decode (plain decoding's shape) and
 from one prefill forward over the prefix (a many-token forward, a verify step's shape); near-tie when the gap of
 the two tokens in the decode shape is within :data:`NEAR_TIE_FACTOR` times how much the shapes move it (as
@@ -39,7 +39,8 @@ from typing import Any, Callable
 from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
 from . import vllm_runner
-from .llamacpp_eval import NEAR_TIE_FACTOR, N_PROBS, first_diff
+from ..evaluation.greedy_check import first_diff
+from .llamacpp_eval import NEAR_TIE_FACTOR, N_PROBS
 
 ENGINE = "vllm"
 #: the K values measured when none are given (within the drafter's cap)
@@ -73,21 +74,26 @@ class VllmEvalSettings:
 
 
 def _steps(out: vllm_runner.Output) -> tuple[int, int, int, int]:
-    """``(emitted tokens after the first, decode steps, drafted, accepted)`` of one request from vLLM's record: each
-    drafting step emits ``accepted + 1`` tokens (the last one cut at the end), every other decode step one."""
+    """``(emitted tokens after the first, decode steps, drafted, accepted)`` of one request: the decode steps as the
+    worker counted them (engine steps that appended tokens, drafting or not), drafted and accepted from vLLM's
+    per-request record, a step cut at the end counting the drafts it emitted (as our loop's
+    ``GenerationResult.accepted``: ``min(accepted, emitted)``).
+
+    Raises:
+        SpeculatorsError: the worker did not count the request's steps.
+    """
     n = len(out.token_ids)
-    emitted_after = max(0, n - 1)
-    acc_steps = out.per_step_accepted or []
-    drafted = sum(out.per_step_drafted or [])
-    left, d_steps, accepted = emitted_after, 0, 0
-    for a in acc_steps:
-        if left <= 0:
-            break
-        e = min(int(a) + 1, left)
-        accepted += min(int(a), e)  # a step cut at the end emitted only accepted drafts
-        left -= e
-        d_steps += 1
-    return emitted_after, d_steps + left, drafted, accepted
+    if out.decode_steps is None:
+        raise SpeculatorsError("vLLM eval: the worker did not count the decode steps of a request")
+    acc = out.per_step_accepted or []
+    if acc and len(acc) == out.decode_steps:  # every step drafted: the tokens each step emitted are known
+        accepted, left = 0, max(0, n - 1)
+        for a in acc:
+            e = min(int(a) + 1, left)
+            accepted, left = accepted + min(int(a), e), left - e
+    else:  # steps without drafts are interleaved (ngram): vLLM's record, a last cut step's surplus included
+        accepted = min(sum(acc), max(0, n - 1))
+    return max(0, n - 1), out.decode_steps, sum(out.per_step_drafted or []), accepted
 
 
 def pass_row(label: str, method: str, k: int | None, batch: int, job: vllm_runner.Job) -> dict[str, Any]:
@@ -98,7 +104,8 @@ def pass_row(label: str, method: str, k: int | None, batch: int, job: vllm_runne
     drafted, accepted = sum(p[2] for p in per), sum(p[3] for p in per)
     n_steps = sum(steps)
     lo, hi = bootstrap_tau_ci(emitted, steps)
-    decode = [o.decode_seconds for o in job.outputs if o.decode_seconds]
+    decode = [o.decode_seconds for o in job.outputs if o.decode_seconds is not None]
+    timed = len(decode) == len(job.outputs)
     c = job.counters or {}
     d_steps = int(c.get("num_drafts") or 0)
     return {"engine": ENGINE, "label": label, "method": method, "k": k, "batch_size": batch, "temperature": 0.0,
@@ -106,8 +113,8 @@ def pass_row(label: str, method: str, k: int | None, batch: int, job: vllm_runne
             "tokens_per_s": tokens / job.wall_seconds if job.wall_seconds > 0 else None,
             "tau": sum(emitted) / n_steps if n_steps else None, "tau_ci": [lo, hi] if n_steps else None,
             "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None,
-            "steps": n_steps, "decode_seconds": sum(decode) if len(decode) == len(job.outputs) else None,
-            "ms_per_step": (1000.0 * sum(decode) / n_steps) if decode and n_steps and batch == 1 else None,
+            "steps": n_steps, "decode_seconds": sum(decode) if timed else None,
+            "ms_per_step": (1000.0 * sum(decode) / n_steps) if timed and n_steps and batch == 1 else None,
             "vllm_counters": c, "vllm_mean_acceptance_length":
                 (1.0 + int(c.get("num_accepted_tokens") or 0) / d_steps) if d_steps else None,
             "speedup": None}
@@ -172,6 +179,7 @@ def run_vllm_eval(target_dir, checkpoint: Path, method: str, prompts: list[list[
             head, _, c = r.label.rpartition(" x")
             meth, _, kk = head.partition(" k=")
             rows.append(pass_row(r.label, meth, int(kk) if kk else None, int(c), r.jobs[0]))
+            outputs[r.label] = r.jobs[0].outputs  # in the greedy check too: a batch's shape rounds differently
             log(f"vLLM eval: {r.label}: {_fmt(rows[-1]['tokens_per_s'], '.1f')} tok/s, tau {_fmt(rows[-1]['tau'], '.3f')}")
     for r in rows:
         base = next(b for b in rows if b["method"] == "plain" and b["batch_size"] == r["batch_size"])
@@ -188,7 +196,7 @@ def run_vllm_eval(target_dir, checkpoint: Path, method: str, prompts: list[list[
 
 def greedy_check(target_dir, prompts: list[list[int]], outputs: dict[str, list], dtype: str, python, mml: int,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every speculative pass's outputs against vLLM's plain one-request outputs (module docstring); mismatches
+    """Every other pass's outputs against vLLM's plain one-request outputs (module docstring); mismatches
     classified through one more plain engine. Returns ``{"passes": {label: {"prompts", "mismatches", "near_tie",
     "failures"}}, "mismatches": [...], "near_tie", "failures", "passed"}``."""
     plain = [o.token_ids for o in outputs["plain"]]
@@ -353,7 +361,7 @@ def engine_eval(ckpt: Path, rec, settings: VllmEvalSettings, *, num_prompts: int
     from ..hardware import resolve_target_dtype
     from ..target import Target
     from .jobs import _loop_report
-    from .llamacpp_eval import loop_comparison
+    from .llamacpp_eval import loop_comparison, write_engine_report
     from .vllm_env import ensure_vllm_python
 
     if rec is None and prompts is None:
@@ -393,23 +401,10 @@ def engine_eval(ckpt: Path, rec, settings: VllmEvalSettings, *, num_prompts: int
     if report["best"]["k"] is not None:
         report["serve"] = serve_command(target_dir, ckpt, method, report["best"]["k"], dtype, python)
     out = Path(output) if output is not None else ckpt.parent / REPORT_DIR
-    write_report(report, out)
+    write_engine_report(report, out, render_markdown)
     log(render_markdown(report).rstrip())
     return report, out
 
 
-def write_report(report: dict[str, Any], out: str | Path) -> Path:
-    """``report.json`` and ``report.md`` in ``out`` (written atomically). Returns ``out``."""
-    import json
-
-    from ..utils import atomic_write_text
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
-    atomic_write_text(out / "report.md", render_markdown(report))
-    return out
-
-
-__all__ = ["DEFAULT_KS", "REPORT_DIR", "engine_eval", "write_report", "ENGINE", "NGRAM", "VllmEvalSettings", "best_setting", "greedy_check", "pass_row",
+__all__ = ["DEFAULT_KS", "REPORT_DIR", "engine_eval", "ENGINE", "NGRAM", "VllmEvalSettings", "best_setting", "greedy_check", "pass_row",
            "render_markdown", "run_vllm_eval", "serve_command", "timings"]

@@ -21,7 +21,7 @@ from ..errors import SpeculatorsError
 from ..utils import atomic_dir, cache_root
 from .vllm_env import VllmUnavailable, clean_env, ensure_vllm_python
 
-#: what a finished request records (``RequestOutput.outputs[0]`` and vLLM's per-request spec-decode record)
+#: the worker script, run by path with the vLLM venv's python
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
@@ -30,7 +30,8 @@ class Output:
     """One request as vLLM finished it. ``per_step_accepted`` / ``per_step_drafted``: vLLM's own per-request record,
     one entry per verify step that drafted (``--per-request-spec-decode-metrics detailed``), None without
     speculative decoding. ``seconds``: submission to end (wall); ``decode_seconds``: vLLM's first to last token.
-    ``logprobs``: per generated token, the engine's top log-probabilities ``{token id: logprob}`` (when asked)."""
+    ``logprobs``: per generated token, the engine's top log-probabilities ``{token id: logprob}`` (when asked).
+    ``decode_steps``: engine steps that appended tokens after the first token's (None when not counted)."""
 
     token_ids: list[int]
     finish_reason: str | None = None
@@ -40,6 +41,7 @@ class Output:
     per_step_drafted: list[int] | None = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    decode_steps: int | None = None
 
 
 @dataclass
@@ -84,7 +86,8 @@ def _parse_engine(e: dict[str, Any]) -> EngineRun:
             outs.append(Output(list(o["token_ids"]), o.get("finish_reason"), float(o.get("seconds") or 0.0),
                                o.get("decode_seconds"), spec["per_step_accepted"] if spec else None,
                                spec["per_step_drafted"] if spec else None,
-                               [_lp(d) for d in o["logprobs"]] if o.get("logprobs") else None))
+                               [_lp(d) for d in o["logprobs"]] if o.get("logprobs") else None,
+                               decode_steps=o.get("decode_steps")))
         jobs.append(Job(j["kind"], outs, float(j.get("wall_seconds") or 0.0), j.get("counters") or {}))
     return EngineRun(e["label"], bool(e["ok"]), e.get("error"), e.get("init_seconds"), e.get("threads"),
                      e.get("cpus"), jobs)

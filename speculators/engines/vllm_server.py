@@ -14,17 +14,10 @@ decoded together (continuous batching) and ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from ..errors import SpeculatorsError
-from .llamacpp_server import _die_with_parent, free_port
+from .server_process import ServerProcess
 from .vllm_env import clean_env, ensure_vllm_python
 
 
@@ -47,7 +40,7 @@ def server_args(model: str | Path, *, dtype: str, max_model_len: int, max_num_se
     return args
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """A running ``vllm serve`` (``with VllmServer(dir) as srv: srv.url``).
 
     Args:
@@ -57,79 +50,31 @@ class VllmServer:
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``. python: the vLLM venv's interpreter (default: found).
         startup_timeout: seconds to wait for ``/health``. extra: further command-line arguments.
     Raises:
-        VllmUnavailable: no vLLM venv. SpeculatorsError: the server exits or is not healthy in time (its log's last
+        VllmUnavailable: no vLLM venv. SpeculatorsError: the server exits or is not healthy in time (its log's error
             lines in the message).
     """
+
+    name = "vllm serve"
+    stop_timeout = 20.0
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", max_model_len: int = 2048, max_num_seqs: int = 8,
                  served_name: str | None = None, kv_cache_gib: int = 2, python=None, startup_timeout: float = 600.0,
                  extra: list[str] | tuple[str, ...] = ()):
         py = ensure_vllm_python(python)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(startup_timeout)
         self.served_name = served_name or str(model)
         self.cmd = [str(py), "-m", SERVER_MODULE,
                     *server_args(model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs),
                     "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.served_name,
                     "--disable-uvicorn-access-log", *extra]
         self.env = {**clean_env(), "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))}
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-
-    def __enter__(self) -> VllmServer:
-        self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent, env=self.env, cwd=tempfile.gettempdir())
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the server (SIGTERM to its process group, SIGKILL after 20 s); idempotent."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self.cwd = tempfile.gettempdir()
 
     def log_tail(self, n: int = 6) -> str:
         """The server log's error lines when it has any, else its last ``n`` lines (joined by `` | ``)."""
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        lines = [ln.rstrip() for ln in self._log.read().splitlines() if ln.strip()]
+        lines = self.log_lines()
         errors = [ln for ln in lines if "Error" in ln or " ERROR " in ln]
         return " | ".join(errors[-3:] if errors else lines[-n:])
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SpeculatorsError(f"vllm serve exited with status {self.proc.returncode} at start: "
-                                       f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise SpeculatorsError(f"vllm serve was not healthy within {self.startup_timeout:.0f} s: {self.log_tail()}")
 
 
 __all__ = ["SERVER_MODULE", "VllmServer", "server_args"]

@@ -32,7 +32,9 @@ The response (rewritten after each engine, so a crash keeps what finished)::
 ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``) over the timed
 requests; ``spec`` is vLLM's per-request record (``--per-request-spec-decode-metrics detailed``: one entry per
 verify step that drafted). ``seconds`` is the request's wall time from submission to its end; ``decode_seconds``
-vLLM's first-token to last-token time of the request (engine-core timestamps). An engine that vLLM refuses
+vLLM's first-token to last-token time of the request (engine-core timestamps); ``decode_steps`` the engine steps
+that appended tokens to the request after the one that gave its first token (every decode step, those in which
+nothing was drafted included: counted as the engine steps, not inferred from the draft record). An engine that vLLM refuses
 (``ok`` false) carries vLLM's error and the next engine still runs.
 """
 
@@ -113,6 +115,8 @@ def _generate(llm, job: dict) -> dict:
     n = max(1, int(job.get("concurrency", 1)))
     results: list = [None] * len(prompts)
     submitted: dict[str, float] = {}
+    seen: dict[str, int] = {}  # tokens of each request so far
+    steps: dict[str, int] = {}  # engine steps that appended tokens to it, after the one giving its first token
     nxt, live = 0, 0
     t0 = time.perf_counter()
     while nxt < len(prompts) or live:
@@ -122,8 +126,14 @@ def _generate(llm, job: dict) -> dict:
             submitted[rid] = time.perf_counter()
             nxt, live = nxt + 1, live + 1
         for o in engine.step():
+            n = len(o.outputs[0].token_ids)
+            if n > seen.get(o.request_id, 0):
+                steps[o.request_id] = steps.get(o.request_id, -1) + 1
+                seen[o.request_id] = n
             if o.finished:
-                results[int(o.request_id[1:])] = _record(o, submitted[o.request_id], time.perf_counter())
+                rec = _record(o, submitted[o.request_id], time.perf_counter())
+                rec["decode_steps"] = max(0, steps.get(o.request_id, 0))
+                results[int(o.request_id[1:])] = rec
                 live -= 1
     wall = time.perf_counter() - t0
     return {"kind": "generate", "wall_seconds": wall, "counters": _delta(_counters(llm), before), "outputs": results}

@@ -20,7 +20,8 @@ from speculators.engines import llamacpp_build
 from speculators.engines.gguf_export import spec_type_of
 from speculators.engines.llamacpp_build import LlamaCpp, LlamaCppUnavailable, find_llama_cpp
 from speculators.engines.llamacpp_eval import (EnginePass, EngineSettings, best_setting, classify_engine_mismatch,
-                                               engine_row, first_diff, loop_comparison, render_markdown, timings)
+                                               engine_row, loop_comparison, render_markdown, timings)
+from speculators.evaluation.greedy_check import first_diff
 from speculators.engines.llamacpp_server import Completion, LlamaServer
 from speculators.errors import SpeculatorsError
 

@@ -62,7 +62,8 @@ def test_offline_install_step_exits_0_except_under_ci(monkeypatch, tmp_path, cap
 def test_tau_counts_every_decode_step_where_vllms_mean_acceptance_length_counts_drafting_steps():
     """ngram drafted in 2 of 5 decode steps: vLLM's mean acceptance length is 1 + 3/2, our tau 8 tokens / 5 steps."""
     # 9 tokens: 1 from the prefill, then steps emitting 3 (2 accepted), 1, 1, 2 (1 accepted), 1 = 8
-    out = Output(list(range(9)), seconds=1.0, decode_seconds=0.5, per_step_accepted=[2, 1], per_step_drafted=[3, 3])
+    out = Output(list(range(9)), seconds=1.0, decode_seconds=0.5, per_step_accepted=[2, 1], per_step_drafted=[3, 3],
+                 decode_steps=5)
     job = Job("generate", [out], wall_seconds=1.0, counters={"num_drafts": 2, "num_draft_tokens": 6,
                                                               "num_accepted_tokens": 3, "accepted_per_pos": [2, 1, 0]})
     row = pass_row("ngram k=3", "ngram", 3, 1, job)
@@ -73,14 +74,19 @@ def test_tau_counts_every_decode_step_where_vllms_mean_acceptance_length_counts_
 
 
 def test_a_step_cut_at_the_end_counts_only_what_it_emitted():
-    # 5 tokens: prefill 1, a step of 3 accepted (4 tokens): vLLM's K=3 step accepted 3 but max_tokens cut nothing;
-    # then one more recorded step whose tokens were all past the end
-    out = Output([1, 2, 3, 4, 5], per_step_accepted=[3, 3], per_step_drafted=[3, 3])
+    # 5 tokens: prefill 1, one step of 3 accepted drafts + its bonus
+    out = Output([1, 2, 3, 4, 5], per_step_accepted=[3], per_step_drafted=[3], decode_steps=1)
     row = pass_row("drafter k=3", "drafter", 3, 1, Job("generate", [out], wall_seconds=1.0))
     assert row["steps"] == 1 and row["tau"] == 4.0 and row["accepted"] == 3
-    out = Output([1, 2, 3], per_step_accepted=[3], per_step_drafted=[3])  # cut to 2 tokens: both were drafts
+    out = Output([1, 2, 3], per_step_accepted=[3], per_step_drafted=[3], decode_steps=1)  # cut to 2 drafts
     row = pass_row("drafter k=3", "drafter", 3, 1, Job("generate", [out], wall_seconds=1.0))
     assert row["steps"] == 1 and row["tau"] == 2.0 and row["accepted"] == 2
+    # ngram: 9 tokens; steps counted by the worker (5), the record has its 2 drafting steps, the last one cut
+    out = Output(list(range(9)), per_step_accepted=[2, 3], per_step_drafted=[3, 3], decode_steps=5)
+    row = pass_row("ngram k=3", "ngram", 3, 1, Job("generate", [out], wall_seconds=1.0))
+    assert row["steps"] == 5 and row["tau"] == pytest.approx(8 / 5)
+    with pytest.raises(SpeculatorsError, match="did not count the decode steps"):
+        pass_row("plain", "plain", None, 1, Job("generate", [Output([1, 2])], wall_seconds=1.0))
 
 
 def test_best_setting_never_picks_a_failed_pass():

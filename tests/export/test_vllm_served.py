@@ -125,5 +125,6 @@ def test_vllm_serves_every_export_losslessly_with_our_acceptance(vllm_python, vl
         a = res.acceptance
         assert a["steps_compared"] > 0 and a["steps_equal"] == a["steps_compared"], (family, a)
         assert a["vllm_per_pos"] == a["loop_per_pos"] and sum(a["loop_per_pos"]) > 0, (family, a)
+        assert a["counters_agree"], (family, a)  # vLLM's Prometheus counters say what its per-request records say
         assert res.control["informative"] and res.control["breaks"], (family, res.control)
         assert res.passed is True, family
