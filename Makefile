@@ -79,7 +79,7 @@ vllm-eval: vllm
 	$(BIN)/speculators eval $(RUN_DIR) --engine vllm
 
 test: engines
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: engines
 	$(BIN)/python -m pytest -q -m "not slow"

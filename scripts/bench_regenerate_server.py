@@ -162,8 +162,8 @@ def main() -> None:
           f"llama.cpp of llama-cpp-python {lc.version}; {os.cpu_count()} cores", flush=True)
     ours, st = pytorch_path(target, prompts, args.max_new_tokens)
     tok = sum(map(len, ours))
-    base = tok / st["cpu"] if st["cpu"] else 0.0
-    rows = [("pytorch", dtype, "-", tok, st["wall"], st["cpu"], base, "1.00")]
+    base = tok / st["cpu"] if st["cpu"] else None
+    rows = [("pytorch", dtype, "-", tok, st["wall"], st["cpu"])]
     parity = []
     for outtype in [o.strip() for o in args.outtypes.split(",") if o.strip()]:
         gguf = engine_gguf(target, lc, None if outtype == "as-is" else outtype, log=lambda m: None)
@@ -171,23 +171,21 @@ def main() -> None:
             print(f"llama-server {gguf.name} x{slots} ...", flush=True)
             got, s = server_path(lc, gguf, prompts, args.max_new_tokens, stops, slots, args.threads)
             n = sum(map(len, got))
-            per_cpu = n / s["cpu"] if s["cpu"] else 0.0
-            rows.append((f"llama-server x{slots}", gguf.name, slots, n, s["wall"], s["cpu"], per_cpu,
-                         "n/a" if not base else f"{per_cpu / base:.2f}"))
+            rows.append((f"llama-server x{slots}", gguf.name, slots, n, s["wall"], s["cpu"]))
             parity.append((f"{gguf.name} x{slots}", got))
     for inflight in [int(x) for x in args.vllm_inflight.split(",") if x.strip()]:
         print(f"vllm x{inflight} ...", flush=True)
         got, s = vllm_path(target, prompts, args.max_new_tokens, stops, inflight)
         n = sum(map(len, got))
-        per_cpu = n / s["cpu"] if s["cpu"] else 0.0
-        rows.append((f"vllm x{inflight}", f"{dtype} (vLLM)", inflight, n, s["wall"], s["cpu"], per_cpu,
-                     "n/a" if not base else f"{per_cpu / base:.2f}"))
+        rows.append((f"vllm x{inflight}", f"{dtype} (vLLM)", inflight, n, s["wall"], s["cpu"]))
         parity.append((f"vllm x{inflight}", got))
     print("\n| setting | weights | slots | tokens | wall s | tokens/s | CPU s | tokens/CPU-s | vs pytorch |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, w, slots, n, wall, cpu, per_cpu, r in rows:
-        print(f"| {name} | {w} | {slots} | {n} | {wall:.1f} | {n / wall if wall else 0:.1f} | {cpu:.1f} | "
-              f"{per_cpu:.1f} | {r} |")
+    for name, w, slots, n, wall, cpu in rows:
+        per_cpu = n / cpu if cpu else None  # a zero denominator is n/a, never 0
+        ratio = f"{per_cpu / base:.2f}" if per_cpu is not None and base else "n/a"
+        print(f"| {name} | {w} | {slots} | {n} | {wall:.1f} | {f'{n / wall:.1f}' if wall else 'n/a'} | {cpu:.1f} | "
+              f"{'n/a' if per_cpu is None else f'{per_cpu:.1f}'} | {ratio} |")
     print("\n| server setting | identical to pytorch | part at step (median, min-max) | our top-2 gap there "
           "(median, max) |")
     print("|---|---|---|---|")

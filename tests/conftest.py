@@ -81,6 +81,12 @@ def tiny_target_dir(tmp_path_factory, smol_tokenizer):
     return save_tiny_target(tmp_path_factory.mktemp("tiny-target"), smol_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def vllm_target_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama with head_dim 32 (vLLM's CPU attention refuses 16) and the SmolLM2 tokenizer."""
+    return save_tiny_target(tmp_path_factory.mktemp("vllm-target"), smol_tokenizer, hidden=128, layers=4)
+
+
 @pytest.fixture()
 def isolated_cache(tmp_path, monkeypatch):
     """Point the speculators cache (regenerations, features, converted targets) at a temp dir."""

@@ -214,9 +214,7 @@ def vllm_target_dir(target, log: Callable[[str], None] = print) -> Path | str:
     if not (out / "config.json").is_file():
         log(f"vLLM: writing the target as a Hugging Face directory for vLLM: {out}")
         with atomic_dir(out, overwrite=True) as tmp:
-            target.model.save_pretrained(tmp)
-            if getattr(target, "tokenizer", None) is not None:
-                target.tokenizer.save_pretrained(tmp)
+            target.save_pretrained(tmp)
     return out
 
 

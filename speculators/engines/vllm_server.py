@@ -71,10 +71,44 @@ class VllmServer(ServerProcess):
         self.cwd = tempfile.gettempdir()
 
     def log_tail(self, n: int = 6) -> str:
-        """The server log's error lines when it has any, else its last ``n`` lines (joined by `` | ``)."""
+        """The root cause in the server's log (the engine worker's own error, e.g. ``Worker failed with error
+        'Unsupported CPU attention configuration: head_dim=16 ...'``) when there is one, else its last error lines,
+        else its last ``n`` lines (joined by `` | ``)."""
         lines = self.log_lines()
+        root = [ln.split("] ", 1)[-1] for ln in lines if "Worker failed with error" in ln]
+        if root:
+            return root[-1]
         errors = [ln for ln in lines if "Error" in ln or " ERROR " in ln]
         return " | ".join(errors[-3:] if errors else lines[-n:])
+
+    def _wait_healthy(self) -> None:
+        """Healthy, then one 1-token completion: vLLM's ``/health`` answers before the engine has run a forward, and
+        some targets fail only there (the CPU attention refuses ``head_dim`` 16 at its first step), so the server
+        is known to decode before anyone sends it work.
+
+        Raises:
+            SpeculatorsError: the probe fails (the engine's root cause from the log, :meth:`log_tail`).
+        """
+        import json
+        import time
+        import urllib.error
+        import urllib.request
+
+        from ..errors import SpeculatorsError
+
+        super()._wait_healthy()
+        body = json.dumps({"model": self.served_name, "prompt": [0], "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.startup_timeout) as r:
+                r.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            deadline = time.monotonic() + 10  # the log's root cause is written as the engine dies
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            raise SpeculatorsError(f"{self.name} started but could not decode one token ({e}; "
+                                   f"{' '.join(self.cmd)}): {self.log_tail()}") from None
 
 
 __all__ = ["SERVER_MODULE", "VllmServer", "server_args"]

@@ -20,6 +20,7 @@ pipeline and the decoding loop need:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -316,6 +317,14 @@ class Target(LoraTarget):
         d = self.config.to_dict()
         d.pop("quantization_config", None)
         return d
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the target as a Hugging Face directory (``save_pretrained``'s layout: config, weights in the
+        model's own dtype, and the tokenizer when there is one) into ``directory``, for an engine that loads
+        a directory (vLLM). The caller owns atomicity (:func:`speculators.utils.atomic_dir`)."""
+        self.model.save_pretrained(str(directory))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
 
     # ------------------------------------------------------------------ features
     @torch.no_grad()

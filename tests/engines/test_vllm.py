@@ -105,14 +105,13 @@ def test_best_setting_never_picks_a_failed_pass():
 
 
 @pytest.mark.slow
-def test_eval_engine_vllm_measures_plain_the_drafter_and_ngram(vllm_python, tmp_path, isolated_cache, smol_tokenizer):
+def test_eval_engine_vllm_measures_plain_the_drafter_and_ngram(vllm_python, tmp_path, isolated_cache, vllm_target_dir):
     from typer.testing import CliRunner
 
-    from conftest import cli_train, save_tiny_target
+    from conftest import cli_train
     from speculators.cli import app
 
-    target = save_tiny_target(tmp_path / "target", smol_tokenizer, hidden=128, layers=4)
-    run = cli_train(ROOT / "recipes/tiny-eagle3.yaml", target, tmp_path / "run", "train.steps=20")
+    run = cli_train(ROOT / "recipes/tiny-eagle3.yaml", vllm_target_dir, tmp_path / "run", "train.steps=20")
     r = CliRunner().invoke(app, ["eval", str(run), "--engine", "vllm", "-k", "2", "--slots", "1,2",
                                  "--num-prompts", "2", "--max-new-tokens", "12"])
     assert r.exit_code == 0, f"{r.exception!r}\n{r.output}"

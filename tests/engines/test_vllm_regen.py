@@ -46,13 +46,11 @@ class CountingEngine(VllmServeRegeneration):
 
 
 @pytest.fixture(scope="module")
-def vllm_target(tmp_path_factory, smol_tokenizer):
+def vllm_target(vllm_target_dir):
     """A tiny target vLLM's CPU attention takes (head_dim 32), loaded as the regeneration loads it."""
-    from conftest import save_tiny_target
     from speculators.target import Target
 
-    d = save_tiny_target(tmp_path_factory.mktemp("vllm-regen-target"), smol_tokenizer, hidden=128, layers=4)
-    return Target.load(str(d), "float32", log=lambda *a: None)
+    return Target.load(str(vllm_target_dir), "float32", log=lambda *a: None)
 
 
 def _convs(n):
@@ -121,3 +119,18 @@ def test_a_running_vllm_at_a_url_talks_ids_and_is_refused_without_them(vllm_pyth
         client.api = NoIdsApi()
         with pytest.raises(ServerError, match="no token ids.*never re-tokenizes"):
             client.generate(prompt, 4, stops)
+
+
+@pytest.mark.slow
+def test_a_target_vllm_cannot_decode_fails_at_start_in_vllms_words(vllm_python, tiny_target_dir, isolated_cache):
+    """vLLM's /health answers before its engine has run a forward, and the CPU attention refuses head_dim 16 only
+    at the first step: the regeneration fails before any request, quoting the engine worker's own error, and
+    caches nothing."""
+    from speculators.errors import SpeculatorsError
+    from speculators.target import Target
+
+    target = Target.load(str(tiny_target_dir), "float32", log=lambda *a: None)  # head_dim 16
+    with pytest.raises(SpeculatorsError, match=r"could not decode one token.*head_dim=16"):
+        regenerate(target, _convs(2), "t", max_new_tokens=4, server=VllmServeRegeneration(SPEC, vllm_python),
+                   log=lambda *a: None)
+    assert not list((isolated_cache / "regen").glob("t-*.jsonl"))

@@ -83,14 +83,6 @@ SERVED = {"eagle3": ["train.steps=20"], "peagle": ["train.steps=20"], "dflash": 
           "medusa": ["drafter.export=vllm-medusa", "drafter.draft_vocab_size=null", "train.steps=1"]}
 
 
-@pytest.fixture(scope="module")
-def vllm_target_dir(tmp_path_factory, smol_tokenizer):
-    """A tiny random Llama with head_dim 32 (vLLM's CPU attention refuses 16) and the SmolLM2 tokenizer."""
-    from conftest import save_tiny_target
-
-    return save_tiny_target(tmp_path_factory.mktemp("vllm-target"), smol_tokenizer, hidden=128, layers=4)
-
-
 @pytest.mark.slow
 def test_vllm_serves_every_export_losslessly_with_our_acceptance(vllm_python, vllm_target_dir, tmp_path,
                                                                  isolated_cache):
