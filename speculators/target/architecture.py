@@ -11,8 +11,9 @@ pieces a drafter reuses:
 * :func:`attention_kinds`: each decoder layer's attention (full, or a sliding window of W positions), the
   masks the sessions build from it (:mod:`speculators.target.masks`);
 * :func:`check_supported`: one clear refusal, before any weight is read, for what the project cannot
-  verify with (encoder-decoder models, vision-language configs without a text decoder, state-space and
-  linear-attention or compressed-attention layers).
+  verify with (encoder-decoder models, multimodal configs, a layer kind outside an allow-list of full,
+  sliding-window and chunked attention read from every per-layer field the config declares
+  (:func:`declared_layer_kinds`), ALiBi, a layout or an output head the project does not read).
 
 The rules per architecture are written in docs/FORMATS.md ("Targets").
 """
@@ -28,6 +29,19 @@ from ..errors import SpeculatorsError
 _LAYER_LISTS = ("layers", "h", "blocks")
 _FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm", "final_norm")
 SUPPORTED_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
+
+#: config fields that declare each decoder layer's kind, beside transformers' own ``layer_types``: RecurrentGemma's
+#: ``block_types``, Zamba's / Nemotron-H's ``layers_block_type``, MiniMax's ``attn_type_list`` (0 = linear "lightning"
+#: attention, 1 = softmax attention), Nemotron-H's older ``hybrid_override_pattern`` (one character a layer: ``M``
+#: Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE); any other field named ``*layer_types`` / ``*block_type(s)`` is read
+#: too (:func:`declared_layer_kinds`), so a kind nobody listed here is refused by its name, not by an accident later
+KIND_FIELDS = ("layer_types", "block_types", "layers_block_type", "attn_type_list", "hybrid_override_pattern")
+#: fields of that shape that describe something else than the decoder's own layers (MLP kinds, MTP heads, indexers)
+_NOT_LAYER_KINDS = ("mlp_layer_types", "mtp_layers_block_type", "indexer_types")
+#: names a config gives to a layer of full causal softmax attention
+_FULL_SYNONYMS = {"attention": "full_attention", "full": "full_attention", "global": "full_attention",
+                  "global_attention": "full_attention", "*": "full_attention", 1: "full_attention"}
+_PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
 def decoder(model) -> torch.nn.Module:
@@ -122,6 +136,54 @@ def apply_logits_rule(logits: torch.Tensor, rule: LogitsRule) -> torch.Tensor:
     return logits
 
 
+def declared_layer_kinds(config) -> dict[str, list[str]]:
+    """Every per-layer kind the config declares, by field: ``{field: [kind of layer 0, 1, ...]}`` with the kinds
+    as named there (full-attention synonyms such as ``attention`` or MiniMax's ``1`` read as ``full_attention``).
+
+    Reads :data:`KIND_FIELDS` and any other field named ``*layer_types`` / ``*block_type(s)`` holding a list (minus
+    :data:`_NOT_LAYER_KINDS`); LFM2's ``full_attn_idxs`` (attention layers; the others are short convolutions) when
+    it has no ``layer_types``. A config that declares none gives ``{}``.
+    """
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    fields = dict.fromkeys(KIND_FIELDS)
+    for name in vars(cfg):
+        if (name.endswith(("layer_types", "block_type", "block_types")) and name not in _NOT_LAYER_KINDS):
+            fields.setdefault(name)
+    out: dict[str, list[str]] = {}
+    for name in fields:
+        value = getattr(cfg, name, None)
+        if name == "hybrid_override_pattern" and isinstance(value, str):
+            out[name] = [_PATTERN.get(c, c) for c in value]
+        elif isinstance(value, (list, tuple)) and value:
+            out[name] = [_FULL_SYNONYMS.get(v, "linear_attention" if name == "attn_type_list" and v == 0 else v)
+                         if isinstance(v, (str, int)) else repr(v) for v in value]
+    idxs = getattr(cfg, "full_attn_idxs", None)
+    n = getattr(cfg, "num_hidden_layers", None)
+    if "layer_types" not in out and isinstance(idxs, (list, tuple)) and isinstance(n, int):
+        out["full_attn_idxs"] = ["full_attention" if i in set(idxs) else "conv" for i in range(n)]
+    return out
+
+
+def check_layer_kinds(config) -> None:
+    """Refuse, by name, a layer kind the sessions do not implement: every kind :func:`declared_layer_kinds`
+    reads must be one of :data:`SUPPORTED_ATTENTION` (an allow-list, so an unknown kind is refused too).
+
+    Raises:
+        SpeculatorsError: naming the kind, the field that declares it, how many layers have it, the architecture
+            and the supported kinds.
+    """
+    for field, kinds in declared_layer_kinds(config).items():
+        bad = [k for k in kinds if k not in SUPPORTED_ATTENTION]
+        if bad:
+            first = bad[0]
+            raise SpeculatorsError(_unsupported(config, f"its decoder has {first!r} layers ({field}: "
+                                                        f"{bad.count(first)} of {len(kinds)} layers"
+                                                        + (f"; also {sorted(set(map(str, bad)) - {str(first)})}"
+                                                           if len(set(map(str, bad))) > 1 else "")
+                                                        + f"); the layer kinds verified here are "
+                                                          f"{', '.join(SUPPORTED_ATTENTION)}"))
+
+
 def attention_kinds(config) -> list[tuple[str, int | None]]:
     """Per decoder layer, ``(layer_type, size)``: ``("full_attention", None)`` = full causal attention,
     ``("sliding_attention", W)`` = a sliding window (a query at position p sees keys at positions
@@ -140,11 +202,15 @@ def attention_kinds(config) -> list[tuple[str, int | None]]:
     try:
         types, kwargs = get_layer_types_and_kwargs(cfg)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot describe per layer
-        raise SpeculatorsError(f"target: the layer types of {type(cfg).__name__} cannot be read ({e})") from None
+        raise SpeculatorsError(_unsupported(cfg, f"the layer types of {type(cfg).__name__} cannot be read by "
+                                                 f"transformers ({e})")) from None
     out: list[tuple[str, int | None]] = []
     for t, kw in zip(types, kwargs):
         if t not in SUPPORTED_ATTENTION:
-            raise SpeculatorsError(_unsupported(cfg, f"its decoder has {t!r} layers"))
+            why = (" (transformers' name for a layer that keeps no cache of its own: it reuses another layer's "
+                   "keys and values or has no attention)") if t == "dummy" else ""
+            raise SpeculatorsError(_unsupported(cfg, f"its decoder has {t!r} layers{why}; the layer kinds verified "
+                                                     f"here are {', '.join(SUPPORTED_ATTENTION)}"))
         out.append((t, None if t == "full_attention" else int(kw["sliding_window"])))
     return out
 
@@ -163,15 +229,21 @@ def check_supported(config) -> None:
 
     Raises:
         SpeculatorsError: naming the architecture and what is supported: an encoder-decoder model; a
-            multimodal config without a text decoder ``transformers`` can load as a causal LM; state-space,
-            linear-attention or compressed attention layers (:func:`attention_kinds`); ALiBi attention.
+            multimodal config without a text decoder ``transformers`` can load as a causal LM; a layer kind other
+            than full, sliding-window or chunked attention (:func:`check_layer_kinds`, then transformers' own
+            per-layer view in :func:`attention_kinds`); ALiBi attention; a layout whose decoder stack or final norm
+            the project cannot read; an output head that is not a plain linear map over the input vocabulary.
     """
     if getattr(config, "is_encoder_decoder", False):
         raise SpeculatorsError(_unsupported(config, "it is an encoder-decoder model (speculative decoding here "
                                                     "verifies with a decoder-only causal LM)"))
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    subs = [k for k in ("vision_config", "audio_config", "vision_tower_config") if getattr(config, k, None) is not None]
+    from transformers import PreTrainedConfig
+
+    subs = [k for k, v in vars(config).items()  # a sub-model's config for another modality: vision, audio, VQ
+            if k.endswith("_config") and isinstance(v, PreTrainedConfig) and any(
+                m in k for m in ("vision", "audio", "image", "visual", "video", "speech", "vq_"))]
     if subs:
         raise SpeculatorsError(_unsupported(config, f"it is a multimodal checkpoint ({', '.join(subs)}); load its "
                                                     f"text-only model (e.g. a *ForCausalLM of its text config)"))
@@ -179,6 +251,7 @@ def check_supported(config) -> None:
         raise SpeculatorsError(_unsupported(config, "transformers has no causal-LM class for this config (a "
                                                     "vision-language or encoder-only model without a text-only "
                                                     "decoder path)"))
+    check_layer_kinds(config)
     attention_kinds(config)
     if getattr(config, "alibi", False) or getattr(config, "model_type", "") in ("bloom", "mpt"):
         raise SpeculatorsError(_unsupported(config, "its attention adds ALiBi biases built from a 2-D padding "
@@ -190,10 +263,30 @@ def check_supported(config) -> None:
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001 - transformers cannot build it
         raise SpeculatorsError(_unsupported(config, f"transformers cannot build it as a causal LM ({e})")) from None
-    layers = decoder_layers(model)
-    final_norm(model)
+    try:
+        layers = decoder_layers(model)
+        final_norm(model)
+    except SpeculatorsError as e:  # an accessor the project reads through is missing
+        raise SpeculatorsError(_unsupported(config, f"this architecture's layout is not one we read: {e} (a "
+                                                    f"decoder-only stack of layers followed by a final norm and a "
+                                                    f"linear output head)")) from None
     for i, layer in enumerate(layers):
         if not any(type(m).__name__.endswith("Attention") for m in layer.modules()):
             kinds = sorted({type(m).__name__ for m in layer.children()})
             raise SpeculatorsError(_unsupported(config, f"decoder layer {i} has no attention ({kinds}: a "
                                                         f"state-space or linear-attention layer)"))
+    _check_output_head(model, config)
+
+
+def _check_output_head(model, config) -> None:
+    """The verifier computes ``lm_head(norm(top))`` itself (:meth:`Target.lm_head`), with the architecture's
+    :func:`logits_rule`: the head must be a plain ``nn.Linear`` (no forward of its own) with one row per input
+    embedding row."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        raise SpeculatorsError(_unsupported(config, f"its output head is not a plain linear map of the final "
+                                                    f"hidden state ({type(head).__name__} computes the logits its "
+                                                    f"own way)"))
+    if isinstance(emb, torch.nn.Embedding) and emb.num_embeddings != head.out_features:
+        raise SpeculatorsError(_unsupported(config, f"its input embeddings ({emb.num_embeddings} rows) and output "
+                                                    f"head ({head.out_features} rows) cover different vocabularies"))

@@ -188,3 +188,63 @@ def build_tiny_architecture(name: str, vocab_size: int = 128, hidden_size: int =
     """:func:`tiny_architecture_model` wrapped as a :class:`Target` (named ``tiny-random-<name>-<seed>``)."""
     model = tiny_architecture_model(name, vocab_size, hidden_size, num_layers, seed)
     return Target(model, tokenizer, name_or_path=f"tiny-random-{name}-{seed}")
+
+
+#: sizes :func:`tiny_config_of` gives any config class that has the field (its own name or an ``attribute_map``
+#: alias such as GPT-2's ``n_embd``): a few-thousand-parameter decoder, MoE and MLA fields included
+TINY_FIELDS = dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=256, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                   num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+                   q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, rotary_dim=4,
+                   pad_token_id=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def tiny_config_of(config_class, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 3,
+                   overrides: dict | None = None):
+    """Any transformers config class at tiny size: :data:`TINY_FIELDS` for the fields it has, ``vocab_size``,
+    ``hidden_size``, and at least ``num_layers`` decoder layers keeping one layer of each kind its default
+    per-layer lists hold (``layer_types`` and the like: a hybrid model stays hybrid). A field the class refuses
+    (a read-only property, a validator) is dropped and the class's default kept. ``overrides`` last.
+
+    Raises:
+        whatever the config class raises for the remaining fields (the caller reports it: not every class can be
+        built small by field names alone).
+    """
+    default = config_class()
+
+    def has(name: str) -> bool:  # a per-layer field of a heterogeneous config raises on a global read: it is there
+        try:
+            getattr(default, name)
+            return True
+        except AttributeError:
+            return False
+        except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError)
+            return True
+
+    kw = {k: v for k, v in {**TINY_FIELDS, "vocab_size": vocab_size, "hidden_size": hidden_size}.items() if has(k)}
+    if "qk_rope_head_dim" in kw and "head_dim" in kw:  # MLA: the rotary part is the head size rope sees
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    n = getattr(default, "num_hidden_layers", None)
+    if isinstance(n, int) and n > 0:
+        per_layer = {k: v for k, v in vars(default).items() if isinstance(v, list) and len(v) == n}
+        keep: list[int] = []
+        for values in per_layer.values():  # the first layer of each kind
+            seen = {repr(values[i]) for i in keep}
+            for i, v in enumerate(values):
+                if repr(v) not in seen:
+                    keep.append(i)
+                    seen.add(repr(v))
+        keep = sorted(set(keep) | set(range(min(num_layers, n))))[:max(num_layers, 4)]
+        kw["num_hidden_layers"] = len(keep)
+        kw.update({k: [v[i] for i in keep] for k, v in per_layer.items()})
+    kw.update(overrides or {})
+    for _ in range(len(kw)):
+        try:
+            return config_class(**kw)
+        except (AttributeError, ValueError, TypeError, RuntimeError) as e:
+            named = [k for k in kw if k not in (overrides or {}) and (f"'{k}'" in str(e) or f"`{k}`" in str(e)
+                                                                      or f" {k} " in str(e))]
+            if not named:
+                raise
+            del kw[named[0]]
+    return config_class(**kw)
