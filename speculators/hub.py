@@ -167,10 +167,11 @@ def hub_card(ckpt: str | Path, repo_id: str) -> str:
         "", "## Serving", "",
     ]
     if method is not None:
-        spec = json.dumps({"model": repo_id, "num_speculative_tokens": k, "method": method})
-        lines += ["With vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```", ""]
+        base = family.serving.vllm_speculative_config(cfg, repo_id, k)
+        lines += ["With vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{json.dumps(base)}'",
+                  "```", ""]
         if family.serving.vllm_tree:
-            lines += _tree_serving_lines(ckpt, repo_id, verifier, method)
+            lines += _tree_serving_lines(ckpt, verifier, base)
     else:
         lines += [f"Not loadable by vLLM as written: {why_not}.", ""]
     lines += _llamacpp_serving_lines(ckpt, family)
@@ -213,7 +214,7 @@ def _llamacpp_serving_lines(ckpt: Path, family) -> list[str]:
     return lines
 
 
-def _tree_serving_lines(ckpt: Path, repo_id: str, verifier: str, method: str) -> list[str]:
+def _tree_serving_lines(ckpt: Path, verifier: str, base: dict) -> list[str]:
     """The card's draft-tree serving lines: the static tree the newest eval with ``--tree`` found best on its
     machine (``report.json`` ``trees.best_static_tree``, vLLM's ``speculative_token_tree`` syntax, with
     ``num_speculative_tokens`` = its node count as vLLM's tree mode takes it), or nothing without one; only
@@ -232,8 +233,7 @@ def _tree_serving_lines(ckpt: Path, repo_id: str, verifier: str, method: str) ->
         tree = best.get("speculative_token_tree")
         if not tree:
             continue
-        spec = json.dumps({"model": repo_id, "num_speculative_tokens": best["num_nodes"], "method": method,
-                           "speculative_token_tree": tree})
+        spec = json.dumps({**base, "num_speculative_tokens": best["num_nodes"], "speculative_token_tree": tree})
         note = "" if best.get("level_uniform", True) else (
             " Its levels give their nodes different numbers of children, which vLLM's tree drafting does not "
             "expand as written; prefer a tree with one child count per level there.")

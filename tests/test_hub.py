@@ -281,8 +281,10 @@ def test_eval_accepts_a_pushed_drafters_hub_id(run_dir, monkeypatch, tmp_path):
     assert res.exit_code == 2 and "error: download of me/other failed: OSError: offline mode" in res.output
 
 
-@pytest.mark.parametrize("algo", ["eagle3", "eagle", "medusa", "medusa-speculators-export", "mtp"])
+@pytest.mark.parametrize("algo", ["eagle3", "eagle", "medusa", "medusa-speculators-export", "mtp", "peagle"])
 def test_card_serving_line_per_family(algo, run_dir, tmp_path):
+    """The card's `vllm serve` line per family, exactly as vLLM takes it: P-EAGLE's carries `parallel_drafting`
+    (with an explicit `method: eagle3` vLLM would otherwise draft its depths as a chain)."""
     import json
     import shutil
 
@@ -307,6 +309,9 @@ def test_card_serving_line_per_family(algo, run_dir, tmp_path):
     if algo in ("eagle3", "medusa"):
         assert ("vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config "
                 f'\'{{"model": "me/x", "num_speculative_tokens": 3, "method": "{algo}"}}\'') in card
+    elif algo == "peagle":
+        assert ("vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config "
+                '\'{"model": "me/x", "num_speculative_tokens": 3, "method": "eagle3", "parallel_drafting": true}\'') in card
     else:
         assert "vllm serve" not in card and "Not loadable by vLLM as written" in card
 

@@ -150,6 +150,10 @@ class PEagleFormat(ServingFormat):
 
     algorithm = "peagle"
     vllm_method = "eagle3"  # vLLM serves `peagle` checkpoints as eagle3 with parallel_drafting
+    #: vLLM infers parallel drafting from a `peagle` config only when no method is given; with `method: eagle3` it
+    #: must be asked for, else vLLM skips mask_hidden and drafts the depths one after another (a chain P-EAGLE's
+    #: mask slots were not trained for)
+    vllm_extra = {"parallel_drafting": True}
     llamacpp_note = ("llama.cpp has no parallel-drafting type and its converter registers no PEagleSpeculator; "
                      "served as draft-eagle3 it would draft autoregressively, which P-EAGLE's later depths "
                      "were not trained for")

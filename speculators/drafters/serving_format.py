@@ -40,6 +40,9 @@ class ServingFormat:
     #: the family this format writes (the drafter's ``algorithm``)
     algorithm: ClassVar[str] = ""
     vllm_method: ClassVar[str | None] = None  # vLLM's --speculative-config "method" for this format
+    #: further ``--speculative-config`` keys vLLM needs to serve this layout as trained (P-EAGLE:
+    #: ``parallel_drafting``; with an explicit ``method`` vLLM does not infer it from the checkpoint)
+    vllm_extra: ClassVar[dict[str, Any]] = {}
     vllm_note: ClassVar[str] = ""  # why vLLM cannot load it as written (when vllm_method is None)
     #: llama-server's ``--spec-type`` for this format's GGUF (llama.cpp's ``common/speculative.cpp``), or None
     #: when llama.cpp cannot serve it (:attr:`llamacpp_note` says why); :mod:`speculators.engines.gguf_export`
@@ -88,6 +91,16 @@ class ServingFormat:
         :attr:`vllm_method` / :attr:`vllm_note`; a family with several layouts overrides this.
         """
         return export.vllm_serving(self.algorithm, self.vllm_method, self.vllm_note)
+
+    def vllm_speculative_config(self, config: dict[str, Any], model: str, k: int) -> dict[str, Any] | None:
+        """vLLM's ``--speculative-config`` that serves the checkpoint ``model`` (a directory or Hub id whose
+        ``config.json`` is ``config``) at ``k`` drafts per step as it was trained: ``{"model", "num_speculative_tokens",
+        "method", **vllm_extra}``; ``None`` where :meth:`vllm_serving` gives no method. Every place that starts or
+        prints a vLLM engine for a checkpoint (the gate, the eval, the model card) builds its config here."""
+        method, _ = self.vllm_serving(config)
+        if method is None:
+            return None
+        return {"model": str(model), "num_speculative_tokens": int(k), "method": method, **self.vllm_extra}
 
     def check_llamacpp(self, config: dict[str, Any], where: str) -> None:
         """Refuse a checkpoint (its ``config.json``) whose settings llama.cpp's graph for this family would

@@ -125,14 +125,15 @@ def _fastest(rows: list[dict], method: str, batch: int = 1) -> dict | None:
     return max(cand, key=lambda r: r["tokens_per_s"]) if cand else None
 
 
-def run_vllm_eval(target_dir, checkpoint: Path, method: str, prompts: list[list[int]], stop_ids: list[int],
+def run_vllm_eval(target_dir, checkpoint: Path, spec: dict, prompts: list[list[int]], stop_ids: list[int],
                   st: VllmEvalSettings, dtype: str, ks: tuple[int, ...], python=None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every pass of the module docstring's plan, the speedups, the greedy check and the best setting.
 
     Args:
         target_dir: the target as vLLM loads it (:func:`.vllm_runner.vllm_target_dir`). checkpoint: the drafter
-            directory, served with ``--speculative-config`` ``method``. prompts: token ids per prompt. stop_ids: the
+            directory. spec: its ``--speculative-config`` (``ServingFormat.vllm_speculative_config``; ``model`` and
+            ``num_speculative_tokens`` are set here). prompts: token ids per prompt. stop_ids: the
             target's stop tokens. st: what to sweep; ``ks`` resolved. dtype: vLLM's ``--dtype``.
     Returns:
         ``{"engine", "vllm_version", "dtype", "settings", "rows", "greedy_check", "best", "threads", "cpus"}``.
@@ -143,7 +144,7 @@ def run_vllm_eval(target_dir, checkpoint: Path, method: str, prompts: list[list[
         raise SpeculatorsError("vLLM eval: no prompts")
     need = max(len(p) for p in prompts) + st.max_new_tokens + max(ks) + 8
     mml = vllm_runner.fit_context(target_dir, need)
-    spec = {"method": method, "model": str(Path(checkpoint).resolve())}
+    spec = {**spec, "model": str(Path(checkpoint).resolve())}
     job1 = vllm_runner.generate_job(prompts, st.max_new_tokens, stop_ids)
     engines = [vllm_runner.engine("plain", None, [job1], max_num_seqs=max(st.concurrency))]
     engines += [vllm_runner.engine(f"drafter k={k}", {**spec, "num_speculative_tokens": k}, [job1]) for k in ks]
@@ -325,14 +326,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_command(target_dir, checkpoint: Path, method: str, k: int, dtype: str, python: str = "python") -> str:
+def serve_command(target_dir, checkpoint: Path, spec: dict, k: int, dtype: str, python: str = "python") -> str:
     """The command line that serves ``checkpoint`` for the target with K drafts per step: vLLM's OpenAI server as
     :class:`.vllm_server.VllmServer` starts it (``vllm serve`` with the GPU build takes the same arguments)."""
     import shlex
 
     from .vllm_server import SERVER_MODULE, server_args
 
-    spec = {"method": method, "model": str(checkpoint), "num_speculative_tokens": int(k)}
+    spec = {**spec, "model": str(checkpoint), "num_speculative_tokens": int(k)}
     return shlex.join([str(python), "-m", SERVER_MODULE, *server_args(target_dir, dtype=dtype, max_model_len=2048,
                                                                        speculative_config=spec)])
 
@@ -393,13 +394,14 @@ def engine_eval(ckpt: Path, rec, settings: VllmEvalSettings, *, num_prompts: int
     target_dir = vllm_runner.vllm_target_dir(target, log)
     del target
     log(f"vLLM eval: {len(ids)} prompts ({label}), {dtype}, K={list(ks)}, in flight {list(settings.concurrency)}")
-    report = run_vllm_eval(target_dir, ckpt, method, ids, stops, settings, dtype, ks, python=python, log=log)
+    spec = drafter.serving.vllm_speculative_config(cfg, str(ckpt), ks[0])
+    report = run_vllm_eval(target_dir, ckpt, spec, ids, stops, settings, dtype, ks, python=python, log=log)
     report.update(checkpoint=str(ckpt), method=method, prompts=label, target=str(target_dir))
     loop = _loop_report(ckpt, len(ids))
     report["loop_report"] = loop.get("path") if loop else None
     report["loop_comparison"] = loop_comparison(report, loop)
     if report["best"]["k"] is not None:
-        report["serve"] = serve_command(target_dir, ckpt, method, report["best"]["k"], dtype, python)
+        report["serve"] = serve_command(target_dir, ckpt, spec, report["best"]["k"], dtype, python)
     out = Path(output) if output is not None else ckpt.parent / REPORT_DIR
     write_engine_report(report, out, render_markdown)
     log(render_markdown(report).rstrip())

@@ -7,6 +7,7 @@ with ``train.vllm_check``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,8 +108,10 @@ def _serving(checkpoint) -> str:
     algo = ((cfg.get("speculators_training") or {}).get("drafter") or {}).get("algorithm")
     if algo not in registry.names():
         return ""
-    method, note = registry.get(algo).serving.vllm_serving(cfg)
-    return f"vLLM serves it with `--speculative-config` method `{method}`." if method else \
+    serving = registry.get(algo).serving
+    method, note = serving.vllm_serving(cfg)
+    extra = "".join(f", `{k}: {json.dumps(v)}`" for k, v in serving.vllm_extra.items())
+    return f"vLLM serves it with `--speculative-config` method `{method}`{extra}." if method else \
         f"vLLM cannot load this layout as written: {note}."
 
 

@@ -250,6 +250,7 @@ class _Plan:
     target_dir: Any
     control_dir: Path
     what: str
+    spec: dict  # the --speculative-config that serves the checkpoint as trained (ServingFormat.vllm_speculative_config)
 
 
 def check_served(checkpoint: str | Path, target=None, prompts: list[list[int]] | None = None,
@@ -303,7 +304,7 @@ def check_served_many(checkpoints: list[str | Path], target=None, prompts: list[
             engines = [vllm_runner.engine("plain", None, jobs, max_num_seqs=1)]
             for n, i in enumerate(idx):
                 p = plans[i]
-                spec = {"method": p.res.method, "model": str(p.checkpoint.resolve()), "num_speculative_tokens": p.k}
+                spec = p.spec
                 engines += [vllm_runner.engine(f"spec-{n}", spec, [jobs[n]], max_num_seqs=1),
                             vllm_runner.engine(f"control-{n}", {**spec, "model": str(p.control_dir)}, [jobs[n]],
                                                max_num_seqs=1)]
@@ -384,7 +385,8 @@ def _plan(checkpoint: Path, target, prompts, num_prompts: int, max_tokens: int, 
     res.k, res.num_prompts, res.max_tokens = kk, len(ids), int(max_tokens)
     control_dir, what = perturbed_copy(checkpoint, control_dest)
     return _Plan(res, checkpoint, drafter, tgt, ids, kk, sorted(resolve_stop_ids(tgt)),
-                 vllm_runner.vllm_target_dir(tgt, log), control_dir, what)
+                 vllm_runner.vllm_target_dir(tgt, log), control_dir, what,
+                 serving.vllm_speculative_config(cfg, str(checkpoint.resolve()), kk))
 
 
 def _judge(plan: _Plan, plain_outputs, spec_run, control, max_tokens: int, log) -> ServedResult:
