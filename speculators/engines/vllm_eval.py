@@ -115,7 +115,7 @@ def pass_row(label: str, method: str, k: int | None, batch: int, job: vllm_runne
             "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None,
             "steps": n_steps, "decode_seconds": sum(decode) if timed else None,
             "ms_per_step": (1000.0 * sum(decode) / n_steps) if timed and n_steps and batch == 1 else None,
-            "vllm_counters": c, "vllm_mean_acceptance_length":
+            "max_in_flight": job.max_in_flight, "vllm_counters": c, "vllm_mean_acceptance_length":
                 (1.0 + int(c.get("num_accepted_tokens") or 0) / d_steps) if d_steps else None,
             "speedup": None}
 

@@ -48,12 +48,14 @@ class Output:
 class Job:
     """One job's answer: ``outputs`` in prompt order, ``wall_seconds`` of the timed requests, ``counters`` the
     differences of vLLM's Prometheus spec-decode counters over them (``num_drafts``, ``num_draft_tokens``,
-    ``num_accepted_tokens``, ``accepted_per_pos``)."""
+    ``num_accepted_tokens``, ``accepted_per_pos``), ``max_in_flight`` the most requests the worker had submitted
+    and not yet finished at once (a ``generate`` job's concurrency, as it ran)."""
 
     kind: str
     outputs: list[Output]
     wall_seconds: float = 0.0
     counters: dict[str, Any] = field(default_factory=dict)
+    max_in_flight: int | None = None
 
 
 @dataclass
@@ -88,7 +90,8 @@ def _parse_engine(e: dict[str, Any]) -> EngineRun:
                                spec["per_step_drafted"] if spec else None,
                                [_lp(d) for d in o["logprobs"]] if o.get("logprobs") else None,
                                decode_steps=o.get("decode_steps")))
-        jobs.append(Job(j["kind"], outs, float(j.get("wall_seconds") or 0.0), j.get("counters") or {}))
+        jobs.append(Job(j["kind"], outs, float(j.get("wall_seconds") or 0.0), j.get("counters") or {},
+                        j.get("max_in_flight")))
     return EngineRun(e["label"], bool(e["ok"]), e.get("error"), e.get("init_seconds"), e.get("threads"),
                      e.get("cpus"), jobs)
 

@@ -23,7 +23,7 @@ prefix of the prompt, all from one prefill forward (a many-token forward, a veri
 The response (rewritten after each engine, so a crash keeps what finished)::
 
     {"vllm_version", "engines": [{"label", "ok", "error", "init_seconds", "threads", "cpus",
-        "jobs": [{"kind", "wall_seconds", "counters": {num_drafts, num_draft_tokens, num_accepted_tokens,
+        "jobs": [{"kind", "wall_seconds", "max_in_flight", "counters": {num_drafts, num_draft_tokens, num_accepted_tokens,
                   accepted_per_pos}, "outputs": [{"token_ids", "finish_reason", "stop_reason", "seconds",
                   "decode_seconds", "spec": {histogram, per_step_accepted, per_step_drafted, num_draft_tokens}
                   | null, "logprobs": [{token id: logprob}] | null}]}]}]}
@@ -112,31 +112,33 @@ def _generate(llm, job: dict) -> dict:
     if job.get("warmup", True) and prompts:  # the first request of a fresh engine pays allocation, not decoding
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params(0), use_tqdm=False)
     before = _counters(llm)
-    n = max(1, int(job.get("concurrency", 1)))
+    concurrency = max(1, int(job.get("concurrency", 1)))
     results: list = [None] * len(prompts)
     submitted: dict[str, float] = {}
     seen: dict[str, int] = {}  # tokens of each request so far
     steps: dict[str, int] = {}  # engine steps that appended tokens to it, after the one giving its first token
-    nxt, live = 0, 0
+    nxt, live, most = 0, 0, 0
     t0 = time.perf_counter()
     while nxt < len(prompts) or live:
-        while live < n and nxt < len(prompts):
+        while live < concurrency and nxt < len(prompts):
             rid = f"r{nxt}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[nxt]), params(nxt))
             submitted[rid] = time.perf_counter()
             nxt, live = nxt + 1, live + 1
+        most = max(most, live)
         for o in engine.step():
-            n = len(o.outputs[0].token_ids)
-            if n > seen.get(o.request_id, 0):
+            got = len(o.outputs[0].token_ids)
+            if got > seen.get(o.request_id, 0):
                 steps[o.request_id] = steps.get(o.request_id, -1) + 1
-                seen[o.request_id] = n
+                seen[o.request_id] = got
             if o.finished:
                 rec = _record(o, submitted[o.request_id], time.perf_counter())
                 rec["decode_steps"] = max(0, steps.get(o.request_id, 0))
                 results[int(o.request_id[1:])] = rec
                 live -= 1
     wall = time.perf_counter() - t0
-    return {"kind": "generate", "wall_seconds": wall, "counters": _delta(_counters(llm), before), "outputs": results}
+    return {"kind": "generate", "wall_seconds": wall, "counters": _delta(_counters(llm), before), "outputs": results,
+            "max_in_flight": most}
 
 
 def _prompt_logprobs(llm, job: dict) -> dict:

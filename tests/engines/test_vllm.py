@@ -119,6 +119,8 @@ def test_eval_engine_vllm_measures_plain_the_drafter_and_ngram(vllm_python, tmp_
     labels = [x["label"] for x in rep["rows"]]
     assert labels == ["plain", "drafter k=2", "ngram k=2", "plain x2", "drafter k=2 x2", "ngram k=2 x2"]
     by = {x["label"]: x for x in rep["rows"]}
+    assert all(x["max_in_flight"] == (2 if x["label"].endswith(" x2") else 1) for x in rep["rows"]), \
+        [(x["label"], x["max_in_flight"]) for x in rep["rows"]]  # "1 request in flight" is what ran
     assert by["plain"]["tau"] == 1.0 and by["plain"]["drafted"] == 0 and by["plain"]["speedup"] == 1.0
     d = by["drafter k=2"]
     assert d["drafted"] > 0 and 1.0 <= d["tau"] <= 3.0 and d["vllm_counters"]["num_draft_tokens"] == d["drafted"]
