@@ -33,11 +33,12 @@ SUPPORTED_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention
 #: config fields that declare each decoder layer's kind, beside transformers' own ``layer_types``: RecurrentGemma's
 #: ``block_types``, Zamba's / Nemotron-H's ``layers_block_type``, MiniMax's ``attn_type_list`` (0 = linear "lightning"
 #: attention, 1 = softmax attention), Nemotron-H's older ``hybrid_override_pattern`` (one character a layer: ``M``
-#: Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE); any other field named ``*layer_types`` / ``*block_type(s)`` is read
-#: too (:func:`declared_layer_kinds`), so a kind nobody listed here is refused by its name, not by an accident later
+#: Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE); any other field named ``*layer_types`` is read too
+#: (:func:`declared_layer_kinds`), so a kind nobody listed here is refused by its name, not by an accident later
 KIND_FIELDS = ("layer_types", "block_types", "layers_block_type", "attn_type_list", "hybrid_override_pattern")
-#: fields of that shape that describe something else than the decoder's own layers (MLP kinds, MTP heads, indexers)
-_NOT_LAYER_KINDS = ("mlp_layer_types", "mtp_layers_block_type", "indexer_types")
+#: prefixes of other ``*layer_types`` fields that describe the MLPs, not the attention, of the decoder's layers (a
+#: ``*layers_block_type`` field with a prefix describes extra prediction layers, not the decoder's: not read)
+_NOT_LAYER_KINDS = ("mlp_",)
 #: names a config gives to a layer of full causal softmax attention
 _FULL_SYNONYMS = {"attention": "full_attention", "full": "full_attention", "global": "full_attention",
                   "global_attention": "full_attention", "*": "full_attention", 1: "full_attention"}
@@ -140,14 +141,14 @@ def declared_layer_kinds(config) -> dict[str, list[str]]:
     """Every per-layer kind the config declares, by field: ``{field: [kind of layer 0, 1, ...]}`` with the kinds
     as named there (full-attention synonyms such as ``attention`` or MiniMax's ``1`` read as ``full_attention``).
 
-    Reads :data:`KIND_FIELDS` and any other field named ``*layer_types`` / ``*block_type(s)`` holding a list (minus
+    Reads :data:`KIND_FIELDS` and any other field named ``*layer_types`` holding a list (minus the MLP kinds of
     :data:`_NOT_LAYER_KINDS`); LFM2's ``full_attn_idxs`` (attention layers; the others are short convolutions) when
     it has no ``layer_types``. A config that declares none gives ``{}``.
     """
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     fields = dict.fromkeys(KIND_FIELDS)
     for name in vars(cfg):
-        if (name.endswith(("layer_types", "block_type", "block_types")) and name not in _NOT_LAYER_KINDS):
+        if name.endswith("layer_types") and not name.startswith(_NOT_LAYER_KINDS):
             fields.setdefault(name)
     out: dict[str, list[str]] = {}
     for name in fields:
