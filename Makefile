@@ -17,7 +17,7 @@ REFERENCE_VENV ?= .venv-reference
 # vLLM (its CPU build here, the GPU build where nvidia-smi answers) in its own venv: it pins its own torch companions
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install reference llama-cpp llama-cpp-eval vllm vllm-eval engines demo test test-fast eval clean
+.PHONY: install reference llama-cpp llama-cpp-eval vllm vllm-eval engines demo docs test test-fast eval clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,7 +78,13 @@ eval: install
 vllm-eval: vllm
 	$(BIN)/speculators eval $(RUN_DIR) --engine vllm
 
+# the documentation site (mkdocs.yml: Material, mkdocstrings) into site/; --strict: a warning (a broken link or
+# anchor, a page missing from the nav, a docstring reference that no longer exists) fails the build
+docs: install
+	$(BIN)/mkdocs build --strict -d site
+
 test: engines
+	$(BIN)/mkdocs build --strict -d site
 	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: engines

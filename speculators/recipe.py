@@ -110,7 +110,7 @@ class SelfSynthSpec(Strict):
 
 class SourceSpec(Strict):
     source: str = Field(description="`humaneval` | `chatterbot` | `chitchat` | `self` | path to `.jsonl`/`.json` | "
-                                    "`hf:NAME[:SPLIT]` (see [Data sources](#data-sources))")
+                                    "`hf:NAME[:SPLIT]` (see [Data sources](training/data.md#data-sources))")
     max_examples: int | None = Field(default=None, gt=0, description="load at most this many rows (a cap, not a "
                                                                       "filter; not with `source: self`)")
     regenerate: bool | None = Field(default=None, description="overrides `data.regenerate` for this source "
@@ -237,7 +237,7 @@ class DataSpec(Strict):
     features: Literal["offline", "online"] = Field(
         default="offline", description="`offline`: target features cached on disk once; `online`: the frozen target "
                                        "runs inside every training step, no cache (see [Offline or online "
-                                       "features](#offline-or-online-target-features); README: disk arithmetic)")
+                                       "features](training/recipes.md#offline-or-online-target-features); README: disk arithmetic)")
     feature_dtype: Literal["bfloat16", "float32", "float16"] = Field(
         default="bfloat16", description="dtype of the target features (cache and online): `bfloat16` (2 bytes, any "
                                         "magnitude, 0.2% rounding), `float32` (exact, 4 bytes), `float16` (refused "

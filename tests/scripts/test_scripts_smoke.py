@@ -574,6 +574,32 @@ def test_vllm_architectures(cache, vllm_python):
 # ----------------------------------------------------------------------------- completeness
 
 
+@covers("cli_reference.py")
+def test_cli_reference(cache, tmp_path):
+    """Writes the block into a stale copy of docs/reference/cli.md (``--file``): the copy then equals the committed
+    page (tests/test_docs_site.py checks the committed block with ``--check``)."""
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    begin = page.index("<!-- cli-reference:begin")
+    stale_at = page.index("\n### `speculators push`", begin)
+    copy = tmp_path / "cli.md"
+    copy.write_text(page[:stale_at] + page[page.index("\n", stale_at + 1):])  # one heading dropped
+    r = run_script(cache, "cli_reference.py", "--file", copy)
+    assert f"{copy}: CLI reference rewritten" in r.stdout, r.stdout
+    assert copy.read_text() == page
+
+
+@covers("results_plots.py")
+def test_results_plots(cache, tmp_path):
+    """Draws the three plots of docs/results/index.md from the committed JSON into a temporary folder: three PNGs,
+    each named on stdout, each a real image under 100 KB."""
+    r = run_script(cache, "results_plots.py", "--out", tmp_path)
+    for name in ("tau_per_family.png", "learning_curve.png", "engine_speedups.png"):
+        png = tmp_path / name
+        assert f"wrote {png}" in r.stdout, r.stdout
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < 100_000, (name, len(data))
+
+
 def test_every_script_has_a_smoke_test():
     scripts = {p.name for p in SCRIPTS.iterdir() if p.is_file() and p.suffix in (".py", ".sh")}
     missing = sorted(scripts - set(COVERED))
