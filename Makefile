@@ -81,10 +81,10 @@ vllm-eval: vllm
 # the documentation site (mkdocs.yml: Material, mkdocstrings) into site/; --strict: a warning (a broken link or
 # anchor, a page missing from the nav, a docstring reference that no longer exists) fails the build
 docs: install
-	$(BIN)/mkdocs build --strict -d site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 test: engines
-	$(BIN)/mkdocs build --strict -d site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: engines
