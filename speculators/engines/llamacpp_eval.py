@@ -434,6 +434,26 @@ def _fmt(x, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def row_cells(r: dict[str, Any]) -> tuple[str, str]:
+    """An engine report row's ``tau [95% CI]`` and ``accepted / drafted`` cells (``n/a`` / ``-`` without them)."""
+    tau = "n/a" if r["tau"] is None else f"{r['tau']:.3f} [{r['tau_ci'][0]:.3f}, {r['tau_ci'][1]:.3f}]"
+    return tau, (f"{r['accepted']} / {r['drafted']}" if r["drafted"] else "-")
+
+
+def loop_comparison_lines(report: dict[str, Any], engine: str) -> list[str]:
+    """The markdown table of :func:`loop_comparison`'s rows (the engine's tau beside our loop's), or nothing."""
+    rows = report.get("loop_comparison") or []
+    if not rows:
+        return []
+    lines = ["", f"{engine} vs our loop (drafter, temperature 0, batch 1):", "",
+             f"| K | {engine} tau [CI] | loop tau [CI] | {engine} tau within loop CI |", "|---|---|---|---|"]
+    for c in rows:
+        lines.append(f"| {c['k']} | {c['engine_tau']:.3f} [{c['engine_tau_ci'][0]:.3f}, {c['engine_tau_ci'][1]:.3f}]"
+                     f" | {c['loop_tau']:.3f} [{c['loop_tau_ci'][0]:.3f}, {c['loop_tau_ci'][1]:.3f}] | "
+                     f"{'yes' if c['within_loop_ci'] else 'no'} |")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The engine report as markdown: the rows, the loop comparison, the negative control, the greedy check,
     the best setting (with the engine's timings when no drafter setting wins)."""
@@ -443,18 +463,10 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"drafter `{report.get('draft_spec_type', '')}`.", "",
              "| pass | slots | tok/s | x plain | tau [95% CI] | accepted / drafted |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        tau = "n/a" if r["tau"] is None else f"{r['tau']:.3f} [{r['tau_ci'][0]:.3f}, {r['tau_ci'][1]:.3f}]"
-        acc = f"{r['accepted']} / {r['drafted']}" if r["drafted"] else "-"
+        tau, acc = row_cells(r)
         lines.append(f"| {r['label']} | {r['batch_size']} | {_fmt(r['tokens_per_s'], '.1f')} | "
                      f"{_fmt(r['speedup'], '.2f')} | {tau} | {acc} |")
-    cmp_rows = report.get("loop_comparison") or []
-    if cmp_rows:
-        lines += ["", "Engine vs our loop (drafter, temperature 0, batch 1):", "",
-                  "| K | engine tau [CI] | loop tau [CI] | engine tau within loop CI |", "|---|---|---|---|"]
-        for c in cmp_rows:
-            lines.append(f"| {c['k']} | {c['engine_tau']:.3f} [{c['engine_tau_ci'][0]:.3f}, {c['engine_tau_ci'][1]:.3f}]"
-                         f" | {c['loop_tau']:.3f} [{c['loop_tau_ci'][0]:.3f}, {c['loop_tau_ci'][1]:.3f}] | "
-                         f"{'yes' if c['within_loop_ci'] else 'no'} |")
+    lines += loop_comparison_lines(report, "Engine")
     nc = report.get("negative_control")
     if nc:
         lines += ["", f"Negative control (aux taps shifted {nc['tap_shift']} layers, K={nc['k']}): tau "

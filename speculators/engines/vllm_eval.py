@@ -32,7 +32,6 @@ verify forward rounds differently from a decode forward, and every difference is
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +39,7 @@ from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
 from . import vllm_runner
 from ..evaluation.greedy_check import first_diff
-from .llamacpp_eval import NEAR_TIE_FACTOR, N_PROBS
+from .llamacpp_eval import N_PROBS, NEAR_TIE_FACTOR, _fmt, loop_comparison_lines, row_cells
 
 ENGINE = "vllm"
 #: the K values measured when none are given (within the drafter's cap)
@@ -282,10 +281,6 @@ def timings(report: dict[str, Any]) -> dict[str, Any] | None:
             "break_even_tau": best["ms_per_step"] / plain["ms_per_step"]}
 
 
-def _fmt(x, spec: str) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """The vLLM engine report as markdown."""
     lines = ["# speculators eval --engine vllm", "",
@@ -295,18 +290,10 @@ def render_markdown(report: dict[str, Any]) -> str:
              "", "| pass | in flight | tok/s | x plain | tau [95% CI] | accepted / drafted | ms/step | vLLM mean AL |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        tau = "n/a" if r["tau"] is None else f"{r['tau']:.3f} [{r['tau_ci'][0]:.3f}, {r['tau_ci'][1]:.3f}]"
-        acc = f"{r['accepted']} / {r['drafted']}" if r["drafted"] else "-"
+        tau, acc = row_cells(r)
         lines.append(f"| {r['label']} | {r['batch_size']} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup'], '.2f')}"
                      f" | {tau} | {acc} | {_fmt(r['ms_per_step'], '.2f')} | {_fmt(r['vllm_mean_acceptance_length'], '.3f')} |")
-    cmp_rows = report.get("loop_comparison") or []
-    if cmp_rows:
-        lines += ["", "vLLM vs our loop (drafter, temperature 0, batch 1):", "",
-                  "| K | vLLM tau [CI] | loop tau [CI] | vLLM tau within loop CI |", "|---|---|---|---|"]
-        for c in cmp_rows:
-            lines.append(f"| {c['k']} | {c['engine_tau']:.3f} [{c['engine_tau_ci'][0]:.3f}, {c['engine_tau_ci'][1]:.3f}]"
-                         f" | {c['loop_tau']:.3f} [{c['loop_tau_ci'][0]:.3f}, {c['loop_tau_ci'][1]:.3f}] | "
-                         f"{'yes' if c['within_loop_ci'] else 'no'} |")
+    lines += loop_comparison_lines(report, "vLLM")
     g = report["greedy_check"]
     lines += ["", f"Greedy check (every speculative pass against vLLM's plain one-request output): "
                   f"{len(g['mismatches'])} mismatch(es), {g['near_tie']} on near-ties of vLLM's logits, "
