@@ -38,20 +38,22 @@ def main() -> None:
 
         Path(args.json).write_text(json.dumps([r.to_json() for r in res], indent=1, default=str))
     print("\n| run | method | K | lossless (equal to vLLM plain) | vLLM accepted per position | our loop's | "
-          "steps equal | negative control | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "steps equal | drafts equal | negative control | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c, r in zip(ckpts, res):
         name = c.parent.name if c.name == "final" else c.name
         if r.skipped or r.error:
-            print(f"| {name} | {r.method} | {r.k} | {r.skipped or r.error} | | | | | "
+            print(f"| {name} | {r.method} | {r.k} | {r.skipped or r.error} | | | | | | "
                   f"{'FAIL' if r.error else 'not run'} |")
             continue
         a, g, ctl = r.acceptance, r.lossless, r.control
+        d = a.get("drafts")
+        drafts = "not recorded" if d is None else f"{d['equal']} of {d['compared']}"
         nc = (f"{ctl.get('vllm_per_pos')}: told apart" if ctl.get("breaks") else
               "NOT told apart" if ctl.get("informative") else "not informative")
         print(f"| {name} | `{r.method}` | {r.k} | {g['equal']} of {r.num_prompts} ({g['near_tie']} near-tie) | "
               f"{a['vllm_per_pos']} / {a['vllm_steps']} steps | {a['loop_per_pos']} / {a['loop_steps']} steps | "
-              f"{a['steps_equal']} of {a['steps_compared']} | {nc} | {'PASS' if r.passed else 'FAIL'} |")
+              f"{a['steps_equal']} of {a['steps_compared']} | {drafts} | {nc} | {'PASS' if r.passed else 'FAIL'} |")
 
 
 if __name__ == "__main__":

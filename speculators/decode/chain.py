@@ -189,6 +189,7 @@ def keep(run: RunState, s: ChainStep) -> None:
         r = run.results[i]
         r.add_step(int(s.drafts[j].numel()), a, len(emitted))
         r.proposed.append(s.proposed[j])
+        r.draft_ids.append([int(t) for t in s.drafts[j].tolist()])
         if run.on_step is not None:
             p = s.proposals[j]
             run.on_step(i, p if p is not None else Proposal(NO_DRAFTS.clone()), a, emitted)

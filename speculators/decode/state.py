@@ -41,6 +41,8 @@ class GenerationResult:
             also counts accepted drafts after a stop token inside the step, which were not emitted).
         seconds: wall time of prefill + decode (in a batch: from the request's join to its end).
         target_forwards: number of target forwards (prefill excluded) == number of steps.
+        draft_ids: chain decoding only, per step the draft token ids that went through the verifier (after any
+            confidence gate); what an engine's drafts are compared with (:mod:`speculators.export.vllm_served`).
         tree_ranks: tree decoding only (``speculative_generate(tree=...)``), per step the rank of each
             accepted node among its siblings (0 = the drafter's best child), root to leaf; empty for chains.
         proposed: per step, drafts the proposer returned BEFORE confidence gating (``speculative_generate``'s
@@ -66,6 +68,7 @@ class GenerationResult:
     verify_seconds: float = 0.0
     proposed: list[int] = field(default_factory=list)
     tree_ranks: list[list[int]] = field(default_factory=list)
+    draft_ids: list[list[int]] = field(default_factory=list)
 
     def add_step(self, drafted: int, verifier_accepted: int, emitted: int) -> None:
         """Record one verification step (see the attributes for the definitions)."""

@@ -31,7 +31,8 @@ class Output:
     one entry per verify step that drafted (``--per-request-spec-decode-metrics detailed``), None without
     speculative decoding. ``seconds``: submission to end (wall); ``decode_seconds``: vLLM's first to last token.
     ``logprobs``: per generated token, the engine's top log-probabilities ``{token id: logprob}`` (when asked).
-    ``decode_steps``: engine steps that appended tokens after the first token's (None when not counted)."""
+    ``decode_steps``: engine steps that appended tokens after the first token's (None when not counted).
+    ``drafts``: per step, the token ids vLLM drafted for the request (the worker's record; None without one)."""
 
     token_ids: list[int]
     finish_reason: str | None = None
@@ -42,6 +43,7 @@ class Output:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     decode_steps: int | None = None
+    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -89,7 +91,7 @@ def _parse_engine(e: dict[str, Any]) -> EngineRun:
                                o.get("decode_seconds"), spec["per_step_accepted"] if spec else None,
                                spec["per_step_drafted"] if spec else None,
                                [_lp(d) for d in o["logprobs"]] if o.get("logprobs") else None,
-                               decode_steps=o.get("decode_steps")))
+                               decode_steps=o.get("decode_steps"), drafts=o.get("drafts")))
         jobs.append(Job(j["kind"], outs, float(j.get("wall_seconds") or 0.0), j.get("counters") or {},
                         j.get("max_in_flight")))
     return EngineRun(e["label"], bool(e["ok"]), e.get("error"), e.get("init_seconds"), e.get("threads"),

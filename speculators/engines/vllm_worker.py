@@ -26,12 +26,14 @@ The response (rewritten after each engine, so a crash keeps what finished)::
         "jobs": [{"kind", "wall_seconds", "max_in_flight", "counters": {num_drafts, num_draft_tokens, num_accepted_tokens,
                   accepted_per_pos}, "outputs": [{"token_ids", "finish_reason", "stop_reason", "seconds",
                   "decode_seconds", "spec": {histogram, per_step_accepted, per_step_drafted, num_draft_tokens}
-                  | null, "logprobs": [{token id: logprob}] | null}]}]}]}
+                  | null, "drafts": [[ids of one step]] | null, "logprobs": [{token id: logprob}] | null}]}]}]}
 
 ``counters`` are the differences of vLLM's own Prometheus counters (``vllm:spec_decode_num_drafts``,
 ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``) over the timed
 requests; ``spec`` is vLLM's per-request record (``--per-request-spec-decode-metrics detailed``: one entry per
-verify step that drafted). ``seconds`` is the request's wall time from submission to its end; ``decode_seconds``
+verify step that drafted); ``drafts`` the token ids vLLM drafted for the request at each step, as its model runner
+handed them to the scheduler (the first after the prefill; the last ones may never be verified: the request ended).
+``seconds`` is the request's wall time from submission to its end; ``decode_seconds``
 vLLM's first-token to last-token time of the request (engine-core timestamps); ``decode_steps`` the engine steps
 that appended tokens to the request after the one that gave its first token (every decode step, those in which
 nothing was drafted included: counted as the engine steps, not inferred from the draft record). An engine that vLLM refuses
@@ -46,6 +48,36 @@ import os
 import sys
 import time
 import traceback
+
+#: per request (vLLM's internal id ``r<i>-<uuid>``), the drafts vLLM's model runner handed its scheduler, one list a
+#: step (:func:`_record_drafts`)
+_DRAFTS: dict[str, list[list[int]]] = {}
+
+
+def _record_drafts() -> bool:
+    """Record every step's drafts as vLLM's model runner hands them to the scheduler (``take_draft_token_ids``, the
+    engine core's synchronous path; in this process since ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Returns whether the
+    hook is in place (idempotent)."""
+    try:
+        from vllm.v1.worker import gpu_model_runner
+    except ImportError:
+        return False
+    runner = gpu_model_runner.GPUModelRunner
+    if getattr(runner.take_draft_token_ids, "_speculators_hook", False):
+        return True
+    orig = runner.take_draft_token_ids
+
+    def take_draft_token_ids(self):
+        out = orig(self)
+        if out is not None:
+            for rid, ids in zip(out.req_ids, out.draft_token_ids):
+                _DRAFTS.setdefault(str(rid), []).append([int(t) for t in ids])
+        return out
+
+    take_draft_token_ids._speculators_hook = True
+    runner.take_draft_token_ids = take_draft_token_ids
+    return True
+
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -118,6 +150,7 @@ def _generate(llm, job: dict) -> dict:
     seen: dict[str, int] = {}  # tokens of each request so far
     steps: dict[str, int] = {}  # engine steps that appended tokens to it, after the one giving its first token
     nxt, live, most = 0, 0, 0
+    _DRAFTS.clear()
     t0 = time.perf_counter()
     while nxt < len(prompts) or live:
         while live < concurrency and nxt < len(prompts):
@@ -134,6 +167,8 @@ def _generate(llm, job: dict) -> dict:
             if o.finished:
                 rec = _record(o, submitted[o.request_id], time.perf_counter())
                 rec["decode_steps"] = max(0, steps.get(o.request_id, 0))
+                mine = [k for k in _DRAFTS if k.rsplit("-", 1)[0] == o.request_id]
+                rec["drafts"] = _DRAFTS.pop(mine[0]) if len(mine) == 1 else None
                 results[int(o.request_id[1:])] = rec
                 live -= 1
     wall = time.perf_counter() - t0
@@ -169,6 +204,7 @@ def _engine(req: dict, eng: dict) -> dict:
     if spec:
         kw["speculative_config"] = spec
         kw["per_request_spec_decode_metrics"] = "detailed"
+        _record_drafts()
     llm = None
     try:
         t0 = time.perf_counter()

@@ -18,7 +18,10 @@ directory exactly as written as its speculative model (``--speculative-config`` 
    near-tie. Each count is compared as emitted (a step cut by a stop token or ``max_tokens`` counts the drafts
    it emitted; vLLM drafts K even when fewer can be emitted, our loop does not). A prompt whose outputs part
    (a near-tie of (a)) is compared up to the step where they part. vLLM's aggregate Prometheus counters
-   (``vllm:spec_decode_num_accepted_tokens_per_pos``) are reported beside ours.
+   (``vllm:spec_decode_num_accepted_tokens_per_pos``) are reported beside ours. Stronger still, where the worker
+   recorded them (its hook on the model runner's ``take_draft_token_ids``): vLLM's drafted token ids at every
+   step equal our loop's (``acceptance["drafts"]``); equal counts alone can hide different drafts that are
+   rarely accepted (P-EAGLE served without ``parallel_drafting`` drafted a chain and passed most steps).
 3. (c) *a negative control*: the same export with one weight perturbed (every vocabulary head's rows rolled by
    one: each draft token becomes its neighbour id, :func:`perturbed_copy`) is served too; its per-step counts
    must NOT equal our loop's on the unperturbed drafter, or the comparison in (b) could not tell a misread
@@ -94,7 +97,8 @@ class ServedResult:
                 f"prompts: lossless {self.lossless.get('equal')}/{self.num_prompts} equal to vLLM's plain output "
                 f"({self.lossless.get('near_tie', 0)} near-tie, {self.lossless.get('failures', 0)} failures); accepted "
                 f"per position vLLM {a.get('vllm_per_pos')} / our loop {a.get('loop_per_pos')}, steps equal "
-                f"{a.get('steps_equal')}/{a.get('steps_compared')}; negative control {ctl}: "
+                f"{a.get('steps_equal')}/{a.get('steps_compared')}, drafts equal {_drafts_cell(a.get('drafts'))}; "
+                f"negative control {ctl}: "
                 f"{'PASS' if self.passed else 'FAIL'}")
 
     def to_markdown(self) -> str:
@@ -114,6 +118,7 @@ class ServedResult:
                   f"- acceptance per draft position, vLLM's own counters {a.get('vllm_per_pos')} over "
                   f"{a.get('vllm_steps')} steps, our loop {a.get('loop_per_pos')} over {a.get('loop_steps')} steps; "
                   f"per step equal in {a.get('steps_equal')} of {a.get('steps_compared')} steps compared;",
+                  f"- drafts: vLLM's drafted token ids equal our loop's at {_drafts_cell(a.get('drafts'))} steps;",
                   f"- negative control ({c.get('what', 'n/a')}): "
                   + (f"could not run: {c.get('error')}" if c.get("ok") is False else
                      "not informative (our loop accepted no draft)" if not c.get("informative") else
@@ -202,6 +207,37 @@ def _compare(loop_steps: list[list[int]], vllm_steps: list[list[int]], stop_at: 
         if first is not None:
             diffs.append(first)
     return compared, equal, diffs
+
+
+def _drafts_cell(d: dict[str, Any] | None) -> str:
+    """``equal/compared`` steps of :func:`_compare_drafts`, or ``not recorded``."""
+    return "not recorded" if d is None else f"{d['equal']}/{d['compared']}"
+
+
+def _compare_drafts(loop_drafts: list[list[list[int]]], loop_steps: list[list[int]],
+                    vllm_drafts: list[list[list[int]] | None], stop_at: list[int | None]) -> dict[str, Any] | None:
+    """Our loop's drafts against vLLM's, step by step: ``{"compared", "equal", "differences": [{"prompt", "step",
+    "loop", "vllm"}]}`` (each prompt's first differing step), or None when vLLM's worker recorded none. A step's
+    drafts are equal when vLLM's first ``len(ours)`` equal ours (vLLM drafts K at every step; the comparison of a
+    prompt stops where :func:`_compare` stops it: the outputs parted)."""
+    if all(d is None for d in vllm_drafts):
+        return None
+    compared = equal = 0
+    diffs = []
+    for i, (ours, acc, theirs) in enumerate(zip(loop_drafts, loop_steps, vllm_drafts)):
+        if theirs is None:
+            continue
+        n = 1
+        for s, d in enumerate(ours):
+            if (stop_at[i] is not None and n + (acc[s] if s < len(acc) else 0) >= stop_at[i]) or s >= len(theirs):
+                break
+            compared += 1
+            if theirs[s][:len(d)] == d:
+                equal += 1
+            elif not any(x["prompt"] == i for x in diffs):
+                diffs.append({"prompt": i, "step": s, "loop": d, "vllm": theirs[s]})
+            n += (acc[s] if s < len(acc) else 0) + 1
+    return {"compared": compared, "equal": equal, "differences": diffs}
 
 
 def _near_tie(target, prompt: list[int], out_a: list[int], out_b: list[int]) -> dict[str, Any]:
@@ -421,13 +457,14 @@ def _judge(plan: _Plan, plain_outputs, spec_run, control, max_tokens: int, log) 
     parts = [{"prompt": i, **_near_tie(target, ids[i], r.tokens, o.token_ids)}
              for i, (r, o) in enumerate(zip(ours.results, spec_out)) if stop_at[i] is not None]
     compared, equal, diffs = _compare(loop_steps, vllm_steps, stop_at)
+    drafts = _compare_drafts([r.draft_ids for r in ours.results], loop_steps, [o.drafts for o in spec_out], stop_at)
     counters = spec_run.jobs[0].counters
     raw = _per_pos([o.per_step_accepted or [] for o in spec_out], k)  # as vLLM recorded them, nothing cut
     res.acceptance = {"vllm_per_pos": _per_pos(vllm_steps, k), "loop_per_pos": _per_pos(loop_steps, k),
                       "counters_agree": list(counters.get("accepted_per_pos") or [])[:k] == raw,
                       "vllm_steps": sum(map(len, vllm_steps)), "loop_steps": sum(map(len, loop_steps)),
                       "vllm_counters": counters, "steps_compared": compared, "steps_equal": equal,
-                      "differences": diffs, "outputs_part": parts}
+                      "differences": diffs, "outputs_part": parts, "drafts": drafts}
     # (c) the negative control
     informative = sum(map(sum, loop_steps)) > 0
     res.control = {"what": plan.what, "informative": informative, "ok": control.ok, "error": control.error,
@@ -442,7 +479,10 @@ def _judge(plan: _Plan, plain_outputs, spec_run, control, max_tokens: int, log) 
     ok_a = res.lossless["failures"] == 0
     # our loop's output parting from vLLM's is allowed only on a float32 near-tie of the target (else the two
     # engines decode different targets, and the steps compared before the part prove little)
-    ok_b = equal == compared and compared > 0 and all(p["near_tie"] for p in parts)
+    # and where vLLM's worker recorded its drafts, they equal ours at every step compared (the stronger form of (b):
+    # equal counts can hide different drafts that are rarely accepted, as P-EAGLE drafted as a chain showed)
+    ok_b = (equal == compared and compared > 0 and all(p["near_tie"] for p in parts)
+            and (drafts is None or (drafts["equal"] == drafts["compared"] and drafts["compared"] > 0)))
     ok_c = (not informative) or bool(res.control.get("breaks"))
     res.passed = ok_a and ok_b and ok_c
     log(res.summary())

@@ -39,6 +39,21 @@ def test_compare_finds_the_first_differing_step_and_stops_where_outputs_part():
     assert (compared, equal, diffs) == (1, 1, [])
 
 
+def test_drafts_are_compared_step_by_step_until_the_outputs_part():
+    from speculators.export.vllm_served import _compare_drafts
+
+    ours = [[[5, 6], [7, 8], [9]], [[1, 2]]]
+    acc = [[1, 0, 0], [0]]
+    vllm = [[[5, 6, 0], [7, 8, 3], [9, 9], [4, 4]], [[1, 3]]]  # vLLM drafts K each step, and one step more at the end
+    d = _compare_drafts(ours, acc, vllm, [None, None])
+    assert d["compared"] == 4 and d["equal"] == 3
+    assert d["differences"] == [{"prompt": 1, "step": 0, "loop": [1, 2], "vllm": [1, 3]}]
+    # prompt 0's outputs part at token 3 (the second step holds tokens 3..): only its first step is compared
+    d = _compare_drafts(ours[:1], acc[:1], vllm[:1], [3])
+    assert (d["compared"], d["equal"]) == (1, 1)
+    assert _compare_drafts(ours, acc, [None, None], [None, None]) is None  # the worker recorded nothing
+
+
 def _write(path: Path, cfg: dict, sd: dict) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(cfg))
@@ -118,5 +133,7 @@ def test_vllm_serves_every_export_losslessly_with_our_acceptance(vllm_python, vl
         assert a["steps_compared"] > 0 and a["steps_equal"] == a["steps_compared"], (family, a)
         assert a["vllm_per_pos"] == a["loop_per_pos"] and sum(a["loop_per_pos"]) > 0, (family, a)
         assert a["counters_agree"], (family, a)  # vLLM's Prometheus counters say what its per-request records say
+        d = a["drafts"]  # vLLM's drafted ids, recorded by the worker, equal ours at every step compared
+        assert d is not None and d["compared"] > 0 and d["equal"] == d["compared"], (family, d)
         assert res.control["informative"] and res.control["breaks"], (family, res.control)
         assert res.passed is True, family
