@@ -42,16 +42,16 @@ def test_compare_finds_the_first_differing_step_and_stops_where_outputs_part():
 def test_drafts_are_compared_step_by_step_until_the_outputs_part():
     from speculators.export.vllm_served import _compare_drafts
 
-    ours = [[[5, 6], [7, 8], [9]], [[1, 2]]]
+    ours = [[[5, 6], [7, 8], [9]], [[1, 2]]]  # K = 2; prompt 0's last step drafted 1 (max_tokens): not compared
     acc = [[1, 0, 0], [0]]
-    vllm = [[[5, 6, 0], [7, 8, 3], [9, 9], [4, 4]], [[1, 3]]]  # vLLM drafts K each step, and one step more at the end
-    d = _compare_drafts(ours, acc, vllm, [None, None])
-    assert d["compared"] == 4 and d["equal"] == 3
+    vllm = [[[5, 6], [7, 8], [3, 9], [4, 4]], [[1, 3]]]  # vLLM drafts K every step, and one step more at the end
+    d = _compare_drafts(ours, acc, vllm, [None, None], 2)
+    assert d["compared"] == 3 and d["equal"] == 2
     assert d["differences"] == [{"prompt": 1, "step": 0, "loop": [1, 2], "vllm": [1, 3]}]
     # prompt 0's outputs part at token 3 (the second step holds tokens 3..): only its first step is compared
-    d = _compare_drafts(ours[:1], acc[:1], vllm[:1], [3])
+    d = _compare_drafts(ours[:1], acc[:1], vllm[:1], [3], 2)
     assert (d["compared"], d["equal"]) == (1, 1)
-    assert _compare_drafts(ours, acc, [None, None], [None, None]) is None  # the worker recorded nothing
+    assert _compare_drafts(ours, acc, [None, None], [None, None], 2) is None  # the worker recorded nothing
 
 
 def _write(path: Path, cfg: dict, sd: dict) -> Path:
