@@ -228,6 +228,16 @@ def held_out_prompt_ids(checkpoint: Path, target, n: int, log: Callable[[str], N
     return [list(map(int, p["input_ids"])) for p in plist]
 
 
+def _engine_eval_inputs(checkpoint, num_prompts, settings_class, settings, log):
+    """An engine eval's ``(checkpoint dir, run recipe or None, number of prompts, settings)``: the prompts and
+    ``max_new_tokens`` default to the recipe's ``eval`` section; ``settings`` override ``settings_class``'s fields."""
+    ckpt = resolve_checkpoint(checkpoint, allow_hub=False, log=log)
+    rec = load_recipe(ckpt / RUN_RECIPE) if (ckpt / RUN_RECIPE).is_file() else None
+    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, {}, None)
+    n = num_prompts if num_prompts is not None else ev.num_prompts
+    return ckpt, rec, n, settings_class(**{"max_new_tokens": ev.max_new_tokens, **(settings or {})})
+
+
 def vllm_eval_run(checkpoint: str | Path, settings: Mapping[str, Any] | None = None, *, num_prompts: int | None = None,
                   prompts: list[str] | None = None, target_model: str | None = None,
                   output: str | Path | None = None, log: Callable[[str], None] = print) -> tuple[dict, Path]:
@@ -243,11 +253,7 @@ def vllm_eval_run(checkpoint: str | Path, settings: Mapping[str, Any] | None = N
     """
     from .engines.vllm_eval import VllmEvalSettings, engine_eval
 
-    ckpt = resolve_checkpoint(checkpoint, allow_hub=False, log=log)
-    rec = load_recipe(ckpt / RUN_RECIPE) if (ckpt / RUN_RECIPE).is_file() else None
-    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, {}, None)
-    n = num_prompts if num_prompts is not None else ev.num_prompts
-    st = VllmEvalSettings(**{"max_new_tokens": ev.max_new_tokens, **(settings or {})})
+    ckpt, rec, n, st = _engine_eval_inputs(checkpoint, num_prompts, VllmEvalSettings, settings, log)
     return engine_eval(ckpt, rec, st, num_prompts=n, prompts=prompts, target_model=target_model, output=output, log=log)
 
 
@@ -662,10 +668,6 @@ def engine_eval_run(checkpoint: str | Path, settings: Mapping[str, Any] | None =
     from .engines.jobs import engine_eval
     from .engines.llamacpp_eval import EngineSettings
 
-    ckpt = resolve_checkpoint(checkpoint, allow_hub=False, log=log)
-    rec = load_recipe(ckpt / RUN_RECIPE) if (ckpt / RUN_RECIPE).is_file() else None
-    ev: EvalSpec = eval_spec_with(rec.eval if rec is not None else None, {}, None)
-    n = num_prompts if num_prompts is not None else ev.num_prompts
-    st = EngineSettings(**{"max_new_tokens": ev.max_new_tokens, **(settings or {})})
+    ckpt, rec, n, st = _engine_eval_inputs(checkpoint, num_prompts, EngineSettings, settings, log)
     return engine_eval(ckpt, rec, st, num_prompts=n, prompts=prompts, target_model=target_model,
                        output=output, log=log)

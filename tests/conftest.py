@@ -148,6 +148,35 @@ def cli_train_then_eval(recipe, target_dir, out, *overrides, eval_args=("--tempe
     return cfg, log, json.loads(reports[0].read_text())
 
 
+class CountingRegeneration:
+    """Mixin for a server regeneration engine (``class E(CountingRegeneration, LlamaServerRegeneration)``): counts the
+    generation requests its client sends (``requests``) and raises KeyboardInterrupt before request ``stop_after``
+    (the run killed there)."""
+
+    def __init__(self, *args, stop_after=None):
+        super().__init__(*args)
+        self.requests, self.stop_after = [], stop_after
+
+    def open(self, target, ctx_per_slot, log=print):
+        import contextlib
+
+        @contextlib.contextmanager
+        def counted():
+            with super(CountingRegeneration, self).open(target, ctx_per_slot, log) as client:
+                real = client.generate
+
+                def generate(prompt, *a, **kw):
+                    if self.stop_after is not None and len(self.requests) >= self.stop_after:
+                        raise KeyboardInterrupt  # the run killed here
+                    self.requests.append(list(prompt))
+                    return real(prompt, *a, **kw)
+
+                client.generate = generate
+                yield client
+
+        return counted()
+
+
 @pytest.fixture(scope="session")
 def vllm_python():
     """The vLLM venv's python (``make vllm``); skips saying why when there is none, fails under ``CI=true``."""

@@ -6,7 +6,6 @@ fake servers in tests/data/test_server_regen.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,31 +19,15 @@ from speculators.engines import llamacpp_build
 from speculators.engines.llamacpp_regen import LlamaServerRegeneration
 from speculators.engines.llamacpp_server import LlamaServer
 
+from conftest import CountingRegeneration
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = SimpleNamespace(url=None, engine="llama.cpp", api=None, model=None, outtype=None, concurrency=2,
                        timeout_s=120.0, retries=1, threads=None)
 
 
-class CountingEngine(LlamaServerRegeneration):
+class CountingEngine(CountingRegeneration, LlamaServerRegeneration):
     """llama-server as the regeneration starts it, counting the generation requests and able to stop after N."""
-
-    def __init__(self, spec, lc, stop_after=None):
-        super().__init__(spec, lc)
-        self.requests, self.stop_after = [], stop_after
-
-    @contextlib.contextmanager
-    def open(self, target, ctx_per_slot, log=print):
-        with super().open(target, ctx_per_slot, log) as client:
-            real = client.generate
-
-            def generate(prompt, *a, **kw):
-                if self.stop_after is not None and len(self.requests) >= self.stop_after:
-                    raise KeyboardInterrupt  # the run killed here
-                self.requests.append(list(prompt))
-                return real(prompt, *a, **kw)
-
-            client.generate = generate
-            yield client
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ against fake servers in tests/data/test_server_regen.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,31 +17,15 @@ from speculators.data.server_regen import OpenAIApi, RunningServer, ServerClient
 from speculators.data.sources import Conversation
 from speculators.engines.vllm_regen import VllmServeRegeneration
 
+from conftest import CountingRegeneration
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = SimpleNamespace(url=None, engine="vllm", api=None, model=None, outtype=None, concurrency=2, timeout_s=120.0,
                        retries=1, threads=None)
 
 
-class CountingEngine(VllmServeRegeneration):
+class CountingEngine(CountingRegeneration, VllmServeRegeneration):
     """vllm serve as the regeneration starts it, counting the generation requests and able to stop after N."""
-
-    def __init__(self, spec, python, stop_after=None):
-        super().__init__(spec, python)
-        self.requests, self.stop_after = [], stop_after
-
-    @contextlib.contextmanager
-    def open(self, target, ctx_per_slot, log=print):
-        with super().open(target, ctx_per_slot, log) as client:
-            real = client.generate
-
-            def generate(prompt, *a, **kw):
-                if self.stop_after is not None and len(self.requests) >= self.stop_after:
-                    raise KeyboardInterrupt  # the run killed here
-                self.requests.append(list(prompt))
-                return real(prompt, *a, **kw)
-
-            client.generate = generate
-            yield client
 
 
 @pytest.fixture(scope="module")
