@@ -59,23 +59,18 @@ def render() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def replace_block(text: str, block: str) -> str:
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"expected one {BEGIN!r} line followed by one {END!r} line")
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[:start] + "\n" + block.rstrip("\n") + "\n\n" + text[end:]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 with a diff when the page is stale; write nothing")
     ap.add_argument("--file", type=Path, default=PAGE, help="the Markdown file (default: docs/reference/cli.md)")
     args = ap.parse_args(argv)
+    from recipe_reference import SchemaError, replace_block, write_atomic  # one marker-block writer for both pages
+
     current = args.file.read_text(encoding="utf-8")
     try:
-        wanted = replace_block(current, render())
-    except ValueError as e:
-        print(f"cli_reference: error: {args.file}: {e}", file=sys.stderr)
+        wanted = replace_block(current, render(), str(args.file), BEGIN, END)
+    except SchemaError as e:
+        print(f"cli_reference: error: {e}", file=sys.stderr)
         return 2
     if current == wanted:
         print(f"{args.file}: the CLI reference is up to date")
@@ -85,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.file}: the CLI reference is stale; run `{COMMAND}` and commit the result.\n" + "\n".join(diff),
               file=sys.stderr)
         return 1
-    args.file.write_text(wanted, encoding="utf-8")
+    write_atomic(args.file, wanted)
     print(f"{args.file}: CLI reference rewritten")
     return 0
 

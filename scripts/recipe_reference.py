@@ -395,16 +395,17 @@ def render_reference() -> str:
 
 
 # ---------------------------------------------------------------- the file
-def _markers(text: str, where: str) -> tuple[int, int]:
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise SchemaError(f"{where}: expected one {BEGIN!r} line followed by one {END!r} line")
-    return text.index(BEGIN) + len(BEGIN), text.index(END)
+def _markers(text: str, where: str, begin: str, end: str) -> tuple[int, int]:
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SchemaError(f"{where}: expected one {begin!r} line followed by one {end!r} line")
+    return text.index(begin) + len(begin), text.index(end)
 
 
-def replace_block(text: str, block: str, where: str = "docs/USAGE.md") -> str:
-    """``text`` with the lines between the markers replaced by ``block``."""
-    start, end = _markers(text, where)
-    return text[:start] + "\n" + block.rstrip("\n") + "\n\n" + text[end:]
+def replace_block(text: str, block: str, where: str = "docs/USAGE.md", begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with the lines between the markers ``begin`` and ``end`` replaced by ``block`` (also the CLI
+    reference's, scripts/cli_reference.py). Raises SchemaError naming ``where`` without exactly one pair."""
+    start, stop = _markers(text, where, begin, end)
+    return text[:start] + "\n" + block.rstrip("\n") + "\n\n" + text[stop:]
 
 
 def write_atomic(path: Path, text: str) -> None:

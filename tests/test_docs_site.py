@@ -1,4 +1,4 @@
-"""The documentation site (mkdocs.yml, docs/) and the README as its front page (issue 53).
+"""The documentation site (mkdocs.yml, docs/) and the README as its front page.
 
 Every page of mkdocs.yml's nav exists and every Markdown file under docs/ is in the nav; no hand-written page is
 over ~10 KB (the generated references are named below); the README is under 12 KB, opens with its two commands

@@ -447,14 +447,20 @@ def test_export_held_out(cache, eagle3_run, tmp_path):
 def test_recipe_reference(cache, tmp_path):
     """Writes the block into a stale copy of docs/USAGE.md (``--file``): the copy then equals the committed file
     (tests/test_recipe_reference.py checks the committed block and ``--check``)."""
-    usage = (ROOT / "docs" / "USAGE.md").read_text()
-    begin = usage.index("<!-- recipe-reference:begin")
-    stale_at = usage.index("\n| `train.", begin)
-    copy = tmp_path / "USAGE.md"
-    copy.write_text(usage[:stale_at] + usage[usage.index("\n", stale_at + 1):])  # one row dropped
-    r = run_script(cache, "recipe_reference.py", "--file", copy)
-    assert f"{copy}: recipe reference rewritten" in r.stdout, r.stdout
-    assert copy.read_text() == usage
+    rewrites_a_stale_copy(cache, tmp_path, "recipe_reference.py", ROOT / "docs" / "USAGE.md",
+                          "<!-- recipe-reference:begin", "\n| `train.", "recipe reference rewritten")
+
+
+def rewrites_a_stale_copy(cache, tmp_path, script: str, page: Path, begin: str, line_start: str, said: str) -> None:
+    """``script --file COPY`` on a copy of ``page`` with one generated line dropped (the first after ``begin``
+    starting with ``line_start``): it says ``said`` and the copy then equals the committed page."""
+    text = page.read_text()
+    stale_at = text.index(line_start, text.index(begin))
+    copy = tmp_path / page.name
+    copy.write_text(text[:stale_at] + text[text.index("\n", stale_at + 1):])  # one line dropped
+    r = run_script(cache, script, "--file", copy)
+    assert f"{copy}: {said}" in r.stdout, r.stdout
+    assert copy.read_text() == text
 
 
 @covers("refit_calibration.py")
@@ -579,14 +585,8 @@ def test_vllm_architectures(cache, vllm_python):
 def test_cli_reference(cache, tmp_path):
     """Writes the block into a stale copy of docs/reference/cli.md (``--file``): the copy then equals the committed
     page (tests/test_docs_site.py checks the committed block with ``--check``)."""
-    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
-    begin = page.index("<!-- cli-reference:begin")
-    stale_at = page.index("\n### `speculators push`", begin)
-    copy = tmp_path / "cli.md"
-    copy.write_text(page[:stale_at] + page[page.index("\n", stale_at + 1):])  # one heading dropped
-    r = run_script(cache, "cli_reference.py", "--file", copy)
-    assert f"{copy}: CLI reference rewritten" in r.stdout, r.stdout
-    assert copy.read_text() == page
+    rewrites_a_stale_copy(cache, tmp_path, "cli_reference.py", ROOT / "docs" / "reference" / "cli.md",
+                          "<!-- cli-reference:begin", "\n### `speculators push`", "CLI reference rewritten")
 
 
 @covers("results_plots.py")
