@@ -83,9 +83,12 @@ vllm-eval: vllm
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
+# the suite in TEST_WORKERS processes (pytest-xdist; worksteal: an idle worker takes queued tests from a busy one):
+# most tests are tiny models on one torch thread each, so two workers keep both of two cores busy
+TEST_WORKERS ?= 2
 test: engines
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test-fast: engines
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import errno
 import json
 import os
 import shutil
@@ -122,15 +123,26 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if final.exists():
-        if final.is_dir():  # a replaced directory keeps its own (possibly chmod-ed) mode, as atomic_write_text does
-            os.chmod(tmp, final.stat().st_mode & 0o7777)
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # another process may write the same ``final`` at the same time (two workers filling one cache entry): with
+    # ``overwrite`` the last complete writer wins; each attempt moves what is there aside and renames ours in
+    for attempt in range(5):
+        old = None
+        try:
+            if overwrite and final.exists():
+                if final.is_dir():  # a replaced directory keeps its own (possibly chmod-ed) mode, as atomic_write_text does
+                    os.chmod(tmp, final.stat().st_mode & 0o7777)
+                old = final.parent / f".{final.name}.old-{os.getpid()}-{attempt}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            break
+        except OSError as e:  # FileNotFoundError: another writer moved it aside first
+            retry = overwrite and attempt < 4 and e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
+            if not retry:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

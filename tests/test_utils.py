@@ -174,3 +174,39 @@ def test_atomic_dir_overwrite_keeps_the_replaced_directorys_mode(tmp_path):
         (tmp / "a").write_text("2")
     assert (final / "a").read_text() == "2" and mode(final) == 0o750
 
+
+
+def test_atomic_dir_overwrite_survives_a_concurrent_writer(tmp_path, monkeypatch):
+    """Two processes filling one cache entry: when another writer puts ``final`` in place between our check and our
+    rename (ENOTEMPTY), an overwriting writer moves it aside and renames its own in; a non-overwriting one fails
+    and leaves no temporary directory."""
+    import errno
+    import os
+
+    from speculators import utils
+
+    final = tmp_path / "entry"
+    real = os.replace
+    raced = []
+
+    def racing(src, dst):
+        if Path(dst) == final and not raced:  # the other writer wins the first rename
+            raced.append(1)
+            final.mkdir()
+            (final / "who").write_text("other")
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(utils.os, "replace", racing)
+    with utils.atomic_dir(final, overwrite=True) as tmp:
+        (tmp / "who").write_text("us")
+    assert (final / "who").read_text() == "us" and raced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+    raced.clear()
+    other = tmp_path / "second"
+    final = other
+    with pytest.raises(OSError):
+        with utils.atomic_dir(other) as tmp:
+            (tmp / "who").write_text("us")
+    assert (other / "who").read_text() == "other"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry", "second"]

@@ -280,8 +280,9 @@ def _assembled_gemma3() -> tuple[str, str]:
     out = d / GEMMA3_GGUF
     if not out.is_file():
         d.mkdir(parents=True, exist_ok=True)
-        for stale in d.glob(f".{GEMMA3_GGUF}.tmp-*"):  # left by a killed assembly
-            stale.unlink(missing_ok=True)
+        for stale in d.glob(f".{GEMMA3_GGUF}.tmp-*"):  # left by a killed assembly (not one still running)
+            if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
+                stale.unlink(missing_ok=True)
         tmp = d / f".{GEMMA3_GGUF}.tmp-{os.getpid()}"
         try:
             assemble(output_path=str(tmp), overwrite=True)  # checks the SHA-256 of the whole file
@@ -294,6 +295,21 @@ def _assembled_gemma3() -> tuple[str, str]:
         finally:
             tmp.unlink(missing_ok=True)
     return str(d), GEMMA3_GGUF
+
+
+def _pid_alive(pid: str) -> bool:
+    """Whether the process ``pid`` (a decimal string; anything else: no) is running on this machine."""
+    import os
+
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_target_config(directory: str, gguf_file: str | None, ref: str) -> None:
