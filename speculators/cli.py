@@ -186,11 +186,15 @@ def eval_cmd(
     slots: Optional[str] = typer.Option(None, "--slots", help="--engine: server slots (parallel requests; vllm: "
                                         "requests in flight), comma-separated, e.g. 1,4 (default 1,4)"),
     p_min: Optional[str] = typer.Option(None, "--p-min", help="--engine: --spec-draft-p-min values measured at the "
-                                        "best K, comma-separated (default 0.5)"),
+                                        "best K and the largest, comma-separated (default 0.2,0.5,0.8)"),
     draft_outtypes: Optional[str] = typer.Option(None, "--draft-outtypes", help="--engine: draft GGUF types, the "
                                                  "first measured at every K, the others at the best (default f16,q8_0)"),
     draft_threads: Optional[str] = typer.Option(None, "--draft-threads", help="--engine: --spec-draft-threads values "
                                                 "measured at the best K, comma-separated (default 1)"),
+    target_type: Optional[str] = typer.Option(None, "--target-type", help="--engine llama.cpp: serve the target in "
+                                              "this weight type, made by llama.cpp's converter or llama-quantize: "
+                                              "f32, f16, bf16, q8_0, q4_0, q4_1, q4_k_s, q4_k_m, iq4_nl, q5_0, "
+                                              "q5_k_m, q6_k (default: the target GGUF as shipped)"),
 ):
     """Measure acceptance (tau with a 95% CI, per-position acceptance, speedup at batch 1 and under load) by
     real speculative generation: the drafter, n-gram, suffix decoding and hybrid proposers, every K."""
@@ -199,14 +203,15 @@ def eval_cmd(
                  "--confidence-threshold": confidence_threshold, "--cost-aware": cost_aware,
                  "--hybrid-drafter-k": hybrid_drafter_k}
     engine_only = {"--slots": slots, "--p-min": p_min, "--draft-outtypes": draft_outtypes,
-                   "--draft-threads": draft_threads}
+                   "--draft-threads": draft_threads, "--target-type": target_type}
     unused = [o for o, v in (loop_only if engine is not None else engine_only).items() if v]
     if unused:
         raise SpeculatorsError(f"{', '.join(unused)}: " + ("not used by --engine (our loop's options)" if engine
                                is not None else "only with --engine llama.cpp"))
     if engine is not None:
         _engine_eval(engine, checkpoint, k=k, temperature=temperature, slots=slots, p_min=p_min,
-                     draft_outtypes=draft_outtypes, draft_threads=draft_threads, max_new_tokens=max_new_tokens, num_prompts=num_prompts,
+                     draft_outtypes=draft_outtypes, draft_threads=draft_threads, target_type=target_type,
+                     max_new_tokens=max_new_tokens, num_prompts=num_prompts,
                      prompts=prompts, target_model=target_model, output=output)
         return
     from .workflows import eval_run
@@ -248,7 +253,7 @@ def _csv(value: str | None, cast, option: str) -> tuple | None:
 
 
 def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min, draft_outtypes, draft_threads,
-                 max_new_tokens,
+                 target_type, max_new_tokens,
                  num_prompts, prompts, target_model, output) -> None:
     """``speculators eval RUN --engine llama.cpp`` (:func:`speculators.workflows.engine_eval_run`) or ``--engine vllm``
     (:func:`speculators.workflows.vllm_eval_run`)."""
@@ -256,7 +261,8 @@ def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min,
 
     if engine.lower() == "vllm":
         _vllm_eval(checkpoint, k=k, temperature=temperature, slots=slots, unused={
-            "--p-min": p_min, "--draft-outtypes": draft_outtypes, "--draft-threads": draft_threads},
+            "--p-min": p_min, "--draft-outtypes": draft_outtypes, "--draft-threads": draft_threads,
+            "--target-type": target_type},
             max_new_tokens=max_new_tokens, num_prompts=num_prompts, prompts=prompts, target_model=target_model,
             output=output)
         return
@@ -267,15 +273,19 @@ def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min,
              "temperatures": None if temperature is None else (0.0,) if temperature == 0 else (0.0, temperature),
              "parallel": _csv(slots, int, "--slots"), "p_mins": _csv(p_min, float, "--p-min"),
              "draft_outtypes": _csv(draft_outtypes, str, "--draft-outtypes"),
-             "draft_threads": _csv(draft_threads, int, "--draft-threads"), "max_new_tokens": max_new_tokens}
+             "draft_threads": _csv(draft_threads, int, "--draft-threads"), "max_new_tokens": max_new_tokens,
+             "target_type": target_type}
     report, out = engine_eval_run(checkpoint, {f: v for f, v in given.items() if v is not None},
                                   num_prompts=num_prompts, prompts=prompts or None, target_model=target_model,
                                   output=output, log=log)
-    best = report["best"]
+    best, fastest = report["best"], report.get("fastest")
     if best.get("serve"):
-        console.print(f"best setting in llama.cpp here: {best['row']} ({best['tokens_per_s']:.1f} tok/s; plain "
+        console.print(f"best drafter setting in llama.cpp here: {best['row']} ({best['tokens_per_s']:.1f} tok/s; plain "
                       f"{best['plain_tokens_per_s']:.1f}; {best['ngram_best']} {best['ngram_tokens_per_s']:.1f}):\n"
                       f"  {best['serve']}")
+    if fastest:
+        console.print(f"fastest setting overall: {fastest['row']} ({fastest['tokens_per_s']:.1f} tok/s):\n"
+                      f"  {fastest['serve']}")
     log(f"report written to {out}/report.json and report.md")
     nc = report.get("negative_control")
     if nc and not nc["separated"]:

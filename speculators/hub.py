@@ -198,7 +198,8 @@ def _llamacpp_serving_lines(ckpt: Path, family) -> list[str]:
              f"`llama-server -m TARGET.gguf -md draft-f16.gguf --spec-type {spec}`.", ""]
     path = ckpt.parent / "eval-llamacpp" / "report.json"
     try:
-        best = json.loads(path.read_text())["best"]
+        report = json.loads(path.read_text())
+        best = report["best"]
     except (OSError, ValueError, KeyError):
         return lines
     if best.get("row") is None:
@@ -211,6 +212,14 @@ def _llamacpp_serving_lines(ckpt: Path, family) -> list[str]:
               f"plain: {verdict}.", ""]
     if best.get("serve"):
         lines += ["```bash", best["serve"], "```", ""]
+    fastest, curve = report.get("fastest"), report.get("verify_cost")
+    if fastest and fastest.get("serve") and fastest["row"] != best["row"]:
+        lines += [f"The fastest setting there overall was `{fastest['row']}` ({fastest['tokens_per_s']:.1f} tokens/s):",
+                  "", "```bash", fastest["serve"], "```", ""]
+    if curve and curve.get("break_even"):
+        be = ", ".join(f"K={k} {v:.2f}" for k, v in curve["break_even"].items() if v is not None)
+        lines += [f"There a target forward of K+1 tokens cost T(K+1)/T(1) of one token (llama-bench): a drafter "
+                  f"needs at least that tau even with free drafts ({be}).", ""]
     return lines
 
 

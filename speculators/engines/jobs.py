@@ -11,13 +11,13 @@ beside our loop's newest greedy report in the run directory, and writes ``<run d
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import SpeculatorsError
 from .gguf_export import export_gguf, serving_of, spec_type_of, target_files
 from .llamacpp_build import LlamaCpp, require_llama_cpp
+from .llamacpp_targets import engine_gguf
 from .llamacpp_eval import (EngineModels, EngineSettings, loop_comparison, render_markdown,
                             run_engine_eval, tap_shift, timings, write_engine_report)
 
@@ -80,9 +80,8 @@ def serve_command(lc: LlamaCpp, target: Path, draft: Path, spec_type: str, k: in
     from .llamacpp_server import LlamaServer
 
     extra = ["--spec-draft-threads", str(draft_threads)] if draft_threads is not None else []
-    cmd = LlamaServer(lc, target, draft=draft, spec_type=spec_type, draft_n_max=k, p_min=p_min, extra=extra).cmd
-    port = cmd.index("--port")
-    return shlex.join(cmd[:port + 1] + ["8080"] + cmd[port + 2:])
+    return LlamaServer(lc, target, draft=draft, spec_type=spec_type, draft_n_max=k, p_min=p_min,
+                       extra=extra).command_line()
 
 
 def export_run(ckpt: Path, rec, target_model: str | None = None, outtypes: tuple[str, ...] = ("f16",),
@@ -156,10 +155,13 @@ def engine_eval(ckpt: Path, rec, settings: EngineSettings, *, num_prompts: int, 
     drafts = {o: draft_gguf(lc, ckpt, hf, o, log) for o in outtypes}
     shifted = shifted_taps_gguf(lc, ckpt, hf, outtypes[0], log) if settings.negative_control else None
     target = Target.load(ref, dtype="float32", log=log)  # the tokenizer and the data pipeline's prompts
+    if settings.target_type is not None:
+        target_path = engine_gguf(target, lc, settings.target_type, log)
     plist, label = eval_prompts(prompts, rec, target, num_prompts, log)
     del target
     ids = [list(map(int, p["input_ids"])) for p in plist]
-    log(f"engine eval: {len(ids)} prompts ({label}) through llama-server ({lc.server}), K={list(settings.ks)}, "
+    log(f"engine eval: {len(ids)} prompts ({label}) through llama-server ({lc.server}) on {target_path.name}, "
+        f"K={list(settings.ks)}, "
         f"temperatures {list(settings.temperatures)}, slots {list(settings.parallel)}")
     models = EngineModels(target=target_path, drafts=drafts, spec_type=spec, shifted=shifted[0] if shifted else None,
                           shifted_by=shifted[1] if shifted else None)

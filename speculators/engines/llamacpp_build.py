@@ -7,9 +7,10 @@ Debian has no llama.cpp package and the llama-cpp-python wheel's Python API has 
 
 1. downloads that sdist (``pip download --no-binary``, pinned at :data:`LLAMA_CPP_PYTHON_VERSION`) and keeps
    only ``vendor/llama.cpp`` in ``<cache>/llama.cpp/src-<version>/llama.cpp`` (:func:`fetch_source`);
-2. builds the ``llama-server`` target with CMake (Release, static libraries, ``GGML_NATIVE=ON``: the binary is
-   tuned to this CPU, hence the cache key) into ``<cache>/llama.cpp/build-<version>-<cpu key>/``
-   (:func:`build`). Both steps fill a temporary sibling and rename it into place when complete, so an
+2. builds the :data:`TOOLS` (``llama-server``; ``llama-quantize``, which makes the target quantizations the engine
+   eval serves; ``llama-bench``, which times the target's forwards) with CMake (Release, static libraries,
+   ``GGML_NATIVE=ON``: the binaries are tuned to this CPU, hence the cache key) into
+   ``<cache>/llama.cpp/build-<version>-<key>/`` (:func:`build`). Both steps fill a temporary sibling and rename it into place when complete, so an
    interrupted download or build leaves nothing that looks ready.
 
 Where a build comes from, first match wins (:func:`find_llama_cpp`): ``$SPECULATORS_LLAMA_CPP`` (a build
@@ -43,6 +44,8 @@ SOURCE_ENV_VAR = "SPECULATORS_LLAMA_CPP_SOURCE"
 # CPU flags that change what GGML_NATIVE compiles (a binary built with one set may not run with another)
 _ISA_FLAGS = ("sse3", "ssse3", "avx", "avx2", "f16c", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
               "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
+#: the llama.cpp targets built (their set is part of the build's cache key: a build missing one is not reused)
+TOOLS = ("llama-server", "llama-quantize", "llama-bench")
 _CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                   "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF")
 
@@ -65,6 +68,18 @@ class LlamaCpp:
     source: Path
     version: str
 
+    def tool(self, name: str) -> Path:
+        """The path of another binary of this build (``llama-quantize``, ``llama-bench``: :data:`TOOLS`).
+
+        Raises:
+            LlamaCppUnavailable: the build has no such binary (an older build: run ``make llama-cpp``).
+        """
+        path = self.server.parent / name
+        if not path.exists():
+            raise LlamaCppUnavailable(f"this llama.cpp build ({self.server.parent}) has no {name} (build it with "
+                                      f"`make llama-cpp`, which builds {', '.join(TOOLS)})")
+        return path
+
     @property
     def converter(self) -> Path:
         """``convert_hf_to_gguf.py`` of this source."""
@@ -74,6 +89,22 @@ class LlamaCpp:
     def gguf_py(self) -> Path:
         """The ``gguf-py`` package directory this source's converter imports (put first on ``PYTHONPATH``)."""
         return self.source / "gguf-py"
+
+
+def build_options(lc: LlamaCpp) -> dict[str, str]:
+    """The ggml options the build was configured with (``GGML_*`` entries of its ``CMakeCache.txt``: e.g.
+    ``GGML_OPENMP`` ``ON``, which makes its CPU threads wait in OpenMP's barriers, where ``--poll`` has no effect);
+    empty when the build directory has no cache (a build from elsewhere)."""
+    try:
+        text = (lc.server.parent.parent / "CMakeCache.txt").read_text(errors="replace")
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        if name.startswith("GGML_") and ":" in name:
+            out[name.split(":", 1)[0]] = value
+    return out
 
 
 def cpu_flags() -> set[str]:
@@ -89,8 +120,9 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_key() -> str:
-    """8 hex digits naming this CPU's ISA flags (:func:`cpu_flags`): part of the build cache key."""
-    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    """8 hex digits naming this CPU's ISA flags (:func:`cpu_flags`) and the :data:`TOOLS` built: the build cache
+    key."""
+    return hashlib.sha256((" ".join(sorted(cpu_flags())) + "|" + " ".join(TOOLS)).encode()).hexdigest()[:8]
 
 
 def source_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -99,7 +131,7 @@ def source_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
 
 
 def build_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    """``<cache>/llama.cpp/build-<version>-<cpu key>``: where :func:`build` puts the build."""
+    """``<cache>/llama.cpp/build-<version>-<key>`` (:func:`cpu_key`): where :func:`build` puts the build."""
     return cache_root() / "llama.cpp" / f"build-{version}-{cpu_key()}"
 
 
@@ -157,7 +189,7 @@ def fetch_source(version: str = LLAMA_CPP_PYTHON_VERSION, log=print) -> Path:
 
 
 def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None, log=print) -> LlamaCpp:
-    """Build ``llama-server`` from :func:`fetch_source` once (:func:`build_dir`) and return it.
+    """Build the :data:`TOOLS` from :func:`fetch_source` once (:func:`build_dir`) and return the build.
 
     CMake options: :data:`_CMAKE_OPTIONS` (Release, static, ``GGML_NATIVE=ON``, no curl / tests / examples);
     ``jobs`` parallel compile jobs (default: all cores). Many minutes on two cores; a complete build is kept.
@@ -168,7 +200,7 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None, log=
     dest = build_dir(version)
     server = dest / "bin" / "llama-server"
     source = fetch_source(version, log=log)
-    if server.exists():
+    if all((dest / "bin" / t).exists() for t in TOOLS):
         return LlamaCpp(server, source, version)
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
@@ -176,10 +208,11 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None, log=
     tmp = _atomic_dir(dest)
     try:
         _run(["cmake", "-S", str(source), "-B", str(tmp), *_CMAKE_OPTIONS], "cmake configure", log=log)
-        _run(["cmake", "--build", str(tmp), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)],
-             "build llama-server (many minutes on two cores)", log=log)
-        if not (tmp / "bin" / "llama-server").exists():
-            raise LlamaCppUnavailable(f"the build wrote no bin/llama-server under {tmp}")
+        _run(["cmake", "--build", str(tmp), "--target", *TOOLS, "-j", str(jobs or os.cpu_count() or 1)],
+             f"build {', '.join(TOOLS)} (many minutes on two cores)", log=log)
+        missing = [t for t in TOOLS if not (tmp / "bin" / t).exists()]
+        if missing:
+            raise LlamaCppUnavailable(f"the build wrote no bin/{missing[0]} under {tmp}")
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -207,7 +240,7 @@ def find_llama_cpp() -> LlamaCpp | None:
         return LlamaCpp(server, source, LLAMA_CPP_PYTHON_VERSION)
     server = build_dir() / "bin" / "llama-server"
     source = source_dir()
-    if server.exists() and (source / "convert_hf_to_gguf.py").exists():
+    if all((server.parent / t).exists() for t in TOOLS) and (source / "convert_hf_to_gguf.py").exists():
         return LlamaCpp(server, source, LLAMA_CPP_PYTHON_VERSION)
     return None
 
@@ -225,7 +258,7 @@ def require_llama_cpp() -> LlamaCpp:
     return found
 
 
-__all__ = ["ENV_VAR", "LLAMA_CPP_PYTHON_VERSION", "LlamaCpp", "LlamaCppUnavailable", "SOURCE_ENV_VAR", "build",
+__all__ = ["ENV_VAR", "LLAMA_CPP_PYTHON_VERSION", "LlamaCpp", "LlamaCppUnavailable", "SOURCE_ENV_VAR", "TOOLS", "build", "build_options",
            "build_dir", "cpu_flags", "cpu_key", "fetch_source", "find_llama_cpp", "require_llama_cpp", "source_dir"]
 
 

@@ -2,20 +2,23 @@
 
 One :class:`EnginePass` is one server (:class:`.llamacpp_server.LlamaServer`: this llama.cpp reads K and
 ``p_min`` per server) and the held-out prompts sent through it, one at a time (``parallel`` 1) or from
-``parallel`` client threads into as many slots. :func:`run_engine_eval` plans the passes:
+``parallel`` client threads into as many slots. :func:`run_engine_eval` first times the target's verify-cost
+curve (:func:`.llamacpp_bench.verify_cost_curve`, ``curve_tokens``), then plans the passes:
 
 1. temperature 0, one slot: plain, the drafter at every K of ``ks`` (``--spec-draft-n-max``), every model-free
    type of ``ngram_types``;
 2. at the fastest K of step 1: the drafter quantized (each extra ``draft_outtypes``, e.g. ``q8_0``), with every
-   ``p_min`` (``--spec-draft-p-min``: the draft stops at a token below it), with every ``draft_threads``
-   (``--spec-draft-threads``: a one-layer draft forward is dominated by thread synchronisation, not by its
-   weights), and the negative control: the same
-   drafter converted with every aux layer tap a third of the target's layers deeper (:func:`tap_shift`), which
-   must accept clearly
-   less;
+   ``draft_threads`` (``--spec-draft-threads``: a one-layer draft forward is dominated by thread synchronisation,
+   not by its weights), and the negative control: the same drafter converted with every aux layer tap a third
+   of the target's layers deeper (:func:`tap_shift`), which must accept clearly less; at that K and at the
+   largest K, every ``p_min`` (``--spec-draft-p-min``: a round stops drafting at a token below it, so a larger K
+   costs only where the draft is confident);
 3. every temperature > 0 of ``temperatures``: plain, the drafter at that K, the model-free types (sampled
    with the same seed per prompt; the server verifies by its own rule);
 4. every ``parallel`` > 1 at temperature 0: plain, the drafter at that K, the fastest model-free type.
+
+The report names the fastest drafter setting (:func:`best_setting`) and the fastest setting of any method
+(:func:`fastest_setting`, plain decoding and the model-free types included) with its ``llama-server`` command.
 
 Rows follow our loop's report rows (:mod:`speculators.evaluation.runner`: ``method``, ``k``, ``batch_size`` (=
 ``parallel``), ``tau``, ``tau_ci``, ``tokens_per_s``, ``speedup``, ``drafted``, ``accepted``) with ``engine:
@@ -45,8 +48,10 @@ from typing import Any, Callable
 from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
 from ..evaluation.greedy_check import first_diff
+from .llamacpp_bench import CURVE_TOKENS, break_even_taus, curve_lines, verify_cost_curve
 from .llamacpp_build import LlamaCpp
 from .llamacpp_server import Completion, LlamaServer
+from .llamacpp_targets import check_target_type
 
 ENGINE = "llama.cpp"
 
@@ -103,13 +108,14 @@ class EnginePass:
 class EngineSettings:
     """What :func:`run_engine_eval` sweeps (module docstring). ``max_new_tokens`` per prompt; ``seed`` the
     sampling seed of prompt i is ``seed + i``; ``threads`` the server's ``--threads`` (None: all cores);
-    ``ctx_size`` per slot."""
+    ``ctx_size`` per slot; ``target_type`` the target GGUF's weight type (:mod:`.llamacpp_targets`; None: as
+    shipped); ``curve_tokens`` the forward lengths of the target's verify-cost curve (:mod:`.llamacpp_bench`)."""
 
     ks: tuple[int, ...] | None = None  # None: DEFAULT_KS and the drafter's own K, within its bound (for_drafter)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     parallel: tuple[int, ...] = (1, 4)
     ngram_types: tuple[str, ...] = ("ngram-simple", "ngram-mod")
-    p_mins: tuple[float, ...] = (0.5,)
+    p_mins: tuple[float, ...] = (0.2, 0.5, 0.8)
     draft_threads: tuple[int, ...] = (1,)
     draft_outtypes: tuple[str, ...] = ("f16", "q8_0")
     max_new_tokens: int = 128
@@ -117,6 +123,8 @@ class EngineSettings:
     threads: int | None = None
     ctx_size: int = 2048
     negative_control: bool = True
+    target_type: str | None = None  # None: the target GGUF as shipped; else llamacpp_targets.TARGET_TYPES
+    curve_tokens: tuple[int, ...] = CURVE_TOKENS  # the verify-cost curve's forward lengths (empty: not measured)
 
     def __post_init__(self):
         if self.ks is not None and (not self.ks or any(int(k) < 1 for k in self.ks)):
@@ -135,6 +143,9 @@ class EngineSettings:
             raise SpeculatorsError("engine eval: draft GGUF types (--draft-outtypes) are empty (the first is the drafter's main GGUF)")
         if int(self.max_new_tokens) < 1:
             raise SpeculatorsError(f"engine eval: max new tokens (--max-new-tokens) {self.max_new_tokens} must be >= 1")
+        self.target_type = check_target_type(self.target_type, "engine eval: target type (--target-type)")
+        if any(int(n) < 1 for n in self.curve_tokens):
+            raise SpeculatorsError(f"engine eval: curve forward lengths {list(self.curve_tokens)} must be >= 1")
 
 
     def for_drafter(self, declared_k: int | None, max_draft: int | None, p_min_note: str | None) -> EngineSettings:
@@ -268,6 +279,10 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
                                    f"type, BOS/EOS, a size within 128 tokens and equal token texts from id 5)")
         return row
 
+    curve = None
+    if st.curve_tokens:
+        curve = verify_cost_curve(lc, models.target, tokens=st.curve_tokens, threads=st.threads, log=log)
+        curve["break_even"] = break_even_taus(curve, st.ks or DEFAULT_KS)
     plain0 = do(EnginePass("plain"))
     for k in st.ks or DEFAULT_KS:
         do(EnginePass("drafter", k=k, draft_outtype=main))
@@ -277,8 +292,10 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
     k_best = best["k"]
     for o in st.draft_outtypes[1:]:
         do(EnginePass("drafter", k=k_best, draft_outtype=o))
-    for pm in st.p_mins:
-        do(EnginePass("drafter", k=k_best, draft_outtype=main, p_min=pm))
+    # p_min lets a round stop drafting at an unlikely token, so it can pay at a larger K than the best without it
+    for k in sorted({k_best, max(st.ks or DEFAULT_KS)}) if st.p_mins else ():
+        for pm in st.p_mins:
+            do(EnginePass("drafter", k=k, draft_outtype=main, p_min=pm))
     for n in st.draft_threads:
         do(EnginePass("drafter", k=k_best, draft_outtype=main, draft_threads=n))
     control = None
@@ -304,10 +321,28 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
                     and b["batch_size"] == r["batch_size"])
         r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]) if r["tokens_per_s"] and base["tokens_per_s"] else None
     check = greedy_check(lc, models, prompts, st, outputs, passes, log)
+    failed = {lab for lab, c in check["passes"].items() if c["failures"]}
+    best = best_setting(rows, st.ngram_types, failed)
+    fastest = fastest_setting(rows, failed)
+    fastest["serve"] = pass_command(lc, models, passes[fastest["row"]], st)
     return {"engine": ENGINE, "llama_cpp_version": lc.version, "settings": dataclasses.asdict(st),
             "num_prompts": len(prompts), "rows": rows, "plain": plain0, "greedy_check": check,
-            "negative_control": control,
-            "best": best_setting(rows, st.ngram_types, {lab for lab, c in check["passes"].items() if c["failures"]})}
+            "negative_control": control, "verify_cost": curve, "best": best, "fastest": fastest}
+
+
+def pass_command(lc: LlamaCpp, models: EngineModels, p: EnginePass, st: EngineSettings) -> str:
+    """The ``llama-server`` command line (port 8080) of pass ``p``: what a user runs to serve that setting."""
+    return _server(lc, models, p, st).command_line()
+
+
+def fastest_setting(rows: list[dict], failed: set[str] = frozenset()) -> dict[str, Any]:
+    """The fastest pass at temperature 0 and one slot whatever its method (plain decoding, a model-free type or
+    the drafter), passes in ``failed`` (greedy check failures) excluded: ``{"row", "method", "tokens_per_s",
+    "speedup"}``."""
+    at = [r for r in rows if r["temperature"] == 0 and r["batch_size"] == 1 and r["label"] not in failed
+          and r["tokens_per_s"] is not None and r["method"] != "drafter-shifted-taps"]
+    r = max(at, key=lambda r: r["tokens_per_s"])
+    return {"row": r["label"], "method": r["method"], "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"]}
 
 
 def best_setting(rows: list[dict], ngram_types=("ngram-simple", "ngram-mod"), failed: set[str] = frozenset(),
@@ -480,6 +515,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Best drafter setting: `{b['row']}` at {_fmt(b['tokens_per_s'], '.1f')} tok/s; plain "
                   f"{_fmt(b['plain_tokens_per_s'], '.1f')}; best model-free `{b['ngram_best']}` "
                   f"{_fmt(b['ngram_tokens_per_s'], '.1f')}."]
+    f = report.get("fastest")
+    if f:
+        lines += ["", f"Fastest setting overall (temperature 0, one slot): `{f['row']}` at {_fmt(f['tokens_per_s'], '.1f')} "
+                      f"tok/s ({_fmt(f['speedup'], '.2f')}x plain):", "", "```bash", f["serve"], "```"]
+    lines += curve_lines(report.get("verify_cost"), report["settings"].get("ks") or DEFAULT_KS)
     if not (b["beats_plain"] and b["beats_ngram"]) and report.get("timings"):
         t = report["timings"]
         lines += ["", f"The drafter does not win here: the engine's target step costs {_fmt(t['target_ms_per_token'], '.2f')}"
@@ -519,5 +559,5 @@ def write_engine_report(report: dict[str, Any], out: str | Path, render: Callabl
 
 
 __all__ = ["ENGINE", "EngineModels", "EnginePass", "EngineSettings", "NEAR_TIE_FACTOR", "best_setting",
-           "classify_engine_mismatch", "engine_row", "greedy_check", "loop_comparison",
+           "classify_engine_mismatch", "engine_row", "fastest_setting", "greedy_check", "loop_comparison", "pass_command",
            "render_markdown", "run_engine_eval", "run_pass", "tap_shift", "timings", "write_engine_report"]

@@ -7,10 +7,10 @@ regeneration ends (and killed with our process). The workflow hands a :class:`Ll
 :func:`speculators.data.pipeline.prepare_data`.
 
 Which GGUF is served: a GGUF target (the ``smollm2-135m-instruct`` alias, a ``.gguf`` file) as it is, unless
-``outtype`` asks for another type, converted by llama.cpp's own converter from the target's HF weights (for a
-GGUF target, our dequantized copy); an HF target is converted (``outtype``, default f16). Conversions are cached
-under ``<cache>/llama.cpp/regen-targets/<target fingerprint>/``. The identity of the producer (llama.cpp version,
-GGUF name and size) joins the regeneration cache key and is recorded in the run card and ``config.json``.
+``outtype`` asks for another type, converted or quantized by llama.cpp's own tools
+(:func:`.llamacpp_targets.engine_gguf`); an HF target is converted (``outtype``, default f16). The identity of
+the producer (llama.cpp version, GGUF name and size) joins the regeneration cache key and is recorded in the run
+card and ``config.json``.
 """
 
 from __future__ import annotations
@@ -21,35 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..data.server_regen import RegenerationServer, ServerClient
-from ..utils import cache_root, stable_hash
-from .gguf_export import _convert, target_files
 from .llamacpp_build import LlamaCpp, require_llama_cpp
 from .llamacpp_server import LlamaServer
-
-
-def engine_gguf(target, lc: LlamaCpp, outtype: str | None = None, log=print) -> Path:
-    """The GGUF llama-server serves for ``target`` (a :class:`speculators.target.Target`; its ``name_or_path`` is
-    the recipe's reference): a GGUF target's own file when ``outtype`` is None, else a conversion to ``outtype``
-    (f16 for an HF target without one), cached per target fingerprint.
-
-    Raises:
-        SpeculatorsError: an unresolvable reference or a failed conversion.
-    """
-    from ..target.loading import resolve_model_ref
-
-    directory, gguf = resolve_model_ref(target.name_or_path)
-    if gguf is not None and outtype is None:
-        return Path(directory) / gguf
-    out_dir = cache_root() / "llama.cpp" / "regen-targets" / stable_hash(target.fingerprint)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    converted, hf = target_files(target.name_or_path, lc, out_dir, outtype or "f16", log)
-    if gguf is None:
-        return converted
-    out = out_dir / f"target-{outtype}.gguf"
-    if not out.exists():
-        log(f"regeneration: converting {target.name_or_path} to a {outtype} GGUF for llama-server")
-        _convert(lc, hf, out, outtype, [], log)
-    return out
+from .llamacpp_targets import engine_gguf
 
 
 class LlamaServerRegeneration(RegenerationServer):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import time
 import urllib.error
 import urllib.request
@@ -105,6 +106,12 @@ class LlamaServer(ServerProcess):
         if p_min is not None:
             cmd += ["--spec-draft-p-min", str(p_min)]
         self.cmd = cmd + list(extra)
+
+    def command_line(self, port: int = 8080) -> str:
+        """This server's command line as a user would type it, at ``port`` instead of the free port it was given."""
+        cmd = list(self.cmd)
+        cmd[cmd.index("--port") + 1] = str(port)
+        return shlex.join(cmd)
 
     def log_tail(self, n: int = 8) -> str:
         """The server log's first failed assertion or error line when it has one (an abort is followed by a

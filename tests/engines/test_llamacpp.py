@@ -19,8 +19,9 @@ import torch
 from speculators.engines import llamacpp_build
 from speculators.engines.gguf_export import spec_type_of
 from speculators.engines.llamacpp_build import LlamaCpp, LlamaCppUnavailable, find_llama_cpp
+from speculators.engines.llamacpp_bench import break_even_taus, curve_lines, verify_cost_curve
 from speculators.engines.llamacpp_eval import (EnginePass, EngineSettings, best_setting, classify_engine_mismatch,
-                                               engine_row, loop_comparison, render_markdown, timings)
+                                               engine_row, fastest_setting, loop_comparison, render_markdown, timings)
 from speculators.evaluation.greedy_check import first_diff
 from speculators.engines.llamacpp_server import Completion, LlamaServer
 from speculators.errors import SpeculatorsError
@@ -264,7 +265,7 @@ def test_engine_settings_follow_the_drafters_bounds_in_llamacpp(tmp_path):
     cfg = {"block_size": 8}
     st = EngineSettings().for_drafter(dflash.speculative_tokens(cfg), dflash.llamacpp_max_draft(cfg),
                                       dflash.llamacpp_p_min_note(cfg))
-    assert st.ks == (1, 2, 3, 4, 7) and st.p_mins == (0.5,)
+    assert st.ks == (1, 2, 3, 4, 7) and st.p_mins == (0.2, 0.5, 0.8)
     assert EngineSettings().for_drafter(3, 3, None).ks == (1, 2, 3)
     with pytest.raises(SpeculatorsError, match=r"-k \[8\].*at most K=7"):
         EngineSettings(ks=(2, 8)).for_drafter(7, 7, None)
@@ -305,6 +306,60 @@ def test_build_location_and_exit_codes(tmp_path, monkeypatch):
     assert llamacpp_build.main([]) == 1
     monkeypatch.setenv("CI", "false")
     assert llamacpp_build.main([]) == 0
+
+
+def _fake_bench(tmp_path, script: str) -> LlamaCpp:
+    """A build whose llama-server is a stub and whose llama-bench runs ``script`` (sh)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in (("llama-server", "exit 0\n"), ("llama-bench", script)):
+        f = bin_dir / name
+        f.write_text("#!/bin/sh\n" + body)
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    return LlamaCpp(bin_dir / "llama-server", tmp_path, "0")
+
+
+def test_verify_cost_curve_reads_llama_bench_and_gives_break_even(tmp_path):
+    """T(n) from llama-bench's JSON (prompt tests only, n_gen 0), ratios against n = 1, the target-only break-even
+    tau T(K+1)/T(1) per K (None where K+1 was not timed), and llama-bench's own failure quoted."""
+    rows = [{"n_prompt": n, "n_gen": 0, "avg_ns": ms * 1e6, "stddev_ns": 1e5, "model_type": "llama ?B Q4_0"}
+            for n, ms in ((1, 10.0), (2, 11.0), (3, 12.5), (5, 20.0))]
+    lc = _fake_bench(tmp_path, f"echo '{json.dumps(rows)}'\n")
+    curve = verify_cost_curve(lc, tmp_path / "t.gguf", tokens=(2, 3, 5), depth=64, threads=2, log=lambda m: None)
+    assert curve["tokens"] == [1, 2, 3, 5] and curve["ratio"] == pytest.approx([1.0, 1.1, 1.25, 2.0])
+    assert "-p 1,2,3,5 -n 0 -d 64" in curve["command"] and curve["model_type"] == "llama ?B Q4_0"
+    assert break_even_taus(curve, (1, 2, 3, 4)) == {1: pytest.approx(1.1), 2: pytest.approx(1.25), 3: None,
+                                                   4: pytest.approx(2.0)}
+    md = "\n".join(curve_lines(curve, (1, 2, 4)))
+    assert "| 5 | 20.00" in md and "K=4 2.00" in md and "K=3" not in md
+    with pytest.raises(SpeculatorsError, match=r"no result for n = \[8\]"):
+        verify_cost_curve(lc, tmp_path / "t.gguf", tokens=(2, 8), log=lambda m: None)
+    with pytest.raises(SpeculatorsError, match="must be >= 1"):
+        verify_cost_curve(lc, tmp_path / "t.gguf", tokens=(0, 2), log=lambda m: None)
+    bad = _fake_bench(tmp_path / "bad", "echo 'error: failed to load model' >&2\nexit 1\n")
+    with pytest.raises(SpeculatorsError, match="exit 1.*failed to load model"):
+        verify_cost_curve(bad, tmp_path / "t.gguf", log=lambda m: None)
+    with pytest.raises(LlamaCppUnavailable, match="no llama-quantize"):
+        lc.tool("llama-quantize")
+
+
+def test_fastest_setting_counts_every_method_and_target_types_are_checked():
+    """The fastest setting overall may be plain decoding or a model-free type; a pass that failed the greedy
+    check and the negative control are never it. A target type outside llama.cpp's tools is refused by name."""
+    def row(label, method, tps, t=0.0, par=1):
+        return {"label": label, "method": method, "tokens_per_s": tps, "temperature": t, "batch_size": par,
+                "speedup": tps / 50.0}
+
+    rows = [row("plain t=0", "plain", 50.0), row("drafter k=1 t=0", "drafter", 45.0),
+            row("ngram-mod t=0", "ngram-mod", 49.0), row("drafter-shifted-taps k=1 t=0", "drafter-shifted-taps", 60.0),
+            row("plain t=1", "plain", 70.0, t=1.0), row("plain t=0 x4", "plain", 90.0, par=4)]
+    assert fastest_setting(rows)["row"] == "plain t=0"
+    rows.append(row("drafter k=2 t=0", "drafter", 55.0))
+    assert fastest_setting(rows)["row"] == "drafter k=2 t=0"
+    assert fastest_setting(rows, {"drafter k=2 t=0"})["row"] == "plain t=0"
+    with pytest.raises(SpeculatorsError, match=r"--target-type\) 'q3_k'.*allowed: f32, f16, bf16, q8_0, q4_0"):
+        EngineSettings(target_type="q3_k")
+    assert EngineSettings(target_type="Q4_0").target_type == "q4_0"
 
 
 def test_cli_refuses_an_unknown_engine(tmp_path):
@@ -369,7 +424,17 @@ def test_tiny_eagle3_trains_converts_and_serves_losslessly_in_llamacpp(lc, tmp_p
         assert row["tokens"] > 0 and row["tokens_per_s"] > 0
     assert rep["greedy_check"]["passes"] and rep["greedy_check"]["passed"], rep["greedy_check"]
     assert rep["loop_comparison"], "the loop's greedy report beside the run was not found"
-    assert (run / "eval-llamacpp" / "report.md").read_text().count("| drafter") >= 4
+    md = (run / "eval-llamacpp" / "report.md").read_text()
+    assert md.count("| drafter") >= 4
+    # without a flag: the target's verify-cost curve (llama-bench), the break-even per K, the fastest setting
+    curve = rep["verify_cost"]
+    assert curve["tokens"] == [1, 2, 3, 4, 5, 8] and all(m > 0 for m in curve["ms"]) and curve["ratio"][0] == 1.0
+    assert curve["openmp"] in ("ON", "OFF")  # read from the build's CMakeCache.txt
+    assert set(curve["break_even"]) == {"1", "3"} and curve["break_even"]["1"] == curve["ratio"][1]
+    fastest = rep["fastest"]
+    assert fastest["row"] in labels and "--port 8080" in fastest["serve"] and "Break-even tau" in md
+    assert fastest["tokens_per_s"] == max(r["tokens_per_s"] for r in rep["rows"] if r["temperature"] == 0
+                                          and r["batch_size"] == 1 and r["method"] != "drafter-shifted-taps")
 
 
 @pytest.mark.slow
@@ -429,3 +494,23 @@ def test_tiny_draft_model_converts_and_serves_as_draft_simple(lc, tmp_path, tiny
     cmp = next(c for c in rep["loop_comparison"] if c["k"] == 3)
     assert cmp["engine_tau"] == pytest.approx(cmp["loop_tau"], abs=0.05), cmp
     assert rep["greedy_check"]["passed"], rep["greedy_check"]
+
+
+@pytest.mark.slow
+def test_target_quantized_by_llama_quantize_is_served_and_timed(lc, tiny_target_dir, isolated_cache):
+    """A target type the converter cannot write (Q4_0) is made by llama-quantize from the converted f16, cached
+    (a second call reuses the file), served by llama-server, and timed by llama-bench as that type."""
+    from speculators.engines.llamacpp_targets import engine_gguf
+    from speculators.target import Target
+
+    target = Target.load(str(tiny_target_dir), dtype="float32", log=lambda m: None)
+    q = engine_gguf(target, lc, "q4_0", log=lambda m: None)
+    assert q.name == "target-q4_0.gguf" and (q.parent / "target-f16.gguf").exists()
+    assert q.stat().st_size < (q.parent / "target-f16.gguf").stat().st_size
+    mtime = q.stat().st_mtime_ns
+    assert engine_gguf(target, lc, "q4_0", log=lambda m: None) == q and q.stat().st_mtime_ns == mtime
+    curve = verify_cost_curve(lc, q, tokens=(2, 3), depth=16, repetitions=2, log=lambda m: None)
+    assert "Q4_0" in curve["model_type"] and len(curve["ms"]) == 3
+    ids = target.tokenizer("Hello there")["input_ids"]
+    with LlamaServer(lc, q) as srv:
+        assert len(srv.complete(list(ids), 4).tokens) == 4
