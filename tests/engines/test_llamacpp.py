@@ -191,7 +191,7 @@ def test_a_drafter_pass_that_drafted_nothing_is_refused_not_reported(monkeypatch
     monkeypatch.setattr(llamacpp_eval, "run_pass", fake_pass)
     models = EngineModels(target=Path("t.gguf"), drafts={"f16": Path("d.gguf")}, spec_type="draft-simple")
     with pytest.raises(SpeculatorsError, match=r"drafted no token in pass 'drafter k=1 t=0'.*draft-simple"):
-        llamacpp_eval.run_engine_eval(None, models, [[1, 2]], EngineSettings(ks=(1,), draft_outtypes=("f16",)))
+        llamacpp_eval.run_engine_eval(None, models, [[1, 2]], EngineSettings(ks=(1,), draft_outtypes=("f16",), curve_tokens=()))
 
 
 def test_render_markdown_has_every_row_and_the_verdicts():
