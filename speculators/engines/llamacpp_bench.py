@@ -104,4 +104,54 @@ def curve_lines(curve: dict[str, Any] | None, ks: tuple[int, ...] | list[int] = 
     return lines
 
 
-__all__ = ["CURVE_TOKENS", "break_even_taus", "curve_lines", "verify_cost_curve"]
+def step_costs(rows: list[dict[str, Any]], curve: dict[str, Any] | None, draft_outtype: str | None = None,
+               ) -> list[dict[str, Any]]:
+    """Where a speculative step's time goes, per K of the drafter's K sweep (temperature 0, one slot, no p_min, the
+    main draft type ``draft_outtype``), from the engine eval's ``rows`` (:mod:`.llamacpp_eval`) and ``curve``.
+
+    ``plain_ms``: the server's ms per plain decode step; ``step_ms``: its ms per speculative step (generation time
+    over target forwards); ``target_ms``: the verify forward's share, ``plain_ms * T(K+1) / T(1)`` (None without
+    that length in the curve); ``rest_ms = step_ms - target_ms``: the draft forwards, sampling and the server's
+    bookkeeping; ``break_even_tau = step_ms / plain_ms`` (the tau this step needs to pay); ``free_draft_tau`` =
+    T(K+1) / T(1). Units: milliseconds. Empty without a plain row or steps.
+    """
+    plain = next((r for r in rows if r["method"] == "plain" and r["temperature"] == 0 and r["batch_size"] == 1), None)
+    if plain is None or not plain.get("steps") or not plain.get("decode_seconds"):
+        return []
+    plain_ms = 1000.0 * plain["decode_seconds"] / plain["steps"]
+    ratio = dict(zip(curve["tokens"], curve["ratio"])) if curve else {}
+    out = []
+    for r in rows:
+        if (r["method"], r["temperature"], r["batch_size"], r.get("p_min"), r.get("draft_threads")) != (
+                "drafter", 0.0, 1, None, None) or (draft_outtype and r.get("draft_outtype") != draft_outtype):
+            continue
+        if not r.get("steps"):
+            continue
+        step_ms = 1000.0 * r["decode_seconds"] / r["steps"]
+        q = ratio.get(int(r["k"]) + 1)
+        target_ms = plain_ms * q if q is not None else None
+        out.append({"k": r["k"], "tau": r["tau"], "plain_ms": plain_ms, "step_ms": step_ms, "target_ms": target_ms,
+                    "rest_ms": step_ms - target_ms if target_ms is not None else None,
+                    "break_even_tau": step_ms / plain_ms, "free_draft_tau": q})
+    return out
+
+
+def step_cost_lines(costs: list[dict[str, Any]]) -> list[str]:
+    """:func:`step_costs` as a markdown table (nothing when empty)."""
+    if not costs:
+        return []
+
+    def f(x, spec=".2f"):
+        return "n/a" if x is None else format(x, spec)
+
+    lines = ["", f"Where a speculative step's time goes (plain decode step {costs[0]['plain_ms']:.2f} ms; target "
+                 "forward of K+1 tokens = plain step x T(K+1)/T(1)):", "",
+             "| K | tau | ms per step | target forward | the rest: drafts, sampling, server | break-even tau | "
+             "with free drafts |", "|---|---|---|---|---|---|---|"]
+    for c in costs:
+        lines.append(f"| {c['k']} | {f(c['tau'], '.3f')} | {f(c['step_ms'])} | {f(c['target_ms'])} | {f(c['rest_ms'])} | "
+                     f"{f(c['break_even_tau'])} | {f(c['free_draft_tau'])} |")
+    return lines
+
+
+__all__ = ["CURVE_TOKENS", "break_even_taus", "curve_lines", "step_cost_lines", "step_costs", "verify_cost_curve"]

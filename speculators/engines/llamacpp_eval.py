@@ -48,7 +48,7 @@ from typing import Any, Callable
 from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
 from ..evaluation.greedy_check import first_diff
-from .llamacpp_bench import CURVE_TOKENS, break_even_taus, curve_lines, verify_cost_curve
+from .llamacpp_bench import CURVE_TOKENS, break_even_taus, curve_lines, step_cost_lines, step_costs, verify_cost_curve
 from .llamacpp_build import LlamaCpp
 from .llamacpp_server import Completion, LlamaServer
 from .llamacpp_targets import check_target_type
@@ -322,12 +322,13 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
         r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]) if r["tokens_per_s"] and base["tokens_per_s"] else None
     check = greedy_check(lc, models, prompts, st, outputs, passes, log)
     failed = {lab for lab, c in check["passes"].items() if c["failures"]}
+    costs = step_costs(rows, curve, main)
     best = best_setting(rows, st.ngram_types, failed)
     fastest = fastest_setting(rows, failed)
     fastest["serve"] = pass_command(lc, models, passes[fastest["row"]], st)
     return {"engine": ENGINE, "llama_cpp_version": lc.version, "settings": dataclasses.asdict(st),
             "num_prompts": len(prompts), "rows": rows, "plain": plain0, "greedy_check": check,
-            "negative_control": control, "verify_cost": curve, "best": best, "fastest": fastest}
+            "negative_control": control, "verify_cost": curve, "step_costs": costs, "best": best, "fastest": fastest}
 
 
 def pass_command(lc: LlamaCpp, models: EngineModels, p: EnginePass, st: EngineSettings) -> str:
@@ -520,6 +521,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Fastest setting overall (temperature 0, one slot): `{f['row']}` at {_fmt(f['tokens_per_s'], '.1f')} "
                       f"tok/s ({_fmt(f['speedup'], '.2f')}x plain):", "", "```bash", f["serve"], "```"]
     lines += curve_lines(report.get("verify_cost"), report["settings"].get("ks") or DEFAULT_KS)
+    lines += step_cost_lines(report.get("step_costs") or [])
     if not (b["beats_plain"] and b["beats_ngram"]) and report.get("timings"):
         t = report["timings"]
         lines += ["", f"The drafter does not win here: the engine's target step costs {_fmt(t['target_ms_per_token'], '.2f')}"

@@ -19,7 +19,8 @@ import torch
 from speculators.engines import llamacpp_build
 from speculators.engines.gguf_export import spec_type_of
 from speculators.engines.llamacpp_build import LlamaCpp, LlamaCppUnavailable, find_llama_cpp
-from speculators.engines.llamacpp_bench import break_even_taus, curve_lines, verify_cost_curve
+from speculators.engines.llamacpp_bench import (break_even_taus, curve_lines, step_cost_lines, step_costs,
+                                                verify_cost_curve)
 from speculators.engines.llamacpp_eval import (EnginePass, EngineSettings, best_setting, classify_engine_mismatch,
                                                engine_row, fastest_setting, loop_comparison, render_markdown, timings)
 from speculators.evaluation.greedy_check import first_diff
@@ -343,6 +344,29 @@ def test_verify_cost_curve_reads_llama_bench_and_gives_break_even(tmp_path):
         lc.tool("llama-quantize")
 
 
+def test_step_costs_split_a_speculative_step_into_the_target_forward_and_the_rest():
+    """Per K of the sweep: ms per step from the server's times, the verify forward's share from the curve (plain ms
+    x T(K+1)/T(1)), the rest, and the break-even taus; rows with p_min, another draft type or slots are left out."""
+    def row(k=None, method="drafter", secs=1.0, steps=100, tau=1.5, **kw):
+        return {"method": method, "k": k, "temperature": 0.0, "batch_size": 1, "p_min": None, "draft_threads": None,
+                "draft_outtype": "f16", "decode_seconds": secs, "steps": steps, "tau": tau, **kw}
+
+    rows = [row(method="plain", secs=1.0, steps=100, tau=1.0), row(k=1, secs=1.8), row(k=3, secs=3.0),
+            row(k=1, secs=1.0, p_min=0.5), row(k=1, secs=1.0, draft_outtype="q8_0"), row(k=2, steps=0)]
+    curve = {"tokens": [1, 2, 3, 4], "ratio": [1.0, 1.2, 1.5, 1.9]}
+    costs = step_costs(rows, curve, "f16")
+    assert [c["k"] for c in costs] == [1, 3]
+    c1, c3 = costs
+    assert c1["plain_ms"] == pytest.approx(10.0) and c1["step_ms"] == pytest.approx(18.0)
+    assert c1["target_ms"] == pytest.approx(12.0) and c1["rest_ms"] == pytest.approx(6.0)
+    assert c1["break_even_tau"] == pytest.approx(1.8) and c1["free_draft_tau"] == pytest.approx(1.2)
+    assert c3["target_ms"] == pytest.approx(19.0) and c3["rest_ms"] == pytest.approx(11.0)
+    no_curve = step_costs(rows, None, "f16")
+    assert no_curve[0]["target_ms"] is None and no_curve[0]["rest_ms"] is None
+    assert "| 1 | 1.500 | 18.00 | 12.00 | 6.00 | 1.80 | 1.20 |" in "\n".join(step_cost_lines(costs))
+    assert step_costs([row(k=1)], curve) == [] and step_cost_lines([]) == []
+
+
 def test_fastest_setting_counts_every_method_and_target_types_are_checked():
     """The fastest setting overall may be plain decoding or a model-free type; a pass that failed the greedy
     check and the negative control are never it. A target type outside llama.cpp's tools is refused by name."""
@@ -430,6 +454,7 @@ def test_tiny_eagle3_trains_converts_and_serves_losslessly_in_llamacpp(lc, tmp_p
     curve = rep["verify_cost"]
     assert curve["tokens"] == [1, 2, 3, 4, 5, 8] and all(m > 0 for m in curve["ms"]) and curve["ratio"][0] == 1.0
     assert curve["openmp"] in ("ON", "OFF")  # read from the build's CMakeCache.txt
+    assert [c["k"] for c in rep["step_costs"]] == [1, 3] and all(c["target_ms"] > 0 for c in rep["step_costs"])
     assert set(curve["break_even"]) == {"1", "3"} and curve["break_even"]["1"] == curve["ratio"][1]
     fastest = rep["fastest"]
     assert fastest["row"] in labels and "--port 8080" in fastest["serve"] and "Break-even tau" in md

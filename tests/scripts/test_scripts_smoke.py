@@ -532,6 +532,43 @@ def test_bench_llamacpp_step_cost(cache, tiny_target_dir, monkeypatch):
         assert 0 < float(row[2]) <= int(k) and float(row[4]) > 1.0, row
 
 
+@covers("llamacpp_types_table.py")
+def test_llamacpp_types_table(cache, tmp_path):
+    """Two engine reports (the target in two types): a row each with plain tok/s, the curve's ratios, the fastest
+    drafter setting's speedup and the fastest setting overall; the step-cost rows recomputed for a report without
+    them. An unreadable report is one clear error."""
+    def report(gguf, plain_tps, drafter_tps, with_costs):
+        plain = {"label": "plain t=0", "method": "plain", "k": None, "temperature": 0.0, "batch_size": 1,
+                 "tokens_per_s": plain_tps, "speedup": 1.0, "tau": 1.0, "steps": 100, "decode_seconds": 1.0}
+        drafter = {"label": "drafter k=1 t=0", "method": "drafter", "k": 1, "temperature": 0.0, "batch_size": 1,
+                   "p_min": None, "draft_threads": None, "draft_outtype": "f16", "tokens_per_s": drafter_tps,
+                   "speedup": drafter_tps / plain_tps, "tau": 1.5, "steps": 60, "decode_seconds": 0.9}
+        ngram = dict(plain, label="ngram-mod t=0", method="ngram-mod", speedup=0.9)
+        fastest = max((plain, drafter), key=lambda r: r["tokens_per_s"])["label"]
+        rep = {"target_gguf": f"/x/{gguf}", "rows": [plain, drafter, ngram], "plain": plain,
+               "verify_cost": {"tokens": [1, 2, 3, 5], "ratio": [1.0, 1.2, 1.6, 2.1]},
+               "best": {"row": "drafter k=1 t=0", "ngram_best": "ngram-mod t=0"}, "fastest": {"row": fastest},
+               "greedy_check": {"passed": True}, "settings": {"draft_outtypes": ["f16"]}}
+        if with_costs:
+            from speculators.engines.llamacpp_bench import step_costs
+            rep["step_costs"] = step_costs(rep["rows"], rep["verify_cost"], "f16")
+        d = tmp_path / gguf
+        d.mkdir()
+        (d / "report.json").write_text(json.dumps(rep))
+        return d
+
+    a, b = report("t-q4_1.gguf", 50.0, 40.0, True), report("t-q4_0.gguf", 80.0, 88.0, False)
+    r = run_script(cache, "llamacpp_types_table.py", a, b / "report.json")
+    (qa,), (qb,) = table_rows(r.stdout, "t-q4_1.gguf")[:1], table_rows(r.stdout, "t-q4_0.gguf")[:1]
+    assert qa[1:5] == ["50.0", "1.20", "1.60", "2.10"] and qa[6] == "0.80" and qa[10] == "`plain t=0`", r.stdout
+    assert qb[6] == "1.10" and qb[10] == "`drafter k=1 t=0`" and qb[11] == "PASS", r.stdout
+    costs = {row[0]: row for row in table_rows(r.stdout) if len(row) == 9 and row[1] == "1"}
+    assert costs["t-q4_0.gguf"][3:6] == ["10.00", "15.00", "12.00"], costs  # 0.9 s / 60 steps; 10 ms x 1.2
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "llamacpp_types_table.py"), str(tmp_path / "none")],
+                         cwd=ROOT, env=script_env(cache), capture_output=True, text=True)
+    assert bad.returncode != 0 and "not a readable engine report" in bad.stderr
+
+
 @covers("bench_regenerate_server.py")
 @pytest.mark.slow
 def test_bench_regenerate_server(cache, vllm_target_dir, vllm_python, monkeypatch):
