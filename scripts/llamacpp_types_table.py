@@ -4,8 +4,8 @@ in different weight types (``--target-type``), side by side.
 Per report (a ``report.json`` or its directory), one row: the target GGUF, plain decoding's tokens/s, the
 target's verify-cost curve T(n)/T(1) at n = 2, 3, 5 (llama-bench), the fastest drafter setting with its speedup and
 tau, the best model-free type with its speedup, the fastest setting overall and whether the greedy check passed.
-Then, per report, where a K = 1 step's time goes (the report's ``step_costs``, recomputed from its rows when the
-report predates them).
+Then, per report and per K of its sweep, where a speculative step's time goes (the report's ``step_costs``,
+recomputed from its rows when the report predates them).
 
     python scripts/llamacpp_types_table.py RUN/eval-llamacpp-q4_1 RUN/eval-llamacpp-q4_0 RUN/eval-llamacpp-q8_0
 """

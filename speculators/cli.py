@@ -283,7 +283,7 @@ def _engine_eval(engine: str, checkpoint: Path, *, k, temperature, slots, p_min,
         console.print(f"best drafter setting in llama.cpp here: {best['row']} ({best['tokens_per_s']:.1f} tok/s; plain "
                       f"{best['plain_tokens_per_s']:.1f}; {best['ngram_best']} {best['ngram_tokens_per_s']:.1f}):\n"
                       f"  {best['serve']}")
-    if fastest:
+    if fastest and fastest.get("serve"):
         console.print(f"fastest setting overall: {fastest['row']} ({fastest['tokens_per_s']:.1f} tok/s):\n"
                       f"  {fastest['serve']}")
     log(f"report written to {out}/report.json and report.md")

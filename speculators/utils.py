@@ -110,7 +110,8 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     users (a serving process, teammates) can read what was written.
 
     Raises:
-        FileExistsError: ``final`` exists and ``overwrite`` is False.
+        FileExistsError: ``final`` exists and ``overwrite`` is False (also when another process put it in place
+            while we wrote; with ``overwrite``, when others kept doing so through five attempts).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +125,9 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # another process may write the same ``final`` at the same time (two workers filling one cache entry): with
-    # ``overwrite`` the last complete writer wins; each attempt moves what is there aside and renames ours in
+    # ``overwrite`` the last complete writer wins (each attempt moves what is there aside and renames ours in; what
+    # was moved aside is deleted only once a complete directory stands at ``final``, and put back otherwise);
+    # without it, a ``final`` that appeared meanwhile is left alone and FileExistsError raised
     for attempt in range(5):
         old = None
         try:
@@ -134,15 +137,25 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
                 old = final.parent / f".{final.name}.old-{os.getpid()}-{attempt}"
                 os.replace(final, old)
             os.replace(tmp, final)
-            break
-        except OSError as e:  # FileNotFoundError: another writer moved it aside first
-            retry = overwrite and attempt < 4 and e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
-            if not retry:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:  # ENOENT: another writer moved it aside first; ENOTEMPTY / EEXIST: it put its own in
+            if old is not None and not final.exists():
+                try:
+                    os.replace(old, final)  # ours did not get in: the previous complete directory goes back
+                    old = None
+                except OSError:
+                    pass
+            if old is not None and final.exists():
+                shutil.rmtree(old, ignore_errors=True)  # another writer's complete directory stands at final
+            lost = e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
+            if overwrite and lost and attempt < 4:
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            if lost and final.exists():
+                raise FileExistsError(f"{final}: written by another process meanwhile") from None
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -210,3 +210,44 @@ def test_atomic_dir_overwrite_survives_a_concurrent_writer(tmp_path, monkeypatch
             (tmp / "who").write_text("us")
     assert (other / "who").read_text() == "other"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry", "second"]
+
+
+def test_atomic_dir_never_loses_the_previous_directory(tmp_path, monkeypatch):
+    """When our rename into place fails for good, what stood at ``final`` is still there: put back after a failure
+    that is not a race (EACCES), or another writer's complete directory after five lost races (FileExistsError);
+    no temporary or moved-aside directory is left either way."""
+    import errno
+    import os
+
+    from speculators import utils
+
+    final = tmp_path / "entry"
+    final.mkdir()
+    (final / "who").write_text("previous")
+    real = os.replace
+
+    def denied(src, dst):
+        if Path(dst) == final and ".tmp-" in Path(src).name:
+            raise OSError(errno.EACCES, "Permission denied", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(utils.os, "replace", denied)
+    with pytest.raises(PermissionError):
+        with utils.atomic_dir(final, overwrite=True) as tmp:
+            (tmp / "who").write_text("us")
+    assert (final / "who").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+
+    def always_beaten(src, dst):
+        if Path(dst) == final and ".tmp-" in Path(src).name:
+            final.mkdir(exist_ok=True)
+            (final / "who").write_text("other")
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(utils.os, "replace", always_beaten)
+    with pytest.raises(FileExistsError, match="another process"):
+        with utils.atomic_dir(final, overwrite=True) as tmp:
+            (tmp / "who").write_text("us")
+    assert (final / "who").read_text() == "other"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]

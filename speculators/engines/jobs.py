@@ -156,7 +156,7 @@ def engine_eval(ckpt: Path, rec, settings: EngineSettings, *, num_prompts: int, 
     shifted = shifted_taps_gguf(lc, ckpt, hf, outtypes[0], log) if settings.negative_control else None
     target = Target.load(ref, dtype="float32", log=log)  # the tokenizer and the data pipeline's prompts
     if settings.target_type is not None:
-        target_path = engine_gguf(target, lc, settings.target_type, log)
+        target_path = engine_gguf(target, lc, settings.target_type, log, field="--target-type")
     plist, label = eval_prompts(prompts, rec, target, num_prompts, log)
     del target
     ids = [list(map(int, p["input_ids"])) for p in plist]

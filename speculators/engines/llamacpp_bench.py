@@ -3,8 +3,10 @@
 A speculative step verifies K drafts in one target forward of K + 1 tokens. Whether a drafter can pay in an
 engine is bounded by how that forward's cost grows with n: with free drafts, a drafter breaks even only at tau
 = T(K + 1) / T(1) (tau: tokens per target forward, our definition), and every draft forward adds to that. On a
-GPU T(n) is flat for small n; on a CPU it depends on whether the weight type has a batched kernel (llama.cpp's
-repacked Q4_0 / Q4_K / IQ4_NL, its tinyBLAS sgemm for F16 / BF16 / Q8_0 / Q4_0 ...) or runs row by row.
+GPU T(n) is flat for small n; on a CPU it depends on the weight type's kernels (llama.cpp's repacked Q4_0 / Q4_K /
+IQ4_NL, its tinyBLAS sgemm for F16 / BF16 / Q8_0 / Q4_0, the generic quantized dot products for the rest) and on
+whether a one-token forward is bound by memory or by compute: measure it, do not infer it from the kernel list
+(on a 2-core AVX512 machine the shipped Q4_1 SmolLM2 batched best of Q4_1, Q4_0, Q8_0 and F16).
 
 :func:`verify_cost_curve` measures T(n) with llama.cpp's own ``llama-bench`` (built by ``make llama-cpp``), the
 way upstream advises for speculative decoding (``llama-bench -p 1,2,3,5,8 -n 0``): a prompt-processing test of n

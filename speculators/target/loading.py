@@ -376,9 +376,13 @@ def _load_gguf_cached(directory: str, gguf_file: str, dtype: torch.dtype, device
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     try:
-        with atomic_dir(cached, overwrite=True) as tmp:
+        # only an incomplete entry (no config.json) is replaced: one another process completes meanwhile is kept,
+        # so a reader of it never sees its files vanish
+        with atomic_dir(cached, overwrite=cached.exists()) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
+    except FileExistsError:
+        pass  # another process wrote the same conversion first: it is used from now on
     except OSError as e:
         if device_map is not None:
             raise SpeculatorsError(f"target.device_map: a GGUF target is placed from its converted copy in "

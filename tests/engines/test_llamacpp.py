@@ -367,6 +367,34 @@ def test_step_costs_split_a_speculative_step_into_the_target_forward_and_the_res
     assert step_costs([row(k=1)], curve) == [] and step_cost_lines([]) == []
 
 
+def test_engine_eval_without_llama_bench_reports_no_curve_and_the_fastest_command(tmp_path, monkeypatch):
+    """A build from elsewhere without llama-bench: the eval runs on, says why it has no verify-cost curve, and still
+    names the fastest setting with the llama-server command of that pass (here the drafter, the fastest row)."""
+    from speculators.engines import llamacpp_eval
+    from speculators.engines.llamacpp_eval import EngineModels
+
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    lc = LlamaCpp(fake, tmp_path, "0")
+
+    def fake_pass(lc, models, p, prompts, st):
+        outs = [_c([5, 6, 7, 8], drafted=3 if p.method == "drafter" else 0, accepted=2 if p.method == "drafter" else 0)]
+        return engine_row(p, outs, 0.5 if p.method == "drafter" else 1.0), outs
+
+    monkeypatch.setattr(llamacpp_eval, "run_pass", fake_pass)
+    models = EngineModels(target=tmp_path / "t.gguf", drafts={"f16": tmp_path / "d.gguf"}, spec_type="draft-eagle3")
+    logged = []
+    rep = llamacpp_eval.run_engine_eval(lc, models, [[1, 2]], EngineSettings(
+        ks=(2,), temperatures=(0.0,), parallel=(1,), p_mins=(), draft_outtypes=("f16",), negative_control=False),
+        log=logged.append)
+    assert rep["verify_cost"] is None and any("no verify-cost curve" in m and "llama-bench" in m for m in logged)
+    assert rep["fastest"]["row"] == "drafter k=2 t=0" and "--spec-draft-n-max 2" in rep["fastest"]["serve"]
+    assert "--port 8080" in rep["fastest"]["serve"] and "Verify-cost curve" not in render_markdown(
+        dict(rep, target_gguf="t.gguf", draft_spec_type="draft-eagle3", timings=None))
+    assert fastest_setting([])["row"] is None
+
+
 def test_fastest_setting_counts_every_method_and_target_types_are_checked():
     """The fastest setting overall may be plain decoding or a model-free type; a pass that failed the greedy
     check and the negative control are never it. A target type outside llama.cpp's tools is refused by name."""
