@@ -82,25 +82,36 @@ def _converter_env(lc: LlamaCpp) -> dict[str, str]:
     return env
 
 
-def _convert(lc: LlamaCpp, model_dir: Path, out: Path, outtype: str, extra: list[str], log) -> Path:
-    if outtype not in OUTTYPES:
-        raise SpeculatorsError(f"outtype {outtype!r}: not one of {', '.join(OUTTYPES)}")
+def write_gguf(out: Path, command, what: str, env: dict[str, str] | None = None) -> Path:
+    """Run a llama.cpp tool that writes one GGUF file: ``command(tmp)`` is its command line writing ``tmp``, a
+    temporary name beside ``out`` that is renamed to ``out`` only when the tool exits 0 (removed otherwise).
+
+    Raises:
+        SpeculatorsError: the tool failed: ``what`` and its exit status, with its last output lines.
+    """
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", suffix=".gguf", dir=out.parent)
     os.close(fd)
-    cmd = [sys.executable, str(lc.converter), str(model_dir), "--outfile", tmp, "--outtype", outtype, *extra]
-    log(f"llama.cpp converter: {model_dir} -> {out.name} ({outtype})")
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=_converter_env(lc))
+        r = subprocess.run(command(tmp), capture_output=True, text=True, env=env)
         if r.returncode != 0:
             tail = " | ".join((r.stderr.strip() or r.stdout.strip() or "(no output)").splitlines()[-4:])
-            raise SpeculatorsError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir} (exit "
-                                   f"{r.returncode}): {tail}")
+            raise SpeculatorsError(f"{what} failed (exit {r.returncode}): {tail}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _convert(lc: LlamaCpp, model_dir: Path, out: Path, outtype: str, extra: list[str], log) -> Path:
+    if outtype not in OUTTYPES:
+        raise SpeculatorsError(f"outtype {outtype!r}: not one of {', '.join(OUTTYPES)}")
+    log(f"llama.cpp converter: {model_dir} -> {out.name} ({outtype})")
+    return write_gguf(out, lambda tmp: [sys.executable, str(lc.converter), str(model_dir), "--outfile", tmp,
+                                        "--outtype", outtype, *extra],
+                      f"llama.cpp's convert_hf_to_gguf.py on {model_dir}", env=_converter_env(lc))
 
 
 def target_files(target_ref: str, lc: LlamaCpp, out_dir: str | Path, outtype: str = "f16", log=print) -> tuple[Path, Path]:
@@ -173,4 +184,4 @@ def export_gguf(checkpoint: str | Path, out: str | Path, target_dir: str | Path,
         return _convert(lc, view, out, outtype, ["--target-model-dir", str(target_dir)], log)
 
 
-__all__ = ["OUTTYPES", "export_gguf", "serving_of", "spec_type_of", "target_files"]
+__all__ = ["OUTTYPES", "export_gguf", "serving_of", "spec_type_of", "target_files", "write_gguf"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import SpeculatorsError
-from .llamacpp_build import LlamaCpp, build_options, cpu_flags
+from .llamacpp_build import LlamaCpp, build_options, repack_broken
 
 #: forward lengths n timed by default: K + 1 for K = 1..4, and 8 (K = 7)
 CURVE_TOKENS = (1, 2, 3, 4, 5, 8)
@@ -54,8 +54,8 @@ def verify_cost_curve(lc: LlamaCpp, gguf: str | Path, *, tokens: tuple[int, ...]
     threads = int(threads or os.cpu_count() or 1)
     cmd = [str(lc.tool("llama-bench")), "-m", str(gguf), "-p", ",".join(map(str, ns)), "-n", "0", "-d", str(int(depth)),
            "-r", str(int(repetitions)), "-t", str(threads), "-o", "json"]
-    if {"amx_int8", "amx_tile"} & cpu_flags():
-        cmd += ["--repack", "0"]  # as llama-server here (llamacpp_server): this llama.cpp's AMX repack crashes
+    if repack_broken():
+        cmd += ["--repack", "0"]  # as llama-server here (llamacpp_server)
     log(f"verify-cost curve: llama-bench on {Path(gguf).name}, n = {ns}, depth {depth}, {threads} threads")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -106,6 +106,18 @@ def curve_lines(curve: dict[str, Any] | None, ks: tuple[int, ...] | list[int] = 
     return lines
 
 
+def plain_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The engine eval's plain-decoding row at temperature 0 and one slot (the baseline of every ratio), or None."""
+    return next((r for r in rows if r["method"] == "plain" and r["temperature"] == 0 and r["batch_size"] == 1), None)
+
+
+def k_sweep_row(r: dict[str, Any]) -> bool:
+    """Whether an engine eval row is one of the drafter's K sweep: temperature 0, one slot, no p_min, the
+    server's draft threads (its draft type is the caller's to check)."""
+    return (r["method"], r["temperature"], r["batch_size"], r.get("p_min"), r.get("draft_threads")) == (
+        "drafter", 0.0, 1, None, None)
+
+
 def step_costs(rows: list[dict[str, Any]], curve: dict[str, Any] | None, draft_outtype: str | None = None,
                ) -> list[dict[str, Any]]:
     """Where a speculative step's time goes, per K of the drafter's K sweep (temperature 0, one slot, no p_min, the
@@ -117,15 +129,14 @@ def step_costs(rows: list[dict[str, Any]], curve: dict[str, Any] | None, draft_o
     bookkeeping; ``break_even_tau = step_ms / plain_ms`` (the tau this step needs to pay); ``free_draft_tau`` =
     T(K+1) / T(1). Units: milliseconds. Empty without a plain row or steps.
     """
-    plain = next((r for r in rows if r["method"] == "plain" and r["temperature"] == 0 and r["batch_size"] == 1), None)
+    plain = plain_row(rows)
     if plain is None or not plain.get("steps") or not plain.get("decode_seconds"):
         return []
     plain_ms = 1000.0 * plain["decode_seconds"] / plain["steps"]
     ratio = dict(zip(curve["tokens"], curve["ratio"])) if curve else {}
     out = []
     for r in rows:
-        if (r["method"], r["temperature"], r["batch_size"], r.get("p_min"), r.get("draft_threads")) != (
-                "drafter", 0.0, 1, None, None) or (draft_outtype and r.get("draft_outtype") != draft_outtype):
+        if not k_sweep_row(r) or (draft_outtype and r.get("draft_outtype") != draft_outtype):
             continue
         if not r.get("steps"):
             continue
@@ -156,4 +167,5 @@ def step_cost_lines(costs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-__all__ = ["CURVE_TOKENS", "break_even_taus", "curve_lines", "step_cost_lines", "step_costs", "verify_cost_curve"]
+__all__ = ["CURVE_TOKENS", "break_even_taus", "curve_lines", "k_sweep_row", "plain_row", "step_cost_lines",
+           "step_costs", "verify_cost_curve"]

@@ -119,6 +119,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def repack_broken() -> bool:
+    """Whether this CPU needs llama.cpp's weight repack off (``--no-repack`` / ``--repack 0``): on AMX Xeons this
+    llama.cpp's AMX repacked matmul segfaults at warm-up, so its tools serve the weights as stored there."""
+    return bool({"amx_int8", "amx_tile"} & cpu_flags())
+
+
 def cpu_key() -> str:
     """8 hex digits naming this CPU's ISA flags (:func:`cpu_flags`) and the :data:`TOOLS` built: the build cache
     key."""
@@ -259,6 +265,7 @@ def require_llama_cpp() -> LlamaCpp:
 
 
 __all__ = ["ENV_VAR", "LLAMA_CPP_PYTHON_VERSION", "LlamaCpp", "LlamaCppUnavailable", "SOURCE_ENV_VAR", "TOOLS", "build", "build_options",
+           "repack_broken",
            "build_dir", "cpu_flags", "cpu_key", "fetch_source", "find_llama_cpp", "require_llama_cpp", "source_dir"]
 
 

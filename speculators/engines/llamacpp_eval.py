@@ -48,7 +48,8 @@ from typing import Any, Callable
 from ..errors import SpeculatorsError
 from ..evaluation.acceptance import bootstrap_tau_ci
 from ..evaluation.greedy_check import first_diff
-from .llamacpp_bench import CURVE_TOKENS, break_even_taus, curve_lines, step_cost_lines, step_costs, verify_cost_curve
+from .llamacpp_bench import (CURVE_TOKENS, break_even_taus, curve_lines, k_sweep_row, plain_row, step_cost_lines,
+                             step_costs, verify_cost_curve)
 from .llamacpp_build import LlamaCpp, LlamaCppUnavailable
 from .llamacpp_server import Completion, LlamaServer
 from .llamacpp_targets import check_target_type
@@ -460,9 +461,7 @@ def loop_comparison(engine: dict[str, Any], loop_report: dict[str, Any] | None) 
     out = []
     main = (engine.get("settings") or {}).get("draft_outtypes", [None])[0]
     for r in engine["rows"]:
-        if (r["method"], r["temperature"], r["batch_size"], r.get("p_min"), r.get("draft_threads")) != ("drafter", 0.0, 1, None, None):
-            continue
-        if r.get("draft_outtype") != main:
+        if not k_sweep_row(r) or r.get("draft_outtype") != main:
             continue
         lr = next((x for x in loop_report.get("rows", []) if x.get("method") == "drafter" and x.get("k") == r["k"]
                    and x.get("batch_size") == 1), None)
@@ -545,9 +544,9 @@ def timings(report: dict[str, Any]) -> dict[str, Any] | None:
     step (the server's generation time over its decode steps), and the tau at which the drafter would break
     even (step ms / token ms). None when a count is zero."""
     rows = report["rows"]
-    plain = next(r for r in rows if r["method"] == "plain" and r["temperature"] == 0 and r["batch_size"] == 1)
+    plain = plain_row(rows)
     best = next((r for r in rows if r["label"] == report["best"]["row"]), None)
-    if best is None or not plain["steps"] or not best["steps"] or not plain["decode_seconds"]:
+    if plain is None or best is None or not plain["steps"] or not best["steps"] or not plain["decode_seconds"]:
         return None
     token_ms = 1000.0 * plain["decode_seconds"] / plain["steps"]
     step_ms = 1000.0 * best["decode_seconds"] / best["steps"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpeculatorsError
-from .llamacpp_build import LlamaCpp, cpu_flags
+from .llamacpp_build import LlamaCpp, repack_broken
 from .server_process import ServerProcess
 
 
@@ -94,8 +94,7 @@ class LlamaServer(ServerProcess):
         self.name = "llama-server"
         cmd = [str(lc.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "--parallel", str(parallel), "--ctx-size", str(ctx_size), "--threads", str(threads or os.cpu_count()), "--no-webui"]
-        if {"amx_int8", "amx_tile"} & cpu_flags():
-            # this llama.cpp's AMX repacked matmul segfaults at warm-up on AMX Xeons: serve the weights as stored
+        if repack_broken():
             cmd.append("--no-repack")
         if draft is not None:
             cmd += ["-md", str(draft)]

@@ -21,13 +21,11 @@ Every file is written under a temporary name and renamed when complete.
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from ..errors import SpeculatorsError
 from ..utils import cache_root, stable_hash
-from .gguf_export import OUTTYPES, _convert, target_files
+from .gguf_export import OUTTYPES, _convert, target_files, write_gguf
 from .llamacpp_build import LlamaCpp
 
 #: types llama.cpp's converter writes from HF weights
@@ -65,22 +63,10 @@ def quantize(lc: LlamaCpp, src: str | Path, out: str | Path, target_type: str, t
     qtype = QUANTIZE_TYPES.get(str(target_type).lower())
     if qtype is None:
         raise SpeculatorsError(f"llama-quantize type {target_type!r}: allowed {', '.join(QUANTIZE_TYPES)}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", suffix=".gguf", dir=out.parent)
-    os.close(fd)
-    cmd = [str(lc.tool("llama-quantize")), str(src), tmp, qtype, str(int(threads or os.cpu_count() or 1))]
-    log(f"llama-quantize: {Path(src).name} -> {out.name} ({qtype})")
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            tail = " | ".join((r.stderr.strip() or r.stdout.strip() or "(no output)").splitlines()[-4:])
-            raise SpeculatorsError(f"llama-quantize {qtype} on {src} failed (exit {r.returncode}): {tail}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    tool = str(lc.tool("llama-quantize"))
+    log(f"llama-quantize: {Path(src).name} -> {Path(out).name} ({qtype})")
+    return write_gguf(Path(out), lambda tmp: [tool, str(src), tmp, qtype, str(int(threads or os.cpu_count() or 1))],
+                      f"llama-quantize {qtype} on {src}")
 
 
 def engine_gguf(target, lc: LlamaCpp, outtype: str | None = None, log=print, field: str = "target type") -> Path:
