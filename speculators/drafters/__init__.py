@@ -12,8 +12,9 @@ from .serving_format import ServingFormat
 __all__ = ["Drafter", "DrafterConfig", "ServingFormat", "registry"]
 
 # shared infrastructure, not families
-INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "dflash_format", "dflash_tree", "joint", "layers",
-                            "parity_inputs", "registry", "serving_format", "training_state", "tree_drafting"})
+INFRASTRUCTURE = frozenset({"anchors", "base", "checkpoint", "dflash_format", "dflash_tree", "eagle3_format", "joint",
+                            "layers", "parity_inputs", "registry", "serving_format", "training_state",
+                            "tree_drafting"})
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in INFRASTRUCTURE and not _module.startswith("_"):

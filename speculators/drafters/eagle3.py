@@ -46,7 +46,6 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from .. import export
 from ..data.vocab import DraftVocab
 from ..errors import SpeculatorsError
 from ..losses import (
@@ -62,7 +61,7 @@ from .base import Drafter, DrafterConfig
 from ..decode.proposal import Proposal, request_sampling
 from .checkpoint import TargetMeta
 from .registry import register
-from .serving_format import ServingFormat
+from .eagle3_format import Eagle3Format
 from .layers import (
     DecoderLayer,
     DraftVocabBuffers,
@@ -119,81 +118,10 @@ class Eagle3State:
     last_logits: torch.Tensor  # [N_draft] logits predicting the next token
 
 
-class Eagle3Format(ServingFormat):
-    """EAGLE-3's serving format: vllm-project/speculators' ``eagle3`` config and weight names, which vLLM
-    loads as ``method: eagle3`` (FORMATS.md)."""
-
-    algorithm = "eagle3"
-    vllm_method = "eagle3"  # vLLM loads speculators eagle3 checkpoints
-    vllm_tree = True  # vLLM's EAGLE proposer drafts static speculative_token_tree trees for it
-    serving_aux_ids_key = "eagle_aux_hidden_state_layer_ids"
-    legacy_weight_names = {"fc_norm.weight": "input_norm.weight"}  # norm_before_fc, before vLLM's name
-    aux_layer_count = (3, 3)
-    aux_layer_count_reason = "vLLM sizes fc as 3 x hidden for a speculators-format eagle3 config"
-    # embed_tokens is the target's (frozen): restored from the target when a checkpoint written by an earlier
-    # version omitted it, but written in every checkpoint, final/ included: vLLM's EAGLE-3 loader places it
-    # (``model.embed_tokens``) and vllm-project/speculators' from_pretrained would leave it at zeros
-    frozen_target_weights = {"embed_tokens.weight": "embed_tokens"}
-    publish_frozen_copies = True
-    # llama.cpp's converter reads this layout (Eagle3DraftModel -> its eagle3 architecture, with the aux taps,
-    # norm_before_residual and norm_before_fc) and llama-server drafts it as an EAGLE-3 chain
-    llamacpp_spec_type = "draft-eagle3"
-
-    def check_llamacpp(self, config: dict[str, Any], where: str) -> None:
-        """Refuse Eagle 3.1's ``norm_output``: llama.cpp's EAGLE-3 graph feeds back the pre-norm hidden state
-        and its converter has no such key, so the served drafter would differ from the trained one.
-
-        Raises:
-            SpeculatorsError: ``norm_output`` is set.
-        """
-        if config.get("norm_output"):
-            raise SpeculatorsError(f"{where}: drafter.norm_output is set, which llama.cpp's EAGLE-3 graph does not "
-                                   "run (it feeds back the pre-norm hidden state); train with norm_output: false "
-                                   "to serve with llama.cpp")
-
-    def config(self, drafter: Eagle3Drafter) -> dict[str, Any]:
-        """vllm-project/speculators ``eagle3`` config (FORMATS.md)."""
-        m, cfg = drafter.meta, drafter.cfg
-        return {
-            "architectures": ["Eagle3DraftModel"],
-            "speculators_model_type": "eagle3",
-            "speculators_config": export.speculators_config(drafter.algorithm, cfg.num_speculative_tokens,
-                                                            m.name_or_path, m.architectures),
-            "transformer_layer_config": export.transformer_layer_config(drafter.layer_cfg),
-            "draft_vocab_size": int(drafter.d2t.numel()),
-            "eagle_aux_hidden_state_layer_ids": m.vllm_aux_layer_ids,
-            "target_hidden_size": None,
-            "norm_before_residual": cfg.norm_before_residual,
-            "norm_before_fc": cfg.norm_before_fc,
-            # Eagle 3.1's feedback of the post-norm hidden state; written only when set (vLLM reads it with a
-            # False default), so a default export keeps FORMATS.md's key set
-            **({"norm_output": True} if cfg.norm_output else {}),
-            "embed_requires_grad": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }
-
-    def reference_parity_step(self, drafter: Eagle3Drafter, config: dict[str, Any], ids: list[int], feats_ours,
-                              feats_ref):
-        """TTT step 0 at every position (the export gate, :meth:`ServingFormat.reference_parity_step`): the
-        first draft's logits after each prefix. Ours: ``start(ids[:n+1], features[:n])`` for n = 1..T-1
-        (each a request whose first draft comes from ``last_logits``), rows ``[T-1, N]``. The reference:
-        one forward with ``ttt_steps=1`` over ``hidden_states = aux[:T-1]``, ``input_ids = ids[1:]`` (its
-        default position ids ``1..T-1``: index t pairs ``g[t]`` with ``x_{t+1}`` at position t + 1).
-
-        Raises:
-            SpeculatorsError: fewer than 2 tokens.
-        """
-        from .parity_inputs import ParityStep, reference_batch
-
-        T = len(ids)
-        if T < 2:
-            raise SpeculatorsError("parity: an EAGLE-3 sequence needs at least 2 tokens")
-        t = torch.tensor(ids, dtype=torch.long)
-        rows = [drafter.start(t[:n + 1], feats_ours.slice(0, n)).last_logits.float().reshape(-1) for n in range(1, T)]
-        ref = reference_batch(feats_ref.aux[:, :T - 1].contiguous(), t[1:], feats_ref.top.shape[-1])
-        pin = {"metrics_module": "speculators.models.eagle3.core"}
-        return ParityStep(ref, {"ttt_steps": 1}, pin, {"logits": torch.stack(rows)})
+def _scatter_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], B: int, T: int) -> torch.Tensor:
+    """``x [1, heads, n, hd]`` of the rows ``(b, t)`` -> ``[B, heads, T, hd]``, zeros on every other row."""
+    dense = x.new_zeros(B, T, x.shape[1], x.shape[3]).index_put(rows, x[0].transpose(0, 1))
+    return dense.permute(0, 2, 1, 3)
 
 
 @register
@@ -283,6 +211,10 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
 
     # ------------------------------------------------------------------ training
     counts_use_argmax = True  # a position counts only if the target's argmax is in the draft vocabulary
+    #: the training loss computes steps >= 1 and every output head only on the rows a loss term or metric reads
+    #: (False: every row everywhere, as ``ttt_input: draft`` must; the same loss and gradients, what the tests
+    #: compare the selection with)
+    labelled_rows_only = True
 
     def _label_masks(self, batch) -> list[torch.Tensor]:
         """``[B, T]`` bool per TTT step j: token ``t + 2 + j`` (the one step j drafts) is a real assistant
@@ -319,13 +251,21 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         B, T = batch.input_ids.shape
         dev = batch.input_ids.device
         draft_ids = self.draft_ids
-        with torch.no_grad():
-            if self.frozen_target.head_weight is None:
-                raise RuntimeError("attach_target(target) before training: the teacher head is missing")
-            teacher_logits = self.frozen_target.teacher_logits(batch.top, draft_ids)  # [B, T, N]
-            teacher_p = torch.softmax(teacher_logits.float(), dim=-1)
+        if self.frozen_target.head_weight is None:
+            raise RuntimeError("attach_target(target) before training: the teacher head is missing")
+        # Row selection (unless the next step's input tokens are this step's drafts, ttt_input: draft, which
+        # need every row): the output head (norm, lm_head, softmax, loss) of step j runs only on the rows a loss
+        # term or a metric reads, its labelled positions; steps j >= 1 run the decoder only on the rows a later
+        # head reads (their query at t sees the step-0 keys <= t and the chain's own keys at t, nothing else of
+        # steps >= 1). Step 0 runs on every row: its keys are every later query's context. The same loss and
+        # gradients as every row everywhere; less work where prompts are long.
+        select = cfg.ttt_input != "draft" and self.labelled_rows_only
+        labs = self._label_masks(batch)
         valids = self._valid_masks(batch)
         counts = torch.stack([v.sum() for v in valids])
+        teacher_p = self._teacher_probs(batch, select) if cfg.loss == "kl" else None  # [B, T, N] float32
+        needed = [None] + [torch.stack(labs[j:]).any(0).nonzero(as_tuple=True) if select else None
+                           for j in range(1, cfg.ttt_steps)]
         sums: list[torch.Tensor] = []
 
         g = self.fuse(batch.aux)
@@ -337,33 +277,70 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         corrects: list[torch.Tensor] = []
         tokens = shift_left(batch.input_ids, 1)
         for j in range(cfg.ttt_steps):
-            pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
-            emb = self.embed_tokens(tokens)
-            cos, sin = self.rotary(hidden, pos)
+            r = needed[j]  # (b, t) of the rows this step computes; None: all, [B, T]
+            if r is None:
+                pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
+                emb, hid = self.embed_tokens(tokens), hidden
+            else:  # the rows as one sequence [1, n]: per-row layers, attention through the dense layout
+                pos, emb, hid = (r[1] + 1 + j)[None], self.embed_tokens(tokens[r])[None], hidden[r][None]
+            cos, sin = self.rotary(hid, pos)
 
             def attend(i, q, k, v):
+                if r is not None:
+                    q, k, v = (_scatter_rows(x, r, B, T) for x in (q, k, v))
                 ks[i].append(k)
                 vs[i].append(v)
-                return ttt_attention(q, ks[i], vs[i], key_valid)
+                o = ttt_attention(q, ks[i], vs[i], key_valid)
+                return o if r is None else o.permute(0, 2, 1, 3)[r].transpose(0, 1)[None]
 
-            hidden, logits = self._head(self._run_layers(emb, hidden, cos, sin, attend))  # fed to j+1; [B, T, N]
+            h = self._run_layers(emb, hid, cos, sin, attend)
+            if r is not None:  # back to [B, T, H], zeros on the rows no later step reads
+                h = h.new_zeros(B, T, h.shape[-1]).index_put(r, h[0])
             goal = shift_left(batch.argmax, 1 + j)  # the target's greedy token at t + 1 + j
-            if cfg.loss == "kl":
-                sums.append(self.distill_loss.sum(logits, shift_left(teacher_p, 1 + j), valids[j]))
+            if select:  # rows (b, t) of the labelled positions: logits [n, N], teacher at (b, t + 1 + j)
+                rows = labs[j].nonzero(as_tuple=True)
+                hidden = self.norm(h) if cfg.norm_output else h  # fed to step j + 1 on every row
+                logits = self.lm_head(self.norm(h[rows])).float()
+                teacher = None if teacher_p is None else teacher_p[rows[0], rows[1] + 1 + j]
+                valid, goal_rows = valids[j][rows], goal[rows]
             else:
-                sums.append(hard_cross_entropy(logits, target_to_draft(goal, self.t2d)[0], valids[j]))
+                hidden, logits = self._head(h)  # fed to j+1; [B, T, N]
+                teacher = None if teacher_p is None else shift_left(teacher_p, 1 + j)
+                valid, goal_rows = valids[j], goal
+            if cfg.loss == "kl":
+                sums.append(self.distill_loss.sum(logits, teacher, valid))
+            else:
+                sums.append(hard_cross_entropy(logits, target_to_draft(goal_rows, self.t2d)[0], valid))
             with torch.no_grad():
                 pred = draft_ids[logits.argmax(-1)]
-                corrects.append(pred == goal)  # target-id space: an out-of-vocabulary goal is a miss
+                if select:  # target-id space: an out-of-vocabulary goal is a miss; unlabelled rows are never read
+                    correct = torch.zeros(B, T, dtype=torch.bool, device=dev)
+                    correct[rows] = pred == goal_rows
+                else:
+                    correct = pred == goal
+                corrects.append(correct)
                 metrics[f"loss_{j}"] = float(sums[-1].detach() / counts[j].clamp(min=1))
             if cfg.ttt_input == "draft":
                 tokens = pred.detach()
             else:
                 tokens = shift_left(batch.input_ids, 2 + j)
-        metrics.update(chained_acceptance(corrects, self._label_masks(batch)))
+        metrics.update(chained_acceptance(corrects, labs))
         total, self.last_own_loss = combine_terms(sums, [cfg.ttt_decay ** j for j in range(cfg.ttt_steps)],
                                                   counts, norm, where=self.algorithm)
         return total, metrics
+
+    @torch.no_grad()
+    def _teacher_probs(self, batch, select: bool) -> torch.Tensor:
+        """The target's distribution over the draft vocabulary, ``[B, T, N]`` float32: at every position, or
+        (``select``) only at the positions a TTT step reads it, those whose next token is an assistant token
+        (step j reads position ``t + 1 + j`` where token ``t + 2 + j`` is one); zeros elsewhere."""
+        if not select:
+            return torch.softmax(self.frozen_target.teacher_logits(batch.top, self.draft_ids).float(), dim=-1)
+        need = shift_left(batch.loss_mask & batch.attention_mask, 1).nonzero(as_tuple=True)
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T, self.draft_ids.numel(), dtype=torch.float32, device=batch.top.device)
+        out[need] = torch.softmax(self.frozen_target.teacher_logits(batch.top[need], self.draft_ids).float(), dim=-1)
+        return out
 
     # ------------------------------------------------------------------ inference
     def _forward_cached(self, state_cache: KVCache, emb, hidden, start_pos: int):

@@ -42,13 +42,17 @@ def make_drafter(target, ttt_steps=3, vocab_size=None, seed=0, **kw):
 
 
 def capture_step_logits(drafter, batch):
-    """Run drafter.loss and capture the lm_head output of every TTT step."""
+    """Run drafter.loss with the output head on every row (``labelled_rows_only = False``; the selection is
+    compared with it in :func:`test_labelled_rows_only_gives_the_same_loss_metrics_and_gradients`) and capture
+    the lm_head output ``[B, T, N]`` of every TTT step."""
     seen = []
     h = drafter.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().float()))
+    drafter.labelled_rows_only = False
     try:
         loss, metrics = drafter.loss(batch)
     finally:
         h.remove()
+        del drafter.labelled_rows_only
     return loss, metrics, seen
 
 
@@ -236,6 +240,44 @@ def test_loss_compares_step_j_with_target_at_t_plus_1_plus_j(target):
         assert metrics[f"loss_{j}"] == pytest.approx(manual, rel=1e-4, abs=1e-5)
         total += 0.8 ** j * manual
     assert float(loss) == pytest.approx(total, rel=1e-4)
+
+
+@pytest.mark.parametrize("loss,norm_output,num_layers", [("kl", False, 1), ("kl", True, 2), ("ce", False, 1)])
+def test_labelled_rows_only_gives_the_same_loss_metrics_and_gradients(target, loss, norm_output, num_layers):
+    """The training loss runs TTT steps >= 1 only on the rows a later head reads and each step's output head only
+    on its labelled rows (prompt tokens, padding and the sequence ends skipped): its loss, every metric and every
+    parameter's gradient equal those of every row everywhere. Fails if a selected row reads the teacher at another
+    position than ``t + 1 + j``, if a step skips a row a later step reads (its chain would start from zeros), if a
+    selected query sees other keys than the dense layout's, or if an unselected row counts in a metric."""
+    d = make_drafter(target, ttt_steps=3, vocab_size=48, norm_before_fc=norm_output, norm_output=norm_output,
+                     loss=loss, num_layers=num_layers)
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, V, (3, 16), generator=g)
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[0, 6:] = True  # a prompt of 6 tokens, then the answer
+    mask[1, 3:9] = True  # an answer inside padding (length 11)
+    mask[2] = torch.rand(16, generator=g) > 0.4  # several assistant turns
+    batch, _ = batch_for(target, ids, mask, lengths=[16, 11, 16])
+    with torch.no_grad():  # the target's greedy token = the step-0 draft at every other position: hits to count
+        pred = d.draft_ids[capture_step_logits(d, batch)[2][0].argmax(-1)]
+        batch.argmax[:, 1::2] = pred[:, 0:-1:2]
+    out = {}
+    for every_row in (True, False):
+        d.zero_grad()
+        d.labelled_rows_only = not every_row
+        total, metrics = d.loss(batch)
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        out[every_row] = (float(total), metrics, grads)
+    del d.labelled_rows_only
+    (l_all, m_all, g_all), (l_sel, m_sel, g_sel) = out[True], out[False]
+    assert l_sel == pytest.approx(l_all, rel=1e-5) and l_all > 0
+    assert m_sel.keys() == m_all.keys() and m_all["full_acc_0"] > 0.2
+    for k in m_all:
+        assert m_sel[k] == pytest.approx(m_all[k], rel=1e-5, abs=1e-6), k
+    assert g_sel.keys() == g_all.keys() and len(g_all) > 3
+    for n in g_all:
+        torch.testing.assert_close(g_sel[n], g_all[n], atol=1e-6, rtol=1e-4, msg=n)
 
 
 def test_metrics_full_and_conditional_accuracy(target):
