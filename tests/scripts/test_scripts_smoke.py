@@ -352,6 +352,45 @@ def test_compare_families(cache, tiny_target_dir, tmp_path):
     assert "+ " not in again.stdout and table_rows(again.stdout) == [header, row], again.stdout  # nothing rerun
 
 
+@covers("stage_costs.py")
+def test_stage_costs(tiny_target_dir, tmp_path):
+    """The tiny EAGLE-3 recipe's stages from cold caches (a fresh cache of its own): a row for regeneration,
+    features and training (no ``source: self`` here: no synthesis row), each with its tokens, a rate and the
+    CPU-hours extrapolated to a million assistant tokens."""
+    r = run_script(tmp_path, "stage_costs.py", RECIPES / "tiny-eagle3.yaml", "--prompts", 8, "--train-steps", 2,
+                   "--set", f"target.model={tiny_target_dir}", "--set", "train.epochs=2", "--set", "train.steps=null")
+    header, *body = table_rows(r.stdout)
+    assert header[:5] == ["stage", "tokens", "wall s", "CPU s", "tokens/CPU-s"], r.stdout
+    assert header[5] == "CPU-h per 1,000,000 assistant tokens", header
+    rows = {row[0]: row for row in body}
+    assert list(rows) == ["regeneration", "features", "training"], rows
+    assert all(int(row[1]) > 0 and float(row[3]) > 0 and float(row[4]) > 0 and float(row[5]) > 0
+               for row in rows.values()), rows
+    assert int(rows["features"][1]) > int(rows["regeneration"][1])  # features cover prompts and answers
+    assert "epochs 2" in r.stdout, r.stdout
+
+
+def test_stage_costs_extrapolation():
+    """CPU-hours per N assistant tokens: a data stage's CPU seconds per training assistant token times N; training's
+    per step, times the batches of an epoch and the epochs; a stage that did not run has no row, and no assistant
+    token gives n/a, never 0."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from stage_costs import StageClock, cost_rows
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    clock = StageClock()
+    clock.tokens.update({"regeneration": 1000, "features": 3000, "training": 8000})
+    clock.cpu.update({"regeneration": 10.0, "features": 2.0, "training": 4.0})
+    info = {"assistant": 2000, "steps": 4, "batches_per_epoch": 10}
+    rows = {r[0]: r for r in cost_rows(clock, info, epochs=3, per=1e6)}
+    assert list(rows) == ["regeneration", "features", "training"]
+    assert rows["regeneration"][4] == "100.0" and float(rows["regeneration"][5]) == pytest.approx(10 * 500 / 3600, 1e-3)
+    assert float(rows["features"][5]) == pytest.approx(2 * 500 / 3600, rel=1e-3)
+    assert float(rows["training"][5]) == pytest.approx(4 / 4 * 10 * 3 * 500 / 3600, rel=1e-3)
+    assert cost_rows(clock, {"assistant": 0, "steps": 4, "batches_per_epoch": 10}, 3, 1e6)[0][5] == "n/a"
+
+
 @covers("learning_curve.py")
 def test_learning_curve(cache, tiny_target_dir, tmp_path):
     """Two data sizes of the tiny EAGLE-3 recipe: a row per fraction, the smaller one on fewer training examples
