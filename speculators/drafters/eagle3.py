@@ -188,13 +188,17 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def _head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head(self, h: torch.Tensor,
+              rows: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder-stack output ``h [..., H]`` -> ``(feed [..., H], logits [..., N] float32)``: the logits are
         ``lm_head(norm(h))``; ``feed`` is the hidden state the next draft step takes (TTT step j+1 in
         training, the next chain step at inference): ``h`` itself (pre-norm, EAGLE-3), or ``norm(h)`` with
-        ``norm_output`` (Eagle 3.1, vllm-project/speculators' ``norm_output``)."""
-        normed = self.norm(h)
-        return (normed if self.cfg.norm_output else h), self.lm_head(normed).float()
+        ``norm_output`` (Eagle 3.1, vllm-project/speculators' ``norm_output``). ``rows`` (index tensors into
+        ``h``'s leading dims): the logits of those rows only, ``[n, N]``; ``feed`` still covers every row."""
+        normed = self.norm(h) if rows is None or self.cfg.norm_output else None
+        feed = normed if self.cfg.norm_output else h
+        logits = self.lm_head(normed if rows is None else normed[rows] if normed is not None else self.norm(h[rows]))
+        return feed, logits.float()
 
     def _run_layers(self, emb, hidden, cos, sin, attend) -> torch.Tensor:
         """Decoder stack; ``attend(layer_idx, attn_module, q, k, v) -> o [B, nh, T, hd]``. Layer 0's residual
@@ -278,12 +282,12 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
         tokens = shift_left(batch.input_ids, 1)
         for j in range(cfg.ttt_steps):
             r = needed[j]  # (b, t) of the rows this step computes; None: all, [B, T]
+            pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
+            cos, sin = self.rotary(hidden, pos)  # of the dense positions (a scaled RoPE reads their maximum)
             if r is None:
-                pos = (torch.arange(T, device=dev) + 1 + j).unsqueeze(0).expand(B, T)
                 emb, hid = self.embed_tokens(tokens), hidden
             else:  # the rows as one sequence [1, n]: per-row layers, attention through the dense layout
-                pos, emb, hid = (r[1] + 1 + j)[None], self.embed_tokens(tokens[r])[None], hidden[r][None]
-            cos, sin = self.rotary(hid, pos)
+                emb, hid, cos, sin = self.embed_tokens(tokens[r])[None], hidden[r][None], cos[r][None], sin[r][None]
 
             def attend(i, q, k, v):
                 if r is not None:
@@ -299,8 +303,7 @@ class Eagle3Drafter(DraftVocabBuffers, Drafter):
             goal = shift_left(batch.argmax, 1 + j)  # the target's greedy token at t + 1 + j
             if select:  # rows (b, t) of the labelled positions: logits [n, N], teacher at (b, t + 1 + j)
                 rows = labs[j].nonzero(as_tuple=True)
-                hidden = self.norm(h) if cfg.norm_output else h  # fed to step j + 1 on every row
-                logits = self.lm_head(self.norm(h[rows])).float()
+                hidden, logits = self._head(h, rows)  # fed to step j + 1 on every row; [n, N]
                 teacher = None if teacher_p is None else teacher_p[rows[0], rows[1] + 1 + j]
                 valid, goal_rows = valids[j][rows], goal[rows]
             else:

@@ -242,15 +242,17 @@ def test_loss_compares_step_j_with_target_at_t_plus_1_plus_j(target):
     assert float(loss) == pytest.approx(total, rel=1e-4)
 
 
-@pytest.mark.parametrize("loss,norm_output,num_layers", [("kl", False, 1), ("kl", True, 2), ("ce", False, 1)])
-def test_labelled_rows_only_gives_the_same_loss_metrics_and_gradients(target, loss, norm_output, num_layers):
+@pytest.mark.parametrize("loss,norm_output,num_layers,nbr", [("kl", False, 1, False), ("kl", True, 2, True),
+                                                           ("ce", False, 1, False)])
+def test_labelled_rows_only_gives_the_same_loss_metrics_and_gradients(target, loss, norm_output, num_layers, nbr):
     """The training loss runs TTT steps >= 1 only on the rows a later head reads and each step's output head only
     on its labelled rows (prompt tokens, padding and the sequence ends skipped): its loss, every metric and every
     parameter's gradient equal those of every row everywhere. Fails if a selected row reads the teacher at another
-    position than ``t + 1 + j``, if a step skips a row a later step reads (its chain would start from zeros), if a
-    selected query sees other keys than the dense layout's, or if an unselected row counts in a metric."""
+    position than ``t + 1 + j``, if a step skips a row a later step reads (its chain would start from zeros), or if
+    a selected query sees other keys or positions than the dense layout's. Equal up to float rounding (the matrix
+    products have other shapes)."""
     d = make_drafter(target, ttt_steps=3, vocab_size=48, norm_before_fc=norm_output, norm_output=norm_output,
-                     loss=loss, num_layers=num_layers)
+                     loss=loss, num_layers=num_layers, norm_before_residual=nbr)
     g = torch.Generator().manual_seed(13)
     ids = torch.randint(0, V, (3, 16), generator=g)
     mask = torch.zeros(3, 16, dtype=torch.bool)
@@ -258,9 +260,10 @@ def test_labelled_rows_only_gives_the_same_loss_metrics_and_gradients(target, lo
     mask[1, 3:9] = True  # an answer inside padding (length 11)
     mask[2] = torch.rand(16, generator=g) > 0.4  # several assistant turns
     batch, _ = batch_for(target, ids, mask, lengths=[16, 11, 16])
-    with torch.no_grad():  # the target's greedy token = the step-0 draft at every other position: hits to count
-        pred = d.draft_ids[capture_step_logits(d, batch)[2][0].argmax(-1)]
-        batch.argmax[:, 1::2] = pred[:, 0:-1:2]
+    with torch.no_grad():  # chains from every 4th start where each step's draft is the target's greedy token
+        steps = capture_step_logits(d, batch)[2]  # (the drafts do not depend on argmax: hits at every step)
+        for j, logits in enumerate(steps):
+            batch.argmax[:, 1 + j::4] = d.draft_ids[logits.argmax(-1)][:, 0:16 - 1 - j:4]
     out = {}
     for every_row in (True, False):
         d.zero_grad()
@@ -272,7 +275,7 @@ def test_labelled_rows_only_gives_the_same_loss_metrics_and_gradients(target, lo
     del d.labelled_rows_only
     (l_all, m_all, g_all), (l_sel, m_sel, g_sel) = out[True], out[False]
     assert l_sel == pytest.approx(l_all, rel=1e-5) and l_all > 0
-    assert m_sel.keys() == m_all.keys() and m_all["full_acc_0"] > 0.2
+    assert m_sel.keys() == m_all.keys() and m_all["full_acc_2"] > 0.1
     for k in m_all:
         assert m_sel[k] == pytest.approx(m_all[k], rel=1e-5, abs=1e-6), k
     assert g_sel.keys() == g_all.keys() and len(g_all) > 3

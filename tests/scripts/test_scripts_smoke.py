@@ -356,24 +356,27 @@ def test_compare_families(cache, tiny_target_dir, tmp_path):
 def test_stage_costs(tiny_target_dir, tmp_path):
     """The tiny EAGLE-3 recipe's stages from cold caches (a fresh cache of its own): a row for regeneration,
     features and training (no ``source: self`` here: no synthesis row), each with its tokens, a rate and the
-    CPU-hours extrapolated to a million assistant tokens."""
+    CPU-hours extrapolated to a million assistant tokens; ``--also-every-row`` adds the same training with the loss
+    on every row and the ratio."""
     r = run_script(tmp_path, "stage_costs.py", RECIPES / "tiny-eagle3.yaml", "--prompts", 8, "--train-steps", 2,
-                   "--set", f"target.model={tiny_target_dir}", "--set", "train.epochs=2", "--set", "train.steps=null")
+                   "--set", f"target.model={tiny_target_dir}", "--set", "train.epochs=2", "--set", "train.steps=null",
+                   "--also-every-row")
     header, *body = table_rows(r.stdout)
     assert header[:5] == ["stage", "tokens", "wall s", "CPU s", "tokens/CPU-s"], r.stdout
     assert header[5] == "CPU-h per 1,000,000 assistant tokens", header
     rows = {row[0]: row for row in body}
-    assert list(rows) == ["regeneration", "features", "training"], rows
+    assert list(rows) == ["regeneration", "features", "training", "training, every row"], rows
     assert all(int(row[1]) > 0 and float(row[3]) > 0 and float(row[4]) > 0 and float(row[5]) > 0
                for row in rows.values()), rows
     assert int(rows["features"][1]) > int(rows["regeneration"][1])  # features cover prompts and answers
-    assert "epochs 2" in r.stdout, r.stdout
+    assert rows["training, every row"][1] == rows["training"][1]  # the same steps over the same data
+    assert "epochs 2" in r.stdout and re.search(r"every row / labelled rows only: \d+\.\d\dx", r.stdout), r.stdout
 
 
 def test_stage_costs_extrapolation():
     """CPU-hours per N assistant tokens: a data stage's CPU seconds per training assistant token times N; training's
-    per step, times the batches of an epoch and the epochs; a stage that did not run has no row, and no assistant
-    token gives n/a, never 0."""
+    per timed token, times an epoch's tokens and the epochs; a stage that did not run has no row; no assistant token
+    or no epochs gives n/a, never 0."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         from stage_costs import StageClock, cost_rows
@@ -382,13 +385,14 @@ def test_stage_costs_extrapolation():
     clock = StageClock()
     clock.tokens.update({"regeneration": 1000, "features": 3000, "training": 8000})
     clock.cpu.update({"regeneration": 10.0, "features": 2.0, "training": 4.0})
-    info = {"assistant": 2000, "steps": 4, "batches_per_epoch": 10}
+    info = {"assistant": 2000, "epoch_tokens": 16000}
     rows = {r[0]: r for r in cost_rows(clock, info, epochs=3, per=1e6)}
     assert list(rows) == ["regeneration", "features", "training"]
     assert rows["regeneration"][4] == "100.0" and float(rows["regeneration"][5]) == pytest.approx(10 * 500 / 3600, 1e-3)
     assert float(rows["features"][5]) == pytest.approx(2 * 500 / 3600, rel=1e-3)
-    assert float(rows["training"][5]) == pytest.approx(4 / 4 * 10 * 3 * 500 / 3600, rel=1e-3)
-    assert cost_rows(clock, {"assistant": 0, "steps": 4, "batches_per_epoch": 10}, 3, 1e6)[0][5] == "n/a"
+    assert float(rows["training"][5]) == pytest.approx(4 / 8000 * 16000 * 3 * 500 / 3600, rel=1e-3)
+    assert cost_rows(clock, {"assistant": 0, "epoch_tokens": 16000}, 3, 1e6)[0][5] == "n/a"
+    assert cost_rows(clock, info, None, 1e6)[2][5] == "n/a"  # a recipe with train.steps: no epochs to scale by
 
 
 @covers("learning_curve.py")
